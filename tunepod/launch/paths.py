@@ -1,0 +1,80 @@
+"""Every path a job and its orchestrator agree on, built in one place.
+
+The job directory lives on the shared filesystem (FSx for Lustre on a cluster, a folder locally), so
+the orchestrator can read what the job wrote and a restarted orchestrator can find it again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+SHARED_SCHEME = "fsx://"
+
+
+@dataclass(frozen=True)
+class JobPaths:
+    """The files of one job under its ``job_dir``. Which side writes each one is stated per field."""
+
+    job_dir: Path
+
+    @property
+    def stdout(self) -> Path:
+        """Written by the backend: the job's standard output."""
+        return self.job_dir / "stdout.log"
+
+    @property
+    def stderr(self) -> Path:
+        """Written by the backend: the job's standard error."""
+        return self.job_dir / "stderr.log"
+
+    @property
+    def checkpoints(self) -> Path:
+        """Written by rank 0 of the job: ``step-N`` checkpoint folders."""
+        return self.job_dir / "checkpoints"
+
+    @property
+    def metrics(self) -> Path:
+        """Appended by rank 0 of the job: one JSON object per report, read by the pruner."""
+        return self.job_dir / "metrics.jsonl"
+
+    @property
+    def result(self) -> Path:
+        """Written once, atomically, by rank 0 when the job finishes well."""
+        return self.job_dir / "result.json"
+
+    @property
+    def submission(self) -> Path:
+        """Written by the launcher at submit: what it needs to re-attach after a restart."""
+        return self.job_dir / "submission.json"
+
+    @property
+    def exit_code(self) -> Path:
+        """Written by the local launcher's wrapper when the job's main process exits."""
+        return self.job_dir / "exit_code"
+
+    @property
+    def cancelled(self) -> Path:
+        """Written by the orchestrator before it cancels the job, so a later reader knows why it ended."""
+        return self.job_dir / "cancelled"
+
+
+@dataclass(frozen=True)
+class SharedRoot:
+    """Resolves ``fsx:///some/path`` against the shared filesystem root of a launcher."""
+
+    root: Path
+
+    def resolve(self, uri: str) -> Path:
+        """``fsx:///datasets/x`` -> ``<root>/datasets/x``; any other string is a plain local path."""
+        if uri.startswith(SHARED_SCHEME):
+            rest = uri[len(SHARED_SCHEME) :]
+            # fsx:///path (empty authority) is the launcher's own file system; an explicit file system
+            # id (fsx://fs-0123/path) is for the AWS stager and means the same path on the cluster.
+            relative = rest.split("/", 1)[1] if "/" in rest else ""
+            return (self.root / relative).resolve()
+        return Path(uri).expanduser().resolve()
+
+    def jobs_dir(self, group: str) -> Path:
+        """Where the job directories of one study or step live."""
+        return self.root.resolve() / "jobs" / group

@@ -1,0 +1,237 @@
+"""Pydantic models of the pipeline spec: one YAML file declares the steps and how they connect.
+
+Every model forbids unknown keys, so a typo is an error that lists the valid keys instead of a setting
+that silently does nothing. Cross-field checks say how to fix what they reject.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from tunepod.launch.base import Resources
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+# ---------------------------------------------------------------------------------------------- tracking
+
+
+class TrackingSpec(Strict):
+    """Where MLflow records the pipeline run, its trials and the registered model."""
+
+    uri: str = Field("sqlite:///.tunepod/mlflow.db", description="MLflow tracking URI (sqlite:///..., http://...).")
+    experiment: str = Field(..., min_length=1, description="MLflow experiment that holds the pipeline runs.")
+
+
+# ---------------------------------------------------------------------------------------------- launchers
+
+
+class LocalLauncherSpec(Strict):
+    """Run every job as local ``torchrun`` processes; a folder stands in for the shared filesystem."""
+
+    kind: Literal["local"] = "local"
+    root: str = Field(".tunepod/shared", description="Folder that fsx:/// paths and job directories live under.")
+    cancel_grace_s: float = Field(10.0, ge=0, description="Seconds between SIGTERM and SIGKILL on cancel.")
+
+
+# One member today; Slurm, HyperPod EKS and SageMaker join this union, discriminated by ``kind``.
+LauncherSpec = Annotated[LocalLauncherSpec, Field(discriminator="kind")]
+
+
+# ---------------------------------------------------------------------------------------------- jobs
+
+
+class TrainJob(Strict):
+    """The training command a trial runs: a Python entrypoint started under torchrun."""
+
+    entrypoint: str = Field(..., description="Path of the training script, relative to where tunepod runs.")
+    args: dict[str, Any] = Field(default_factory=dict, description="Fixed parameters, merged under the tuned ones.")
+    resources: Resources = Field(default_factory=Resources)
+
+
+# ---------------------------------------------------------------------------------------------- search space
+
+
+class FloatParam(Strict):
+    type: Literal["float"]
+    low: float
+    high: float
+    log: bool = False
+    step: float | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> FloatParam:
+        _check_bounds(self.low, self.high)
+        if self.log and self.low <= 0:
+            raise ValueError(f"log=true needs low > 0 (got low={self.low}); fix: raise low or set log: false")
+        if self.log and self.step is not None:
+            raise ValueError("step and log=true cannot be combined; fix: remove one of them")
+        return self
+
+
+class IntParam(Strict):
+    type: Literal["int"]
+    low: int
+    high: int
+    step: int = Field(1, ge=1)
+    log: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> IntParam:
+        _check_bounds(self.low, self.high)
+        if self.log and self.low <= 0:
+            raise ValueError(f"log=true needs low > 0 (got low={self.low}); fix: raise low or set log: false")
+        if self.log and self.step != 1:
+            raise ValueError("step and log=true cannot be combined; fix: remove one of them")
+        return self
+
+
+class CategoricalParam(Strict):
+    type: Literal["categorical"]
+    choices: list[str | int | float | bool | None] = Field(..., min_length=1)
+
+
+def _check_bounds(low: float, high: float) -> None:
+    if low > high:
+        raise ValueError(f"bounds inverted: low={low} > high={high}; fix: swap low and high")
+
+
+SearchParam = Annotated[FloatParam | IntParam | CategoricalParam, Field(discriminator="type")]
+
+
+# ---------------------------------------------------------------------------------------------- tuning
+
+
+class StudySpec(Strict):
+    """The Optuna study: its name is its identity, so running again with the same name resumes it."""
+
+    name: str = Field(..., min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    storage: str = Field(
+        "journal://.tunepod/optuna.log",
+        description="journal://<file> (default, safe on a shared filesystem) or sqlite:///<file>, postgresql://...",
+    )
+    direction: Literal["maximize", "minimize"] = "maximize"
+    metric: str = Field(..., min_length=1, description="The reported metric the study optimizes.")
+
+    @model_validator(mode="after")
+    def _check_storage(self) -> StudySpec:
+        schemes = ("journal://", "sqlite:///", "postgresql://", "postgresql+psycopg2://", "mysql://")
+        if not self.storage.startswith(schemes):
+            raise ValueError(
+                f"storage {self.storage!r} is not supported; fix: use journal://<file> or sqlite:///<file>"
+            )
+        return self
+
+
+class PrunerSpec(Strict):
+    kind: Literal["hyperband", "median", "none"] = "none"
+    min_resource: int = Field(1, ge=1, description="Epochs a trial runs before it can be pruned.")
+    reduction_factor: int = Field(3, ge=2, description="Hyperband's reduction factor.")
+    warmup_steps: int = Field(0, ge=0, description="Median pruner: steps reported before pruning starts.")
+
+
+class TuneSettings(Strict):
+    """An Optuna study whose trials are distributed training jobs run ``num_parallel`` at a time."""
+
+    train: TrainJob
+    study: StudySpec
+    space: dict[str, SearchParam] = Field(..., min_length=1)
+    num_trials: int = Field(..., ge=1, description="Finished trials the study should hold, counting earlier runs.")
+    num_parallel: int = Field(1, ge=1, description="Trials in flight at once.")
+    sampler: Literal["tpe", "random"] = "tpe"
+    seed: int | None = Field(None, description="Sampler seed, for reproducible suggestions.")
+    pruner: PrunerSpec = Field(default_factory=PrunerSpec)
+    poll_s: float = Field(0.5, gt=0, description="Seconds between polls of running jobs.")
+
+    @model_validator(mode="after")
+    def _check_space(self) -> TuneSettings:
+        clash = sorted(set(self.space) & set(self.train.args))
+        if clash:
+            raise ValueError(
+                f"{', '.join(clash)} is both tuned (space) and fixed (train.args); fix: remove it from one"
+            )
+        return self
+
+
+class TrainSettings(Strict):
+    """One training job with fixed parameters, or with the best parameters of the tune step it needs."""
+
+    train: TrainJob
+    params: dict[str, Any] = Field(default_factory=dict, description="Parameters; override a needed study's best.")
+    metric: str | None = Field(None, description="Metric to read from the job's result, if any.")
+
+
+class StageSettings(Strict):
+    """Copy a dataset onto the shared filesystem, skipping files that have not changed."""
+
+    source: str = Field(..., description="builtin://digits, or a local folder.")
+    target: str = Field(..., description="fsx:///<path> (under the launcher's shared root) or a local folder.")
+
+
+class EvaluateSettings(Strict):
+    """Run an evaluation job on the best checkpoints of a tune or train step."""
+
+    entrypoint: str = Field(..., description="Script that loads a checkpoint and reports the metric.")
+    args: dict[str, Any] = Field(default_factory=dict)
+    top_k: int = Field(1, ge=1, description="How many of the best trials to evaluate.")
+    metric: str = Field(..., min_length=1)
+    direction: Literal["maximize", "minimize"] = "maximize"
+    resources: Resources = Field(default_factory=Resources)
+
+
+class RegisterSettings(Strict):
+    """Register the best evaluated checkpoint and point an alias at it if it beats the holder."""
+
+    model: str = Field(..., min_length=1, description="Registered model name in MLflow.")
+    alias: str = Field("champion", pattern=r"^[A-Za-z][A-Za-z0-9_-]*$")
+    only_if_better: bool = Field(True, description="Move the alias only if the new version beats its holder.")
+
+
+# ---------------------------------------------------------------------------------------------- steps
+
+
+class StepBase(Strict):
+    needs: list[str] = Field(default_factory=list, description="Steps whose outputs this step takes.")
+
+
+class StageStep(StepBase):
+    uses: Literal["stage"]
+    with_: StageSettings = Field(..., alias="with")
+
+
+class TuneStep(StepBase):
+    uses: Literal["tune"]
+    with_: TuneSettings = Field(..., alias="with")
+
+
+class TrainStep(StepBase):
+    uses: Literal["train"]
+    with_: TrainSettings = Field(..., alias="with")
+
+
+class EvaluateStep(StepBase):
+    uses: Literal["evaluate"]
+    with_: EvaluateSettings = Field(..., alias="with")
+
+
+class RegisterStep(StepBase):
+    uses: Literal["register"]
+    with_: RegisterSettings = Field(..., alias="with")
+
+
+StepSpec = Annotated[
+    StageStep | TuneStep | TrainStep | EvaluateStep | RegisterStep, Field(discriminator="uses")
+]
+
+
+class PipelineSpec(Strict):
+    """A whole pipeline: where to track it, where to run its jobs, and its steps."""
+
+    name: str = Field(..., min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    tracking: TrackingSpec
+    launcher: LauncherSpec = Field(default_factory=LocalLauncherSpec)
+    steps: dict[str, StepSpec] = Field(..., min_length=1)
