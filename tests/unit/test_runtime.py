@@ -1,0 +1,435 @@
+"""tunepod.runtime: the environment contract, reports, the result file and checkpoints, on real files."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tunepod import runtime
+from tunepod.runtime import checkpoints
+from tunepod.runtime.contract import read_contract
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def job_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """The environment an orchestrator hands a job whose folders are all under ``tmp_path``."""
+    env = {
+        runtime.PARAMS_ENV: json.dumps({"lr": 0.1}),
+        runtime.DATA_DIR_ENV: str(tmp_path / "data"),
+        runtime.CHECKPOINT_DIR_ENV: str(tmp_path / "checkpoints"),
+        runtime.RESULT_FILE_ENV: str(tmp_path / "result.json"),
+        runtime.METRICS_FILE_ENV: str(tmp_path / "metrics.jsonl"),
+        runtime.TRIAL_ENV: "7",
+    }
+    return {**env, **extra}
+
+
+def context(tmp_path: Path, rank: int = 0, **extra: str) -> runtime.TrainingContext:
+    return runtime.init(environ=job_env(tmp_path, RANK=str(rank), WORLD_SIZE="2", **extra))
+
+
+# ---------------------------------------------------------------------------------------------- import
+
+
+def test_runtime_imports_with_the_standard_library_only() -> None:
+    # -S leaves site-packages off sys.path: torch, numpy and mlflow cannot even be found.
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]);"
+        "import tunepod.runtime;"
+        "third = sorted({m.split('.')[0] for m in sys.modules} - set(sys.stdlib_module_names) - {'tunepod'});"
+        "assert third == ['__main__'], third"
+    )
+    subprocess.run([sys.executable, "-S", "-c", code, str(REPO_ROOT)], check=True)
+
+
+def test_runtime_import_pulls_in_no_installed_third_party_module() -> None:
+    # With site-packages available, importing the runtime must still not load torch or mlflow.
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); before = set(sys.modules); import tunepod.runtime;"
+        "print(' '.join({m.split('.')[0] for m in set(sys.modules) - before} - set(sys.stdlib_module_names)))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(REPO_ROOT)], check=True, capture_output=True, text=True
+    )
+    assert done.stdout.split() == ["tunepod"]
+
+
+def test_pickle_checkpoints_work_without_torch(tmp_path: Path) -> None:
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); from tunepod import runtime;"
+        "ctx = runtime.init({'epochs': 2});"
+        "ctx.save_checkpoint({'weights': [1.0, 2.0]}, 0);"
+        "print(ctx.load_latest_checkpoint().state['weights'])"
+    )
+    env = {"PATH": os.environ.get("PATH", ""), **job_env(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-S", "-c", code, str(REPO_ROOT)],
+        check=True,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert done.stdout.strip() == "[1.0, 2.0]"
+    metadata = json.loads((tmp_path / "checkpoints" / "step-000000" / "metadata.json").read_text())
+    assert metadata["format"] == "pickle"
+
+
+# ---------------------------------------------------------------------------------------------- contract
+
+
+def test_outside_a_job_params_come_from_defaults_and_folders_from_cwd(tmp_path: Path) -> None:
+    contract = read_contract({}, defaults={"lr": 0.01, "epochs": 3}, cwd=tmp_path)
+    local = tmp_path / ".tunepod" / "local"
+    assert contract.source == "local"
+    assert contract.params == {"lr": 0.01, "epochs": 3}
+    assert (contract.data_dir, contract.checkpoint_dir) == (local / "data", local / "checkpoints")
+    assert (contract.metrics_file, contract.result_file) == (local / "metrics.jsonl", local / "result.json")
+    assert (contract.rank, contract.local_rank, contract.world_size) == (0, 0, 1)
+    assert (contract.trial, contract.mlflow_run_id, contract.keep_checkpoints) == (None, None, 3)
+
+
+def test_tunepod_variables_override_defaults(tmp_path: Path) -> None:
+    env = job_env(
+        tmp_path,
+        RANK="3",
+        LOCAL_RANK="1",
+        WORLD_SIZE="4",
+        TUNEPOD_KEEP_CHECKPOINTS="5",
+        MLFLOW_TRACKING_URI="sqlite:///m.db",
+        MLFLOW_RUN_ID="abc123",
+    )
+    ctx = runtime.init({"lr": 0.5, "epochs": 3}, environ=env)
+    assert ctx.source == "tunepod"
+    assert ctx.params == {"lr": 0.1, "epochs": 3}
+    assert (ctx.data_dir, ctx.checkpoint_dir) == (tmp_path / "data", tmp_path / "checkpoints")
+    assert (ctx.metrics_file, ctx.result_file) == (tmp_path / "metrics.jsonl", tmp_path / "result.json")
+    assert (ctx.rank, ctx.local_rank, ctx.world_size, ctx.is_main) == (3, 1, 4, False)
+    assert (ctx.trial, ctx.keep_checkpoints) == ("7", 5)
+    assert (ctx.mlflow_tracking_uri, ctx.mlflow_run_id) == ("sqlite:///m.db", "abc123")
+
+
+def test_init_reads_the_process_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in job_env(tmp_path).items():
+        monkeypatch.setenv(name, value)
+    assert runtime.init().checkpoint_dir == tmp_path / "checkpoints"
+
+
+def test_params_alone_still_make_a_local_run(tmp_path: Path) -> None:
+    contract = read_contract({runtime.PARAMS_ENV: '{"epochs": 1}'}, cwd=tmp_path)
+    assert (contract.source, contract.params) == ("local", {"epochs": 1})
+
+
+def test_sagemaker_names_are_the_fallback() -> None:
+    env = {
+        "SM_HPS": '{"lr": 0.2}',
+        "SM_CHANNEL_TRAIN": "/opt/ml/input/data/train",
+        "TRAINING_JOB_NAME": "job-1",
+    }
+    contract = read_contract(env)
+    assert contract.source == "sagemaker"
+    assert contract.params == {"lr": 0.2}
+    assert contract.data_dir == Path("/opt/ml/input/data/train")
+    assert contract.checkpoint_dir == Path("/opt/ml/checkpoints")
+    assert contract.result_file.parent == contract.metrics_file.parent == Path("/opt/ml/output/data")
+    assert contract.trial == "job-1"
+
+
+def test_sagemaker_without_a_train_channel_uses_the_first_channel() -> None:
+    contract = read_contract({"SM_CHANNEL_VALID": "/v", "SM_CHANNEL_DIGITS": "/d"})
+    assert contract.data_dir == Path("/d")
+
+
+def test_tunepod_variables_win_over_sagemaker_ones(tmp_path: Path) -> None:
+    contract = read_contract({**job_env(tmp_path), "SM_HPS": '{"lr": 9}', "SM_CHANNEL_TRAIN": "/x"})
+    assert (contract.params, contract.data_dir) == ({"lr": 0.1}, tmp_path / "data")
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "expected"),
+    [
+        ("TUNEPOD_PARAMS", "{lr: 1}", "TUNEPOD_PARAMS is not valid JSON"),
+        ("TUNEPOD_PARAMS", "[1, 2]", "TUNEPOD_PARAMS must be a JSON object"),
+        ("SM_HPS", "nope", "SM_HPS is not valid JSON"),
+        ("RANK", "one", "RANK must be an integer"),
+        ("WORLD_SIZE", "0", "WORLD_SIZE must be >= 1"),
+        ("TUNEPOD_KEEP_CHECKPOINTS", "0", "TUNEPOD_KEEP_CHECKPOINTS must be >= 1"),
+    ],
+)
+def test_a_malformed_variable_is_named(name: str, value: str, expected: str) -> None:
+    with pytest.raises(ValueError, match=expected):
+        read_contract({name: value})
+
+
+# ---------------------------------------------------------------------------------------------- reports
+
+
+def test_rank_zero_appends_one_json_line_per_report(tmp_path: Path) -> None:
+    ctx = context(tmp_path)
+    ctx.report(0, val_accuracy=0.5, train_loss=2)
+    ctx.report(1, val_accuracy=np.float32(0.75))
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["metrics"] for line in lines] == [
+        {"val_accuracy": 0.5, "train_loss": 2.0},
+        {"val_accuracy": 0.75},
+    ]
+    reports = runtime.read_reports(tmp_path / "metrics.jsonl")
+    assert [(r.step, r.metrics["val_accuracy"]) for r in reports] == [(0, 0.5), (1, 0.75)]
+    assert all(isinstance(r.time, float) and r.time > 0 for r in reports)
+
+
+def test_other_ranks_write_nothing(tmp_path: Path) -> None:
+    ctx = context(tmp_path, rank=1)
+    ctx.report(0, val_accuracy=0.5)
+    assert ctx.save_checkpoint({"w": torch.ones(2)}, 0) is None
+    ctx.finish(val_accuracy=0.5)
+    assert sorted(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "message"),
+    [
+        (math.nan, ValueError, "'loss' is nan"),
+        (math.inf, ValueError, "'loss' is inf"),
+        ("0.5", TypeError, "'loss' must be a real number, got str"),
+        (True, TypeError, "got bool"),
+        (torch.tensor(0.5), TypeError, "tensor.item()"),
+    ],
+)
+def test_a_bad_metric_is_rejected_and_not_written(
+    tmp_path: Path, value: object, error: type, message: str
+) -> None:
+    ctx = context(tmp_path)
+    with pytest.raises(error, match=re.escape(message)):
+        ctx.report(0, loss=value)  # type: ignore[arg-type]
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("step", [-1, 1.5, "2"])
+def test_a_bad_step_is_rejected(tmp_path: Path, step: object) -> None:
+    with pytest.raises((TypeError, ValueError), match="step"):
+        context(tmp_path).report(step, loss=1.0)  # type: ignore[arg-type]
+
+
+def test_a_report_needs_at_least_one_metric(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no metrics"):
+        context(tmp_path).report(0)
+
+
+def test_read_reports_tolerates_a_torn_last_line(tmp_path: Path) -> None:
+    metrics_file = tmp_path / "metrics.jsonl"
+    context(tmp_path).report(0, loss=1.0)
+    with open(metrics_file, "a") as handle:
+        handle.write('{"step": 1, "metrics": {"loss": 0.')  # a writer caught mid-line
+    assert [r.step for r in runtime.read_reports(metrics_file)] == [0]
+
+
+def test_a_report_after_a_torn_line_starts_its_own_line(tmp_path: Path) -> None:
+    # A job killed mid-write and resumed: the torn line must not swallow the next report.
+    metrics_file = tmp_path / "metrics.jsonl"
+    metrics_file.write_text('{"step": 0, "metrics": {"loss": 1.0}, "time": 1.0}\n{"step": 1, "metr')
+    context(tmp_path).report(1, loss=0.5)
+    assert [(r.step, r.metrics) for r in runtime.read_reports(metrics_file)] == [
+        (0, {"loss": 1.0}),
+        (1, {"loss": 0.5}),
+    ]
+
+
+def test_read_reports_of_a_missing_file_is_empty(tmp_path: Path) -> None:
+    assert runtime.read_reports(tmp_path / "absent.jsonl") == []
+
+
+# ---------------------------------------------------------------------------------------------- result
+
+
+def test_finish_writes_the_result_with_the_last_reported_step(tmp_path: Path) -> None:
+    ctx = context(tmp_path)
+    ctx.report(0, val_accuracy=0.5)
+    ctx.report(1, val_accuracy=0.6)
+    ctx.finish(val_accuracy=0.6)
+    result = runtime.read_result(tmp_path / "result.json")
+    assert result is not None
+    assert (result.metrics, result.step) == ({"val_accuracy": 0.6}, 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "result.json"]  # no temp file left
+
+
+def test_finish_after_a_resume_takes_the_step_from_the_metrics_file(tmp_path: Path) -> None:
+    context(tmp_path).report(4, val_accuracy=0.9)
+    resumed = context(tmp_path)  # a new process that had nothing left to train
+    resumed.finish(val_accuracy=0.9)
+    result = runtime.read_result(tmp_path / "result.json")
+    assert result is not None and result.step == 4
+
+
+def test_finish_without_any_report_has_no_step(tmp_path: Path) -> None:
+    context(tmp_path).finish(test_accuracy=0.8)
+    result = runtime.read_result(tmp_path / "result.json")
+    assert result is not None and result.step is None
+
+
+def test_a_rejected_result_leaves_the_previous_one_whole(tmp_path: Path) -> None:
+    ctx = context(tmp_path)
+    ctx.finish(val_accuracy=0.7)
+    before = (tmp_path / "result.json").read_bytes()
+    with pytest.raises(ValueError):
+        ctx.finish(val_accuracy=math.nan)
+    assert (tmp_path / "result.json").read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["result.json"]
+
+
+def test_the_result_file_replaces_the_old_one_by_rename(tmp_path: Path) -> None:
+    # Atomic replacement: a reader holding the old file keeps reading the old, whole content.
+    ctx = context(tmp_path)
+    ctx.finish(val_accuracy=0.7)
+    with open(tmp_path / "result.json") as old:
+        ctx.finish(val_accuracy=0.8)
+        assert json.load(old)["metrics"] == {"val_accuracy": 0.7}
+    result = runtime.read_result(tmp_path / "result.json")
+    assert result is not None and result.metrics == {"val_accuracy": 0.8}
+
+
+def test_read_result_is_none_until_written_and_rejects_garbage(tmp_path: Path) -> None:
+    assert runtime.read_result(tmp_path / "result.json") is None
+    (tmp_path / "result.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"result\.json is not a tunepod result"):
+        runtime.read_result(tmp_path / "result.json")
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+
+
+def test_a_checkpoint_is_a_step_folder_with_state_and_metadata(tmp_path: Path) -> None:
+    ctx = context(tmp_path)
+    folder = ctx.save_checkpoint({"weights": torch.arange(4.0), "epoch": 7}, step=7)
+    assert folder == tmp_path / "checkpoints" / "step-000007"
+    assert sorted(p.name for p in folder.iterdir()) == ["metadata.json", "state.pt"]
+    metadata = json.loads((folder / "metadata.json").read_text())
+    state_bytes = (folder / "state.pt").read_bytes()
+    assert metadata["step"] == 7 and metadata["format"] == "torch" and metadata["size"] == len(state_bytes)
+    assert metadata["sha256"] == hashlib.sha256(state_bytes).hexdigest()
+    loaded = ctx.load_latest_checkpoint()
+    assert loaded is not None and (loaded.step, loaded.path, loaded.state["epoch"]) == (7, folder, 7)
+    assert torch.equal(loaded.state["weights"], torch.arange(4.0))
+
+
+def test_bytes_are_pickled(tmp_path: Path) -> None:
+    ctx = context(tmp_path)
+    folder = ctx.save_checkpoint(b"\x00raw", step=0)
+    assert folder is not None and json.loads((folder / "metadata.json").read_text())["format"] == "pickle"
+    loaded = ctx.load_latest_checkpoint()
+    assert loaded is not None and loaded.state == b"\x00raw"
+
+
+def test_no_checkpoint_yet(tmp_path: Path) -> None:
+    assert context(tmp_path).load_latest_checkpoint() is None
+    assert runtime.latest_checkpoint(tmp_path / "checkpoints") is None
+
+
+def test_a_leftover_temp_folder_and_a_folder_without_metadata_are_ignored(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    ctx = context(tmp_path)
+    ctx.save_checkpoint({"epoch": 1}, step=1)
+    checkpoint_dir = tmp_path / "checkpoints"
+    # A save killed before its rename: a whole, newer, but hidden folder.
+    shutil.copytree(checkpoint_dir / "step-000001", checkpoint_dir / ".tmp-step-000003-123-abcd")
+    # A step folder whose metadata.json was never written.
+    incomplete = checkpoint_dir / "step-000002"
+    incomplete.mkdir()
+    (incomplete / "state.pt").write_bytes(b"half")
+
+    loaded = ctx.load_latest_checkpoint()
+    assert loaded is not None and (loaded.step, loaded.state) == (1, {"epoch": 1})
+    err = capfd.readouterr().err
+    assert f"skipping checkpoint {incomplete}: no metadata.json" in err
+    assert ".tmp-step" not in err  # hidden folders are never candidates
+    info = runtime.latest_checkpoint(checkpoint_dir)
+    assert info is not None and (info.step, info.path) == (1, checkpoint_dir / "step-000001")
+
+
+def corrupt(state_file: Path) -> None:
+    """Flip one byte in the middle: same size, different content."""
+    data = bytearray(state_file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    state_file.write_bytes(bytes(data))
+
+
+def test_a_corrupted_newest_checkpoint_falls_back_to_the_previous_one(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    ctx = context(tmp_path)
+    ctx.save_checkpoint({"w": torch.zeros(3)}, step=1)
+    ctx.save_checkpoint({"w": torch.ones(3)}, step=2)
+    newest = tmp_path / "checkpoints" / "step-000002"
+    corrupt(newest / "state.pt")
+
+    loaded = ctx.load_latest_checkpoint()
+    assert loaded is not None and loaded.step == 1 and torch.equal(loaded.state["w"], torch.zeros(3))
+    assert f"skipping checkpoint {newest}: state.pt does not match the sha256" in capfd.readouterr().err
+    info = runtime.latest_checkpoint(tmp_path / "checkpoints")
+    assert info is not None and info.step == 1
+
+
+def test_a_truncated_state_file_is_skipped(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    ctx = context(tmp_path)
+    ctx.save_checkpoint(b"older", step=0)
+    folder = ctx.save_checkpoint(b"newer", step=1)
+    assert folder is not None
+    (folder / "state.pt").write_bytes(b"")
+    loaded = ctx.load_latest_checkpoint()
+    assert loaded is not None and loaded.state == b"older"
+    assert "state.pt has 0 bytes" in capfd.readouterr().err
+
+
+def test_only_the_newest_k_valid_steps_and_no_temp_folder_are_kept(tmp_path: Path) -> None:
+    ctx = context(tmp_path, TUNEPOD_KEEP_CHECKPOINTS="2")
+    stale = tmp_path / "checkpoints" / ".tmp-step-000000-99-dead"
+    stale.mkdir(parents=True)
+    for step in range(5):
+        ctx.save_checkpoint({"step": step}, step)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000003", "step-000004"]
+    assert [info.step for info in runtime.valid_checkpoints(tmp_path / "checkpoints")] == [4, 3]
+
+
+def test_a_corrupted_step_does_not_count_towards_the_kept_ones(tmp_path: Path) -> None:
+    ctx = context(tmp_path, TUNEPOD_KEEP_CHECKPOINTS="2")
+    for step in range(3):
+        ctx.save_checkpoint(b"x" * (step + 1), step)
+    (tmp_path / "checkpoints" / "step-000002" / "state.pt").write_bytes(b"")
+    ctx.save_checkpoint(b"four", 3)
+    # Valid: 3 and 1 are the two newest; the broken 2 stays (a resumed job overwrites it), 0 goes.
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["step-000001", "step-000002", "step-000003"]
+
+
+def test_saving_an_existing_step_replaces_it(tmp_path: Path) -> None:
+    ctx = context(tmp_path)
+    ctx.save_checkpoint({"try": 1}, step=5)
+    ctx.save_checkpoint({"try": 2}, step=5)
+    loaded = ctx.load_latest_checkpoint()
+    assert loaded is not None and loaded.state == {"try": 2}
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-000005"]
+
+
+def test_state_is_loaded_with_weights_only(tmp_path: Path) -> None:
+    # An arbitrary object would run code on unpickling; weights_only refuses it.
+    ctx = context(tmp_path)
+    ctx.save_checkpoint({"path": Path("/x")}, step=0)
+    with pytest.raises(Exception, match="weights_only"):
+        ctx.load_latest_checkpoint()
+
+
+def test_keep_must_be_positive(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="keep must be >= 1"):
+        checkpoints.prune_checkpoints(tmp_path, keep=0)

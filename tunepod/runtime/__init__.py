@@ -1,0 +1,65 @@
+"""The training contract, from inside a training job.
+
+Standard library only at import time (torch is imported when a checkpoint is saved or loaded; MLflow
+never: the orchestrator mirrors the reported metrics into MLflow itself), so it installs on any
+training image::
+
+    from tunepod import runtime
+
+    ctx = runtime.init({"lr": 0.01, "epochs": 10})   # params, folders, rank from the environment
+    checkpoint = ctx.load_latest_checkpoint()        # resume after a kill, a requeue, an auto-resume
+    start = checkpoint.step + 1 if checkpoint else 0
+    for epoch in range(start, ctx.params["epochs"]):
+        ...
+        ctx.report(epoch, val_accuracy=accuracy)     # rank 0: one line of the metrics file
+        ctx.save_checkpoint(state, epoch)            # rank 0: atomic step folder, keeps the last K
+    ctx.finish(val_accuracy=accuracy)                # rank 0: the result file, atomically
+
+The orchestrator side reads what the job wrote with ``read_reports``, ``read_result`` and
+``latest_checkpoint``. The environment variables are the ``*_ENV`` constants below.
+"""
+
+from tunepod.runtime.checkpoints import Checkpoint, CheckpointInfo, latest_checkpoint, valid_checkpoints
+from tunepod.runtime.context import TrainingContext, init
+from tunepod.runtime.contract import (
+    CHECKPOINT_DIR_ENV,
+    DATA_DIR_ENV,
+    DEFAULT_KEEP_CHECKPOINTS,
+    KEEP_CHECKPOINTS_ENV,
+    LOCAL_RANK_ENV,
+    METRICS_FILE_ENV,
+    MLFLOW_RUN_ID_ENV,
+    MLFLOW_TRACKING_URI_ENV,
+    PARAMS_ENV,
+    RANK_ENV,
+    RESULT_FILE_ENV,
+    TRIAL_ENV,
+    WORLD_SIZE_ENV,
+)
+from tunepod.runtime.metrics import Report, Result, read_reports, read_result
+
+__all__ = [
+    "CHECKPOINT_DIR_ENV",
+    "DATA_DIR_ENV",
+    "DEFAULT_KEEP_CHECKPOINTS",
+    "KEEP_CHECKPOINTS_ENV",
+    "LOCAL_RANK_ENV",
+    "METRICS_FILE_ENV",
+    "MLFLOW_RUN_ID_ENV",
+    "MLFLOW_TRACKING_URI_ENV",
+    "PARAMS_ENV",
+    "RANK_ENV",
+    "RESULT_FILE_ENV",
+    "TRIAL_ENV",
+    "WORLD_SIZE_ENV",
+    "Checkpoint",
+    "CheckpointInfo",
+    "Report",
+    "Result",
+    "TrainingContext",
+    "init",
+    "latest_checkpoint",
+    "read_reports",
+    "read_result",
+    "valid_checkpoints",
+]

@@ -1,0 +1,102 @@
+"""``TrainingContext``: what a training script holds to read its job and report back.
+
+One context per process, used from the thread that runs the training loop. Writes follow one rule:
+rank 0 writes (metrics file, checkpoints, result file), every other rank only reads, so the scripts
+can call every method on every rank without ``if rank == 0`` around them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from tunepod.runtime import checkpoints, metrics
+from tunepod.runtime.contract import Contract, Source, read_contract
+
+
+class TrainingContext:
+    """The job's parameters, folders and distributed identity, and the methods that report back.
+
+    Built by ``init()``; attributes are plain values, set once.
+    """
+
+    def __init__(self, contract: Contract) -> None:
+        self.source: Source = contract.source
+        self.params: dict[str, Any] = dict(contract.params)
+        self.data_dir: Path = contract.data_dir
+        self.checkpoint_dir: Path = contract.checkpoint_dir
+        self.metrics_file: Path = contract.metrics_file
+        self.result_file: Path = contract.result_file
+        self.trial: str | None = contract.trial
+        self.keep_checkpoints: int = contract.keep_checkpoints
+        self.rank: int = contract.rank
+        self.local_rank: int = contract.local_rank
+        self.world_size: int = contract.world_size
+        self.mlflow_tracking_uri: str | None = contract.mlflow_tracking_uri
+        self.mlflow_run_id: str | None = contract.mlflow_run_id
+        self._last_reported_step: int | None = None
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this process is global rank 0, the one that writes."""
+        return self.rank == 0
+
+    def __repr__(self) -> str:
+        return (
+            f"TrainingContext(source={self.source!r}, trial={self.trial!r},"
+            f" rank={self.rank}/{self.world_size}, data_dir='{self.data_dir}',"
+            f" checkpoint_dir='{self.checkpoint_dir}')"
+        )
+
+    def report(self, step: int, **values: float) -> None:
+        """Rank 0: append ``{"step", "metrics", "time"}`` to the metrics file, flushed and fsynced.
+
+        The orchestrator reads that file to prune and mirrors it into MLflow. Other ranks: no-op, so
+        pass metrics that are already global (reduced across ranks) if they differ between ranks.
+        Raises ``TypeError``/``ValueError`` on rank 0 for a non-numeric or non-finite value.
+        """
+        if not self.is_main:
+            return
+        report = metrics.append_report(self.metrics_file, step, values)
+        self._last_reported_step = report.step
+
+    def save_checkpoint(self, state: Any, step: int) -> Path | None:
+        """Rank 0: save ``state`` as ``step-N`` atomically, keep the newest ``keep_checkpoints``.
+
+        Returns the step folder on rank 0 and ``None`` on the others, which write nothing.
+        """
+        if not self.is_main:
+            return None
+        return checkpoints.save_checkpoint(self.checkpoint_dir, state, step, self.keep_checkpoints)
+
+    def load_latest_checkpoint(self) -> checkpoints.Checkpoint | None:
+        """The newest valid checkpoint (state on the CPU), or ``None`` for a fresh start. Every rank."""
+        return checkpoints.load_latest_checkpoint(self.checkpoint_dir)
+
+    def finish(self, **values: float) -> None:
+        """Rank 0: write the result file atomically with the final metrics; other ranks: no-op.
+
+        Its ``step`` is the last step this process reported or, for a job resumed after its last
+        report, the last step in the metrics file; ``None`` if nothing was ever reported.
+        """
+        if not self.is_main:
+            return
+        step = self._last_reported_step
+        if step is None:
+            earlier = metrics.read_reports(self.metrics_file)
+            step = earlier[-1].step if earlier else None
+        metrics.write_result(self.result_file, values, step)
+
+
+def init(
+    defaults: Mapping[str, Any] | None = None, *, environ: Mapping[str, str] | None = None
+) -> TrainingContext:
+    """Read the job's contract from the environment (``environ``, default ``os.environ``).
+
+    ``defaults`` are the script's parameters, overridden by the job's (``TUNEPOD_PARAMS`` or
+    SageMaker's ``SM_HPS``). Outside any job, folders default to ``<cwd>/.tunepod/local`` (see
+    ``tunepod.runtime.contract``). Creates nothing: folders appear when something is written.
+    """
+    return TrainingContext(read_contract(os.environ if environ is None else environ, defaults))
