@@ -23,7 +23,9 @@ class Strict(BaseModel):
 class TrackingSpec(Strict):
     """Where MLflow records the pipeline run, its trials and the registered model."""
 
-    uri: str = Field("sqlite:///.tunepod/mlflow.db", description="MLflow tracking URI (sqlite:///..., http://...).")
+    uri: str = Field(
+        "sqlite:///.tunepod/mlflow.db", description="MLflow tracking URI (sqlite:///..., http://...)."
+    )
     experiment: str = Field(..., min_length=1, description="MLflow experiment that holds the pipeline runs.")
 
 
@@ -34,7 +36,9 @@ class LocalLauncherSpec(Strict):
     """Run every job as local ``torchrun`` processes; a folder stands in for the shared filesystem."""
 
     kind: Literal["local"] = "local"
-    root: str = Field(".tunepod/shared", description="Folder that fsx:/// paths and job directories live under.")
+    root: str = Field(
+        ".tunepod/shared", description="Folder that fsx:/// paths and job directories live under."
+    )
     cancel_grace_s: float = Field(10.0, ge=0, description="Seconds between SIGTERM and SIGKILL on cancel.")
 
 
@@ -49,7 +53,9 @@ class TrainJob(Strict):
     """The training command a trial runs: a Python entrypoint started under torchrun."""
 
     entrypoint: str = Field(..., description="Path of the training script, relative to where tunepod runs.")
-    args: dict[str, Any] = Field(default_factory=dict, description="Fixed parameters, merged under the tuned ones.")
+    args: dict[str, Any] = Field(
+        default_factory=dict, description="Fixed parameters, merged under the tuned ones."
+    )
     resources: Resources = Field(default_factory=Resources)
 
 
@@ -140,7 +146,9 @@ class TuneSettings(Strict):
     train: TrainJob
     study: StudySpec
     space: dict[str, SearchParam] = Field(..., min_length=1)
-    num_trials: int = Field(..., ge=1, description="Finished trials the study should hold, counting earlier runs.")
+    num_trials: int = Field(
+        ..., ge=1, description="Finished trials the study should hold, counting earlier runs."
+    )
     num_parallel: int = Field(1, ge=1, description="Trials in flight at once.")
     sampler: Literal["tpe", "random"] = "tpe"
     seed: int | None = Field(None, description="Sampler seed, for reproducible suggestions.")
@@ -161,7 +169,9 @@ class TrainSettings(Strict):
     """One training job with fixed parameters, or with the best parameters of the tune step it needs."""
 
     train: TrainJob
-    params: dict[str, Any] = Field(default_factory=dict, description="Parameters; override a needed study's best.")
+    params: dict[str, Any] = Field(
+        default_factory=dict, description="Parameters; override a needed study's best."
+    )
     metric: str | None = Field(None, description="Metric to read from the job's result, if any.")
 
 
@@ -169,7 +179,9 @@ class StageSettings(Strict):
     """Copy a dataset onto the shared filesystem, skipping files that have not changed."""
 
     source: str = Field(..., description="builtin://digits, or a local folder.")
-    target: str = Field(..., description="fsx:///<path> (under the launcher's shared root) or a local folder.")
+    target: str = Field(
+        ..., description="fsx:///<path> (under the launcher's shared root) or a local folder."
+    )
 
 
 class EvaluateSettings(Strict):
@@ -180,6 +192,7 @@ class EvaluateSettings(Strict):
     top_k: int = Field(1, ge=1, description="How many of the best trials to evaluate.")
     metric: str = Field(..., min_length=1)
     direction: Literal["maximize", "minimize"] = "maximize"
+    num_parallel: int = Field(2, ge=1, description="Evaluation jobs in flight at once.")
     resources: Resources = Field(default_factory=Resources)
 
 

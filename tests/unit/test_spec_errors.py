@@ -1,0 +1,418 @@
+"""Loading a spec: every kind of mistake is reported with the file, the line, the YAML path and a fix.
+
+Each broken spec is the valid fixture with one edit, so the expected line is found by looking for the
+edited text in the file the loader read (an assertion on the exact line, not on "some line").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tunepod.errors import SpecError, SpecIssue
+from tunepod.spec import OverrideIssue, PipelineSpec, dump_spec, load_spec, parse_spec, spec_hash
+
+REPO = Path(__file__).resolve().parents[2]
+VALID_PATH = REPO / "tests/fixtures/specs/valid.yaml"
+VALID = VALID_PATH.read_text()
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    old: str  # text of the valid spec to replace ...
+    new: str  # ... with this
+    path: str  # the YAML path the issue must name
+    message: str  # a part of the issue's message
+    fix: str  # a part of the issue's fix
+    line_of: str = ""  # the issue's line is the line holding this text (default: the first line of `new`)
+
+
+CASES = [
+    # --- what the models reject
+    Case(
+        "wrong type",
+        "num_trials: 16",
+        "num_trials: ten",
+        "steps.search.with.num_trials",
+        "expected an integer, got 'ten'",
+        "set num_trials to an integer (Finished trials the study should hold",
+    ),
+    Case(
+        "unknown key, close to a valid one",
+        "num_parallel: 2",
+        "num_paralel: 2",
+        "steps.search.with.num_paralel",
+        "unknown key 'num_paralel'; valid keys here: train, study, space, num_trials, num_parallel",
+        "did you mean 'num_parallel'?",
+    ),
+    Case(
+        "unknown key under the launcher (no discriminator tag in the path)",
+        "launcher: {kind: local}",
+        "launcher: {kind: local, bogus: 1}",
+        "launcher.bogus",
+        "valid keys here: kind, root, cancel_grace_s",
+        "remove it",
+    ),
+    Case(
+        "unknown key in a step's with (no step-kind tag in the path)",
+        "with: {source: builtin://digits,",
+        "with: {sorce: x, source: builtin://digits,",
+        "steps.data.with.sorce",
+        "unknown key 'sorce'",
+        "did you mean 'source'?",
+    ),
+    Case(
+        "missing field, at its parent's line",
+        "tracking: {uri: sqlite:///.tunepod/mlflow.db, experiment: digits}",
+        "tracking: {uri: sqlite:///.tunepod/mlflow.db}",
+        "tracking.experiment",
+        "missing required key 'experiment' (MLflow experiment that holds the pipeline runs.)",
+        "add experiment: under tracking",
+    ),
+    Case(
+        "unknown step kind",
+        "uses: tune",
+        "uses: tuen",
+        "steps.search.uses",
+        "unknown step kind 'tuen'",
+        "use one of: stage, tune, train, evaluate, register (did you mean 'tune'?)",
+    ),
+    Case(
+        "step without uses",
+        "    uses: register\n",
+        "",
+        "steps.promote.uses",
+        "missing 'uses', the step kind",
+        "add uses: one of stage, tune, train, evaluate, register",
+        line_of="  promote:",
+    ),
+    Case(
+        "unknown launcher kind",
+        "launcher: {kind: local}",
+        "launcher: {kind: slurmm}",
+        "launcher.kind",
+        "unknown launcher kind 'slurmm'",
+        "use one of: local",
+    ),
+    Case(
+        "unknown search parameter type",
+        "hidden: {type: int,",
+        "hidden: {type: integer,",
+        "steps.search.with.space.hidden.type",
+        "unknown search parameter type 'integer'",
+        "use one of: float, int, categorical (did you mean 'int'?)",
+    ),
+    Case(
+        "bad literal",
+        "direction: maximize",
+        "direction: max",
+        "steps.search.with.study.direction",
+        "'max' is not one of: maximize, minimize",
+        "use one of: maximize, minimize",
+    ),
+    Case(
+        "model validator: its message carries the fix",
+        "lr: {type: float, low: 1.0e-4, high: 1.0e-1, log: true}",
+        "lr: {type: float, low: 1.0e-1, high: 1.0e-4, log: true}",
+        "steps.search.with.space.lr",
+        "bounds inverted: low=0.1 > high=0.0001",
+        "swap low and high",
+    ),
+    Case(
+        "bound",
+        "num_parallel: 2",
+        "num_parallel: 0",
+        "steps.search.with.num_parallel",
+        "must be greater than or equal to 1, got 0",
+        "set num_parallel to 1 or more",
+    ),
+    Case(
+        "value of none of a union's types",
+        "choices: [adam, sgd]",
+        "choices: [adam, {sgd: 1}]",
+        "steps.search.with.space.optimizer.choices[1]",
+        "expected a string, an integer, a number, true/false or null, got a mapping",
+        "change it to a string",
+    ),
+    Case(
+        "key YAML reads as a boolean",
+        "  data:\n",
+        "  on:\n",
+        "steps.True",
+        "the key true is not a string",
+        "quote the key",
+    ),
+    Case(
+        "key written twice",
+        "  promote:\n",
+        "  check:  # again\n    uses: stage\n    with: {source: a, target: b}\n  promote:\n",
+        "steps.check",
+        "key 'check' appears twice",
+        "remove or rename one of them",
+    ),
+    Case(
+        "pattern",
+        "name: digits-hpo",
+        "name: digits hpo",
+        "name",
+        "must match pattern '^[A-Za-z0-9_.-]+$', got 'digits hpo'",
+        "change name to match",
+    ),
+    # --- how the steps connect, and the files they name
+    Case(
+        "unknown step in needs",
+        "needs: [search]",
+        "needs: [serch]",
+        "steps.check.needs[0]",
+        "unknown step 'serch' (did you mean 'search'?)",
+        "data, search, check, promote",
+    ),
+    Case(
+        "cycle",
+        "needs: [data]",
+        "needs: [data, promote]",
+        "steps.search.needs",
+        "the steps form a cycle: search -> promote -> check -> search",
+        "remove one of these needs",
+    ),
+    Case(
+        "input of the wrong kind",
+        "needs: [check]",
+        "needs: [data]  # not an evaluate step",
+        "steps.promote.needs[0]",
+        "'data' is a stage step, but a register step takes exactly one evaluate step",
+        "remove 'data' from the needs of 'promote'",
+    ),
+    Case(
+        "tune without a stage",
+        "needs: [data]",
+        "needs: []",
+        "steps.search.needs",
+        "a tune step takes exactly one stage step; none is listed",
+        "add one of these steps to needs: data",
+    ),
+    Case(
+        "step needed twice",
+        "needs: [search]",
+        "needs: [search, search]",
+        "steps.check.needs[1]",
+        "step 'search' is needed twice",
+        "remove the second 'search'",
+    ),
+    Case(
+        "entrypoint that does not exist",
+        "with: {entrypoint: tests/fixtures/specs/dummy_train.py, top_k: 3",
+        "with: {entrypoint: tests/fixtures/specs/no_such_eval.py, top_k: 3",
+        "steps.check.with.entrypoint",
+        f"entrypoint 'tests/fixtures/specs/no_such_eval.py' does not exist (looked for {REPO}/tests/",
+        f"a relative path resolves against {REPO}",
+    ),
+    # --- the document itself
+    Case(
+        "YAML syntax error",
+        "num_trials: 16",
+        "num_trials: 16: 17",
+        "",
+        "YAML syntax error: mapping values are not allowed here",
+        "check the indentation",
+    ),
+]
+
+
+def line_of(text: str, fragment: str) -> int:
+    """1-based line of the first line of ``text`` that contains ``fragment``'s first line."""
+    first = fragment.strip("\n").splitlines()[0]
+    return next(number for number, line in enumerate(text.splitlines(), 1) if first in line)
+
+
+def load_broken(tmp_path: Path, text: str, overrides: tuple[str, ...] = ()) -> tuple[Path, SpecError]:
+    spec_file = tmp_path / "pipeline.yaml"
+    spec_file.write_text(text)
+    with pytest.raises(SpecError) as caught:
+        load_spec(spec_file, overrides, base_dir=REPO)
+    return spec_file, caught.value
+
+
+def the_issue(error: SpecError, path: str) -> SpecIssue:
+    found = [issue for issue in error.issues if issue.path == path]
+    assert found, f"no issue at {path!r}; got:\n{error}"
+    return found[0]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
+def test_error_names_file_line_path_and_fix(tmp_path: Path, case: Case) -> None:
+    assert case.old in VALID, "the edit must apply to the valid fixture"
+    text = VALID.replace(case.old, case.new, 1)
+    spec_file, error = load_broken(tmp_path, text)
+
+    issue = the_issue(error, case.path)
+    line = line_of(text, case.line_of or case.new or case.old)
+    rendered = str(error)
+    assert f"{spec_file}:{line}: {case.path or '<root>'}: " in rendered
+    assert issue.line == line
+    assert case.message in issue.message
+    assert case.fix in issue.fix
+    assert f"    fix: {issue.fix}" in rendered
+    # What pydantic would show and a user never should: its URL, its tags, its wording.
+    for leak in ("pydantic", "Input should", ".tune.", ".local.", "; fix:"):
+        assert leak not in rendered
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "message", "fix"),
+    [
+        ("", 1, "the spec is empty", "examples/digits/pipeline.yaml"),
+        ("# only a comment\n", 1, "the spec is empty", "declare name, tracking, launcher and steps"),
+        ("\n- a\n- b\n", 2, "expected a mapping at the top (name:, tracking:, steps:), got a list", "top"),
+        ("name: x\n  bad: indent\n", 2, "YAML syntax error", "on line 2"),
+    ],
+    ids=["empty", "comment only", "not a mapping", "bad indentation"],
+)
+def test_unusable_document(tmp_path: Path, text: str, line: int, message: str, fix: str) -> None:
+    spec_file, error = load_broken(tmp_path, text)
+    [issue] = error.issues
+    assert (issue.line, issue.path) == (line, "")
+    assert message in issue.message
+    assert fix in issue.fix
+    assert f"{spec_file}:{line}: <root>: " in str(error)
+
+
+def test_missing_file_is_a_spec_error(tmp_path: Path) -> None:
+    with pytest.raises(SpecError) as caught:
+        load_spec(tmp_path / "nope.yaml")
+    assert f"file not found (looked for {tmp_path / 'nope.yaml'})" in str(caught.value)
+
+
+def test_every_issue_is_reported_in_file_order(tmp_path: Path) -> None:
+    text = (
+        VALID.replace("direction: maximize", "direction: max")
+        .replace("num_trials: 16", "num_trials: ten")
+        .replace("launcher: {kind: local}", "launcher: {kind: local, bogus: 1}")
+    )
+    _, error = load_broken(tmp_path, text)
+    assert [issue.path for issue in error.issues] == [
+        "launcher.bogus",
+        "steps.search.with.study.direction",
+        "steps.search.with.num_trials",
+    ]
+    assert "(3 errors)" in str(error)
+
+
+def test_every_connection_problem_is_reported(tmp_path: Path) -> None:
+    text = (
+        VALID.replace("needs: [search]", "needs: [search, search]")
+        .replace("needs: [check]", "needs: [chek]")
+        .replace("entrypoint: tests/fixtures/specs/dummy_train.py", "entrypoint: missing.py", 1)
+    )
+    _, error = load_broken(tmp_path, text)
+    assert {issue.path for issue in error.issues} == {
+        "steps.check.needs[1]",
+        "steps.promote.needs[0]",
+        "steps.search.with.train.entrypoint",
+    }
+
+
+# ---------------------------------------------------------------------------------------------- --set
+
+
+@pytest.mark.parametrize(
+    ("override", "read_back"),
+    [
+        ("steps.search.with.num_trials=40", lambda spec: spec.steps["search"].with_.num_trials == 40),
+        ("steps.search.with.seed=7", lambda spec: spec.steps["search"].with_.seed == 7),
+        ("launcher.root=/tmp/shared", lambda spec: spec.launcher.root == "/tmp/shared"),
+        ("steps.search.with.sampler=random", lambda spec: spec.steps["search"].with_.sampler == "random"),
+        (
+            "steps.search.with.train.resources={num_nodes: 2, procs_per_node: 4}",
+            lambda spec: spec.steps["search"].with_.train.resources.num_nodes == 2,
+        ),
+    ],
+)
+def test_override_changes_the_value(override: str, read_back: Callable[[PipelineSpec], bool]) -> None:
+    spec = parse_spec(VALID, "valid.yaml", [override], base_dir=REPO)
+    assert read_back(spec)
+    assert parse_spec(VALID, "valid.yaml", base_dir=REPO) != spec
+
+
+def test_override_creates_missing_mappings() -> None:
+    spec = parse_spec(
+        VALID,
+        "valid.yaml",
+        ["steps.extra.uses=stage", "steps.extra.with.source=/data", "steps.extra.with.target=/shared"],
+        base_dir=REPO,
+    )
+    assert spec.steps["extra"].uses == "stage"
+
+
+@pytest.mark.parametrize(
+    ("override", "path", "message"),
+    [
+        ("steps.search.with.num_trials=ten", "steps.search.with.num_trials", "expected an integer"),
+        ("steps.check.needs=[nope]", "steps.check.needs[0]", "unknown step 'nope'"),
+        ("steps.search.with.bogus=1", "steps.search.with.bogus", "unknown key 'bogus'"),
+        ("steps.search.with.space={a: {type: int, low: x, high: 1}}", "steps.search.with.space.a.low", "'x'"),
+        ("steps.new.uses=stage", "steps.new.with", "missing required key 'with'"),
+        ("steps.search.with.num_trials", "steps.search.with.num_trials", "malformed override"),
+        ("=3", "", "malformed override"),
+        ("name.first=x", "name.first", "the path goes through name, which is 'digits-hpo', not a mapping"),
+        ("name=[unclosed", "name", "the value is not valid YAML"),
+    ],
+)
+def test_problem_from_an_override_is_located_by_the_override(
+    tmp_path: Path, override: str, path: str, message: str
+) -> None:
+    spec_file, error = load_broken(tmp_path, VALID, (override,))
+    issue = the_issue(error, path)
+    assert isinstance(issue, OverrideIssue)
+    assert issue.line is None
+    assert message in issue.message
+    assert issue.fix
+    assert f"--set {override}: {path or '<root>'}: {issue.message}" in str(error)
+    assert f"{spec_file}:" not in str(error)
+
+
+def test_file_and_override_problems_keep_their_own_locations(tmp_path: Path) -> None:
+    text = VALID.replace("direction: maximize", "direction: max")
+    spec_file, error = load_broken(tmp_path, text, ("steps.search.with.num_parallel=-1",))
+    rendered = str(error)
+    assert f"{spec_file}:{line_of(text, 'direction: max')}: steps.search.with.study.direction" in rendered
+    expected = "--set steps.search.with.num_parallel=-1: steps.search.with.num_parallel: must be greater"
+    assert expected in rendered
+
+
+# ---------------------------------------------------------------------------------------------- files
+
+
+def test_entrypoints_resolve_against_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SpecError) as caught:
+        load_spec(VALID_PATH)
+    assert f"looked for {tmp_path}/tests/fixtures/specs/dummy_train.py" in str(caught.value)
+    assert load_spec(VALID_PATH, check_files=False).name == "digits-hpo"
+    assert load_spec(VALID_PATH, base_dir=REPO).name == "digits-hpo"
+
+
+# ---------------------------------------------------------------------------------------------- hash, dump
+
+
+def test_dump_round_trips_and_hash_ignores_layout() -> None:
+    spec = parse_spec(VALID, "valid.yaml", base_dir=REPO)
+    dumped = dump_spec(spec)
+    assert "with:" in dumped and "with_" not in dumped
+    assert "cancel_grace_s: 10.0" in dumped  # defaults are resolved
+    again = parse_spec(dumped, "dumped.yaml", base_dir=REPO)
+    assert again == spec
+    assert spec_hash(again) == spec_hash(spec)
+    assert len(spec_hash(spec)) == 64
+
+
+def test_hash_changes_with_meaning() -> None:
+    spec = parse_spec(VALID, "valid.yaml", base_dir=REPO)
+    changed = parse_spec(VALID, "valid.yaml", ["steps.search.with.num_trials=17"], base_dir=REPO)
+    assert spec_hash(changed) != spec_hash(spec)
