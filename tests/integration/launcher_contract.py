@@ -1,0 +1,190 @@
+"""The launcher contract, as one test class every backend runs (Optuna's storage-test style).
+
+A backend's test module subclasses ``LauncherContract`` and provides:
+
+- a ``launcher`` fixture: a fresh launcher whose jobs can run the scripts in ``tests/fixtures/jobs``
+  and see the test's ``tmp_path`` (a shared filesystem for a cluster backend);
+- ``restart(launcher)``: a new launcher object for the same backend and root, standing in for an
+  orchestrator that restarted and lost every handle;
+- ``kill_hard(handle)``: crash the job the way a node failure would (local: SIGKILL every process);
+  together with ``resume_after_crash`` (default: wait for the crashed job to end, then submit the
+  same job into the same job dir), which a backend that requeues by itself (Slurm) overrides.
+
+``leftover_processes`` reads the pids the ``hang.py`` fixture records, so it works for any backend
+whose jobs run on this machine; a remote backend overrides it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tunepod import runtime
+from tunepod.launch.base import JobHandle, JobSpec, JobState, Launcher, Resources, wait
+from tunepod.launch.paths import JobPaths
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+JOBS = REPO_ROOT / "tests" / "fixtures" / "jobs"
+# Bounds on how long a test waits for a job; they only stop a broken test from hanging, nothing is
+# asserted about speed.
+JOB_TIMEOUT_S = 90.0
+POLL_S = 0.05
+
+
+def fixture_job(
+    job_dir: Path, script: str, *args: str, procs: int = 1, resources: Resources | None = None
+) -> JobSpec:
+    """A job running ``tests/fixtures/jobs/<script>`` with the runtime contract pointing into ``job_dir``."""
+    pythonpath = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    paths = JobPaths(job_dir)
+    env = {
+        "PYTHONPATH": pythonpath,  # the fixtures import tunepod.runtime from this checkout
+        runtime.CHECKPOINT_DIR_ENV: str(paths.checkpoints),
+        runtime.RESULT_FILE_ENV: str(paths.result),
+        runtime.METRICS_FILE_ENV: str(paths.metrics),
+    }
+    return JobSpec(
+        name=job_dir.name,
+        entrypoint=JOBS / script,
+        job_dir=job_dir,
+        args=args,
+        env=env,
+        resources=resources or Resources(procs_per_node=procs),
+    )
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = JOB_TIMEOUT_S) -> None:
+    """Poll ``condition`` until it holds; fail the test naming ``what`` if it never does."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"gave up waiting for {what} after {timeout_s:.0f}s")
+        time.sleep(POLL_S)
+
+
+def finish(handle: JobHandle) -> JobState:
+    """The terminal state of ``handle``; fails the test with the job's logs if it never ends."""
+    state = wait(handle, poll_s=POLL_S, timeout_s=JOB_TIMEOUT_S)
+    if not state.is_terminal:
+        pytest.fail(f"job {handle.job_id} still {state} after {JOB_TIMEOUT_S:.0f}s; logs:\n{handle.logs()}")
+    return state
+
+
+def recorded_pids(pid_dir: Path) -> list[int]:
+    """Every pid the ``hang.py`` ranks recorded under ``pid_dir``."""
+    files = sorted(pid_dir.glob("rank-*.json"))
+    return [pid for file in files for pid in json.loads(file.read_text())["pids"]]
+
+
+def is_alive(pid: int) -> bool:
+    """Whether ``pid`` runs; a zombie (state Z) has exited and counts as dead."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return False
+    return stat[stat.rindex(b")") + 2 :].split()[0] not in (b"Z", b"X")
+
+
+class LauncherContract:
+    """What every launcher must do; see the module docstring for what a subclass provides."""
+
+    @pytest.fixture
+    def launcher(self) -> Launcher:
+        raise NotImplementedError("a backend's test class provides the launcher fixture")
+
+    def restart(self, launcher: Launcher) -> Launcher:
+        raise NotImplementedError
+
+    def kill_hard(self, handle: JobHandle) -> None:
+        raise NotImplementedError
+
+    def resume_after_crash(self, launcher: Launcher, job: JobSpec, crashed: JobHandle) -> JobHandle:
+        assert finish(crashed) is JobState.FAILED, crashed.logs()
+        return launcher.submit(job)
+
+    def leftover_processes(self, handle: JobHandle, pid_dir: Path) -> list[int]:
+        return [pid for pid in recorded_pids(pid_dir) if is_alive(pid)]
+
+    # ------------------------------------------------------------------------------------------ tests
+
+    def test_submit_runs_then_succeeds_with_result(self, launcher: Launcher, tmp_path: Path) -> None:
+        release = tmp_path / "release"
+        job = fixture_job(tmp_path / "job", "succeed.py", str(release), procs=2)
+        handle = launcher.submit(job)
+        assert handle.state() in (JobState.PENDING, JobState.RUNNING)
+        assert handle.state() in (JobState.PENDING, JobState.RUNNING)  # still: it waits for the release
+        release.touch()
+        assert finish(handle) is JobState.SUCCEEDED, handle.logs()
+        result = runtime.read_result(job.paths.result)
+        assert result is not None
+        assert result.metrics == {"world_size": 2.0}
+
+    def test_failing_job_is_failed_with_traceback_in_logs(self, launcher: Launcher, tmp_path: Path) -> None:
+        handle = launcher.submit(fixture_job(tmp_path / "job", "fail.py", "boom from the contract test"))
+        assert finish(handle) is JobState.FAILED
+        assert "ValueError: boom from the contract test" in handle.logs()
+
+    def test_cancel_stops_every_process(self, launcher: Launcher, tmp_path: Path) -> None:
+        pid_dir = tmp_path / "pids"
+        job = fixture_job(tmp_path / "job", "hang.py", str(pid_dir), procs=2)
+        handle = launcher.submit(job)
+        wait_until(lambda: len(list(pid_dir.glob("rank-*.json"))) == 2, "both ranks to start")
+        handle.cancel()
+        assert handle.state() is JobState.CANCELLED
+        assert self.leftover_processes(handle, pid_dir) == []
+        handle.cancel()  # idempotent
+        assert handle.state() is JobState.CANCELLED
+        assert not job.paths.result.exists()
+
+    def test_cancel_after_the_end_keeps_the_outcome(self, launcher: Launcher, tmp_path: Path) -> None:
+        handle = launcher.submit(fixture_job(tmp_path / "job", "succeed.py"))
+        assert finish(handle) is JobState.SUCCEEDED, handle.logs()
+        handle.cancel()
+        assert handle.state() is JobState.SUCCEEDED
+
+    def test_attach_after_restart_follows_to_success(self, launcher: Launcher, tmp_path: Path) -> None:
+        release = tmp_path / "release"
+        job = fixture_job(tmp_path / "job", "succeed.py", str(release))
+        submitted = launcher.submit(job)
+        attached = self.restart(launcher).attach(submitted.job_id, job.job_dir)
+        assert attached.job_id == submitted.job_id
+        assert attached.state() in (JobState.PENDING, JobState.RUNNING)
+        release.touch()
+        assert finish(attached) is JobState.SUCCEEDED, attached.logs()
+        assert runtime.read_result(job.paths.result) is not None
+
+    def test_attach_after_restart_can_cancel(self, launcher: Launcher, tmp_path: Path) -> None:
+        pid_dir = tmp_path / "pids"
+        job = fixture_job(tmp_path / "job", "hang.py", str(pid_dir))
+        submitted = launcher.submit(job)
+        wait_until(lambda: (pid_dir / "rank-0.json").exists(), "the rank to start")
+        attached = self.restart(launcher).attach(submitted.job_id, job.job_dir)
+        assert attached.state() is JobState.RUNNING
+        attached.cancel()
+        assert attached.state() is JobState.CANCELLED
+        assert submitted.state() is JobState.CANCELLED
+        assert self.leftover_processes(attached, pid_dir) == []
+
+    def test_resubmit_after_crash_resumes_from_checkpoint(self, launcher: Launcher, tmp_path: Path) -> None:
+        num_steps, pause_at = 5, 2
+        job = fixture_job(tmp_path / "job", "count.py", str(num_steps), str(pause_at))
+        crashed = launcher.submit(job)
+
+        def paused() -> bool:
+            latest = runtime.latest_checkpoint(job.paths.checkpoints)
+            return latest is not None and latest.step == pause_at
+
+        wait_until(paused, f"checkpoint step {pause_at}")
+        self.kill_hard(crashed)
+        resumed = self.resume_after_crash(launcher, job, crashed)
+        assert finish(resumed) is JobState.SUCCEEDED, resumed.logs()
+        result = runtime.read_result(job.paths.result)
+        assert result is not None
+        assert result.metrics == {"resumed_from": pause_at + 1, "count": num_steps}
+        steps = [report.step for report in runtime.read_reports(job.paths.metrics)]
+        assert steps == list(range(num_steps))  # each step reported once: no step redone, none skipped

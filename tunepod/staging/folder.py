@@ -1,0 +1,318 @@
+"""Mirror a folder into another one, copying only what changed, with a manifest of what tunepod put there.
+
+The manifest ``<target>/.tunepod-manifest.json`` maps each relative path to the ``size``, ``sha256``
+and ``mtime_ns`` of the source file that was staged. It is what makes a restage cheap and safe:
+
+- a source file whose (size, mtime_ns) match its entry is not hashed again;
+- a staged copy counts as intact when its size and mtime match the entry (each copy gets the
+  source's mtime), so an intact copy of an unchanged file is neither read nor copied;
+- a file deleted from the source is removed from the target only if the manifest lists it and its
+  copy is intact: files someone else put in the target, or edited there, are never deleted.
+
+Every copy is written to ``.<name>.tunepod-partial`` next to its final name, fsynced, then renamed
+over it, so an interrupted run never leaves half a file under a final name. The manifest is written
+(atomically) after the copies it describes; a run that fails part-way still records the copies that
+completed, so the next run resumes instead of starting over. One stager per target at a time: a lock
+file in the target serializes concurrent runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import stat
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tunepod.errors import TunepodError
+from tunepod.runtime.files import sha256_of, write_bytes_atomic
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_NAME = ".tunepod-manifest.json"
+LOCK_NAME = ".tunepod-manifest.lock"
+PARTIAL_SUFFIX = ".tunepod-partial"
+_MANIFEST_VERSION = 1
+_CHUNK_BYTES = 4 << 20
+
+
+class StageReport(BaseModel):
+    """What one ``stage_folder`` run found and did."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    target: Path = Field(description="The staged folder.")
+    num_files: int = Field(description="Files in the source, all now mirrored in the target.")
+    num_bytes: int = Field(description="Their total size.")
+    copied_files: int = Field(description="Files this run copied (new or changed).")
+    copied_bytes: int = Field(description="Bytes this run copied.")
+    removed_files: int = Field(description="Staged files removed because they left the source.")
+    seconds: float = Field(description="Wall-clock duration of the run.")
+
+
+@dataclass(frozen=True)
+class ManifestEntry:
+    """A staged file: the source's size, content hash and modification time when it was staged."""
+
+    size: int
+    sha256: str
+    mtime_ns: int
+
+    def describes(self, info: os.stat_result) -> bool:
+        """Whether a file with ``info`` has this entry's size and mtime (cheap proxy for its content)."""
+        return info.st_size == self.size and info.st_mtime_ns == self.mtime_ns
+
+
+Manifest = dict[str, ManifestEntry]
+
+
+@dataclass(frozen=True)
+class _FileTask:
+    rel: str
+    source: Path
+    target: Path
+    info: os.stat_result
+    previous: ManifestEntry | None
+
+
+@dataclass(frozen=True)
+class _Synced:
+    entry: ManifestEntry
+    copied: bool
+
+
+def stage_folder(source: Path, target: Path, *, workers: int = 4) -> StageReport:
+    """Mirror the files of ``source`` into ``target`` (see the module docstring for the rules).
+
+    Raises ``TunepodError`` for a missing source, a source that is not a folder, a target inside the
+    source, and for a copy that failed (after recording the copies that completed). Empty folders and
+    non-regular files (sockets, fifos, symlinked folders) are not mirrored.
+    """
+    started = time.monotonic()
+    source, target = _checked_folders(source, target)
+    target.mkdir(parents=True, exist_ok=True)
+    with _exclusive(target / LOCK_NAME):
+        previous = read_manifest(target)
+        tasks = [_task(source, target, rel, info, previous.get(rel)) for rel, info in _source_files(source)]
+        synced = _sync_all(tasks, previous, target, workers)
+        removed = _remove_deleted(target, previous, {task.rel for task in tasks})
+        write_manifest(target, {rel: result.entry for rel, result in synced.items()})
+    copied = [result.entry.size for result in synced.values() if result.copied]
+    report = StageReport(
+        target=target,
+        num_files=len(tasks),
+        num_bytes=sum(task.info.st_size for task in tasks),
+        copied_files=len(copied),
+        copied_bytes=sum(copied),
+        removed_files=removed,
+        seconds=time.monotonic() - started,
+    )
+    logger.info("staged %s -> %s: %s", source, target, report)
+    return report
+
+
+def read_manifest(target: Path) -> Manifest:
+    """The manifest of ``target``; empty when there is none or it is unreadable (nothing is then
+    deleted, and copies are verified by content before being trusted again)."""
+    path = target / MANIFEST_NAME
+    try:
+        files = json.loads(path.read_text(encoding="utf-8"))["files"]
+        return {rel: ManifestEntry(**entry) for rel, entry in files.items()}
+    except FileNotFoundError:
+        return {}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        logger.warning("ignoring unreadable staging manifest %s (%s); verifying every file", path, exc)
+        return {}
+
+
+def write_manifest(target: Path, manifest: Manifest) -> None:
+    """Replace the manifest of ``target`` atomically."""
+    files = {rel: asdict(manifest[rel]) for rel in sorted(manifest)}
+    data = json.dumps({"version": _MANIFEST_VERSION, "files": files}, indent=1) + "\n"
+    write_bytes_atomic(target / MANIFEST_NAME, data.encode("utf-8"))
+
+
+def _checked_folders(source: Path, target: Path) -> tuple[Path, Path]:
+    source, target = source.expanduser().resolve(), target.expanduser().resolve()
+    if not source.exists():
+        raise TunepodError(
+            f"cannot stage {source}: it does not exist; fix: point the source at an existing folder"
+        )
+    if not source.is_dir():
+        raise TunepodError(
+            f"cannot stage {source}: it is a file, not a folder; fix: point the source at its folder"
+        )
+    if target == source or source in target.parents:
+        raise TunepodError(
+            f"cannot stage {source} into {target}: the target is inside the source, so staging would copy "
+            "into the folder it reads; fix: choose a target outside the source"
+        )
+    if target.exists() and not target.is_dir():
+        raise TunepodError(f"cannot stage into {target}: it is a file; fix: choose a folder as the target")
+    return source, target
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    with open(lock_path, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError as exc:  # some network filesystems have no flock; staging still works alone
+            logger.warning("cannot lock %s (%s); do not stage into this folder twice at once", lock_path, exc)
+        yield
+
+
+def _is_reserved(rel: str) -> bool:
+    # A staged folder used as a source holds our own bookkeeping files: never mirror those.
+    return rel in (MANIFEST_NAME, LOCK_NAME) or rel.endswith(PARTIAL_SUFFIX)
+
+
+def _source_files(source: Path) -> Iterator[tuple[str, os.stat_result]]:
+    """(relative posix path, stat) of every regular file under ``source``, symlinks to files followed."""
+    for folder, subfolders, names in os.walk(source):
+        for name in subfolders:
+            if os.path.islink(os.path.join(folder, name)):
+                logger.warning("staging skips %s: a symlink to a folder", os.path.join(folder, name))
+        for name in sorted(names):
+            path = Path(folder, name)
+            rel = path.relative_to(source).as_posix()
+            info = _stat_or_none(path)
+            if info is None or not stat.S_ISREG(info.st_mode):
+                logger.warning("staging skips %s: not a regular file (or a broken symlink)", path)
+            elif not _is_reserved(rel):
+                yield rel, info
+
+
+def _stat_or_none(path: Path) -> os.stat_result | None:
+    try:
+        return path.stat()
+    except FileNotFoundError:
+        return None
+
+
+def _task(
+    source: Path, target: Path, rel: str, info: os.stat_result, previous: ManifestEntry | None
+) -> _FileTask:
+    return _FileTask(rel=rel, source=source / rel, target=target / rel, info=info, previous=previous)
+
+
+def _sync_all(tasks: list[_FileTask], previous: Manifest, target: Path, workers: int) -> dict[str, _Synced]:
+    """Sync every file, ``workers`` at a time. On the first failure, stop starting new ones, record
+    what completed in the manifest and raise ``TunepodError`` naming the file that failed."""
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tunepod-stage") as pool:
+        futures = {pool.submit(_sync_file, task): task for task in tasks}
+        for future in as_completed(futures):
+            if future.exception() is not None:
+                for pending in futures:
+                    pending.cancel()
+                break
+    # Leaving the pool waited for the copies in flight: every future is now cancelled or done.
+    synced = {task.rel: future.result() for future, task in futures.items() if _succeeded(future)}
+    failed = next(((future, task) for future, task in futures.items() if _failed(future)), None)
+    if failed is not None:
+        future, task = failed
+        write_manifest(target, {**previous, **{rel: result.entry for rel, result in synced.items()}})
+        exc = future.exception()
+        if not isinstance(exc, Exception):
+            future.result()  # re-raises a KeyboardInterrupt or the like as it was: not ours to rephrase
+        raise TunepodError(
+            f"staging into {target} failed on {task.rel}: {exc}; {len(synced)} of {len(tasks)} files are "
+            "staged and recorded, run the stage again to finish"
+        ) from exc
+    return synced
+
+
+def _succeeded(future: Future[_Synced]) -> bool:
+    return future.done() and not future.cancelled() and future.exception() is None
+
+
+def _failed(future: Future[_Synced]) -> bool:
+    return future.done() and not future.cancelled() and future.exception() is not None
+
+
+def _sync_file(task: _FileTask) -> _Synced:
+    """Make ``task.target`` hold ``task.source``'s bytes, copying only when the content differs."""
+    info, previous = task.info, task.previous
+    target_info = _stat_or_none(task.target)
+    if previous is not None and target_info is not None and previous.describes(target_info):
+        if previous.describes(info):
+            return _Synced(previous, copied=False)  # unchanged since staged: no read at all
+        sha256 = sha256_of(task.source)
+        if sha256 == previous.sha256:  # touched, same bytes
+            return _Synced(_adopt(task, sha256), copied=False)
+    elif previous is None and target_info is not None and target_info.st_size == info.st_size:
+        # No record (a first stage, or a run killed before writing its manifest): trust the copy
+        # only after comparing contents.
+        sha256 = sha256_of(task.source)
+        if sha256_of(task.target) == sha256:
+            return _Synced(_adopt(task, sha256), copied=False)
+    return _Synced(ManifestEntry(info.st_size, _copy_atomic(task), info.st_mtime_ns), copied=True)
+
+
+def _adopt(task: _FileTask, sha256: str) -> ManifestEntry:
+    """Record an existing copy with the right content: give it the source's mtime, as a copy gets."""
+    os.utime(task.target, ns=(task.info.st_atime_ns, task.info.st_mtime_ns))
+    return ManifestEntry(task.info.st_size, sha256, task.info.st_mtime_ns)
+
+
+def _copy_atomic(task: _FileTask) -> str:
+    """Copy through a partial file that is fsynced, then renamed over the target; returns the sha256
+    of the bytes copied. The partial file is removed if anything fails."""
+    partial = task.target.with_name(f".{task.target.name}{PARTIAL_SUFFIX}")
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    try:
+        with open(task.source, "rb") as src, open(partial, "wb") as dst:
+            _copy_stream(src, dst, digest)
+            dst.flush()
+            os.fsync(dst.fileno())
+        os.chmod(partial, stat.S_IMODE(task.info.st_mode))
+        os.utime(partial, ns=(task.info.st_atime_ns, task.info.st_mtime_ns))
+        os.replace(partial, task.target)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    return digest.hexdigest()
+
+
+def _copy_stream(src: BinaryIO, dst: BinaryIO, digest: hashlib._Hash) -> None:
+    """Copy ``src`` to ``dst`` in chunks, hashing what is read (one read serves both)."""
+    while chunk := src.read(_CHUNK_BYTES):
+        digest.update(chunk)
+        dst.write(chunk)
+
+
+def _remove_deleted(target: Path, previous: Manifest, current: set[str]) -> int:
+    """Remove intact staged copies of files that left the source; returns how many were removed."""
+    removed = 0
+    for rel in sorted(set(previous) - current):
+        path = target / rel
+        info = _stat_or_none(path)
+        if info is None:
+            continue
+        if not previous[rel].describes(info):
+            logger.warning("staging leaves %s: it left the source but was changed in the target", path)
+            continue
+        path.unlink()
+        removed += 1
+        _remove_empty_parents(path.parent, target)
+    return removed
+
+
+def _remove_empty_parents(folder: Path, stop: Path) -> None:
+    while folder != stop:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (or already gone): stop climbing
+            return
+        folder = folder.parent
