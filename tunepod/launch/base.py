@@ -43,10 +43,14 @@ class Resources(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     num_nodes: int = Field(1, ge=1, description="Machines the job spans.")
-    procs_per_node: int = Field(1, ge=1, description="Training processes per machine (torchrun --nproc-per-node).")
+    procs_per_node: int = Field(
+        1, ge=1, description="Training processes per machine (torchrun --nproc-per-node)."
+    )
     gpus_per_node: int = Field(0, ge=0, description="Accelerators per machine; 0 runs on CPU.")
     instance_type: str | None = Field(None, description="Cloud instance type (SageMaker, HyperPod).")
-    timeout_min: float | None = Field(None, gt=0, description="Wall-clock limit; the job is cancelled after it.")
+    timeout_min: float | None = Field(
+        None, gt=0, description="Wall-clock limit; the job is cancelled after it."
+    )
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,32 @@
+# Everything a fresh machine needs: `make demo` runs the digits pipeline, `make test` the test suite.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+SPEC ?= examples/digits/pipeline.yaml
+
+.PHONY: venv demo test lint bench-overhead clean
+
+# torch==2.13.0 first: it is the CPU build; a bare `torch` requirement could pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: venv
+	$(VENV)/bin/tunepod run $(SPEC)
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+test: lint
+	$(VENV)/bin/pytest
+
+bench-overhead: venv
+	$(PY) benchmarks/overhead.py
+
+clean:
+	rm -rf .tunepod

@@ -1,0 +1,1 @@
+"""Prefect flows. Deployments point at ``flows/pipeline.py:pipeline``."""

@@ -1,0 +1,76 @@
+"""The one flow that runs any pipeline spec: each step a task, independent steps concurrently.
+
+tunepod run examples/digits/pipeline.yaml            # through the CLI
+python -m flows.pipeline examples/digits/pipeline.yaml
+"""
+
+from __future__ import annotations
+
+import sys
+
+from prefect import flow
+from prefect.artifacts import create_link_artifact, create_table_artifact
+from prefect.futures import PrefectFuture
+from prefect.runtime import flow_run
+
+from tasks.steps import run_step
+from tunepod.outputs import StepOutput
+from tunepod.pipeline import PipelineRun, PipelineSummary
+
+
+@flow(name="tunepod-pipeline", flow_run_name="{spec_path}", log_prints=True)
+def pipeline(spec_path: str, overrides: list[str] | None = None) -> PipelineSummary:
+    """Run the pipeline declared in ``spec_path``; ``overrides`` are ``dotted.path=value`` settings."""
+    run = PipelineRun.start(
+        spec_path,
+        overrides,
+        tags={"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_url": _ui_url()},
+    )
+    futures: dict[str, PrefectFuture[StepOutput]] = {}
+    try:
+        for name in run.dag.order:
+            needs = run.spec.steps[name].needs
+            inputs = {need: futures[need] for need in needs}
+            futures[name] = run_step.with_options(
+                name=name, task_run_name=name, tags=[run.spec.steps[name].uses]
+            ).submit(run, name, inputs)  # type: ignore[arg-type]  # Prefect resolves the futures
+        outputs = {name: future.result() for name, future in futures.items()}
+    except BaseException:
+        run.finish(ok=False)
+        raise
+    run.finish(ok=True)
+    summary = run.summary(outputs)
+    _publish(summary)
+    return summary
+
+
+def _publish(summary: PipelineSummary) -> None:
+    """The trial table and a link to the MLflow run, as Prefect artifacts on the flow run."""
+    rows = [
+        {
+            "trial": t.number,
+            "outcome": t.outcome,
+            "value": t.value,
+            **{k: str(v) for k, v in t.params.items()},
+        }
+        for t in summary.trials
+    ]
+    if rows:
+        create_table_artifact(
+            rows, key="trials", description=f"Trials of {summary.pipeline} ({summary.metric})"
+        )
+    create_link_artifact(
+        summary.run_url,
+        link_text="MLflow pipeline run",
+        key="mlflow-run",
+        description=f"Open it with: {summary.mlflow_ui_command}",
+    )
+
+
+def _ui_url() -> str:
+    url = flow_run.ui_url
+    return str(url) if url else ""
+
+
+if __name__ == "__main__":
+    pipeline(sys.argv[1], sys.argv[2:])

@@ -1,0 +1,224 @@
+"""The tuning loop against real components: torchrun jobs on the local launcher, a journal (or SQLite)
+Optuna storage, and an MLflow SQLite store. Prefect is not involved here (see tests/e2e)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+from mlflow import MlflowClient
+
+from tunepod.errors import JobError
+from tunepod.hpo.study import make_storage
+from tunepod.hpo.tuner import ATTR_JOB_ID, TuneContext, Tuner, require_completed
+from tunepod.launch.local import LocalLauncher
+from tunepod.outputs import Dataset
+from tunepod.spec.models import TuneSettings
+from tunepod.tracking import MlflowTracker
+
+TRAINER = Path(__file__).resolve().parents[1] / "fixtures" / "trainers" / "quadratic.py"
+
+
+def settings(tmp_path: Path, **overrides: Any) -> TuneSettings:
+    raw: dict[str, Any] = {
+        "train": {"entrypoint": str(TRAINER), "args": {"epochs": 3}},
+        "study": {"name": "quad", "storage": f"journal://{tmp_path}/optuna.log", "metric": "score"},
+        "space": {"x": {"type": "float", "low": 0.0, "high": 1.0}},
+        "num_trials": 4,
+        "num_parallel": 2,
+        "sampler": "random",
+        "seed": 1,
+        "poll_s": 0.2,
+    }
+    for key, value in overrides.items():
+        raw[key] = {**raw[key], **value} if isinstance(value, dict) and key in raw else value
+    return TuneSettings.model_validate(raw)
+
+
+def make_tuner(tmp_path: Path, tune: TuneSettings) -> Tuner:
+    tracker = MlflowTracker(f"sqlite:///{tmp_path}/mlflow.db", "tests")
+    parent = tracker.start_run("pipeline")
+    data = tmp_path / "data"
+    data.mkdir(exist_ok=True)
+    dataset = Dataset(source="test", path=str(data), num_files=0, num_bytes=0, copied_files=0, copied_bytes=0)
+    launcher = LocalLauncher(tmp_path / "shared", cancel_grace_s=5)
+    return Tuner(
+        TuneContext(
+            step="search",
+            settings=tune,
+            launcher=launcher,
+            dataset=dataset,
+            jobs_dir=tmp_path / "shared" / "jobs" / tune.study.name,
+            tracker=tracker,
+            parent_run_id=parent,
+        )
+    )
+
+
+def child_runs(tmp_path: Path, parent_run_id: str) -> list[Any]:
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    experiment = client.get_experiment_by_name("tests")
+    return list(
+        client.search_runs([experiment.experiment_id], f"tags.mlflow.parentRunId = '{parent_run_id}'")
+    )
+
+
+def starts(job_dir: str) -> int:
+    return len((Path(job_dir) / "starts.log").read_text().splitlines())
+
+
+def test_runs_all_trials_in_parallel_and_tracks_each(tmp_path: Path) -> None:
+    tuner = make_tuner(tmp_path, settings(tmp_path, train={"args": {"epochs": 3, "sleep_s": 0.5}}))
+    trials = tuner.run()
+
+    assert [t.number for t in trials.trials] == [0, 1, 2, 3]
+    assert all(t.outcome == "COMPLETE" for t in trials.trials)
+    # Two jobs were in flight together: some trial started before an earlier one had finished.
+    windows = sorted(
+        (
+            float(Path(t.job_dir, "starts.log").read_text().split()[0]),
+            Path(t.job_dir, "result.json").stat().st_mtime,
+        )
+        for t in trials.trials
+    )
+    assert any(later[0] < earlier[1] for earlier, later in itertools.pairwise(windows))
+    runs = child_runs(tmp_path, tuner.ctx.parent_run_id)
+    assert len(runs) == 4
+    for run in runs:
+        assert run.data.tags["tunepod.state"] == "COMPLETE"
+        assert run.data.tags["tunepod.job_id"].startswith("local-")
+        assert "x" in run.data.params
+        assert run.info.status == "FINISHED"
+    history = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_metric_history(runs[0].info.run_id, "score")
+    assert {m.step for m in history} >= {0, 1, 2}
+    best = trials.best(1)[0]
+    assert best.model_id is not None
+    assert best.value == max(t.value for t in trials.trials if t.value is not None)
+
+
+def test_rerun_resumes_the_study_and_runs_nothing_twice(tmp_path: Path) -> None:
+    first = make_tuner(tmp_path, settings(tmp_path, num_trials=2)).run()
+    second = make_tuner(tmp_path, settings(tmp_path, num_trials=3)).run()
+
+    assert [t.number for t in first.trials] == [0, 1]
+    assert [t.number for t in second.trials] == [0, 1, 2]
+    assert [starts(t.job_dir) for t in second.trials] == [1, 1, 1]
+    assert second.trials[0].run_id == first.trials[0].run_id
+
+
+def test_bad_trials_are_pruned_and_their_jobs_cancelled(tmp_path: Path) -> None:
+    tune = settings(
+        tmp_path,
+        train={"args": {"epochs": 8, "sleep_s": 0.4}},
+        num_trials=6,
+        num_parallel=2,
+        pruner={"kind": "median", "warmup_steps": 1},
+        space={"x": {"type": "categorical", "choices": [0.3, 3.0]}},
+        sampler="random",
+        seed=3,
+    )
+    tuner = make_tuner(tmp_path, tune)
+    tuner.study.enqueue_trial({"x": 0.3})
+    tuner.study.enqueue_trial({"x": 0.3})
+    trials = tuner.run()
+
+    pruned = [t for t in trials.trials if t.outcome == "PRUNED"]
+    assert pruned, [(t.number, t.params, t.outcome) for t in trials.trials]
+    for trial in pruned:
+        assert trial.params["x"] == 3.0
+        assert Path(trial.job_dir, "cancelled").exists()
+        assert not Path(trial.job_dir, "result.json").exists()
+        assert (trial.last_step or 0) < 7
+    runs = {r.data.tags["tunepod.trial"]: r for r in child_runs(tmp_path, tuner.ctx.parent_run_id)}
+    for trial in pruned:
+        assert runs[str(trial.number)].data.tags["tunepod.state"] == "PRUNED"
+        assert runs[str(trial.number)].info.status == "KILLED"
+    frozen = {t.number: t for t in tuner.study.get_trials()}
+    assert all(frozen[t.number].state == optuna.trial.TrialState.PRUNED for t in pruned)
+
+
+def test_a_failing_trial_is_recorded_with_its_log_tail(tmp_path: Path) -> None:
+    tune = settings(
+        tmp_path, num_trials=3, train={"args": {"epochs": 2, "fail_if_x_above": 0.5}}, sampler="random"
+    )
+    tuner = make_tuner(tmp_path, tune)
+    tuner.study.enqueue_trial({"x": 0.9})
+    trials = tuner.run()
+
+    failed = trials.trials[0]
+    assert failed.outcome == "FAIL"
+    assert failed.error is not None
+    assert "x=0.9 is above fail_if_x_above" in failed.error
+    assert "ended FAILED" in failed.error and "stderr.log" in failed.error
+    run = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(failed.run_id or "")
+    assert run.data.tags["tunepod.state"] == "FAIL"
+    assert run.info.status == "FAILED"
+
+
+def test_no_completed_trial_fails_the_step_with_the_first_error(tmp_path: Path) -> None:
+    tune = settings(tmp_path, num_trials=2, train={"args": {"fail_if_x_above": -1.0}})
+    trials = make_tuner(tmp_path, tune).run()
+    with pytest.raises(JobError, match="none of 2 trials completed") as raised:
+        require_completed(trials)
+    assert "fail_if_x_above" in str(raised.value)
+
+
+def test_sqlite_storage_works_too(tmp_path: Path) -> None:
+    tune = settings(tmp_path, num_trials=2, study={"storage": f"sqlite:///{tmp_path}/optuna.db"})
+    trials = make_tuner(tmp_path, tune).run()
+    assert [t.outcome for t in trials.trials] == ["COMPLETE", "COMPLETE"]
+    assert optuna.load_study(study_name="quad", storage=f"sqlite:///{tmp_path}/optuna.db").best_trial
+
+
+ORCHESTRATOR = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, {tests!r})
+    from integration.test_tuner import make_tuner, settings
+    tmp = Path({tmp!r})
+    make_tuner(tmp, settings(tmp, num_trials=3, train={{"args": {{"epochs": 6, "sleep_s": 0.5}}}})).run()
+    """
+)
+
+
+def test_orchestrator_killed_mid_study_reattaches_on_rerun(tmp_path: Path) -> None:
+    """SIGKILL the process running the study while trials run; the rerun re-attaches to the running
+    jobs (no second launch), and the study ends with exactly num_trials finished trials."""
+    script = ORCHESTRATOR.format(tests=str(Path(__file__).resolve().parents[1]), tmp=str(tmp_path))
+    orchestrator = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    journal = tmp_path / "optuna.log"
+    study = None
+    for _ in range(600):
+        if journal.exists():
+            study = optuna.load_study(study_name="quad", storage=make_storage(f"journal://{journal}"))
+            running = [t for t in study.get_trials() if ATTR_JOB_ID in t.user_attrs]
+            if len(running) >= 2:
+                break
+        subprocess.run(["sleep", "0.1"], check=True)
+    os.killpg(orchestrator.pid, signal.SIGKILL)  # the orchestrator only: the jobs have sessions of their own
+    orchestrator.wait()
+    assert study is not None
+    in_flight = {
+        t.number: t.user_attrs[ATTR_JOB_ID] for t in study.get_trials() if ATTR_JOB_ID in t.user_attrs
+    }
+
+    tuner = make_tuner(
+        tmp_path, settings(tmp_path, num_trials=3, train={"args": {"epochs": 6, "sleep_s": 0.5}})
+    )
+    trials = tuner.run()
+
+    assert len(trials.trials) == 3
+    assert all(t.outcome == "COMPLETE" for t in trials.trials)
+    for trial in trials.trials:
+        assert starts(trial.job_dir) == 1, f"trial {trial.number} was launched twice"
+        if trial.number in in_flight:
+            assert trial.job_id == in_flight[trial.number]

@@ -1,0 +1,145 @@
+"""The ``tunepod`` command line: check a spec, draw its DAG, run it.
+
+    tunepod validate examples/digits/pipeline.yaml --set steps.search.with.num_trials=40
+    tunepod graph examples/digits/pipeline.yaml > pipeline.mmd
+
+Exit codes: 0 success, 2 an invalid spec or a spec file that cannot be read (usage errors are 2 too,
+as in every click program). Error reports go to stderr, results to stdout.
+
+This module must import quickly (``tunepod --help`` should not wait seconds): heavy libraries (mlflow,
+optuna, torch, prefect) are imported inside the commands that need them, never at the top.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from tunepod.dag import Dag, build_dag
+from tunepod.errors import SpecError
+from tunepod.spec.loader import load_spec
+from tunepod.spec.models import PipelineSpec
+
+if TYPE_CHECKING:
+    from tunepod.pipeline import PipelineSummary
+
+EXIT_INVALID_SPEC = 2
+
+app = typer.Typer(
+    name="tunepod",
+    help="Declarative training pipelines: stage, tune, evaluate, register.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,
+)
+
+SpecArgument = Annotated[
+    Path,
+    typer.Argument(help="Pipeline spec (YAML). Paths inside it are relative to the current directory."),
+]
+SetOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--set",
+        help="Override a spec value before validation: dotted.path=value (value read as YAML). Repeatable.",
+        show_default=False,
+    ),
+]
+
+
+def _load(spec_path: Path, overrides: list[str] | None) -> tuple[PipelineSpec, Dag]:
+    """The validated spec and its DAG, or exit 2 after printing every issue to stderr."""
+    try:
+        spec = load_spec(spec_path, overrides or ())
+        return spec, build_dag(spec, source=str(spec_path))
+    except SpecError as exc:
+        _print_issues(exc)
+        raise typer.Exit(EXIT_INVALID_SPEC) from None
+
+
+def _print_issues(exc: SpecError) -> None:
+    # soft_wrap keeps each "file:line: path: message" on one line whatever the terminal width, and
+    # Text (not markup) keeps brackets such as needs[0] from being read as rich style tags.
+    console = Console(stderr=True, soft_wrap=True, highlight=False)
+    count = f"{len(exc.issues)} error{'s' if len(exc.issues) != 1 else ''}"
+    console.print(Text(f"invalid pipeline spec {exc.source} ({count}):", "bold red"))
+    for issue in exc.issues:
+        console.print(Text(issue.render(exc.source)))
+
+
+@app.command()
+def validate(spec: SpecArgument, set_: SetOption = None) -> None:
+    """Check a spec without running anything: models, DAG, entrypoint files. Exit 2 if it is invalid."""
+    pipeline, dag = _load(spec, set_)
+    summary = f"OK {spec}: pipeline {pipeline.name}, {len(dag.order)} steps in order: {', '.join(dag.order)}"
+    Console(soft_wrap=True, highlight=False).print(Text(summary, "green"))
+
+
+@app.command()
+def graph(spec: SpecArgument, set_: SetOption = None) -> None:
+    """Print the spec's DAG as Mermaid text (paste it into any Mermaid renderer, or a Markdown file)."""
+    _, dag = _load(spec, set_)
+    typer.echo(dag.to_mermaid(), nl=False)
+
+
+# ---------------------------------------------------------------------------------------------- run
+
+
+@app.command()
+def run(spec: SpecArgument, set_: SetOption = None) -> None:
+    """Run the pipeline as a Prefect flow and print a summary. Exit 2 for an invalid spec, 1 if it fails.
+
+    Without PREFECT_API_URL, Prefect starts a temporary local server for the run; point
+    PREFECT_API_URL at a server (`tunepod up`, or `prefect server start`) to keep the run's history.
+    """
+    _load(spec, set_)  # every spec error before Prefect's start-up cost
+    from flows.pipeline import pipeline  # Prefect is imported here only: it costs seconds
+
+    state = pipeline(str(spec), list(set_ or []), return_state=True)
+    if not state.is_completed():
+        Console(stderr=True, soft_wrap=True).print(Text(f"pipeline failed: {state.message}", "bold red"))
+        raise typer.Exit(1)
+    print_summary(state.result())
+
+
+def print_summary(summary: PipelineSummary) -> None:
+    console = Console(highlight=False)
+    table = Table(title=f"{summary.pipeline}: trials ({summary.metric})")
+    for column in ("trial", "outcome", "value", "params"):
+        table.add_column(column)
+    for row in summary.trials:
+        value = "" if row.value is None else f"{row.value:.4f}"
+        params = ", ".join(f"{k}={_short(v)}" for k, v in row.params.items())
+        table.add_row(str(row.number), row.outcome, value, params)
+    console.print(table)
+    console.print(
+        f"completed {summary.num_completed}, pruned {summary.num_pruned}, failed {summary.num_failed}"
+    )
+    if summary.best is not None:
+        console.print(
+            f"best: trial {summary.best.number} {summary.metric}={summary.best.value} {summary.best.params}"
+        )
+    for name, score in summary.evaluation.items():
+        console.print(f"evaluated {name}: {score:.4f}")
+    if summary.registration is not None:
+        reg = summary.registration
+        moved = "moved to it" if reg.alias_moved else f"stays on version {reg.previous_version}"
+        console.print(
+            f"registered {reg.model} version {reg.version} ({reg.metric}={reg.value:.4f}); "
+            f"alias {reg.alias} {moved}"
+        )
+    console.print(f"MLflow store: {summary.tracking_uri} (pipeline run {summary.run_id})")
+    console.print(f"Browse it:    {summary.mlflow_ui_command}  then open {summary.run_url}")
+
+
+def _short(value: object) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,1 @@
+"""Hyperparameter search: an Optuna study whose trials are training jobs on a launcher."""

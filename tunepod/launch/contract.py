@@ -1,0 +1,36 @@
+"""The environment the orchestrator hands a job: the training contract of ``tunepod.runtime``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+from tunepod import runtime
+from tunepod.launch.paths import JobPaths
+
+
+def contract_env(
+    paths: JobPaths,
+    *,
+    params: Mapping[str, object],
+    data_dir: Path | str,
+    trial: str,
+    checkpoint_dir: Path | None = None,
+    tracking_uri: str | None = None,
+    run_id: str | None = None,
+) -> dict[str, str]:
+    """Environment variables for one job. ``checkpoint_dir`` defaults to the job's own folder."""
+    env = {
+        runtime.PARAMS_ENV: json.dumps(dict(params), sort_keys=True),
+        runtime.DATA_DIR_ENV: str(data_dir),
+        runtime.CHECKPOINT_DIR_ENV: str(checkpoint_dir or paths.checkpoints),
+        runtime.RESULT_FILE_ENV: str(paths.result),
+        runtime.METRICS_FILE_ENV: str(paths.metrics),
+        runtime.TRIAL_ENV: trial,
+    }
+    if tracking_uri:
+        env[runtime.MLFLOW_TRACKING_URI_ENV] = tracking_uri
+    if run_id:
+        env[runtime.MLFLOW_RUN_ID_ENV] = run_id
+    return env

@@ -1,0 +1,101 @@
+"""The typed values steps hand to the steps that need them.
+
+They are plain pydantic models, so Prefect can pass them between tasks and a later process can read
+them back from JSON.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+TrialOutcome = Literal["COMPLETE", "PRUNED", "FAIL"]
+
+
+class Dataset(BaseModel):
+    """A dataset staged onto the shared filesystem (output of ``stage``)."""
+
+    source: str
+    path: str = Field(description="Absolute path on the shared filesystem.")
+    num_files: int
+    num_bytes: int
+    copied_files: int
+    copied_bytes: int
+
+
+class TrialRecord(BaseModel):
+    """One finished training job: a tune trial or a train step's single run."""
+
+    number: int
+    outcome: TrialOutcome
+    params: dict[str, object]
+    value: float | None = None
+    last_step: int | None = None
+    run_id: str | None = Field(None, description="The trial's MLflow child run.")
+    job_id: str | None = None
+    job_dir: str
+    checkpoint_dir: str
+    model_id: str | None = Field(None, description="MLflow logged model of the final checkpoint.")
+    error: str | None = None
+
+
+class TrialSet(BaseModel):
+    """The trials of a ``tune`` step (or the single run of a ``train`` step) with their data."""
+
+    step: str
+    study: str | None
+    metric: str
+    direction: Literal["maximize", "minimize"]
+    dataset: Dataset
+    trials: list[TrialRecord]
+
+    def completed(self) -> list[TrialRecord]:
+        return [t for t in self.trials if t.outcome == "COMPLETE"]
+
+    def best(self, k: int = 1) -> list[TrialRecord]:
+        """The ``k`` best completed trials, best first (ties by trial number; no value sorts last)."""
+        sign = -1.0 if self.direction == "maximize" else 1.0
+        return sorted(self.completed(), key=lambda t: (t.value is None, sign * (t.value or 0.0), t.number))[
+            :k
+        ]
+
+    def count(self, outcome: TrialOutcome) -> int:
+        return sum(1 for t in self.trials if t.outcome == outcome)
+
+
+class Candidate(BaseModel):
+    """One evaluated checkpoint."""
+
+    trial: TrialRecord
+    value: float
+    eval_job_dir: str
+
+
+class Evaluation(BaseModel):
+    """Output of ``evaluate``: the candidates, best first."""
+
+    step: str
+    metric: str
+    direction: Literal["maximize", "minimize"]
+    candidates: list[Candidate]
+
+    @property
+    def best(self) -> Candidate:
+        return self.candidates[0]
+
+
+class Registration(BaseModel):
+    """Output of ``register``: the version created and whether the alias moved to it."""
+
+    model: str
+    version: str
+    alias: str
+    alias_moved: bool
+    previous_version: str | None
+    previous_value: float | None
+    value: float
+    metric: str
+
+
+StepOutput = Dataset | TrialSet | Evaluation | Registration

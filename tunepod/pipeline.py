@@ -1,0 +1,155 @@
+"""A pipeline run: the spec, its DAG, the launcher, and the MLflow parent run its steps share.
+
+``flows/pipeline.py`` walks the DAG with Prefect and calls ``PipelineRun.run_step`` for each step;
+nothing here knows about Prefect, so the same run can be driven by any orchestrator (or a test).
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel
+
+from tunepod.dag import Dag, build_dag
+from tunepod.launch.base import Launcher
+from tunepod.launch.factory import make_launcher
+from tunepod.launch.paths import SharedRoot
+from tunepod.outputs import Evaluation, Registration, StepOutput, TrialSet
+from tunepod.spec.loader import dump_spec, load_spec, spec_hash
+from tunepod.spec.models import PipelineSpec
+from tunepod.steps import run_step
+from tunepod.tracking import MlflowTracker
+
+if TYPE_CHECKING:
+    from tunepod.hpo.tuner import TrialSubmitter
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MLFLOW_UI = "http://127.0.0.1:5000"
+
+
+@dataclass
+class PipelineRun:
+    """One run of one spec. Thread safe: steps running concurrently share it read-only."""
+
+    spec: PipelineSpec
+    source: str
+    dag: Dag
+    launcher: Launcher
+    shared: SharedRoot
+    tracker: MlflowTracker
+    run_id: str
+
+    @classmethod
+    def start(
+        cls,
+        spec_path: str | Path,
+        overrides: list[str] | None = None,
+        *,
+        tags: Mapping[str, str] | None = None,
+    ) -> PipelineRun:
+        """Validate the spec, then open the MLflow parent run (nothing starts for an invalid spec)."""
+        spec = load_spec(spec_path, overrides or [])
+        dag = build_dag(spec)
+        tracker = MlflowTracker(spec.tracking.uri, spec.tracking.experiment)
+        run_id = tracker.start_run(
+            spec.name,
+            tags={
+                "tunepod.pipeline": spec.name,
+                "tunepod.spec": str(spec_path),
+                "tunepod.spec_hash": spec_hash(spec),
+                "tunepod.overrides": " ".join(overrides or []),
+                "tunepod.git_sha": _git_sha(),
+                **(tags or {}),
+            },
+        )
+        tracker.log_text(run_id, dump_spec(spec), "spec.yaml")
+        shared = SharedRoot(Path(spec.launcher.root))
+        return cls(spec, str(spec_path), dag, make_launcher(spec.launcher), shared, tracker, run_id)
+
+    def run_step(
+        self, name: str, inputs: Mapping[str, StepOutput], *, submit_trial: TrialSubmitter | None = None
+    ) -> StepOutput:
+        """Run step ``name`` with the outputs of the steps it needs (keyed by step name)."""
+        log.info("step %s (%s) starting", name, self.spec.steps[name].uses)
+        return run_step(self, name, inputs, submit_trial=submit_trial)
+
+    def jobs_dir(self, *parts: str) -> Path:
+        """A folder for this run's own jobs (evaluation, a train step): fresh for every run."""
+        return self.shared.jobs_dir(self.spec.name).joinpath(self.run_id, *parts)
+
+    def finish(self, ok: bool) -> None:
+        self.tracker.end_run(self.run_id, "FINISHED" if ok else "FAILED")
+
+    def summary(self, outputs: Mapping[str, StepOutput]) -> PipelineSummary:
+        return PipelineSummary.of(self, outputs)
+
+
+class TrialRow(BaseModel):
+    number: int
+    outcome: str
+    value: float | None
+    params: dict[str, object]
+    run_id: str | None
+
+
+class PipelineSummary(BaseModel):
+    """What a finished run hands back to its caller (the CLI prints it; the flow returns it)."""
+
+    pipeline: str
+    run_id: str
+    tracking_uri: str
+    experiment_id: str
+    mlflow_ui_command: str
+    run_url: str
+    trials: list[TrialRow]
+    metric: str | None = None
+    num_completed: int = 0
+    num_pruned: int = 0
+    num_failed: int = 0
+    best: TrialRow | None = None
+    evaluation: dict[str, float] = {}
+    registration: Registration | None = None
+
+    @classmethod
+    def of(cls, run: PipelineRun, outputs: Mapping[str, StepOutput]) -> PipelineSummary:
+        trial_sets = [o for o in outputs.values() if isinstance(o, TrialSet)]
+        trials = [t for ts in trial_sets for t in ts.trials]
+        rows = [
+            TrialRow(number=t.number, outcome=t.outcome, value=t.value, params=t.params, run_id=t.run_id)
+            for t in trials
+        ]
+        best = trial_sets[0].best(1) if trial_sets else []
+        evaluations = [o for o in outputs.values() if isinstance(o, Evaluation)]
+        registrations = [o for o in outputs.values() if isinstance(o, Registration)]
+        return cls(
+            pipeline=run.spec.name,
+            run_id=run.run_id,
+            tracking_uri=run.tracker.tracking_uri,
+            experiment_id=run.tracker.experiment_id,
+            mlflow_ui_command=f"mlflow ui --backend-store-uri {run.tracker.tracking_uri}",
+            run_url=run.tracker.run_url(run.run_id, DEFAULT_MLFLOW_UI),
+            trials=rows,
+            metric=trial_sets[0].metric if trial_sets else None,
+            num_completed=sum(1 for t in trials if t.outcome == "COMPLETE"),
+            num_pruned=sum(1 for t in trials if t.outcome == "PRUNED"),
+            num_failed=sum(1 for t in trials if t.outcome == "FAIL"),
+            best=next((r for r in rows if best and r.number == best[0].number), None),
+            evaluation={f"trial-{c.trial.number}": c.value for e in evaluations for c in e.candidates},
+            registration=registrations[0] if registrations else None,
+        )
+
+
+def _git_sha() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return out.stdout.strip()

@@ -1,0 +1,42 @@
+"""``uses: tune`` -- an Optuna study over training jobs (see ``tunepod.hpo.tuner``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from tunepod.hpo.tuner import TrialSubmitter, TuneContext, Tuner, require_completed
+from tunepod.outputs import Dataset, StepOutput, TrialSet
+from tunepod.spec.models import TuneSettings
+from tunepod.steps import only_input
+
+if TYPE_CHECKING:
+    from tunepod.pipeline import PipelineRun
+
+
+def tuner(run: PipelineRun, name: str, settings: TuneSettings, inputs: Mapping[str, StepOutput]) -> Tuner:
+    return Tuner(
+        TuneContext(
+            step=name,
+            settings=settings,
+            launcher=run.launcher,
+            dataset=only_input(inputs, Dataset, name),
+            # Keyed by study, not by run: a rerun of the study resumes the same trial folders.
+            jobs_dir=run.shared.jobs_dir(settings.study.name),
+            tracker=run.tracker,
+            parent_run_id=run.run_id,
+        )
+    )
+
+
+def run(
+    run: PipelineRun,
+    name: str,
+    settings: TuneSettings,
+    inputs: Mapping[str, StepOutput],
+    *,
+    submit_trial: TrialSubmitter | None = None,
+) -> TrialSet:
+    trials = tuner(run, name, settings, inputs).run(submit_trial)
+    run.tracker.set_tags(run.run_id, {f"tunepod.{name}.study": settings.study.name})
+    return require_completed(trials)

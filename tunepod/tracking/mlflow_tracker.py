@@ -1,0 +1,167 @@
+"""``MlflowTracker``: the pipeline's whole MLflow vocabulary behind one small class."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from tunepod.errors import TunepodError
+from tunepod.runtime import Report
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+
+log = logging.getLogger(__name__)
+
+RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
+PARENT_TAG = "mlflow.parentRunId"
+TAG_PREFIX = "tunepod."
+# MLflow caps a param value at 6000 characters; longer values are cut rather than rejected.
+MAX_PARAM_CHARS = 6000
+
+
+def absolute_tracking_uri(uri: str) -> str:
+    """Jobs run in other directories (or on other machines): hand them an absolute SQLite path."""
+    if not uri.startswith("sqlite:///"):
+        return uri
+    return f"sqlite:///{Path(uri[len('sqlite:///') :]).expanduser().resolve()}"
+
+
+def artifact_root_for(tracking_uri: str, experiment: str) -> str | None:
+    """Keep artifacts beside a local SQLite store (not in ./mlruns of whatever directory we run in)."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return None  # a tracking server decides where artifacts go
+    db = Path(tracking_uri[len("sqlite:///") :]).expanduser().resolve()
+    return (db.parent / "mlartifacts" / experiment).as_uri()
+
+
+class MlflowTracker:
+    """Creates and updates the runs of one experiment. Thread safe: it holds no per-run state."""
+
+    def __init__(self, tracking_uri: str, experiment: str) -> None:
+        from mlflow import MlflowClient
+
+        tracking_uri = absolute_tracking_uri(tracking_uri)
+        if tracking_uri.startswith("sqlite:///"):
+            Path(tracking_uri[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)
+        self.tracking_uri = tracking_uri
+        self.client: MlflowClient = MlflowClient(tracking_uri)
+        self.experiment_id = self._experiment_id(experiment)
+
+    def _experiment_id(self, name: str) -> str:
+        found = self.client.get_experiment_by_name(name)
+        if found is not None:
+            if found.lifecycle_stage == "deleted":
+                raise TunepodError(
+                    f"MLflow experiment {name!r} is deleted in {self.tracking_uri}; fix: restore it "
+                    f"(mlflow experiments restore) or choose another tracking.experiment"
+                )
+            return str(found.experiment_id)
+        artifact_root = artifact_root_for(self.tracking_uri, name)
+        return str(self.client.create_experiment(name, artifact_location=artifact_root))
+
+    # ------------------------------------------------------------------------------------------ runs
+
+    def start_run(
+        self,
+        name: str,
+        *,
+        parent_run_id: str | None = None,
+        tags: Mapping[str, str] | None = None,
+        params: Mapping[str, object] | None = None,
+    ) -> str:
+        all_tags = dict(tags or {})
+        if parent_run_id:
+            all_tags[PARENT_TAG] = parent_run_id
+        run = self.client.create_run(self.experiment_id, run_name=name, tags=all_tags)
+        run_id = str(run.info.run_id)
+        if params:
+            self.log_params(run_id, params)
+        return run_id
+
+    def log_params(self, run_id: str, params: Mapping[str, object]) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(str(k), str(v)[:MAX_PARAM_CHARS]) for k, v in params.items()]
+        self.client.log_batch(run_id, params=items)
+
+    def set_tags(self, run_id: str, tags: Mapping[str, object]) -> None:
+        from mlflow.entities import RunTag
+
+        self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def log_reports(self, run_id: str, reports: Iterable[Report]) -> None:
+        """Mirror what a job reported into its run, one metric point per (key, step)."""
+        from mlflow.entities import Metric
+
+        points = [
+            Metric(key, float(value), int(report.time * 1000), report.step)
+            for report in reports
+            for key, value in report.metrics.items()
+            if math.isfinite(value)
+        ]
+        for start in range(0, len(points), 1000):  # log_batch takes at most 1000 metrics
+            self.client.log_batch(run_id, metrics=points[start : start + 1000])
+
+    def log_metric(self, run_id: str, key: str, value: float, *, model_id: str | None = None) -> None:
+        self.client.log_metric(run_id, key, value, timestamp=int(time.time() * 1000), model_id=model_id)
+
+    def log_text(self, run_id: str, text: str, artifact_file: str) -> None:
+        self.client.log_text(run_id, text, artifact_file)
+
+    def end_run(self, run_id: str, status: RunStatus) -> None:
+        self.client.set_terminated(run_id, status=status)
+
+    def find_runs(self, filter_string: str) -> list[Any]:
+        return list(self.client.search_runs([self.experiment_id], filter_string=filter_string))
+
+    def run_url(self, run_id: str, ui_url: str) -> str:
+        return f"{ui_url.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{run_id}"
+
+    # ------------------------------------------------------------------------------------------ models
+
+    def log_checkpoint_model(
+        self, run_id: str, checkpoint: Path, *, name: str, step: int, params: Mapping[str, object]
+    ) -> str:
+        """Log one checkpoint folder as an MLflow logged model of ``run_id``; returns its model id."""
+        model = self.client.create_logged_model(
+            self.experiment_id,
+            name=name,
+            source_run_id=run_id,
+            tags={f"{TAG_PREFIX}step": str(step), f"{TAG_PREFIX}checkpoint": str(checkpoint)},
+            params={str(k): str(v)[:MAX_PARAM_CHARS] for k, v in params.items()},
+        )
+        try:
+            self.client.log_model_artifacts(model.model_id, str(checkpoint))
+        except Exception:
+            self.client.finalize_logged_model(model.model_id, "FAILED")
+            raise
+        self.client.finalize_logged_model(model.model_id, "READY")
+        return str(model.model_id)
+
+    def register(self, model_id: str, name: str, tags: Mapping[str, str]) -> str:
+        """Create a new version of registered model ``name`` from a logged model; returns the version."""
+        import mlflow
+
+        mlflow.set_tracking_uri(self.tracking_uri)
+        version = mlflow.register_model(f"models:/{model_id}", name, tags=dict(tags))
+        return str(version.version)
+
+    def alias_holder(self, name: str, alias: str) -> tuple[str, dict[str, str]] | None:
+        """The version the alias points at and its tags, or None if there is no such alias (or model)."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            version = self.client.get_model_version_by_alias(name, alias)
+        except MlflowException as exc:
+            if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "NOT_FOUND"):
+                return None
+            raise
+        return str(version.version), dict(version.tags)
+
+    def set_alias(self, name: str, alias: str, version: str) -> None:
+        self.client.set_registered_model_alias(name, alias, version)
