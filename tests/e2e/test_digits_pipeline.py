@@ -46,17 +46,25 @@ def test_digits_pipeline_end_to_end(prefect_api: None, in_repo: Path, tmp_path: 
 
     version = client.get_model_version_by_alias("digits-mlp", "champion")
     assert summary.registration is not None
-    assert version.version == summary.registration.version
+    assert str(version.version) == summary.registration.version
     assert float(version.tags["tunepod.value"]) > 0.5
     assert summary.best is not None and summary.best.outcome == "COMPLETE"
     assert summary.evaluation
 
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
     with get_client(sync_client=True) as prefect:
         flow_run = prefect.read_flow_run(state.state_details.flow_run_id)
         task_runs = prefect.read_task_runs()
+        artifacts = prefect.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id]))
+        )
     assert flow_run.state is not None and flow_run.state.type.value == "COMPLETED"
     names = {t.name for t in task_runs if t.flow_run_id == flow_run.id}
     assert {"data", "search", "check", "promote"} <= names
     assert {f"trial-{n}" for n in range(4)} <= names
+    by_key = {a.key: a for a in artifacts}
+    assert {"trials", "mlflow-run"} <= set(by_key)
+    assert parent.info.run_id in str(by_key["mlflow-run"].data)
+    assert "trial" in str(by_key["trials"].data) and "COMPLETE" in str(by_key["trials"].data)

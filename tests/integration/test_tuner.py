@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ from tunepod.hpo.study import make_storage
 from tunepod.hpo.tuner import ATTR_JOB_ID, TuneContext, Tuner, require_completed
 from tunepod.launch.local import LocalLauncher
 from tunepod.outputs import Dataset
+from tunepod.runtime import latest_checkpoint, read_reports
 from tunepod.spec.models import TuneSettings
 from tunepod.tracking import MlflowTracker
 
@@ -94,6 +97,8 @@ def test_runs_all_trials_in_parallel_and_tracks_each(tmp_path: Path) -> None:
     assert len(runs) == 4
     for run in runs:
         assert run.data.tags["tunepod.state"] == "COMPLETE"
+        assert run.data.tags["tunepod.checkpoints"].startswith("file://")
+        assert "/checkpoints/step-" in run.data.tags["tunepod.checkpoints"]
         assert run.data.tags["tunepod.job_id"].startswith("local-")
         assert "x" in run.data.params
         assert run.info.status == "FINISHED"
@@ -222,3 +227,37 @@ def test_orchestrator_killed_mid_study_reattaches_on_rerun(tmp_path: Path) -> No
         assert starts(trial.job_dir) == 1, f"trial {trial.number} was launched twice"
         if trial.number in in_flight:
             assert trial.job_id == in_flight[trial.number]
+
+
+def test_a_killed_trial_job_restarts_and_resumes_from_its_last_checkpoint(tmp_path: Path) -> None:
+    """SIGKILL every process of a running trial: with max_restarts the trial's job starts again in
+    place and the training script resumes after its last checkpoint."""
+    tune = settings(
+        tmp_path,
+        num_trials=1,
+        num_parallel=1,
+        train={"args": {"epochs": 6, "sleep_s": 0.5}, "max_restarts": 1},
+    )
+    tuner = make_tuner(tmp_path, tune)
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(tuner.run)
+        checkpoints = tuner.ctx.jobs_dir / "trial-0" / "checkpoints"
+        while (info := latest_checkpoint(checkpoints)) is None or info.step < 1:
+            assert not running.done(), running.exception()
+            time.sleep(0.1)
+        job_id = tuner.study.trials[0].user_attrs[ATTR_JOB_ID]
+        job = tuner.ctx.launcher.attach(job_id, tuner.ctx.jobs_dir / "trial-0")
+        killed_after = latest_checkpoint(checkpoints)
+        for pid in job.pids():
+            os.kill(pid, signal.SIGKILL)
+        trials = running.result(timeout=120)
+
+    trial = trials.trials[0]
+    assert trial.outcome == "COMPLETE"
+    assert killed_after is not None
+    restarted_at = float(Path(trial.job_dir, "starts.log").read_text().split()[1])
+    resumed = [r for r in read_reports(Path(trial.job_dir, "metrics.jsonl")) if r.time > restarted_at]
+    # It may have checkpointed once more between our look and the kill, never less.
+    assert resumed[0].step in (killed_after.step + 1, killed_after.step + 2)
+    assert resumed[-1].step == 5
+    assert tuner.study.trials[0].user_attrs["tunepod_restarts"] == 1

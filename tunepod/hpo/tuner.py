@@ -27,7 +27,7 @@ from tunepod.launch.contract import contract_env
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.watch import failure_message, watch
 from tunepod.outputs import Dataset, TrialOutcome, TrialRecord, TrialSet
-from tunepod.runtime import Report, latest_checkpoint, read_result
+from tunepod.runtime import Report, latest_checkpoint, read_result, valid_checkpoints
 from tunepod.spec.models import TuneSettings
 from tunepod.tracking import MlflowTracker
 
@@ -39,6 +39,7 @@ ATTR_JOB_ID = "tunepod_job_id"
 ATTR_RUN_ID = "tunepod_mlflow_run_id"
 ATTR_ERROR = "tunepod_error"
 ATTR_MODEL_ID = "tunepod_model_id"
+ATTR_RESTARTS = "tunepod_restarts"
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 OUTCOME = {TrialState.COMPLETE: "COMPLETE", TrialState.PRUNED: "PRUNED", TrialState.FAIL: "FAIL"}
@@ -136,15 +137,22 @@ class Tuner:
             return self.settings.pruner.kind != "none" and optuna_trial.should_prune()
 
         last = max(frozen.intermediate_values, default=None)
-        result = watch(
-            handle,
-            poll_s=self.settings.poll_s,
-            on_reports=on_reports,
-            after_step=last,
-            timeout_s=_timeout_s(self.settings.train.resources.timeout_min),
-        )
+        while True:
+            result = watch(
+                handle,
+                poll_s=self.settings.poll_s,
+                on_reports=on_reports,
+                after_step=last,
+                timeout_s=_timeout_s(self.settings.train.resources.timeout_min),
+            )
+            last = result.last_step
+            if result.state is not JobState.FAILED or result.timed_out or not self._may_restart(number):
+                break
+            # The job died (a killed process, a lost node): start it again in the same job dir, where
+            # the training script resumes from its last checkpoint.
+            handle = self._resubmit(number, params, run_id)
         if result.stopped:
-            return self._prune(number, run_id, result.last_step)
+            return self._prune(number, run_id, result.last_step, handle.job_dir)
         if result.state is JobState.SUCCEEDED:
             return self._complete(number, run_id, handle, params)
         what = f"Trial {number} of study {self.settings.study.name}"
@@ -153,6 +161,29 @@ class Tuner:
         return self._fail(
             number, run_id, failure_message(what, handle, result.state, kind=self.ctx.launcher.kind)
         )
+
+    def _may_restart(self, number: int) -> bool:
+        """Count one restart of the trial's job against ``train.max_restarts``; False when used up."""
+        frozen = self._frozen(number)
+        restarts = int(frozen.user_attrs.get(ATTR_RESTARTS, 0))
+        if restarts >= self.settings.train.max_restarts:
+            return False
+        self.study._storage.set_trial_user_attr(frozen._trial_id, ATTR_RESTARTS, restarts + 1)
+        log.warning(
+            "trial %d: job failed; restart %d of %d", number, restarts + 1, self.settings.train.max_restarts
+        )
+        return True
+
+    def _resubmit(self, number: int, params: dict[str, object], run_id: str) -> JobHandle:
+        frozen = self._frozen(number)
+        job_dir = Path(frozen.user_attrs[ATTR_JOB_DIR])
+        handle = self.ctx.launcher.submit(self._job_spec(number, job_dir, params, run_id))
+        self.study._storage.set_trial_user_attr(frozen._trial_id, ATTR_JOB_ID, handle.job_id)
+        self.ctx.tracker.set_tags(
+            run_id,
+            {"tunepod.job_id": handle.job_id, "tunepod.restarts": frozen.user_attrs.get(ATTR_RESTARTS, 0)},
+        )
+        return handle
 
     def _trial_run(self, frozen: FrozenTrial, params: dict[str, object]) -> str:
         run_id = frozen.user_attrs.get(ATTR_RUN_ID)
@@ -186,10 +217,8 @@ class Tuner:
                 log.warning("trial %d: job %s ended while nobody watched; resuming it", frozen.number, job_id)
             except TunepodError as exc:
                 log.warning("trial %d: job %s is gone (%s); resuming it", frozen.number, job_id, exc)
-        handle = self.ctx.launcher.submit(self._job_spec(frozen.number, job_dir, params, run_id))
-        self.study._storage.set_trial_user_attr(frozen._trial_id, ATTR_JOB_ID, handle.job_id)
-        self.ctx.tracker.set_tags(run_id, {"tunepod.job_id": handle.job_id, "tunepod.job_dir": str(job_dir)})
-        return handle
+        self.ctx.tracker.set_tags(run_id, {"tunepod.job_dir": str(job_dir)})
+        return self._resubmit(frozen.number, params, run_id)
 
     def _job_spec(self, number: int, job_dir: Path, params: dict[str, object], run_id: str) -> JobSpec:
         paths = JobPaths(job_dir)
@@ -227,7 +256,7 @@ class Tuner:
         if model_id:
             self.study._storage.set_trial_user_attr(self._frozen(number)._trial_id, ATTR_MODEL_ID, model_id)
         self.study.tell(number, value, state=TrialState.COMPLETE, skip_if_finished=True)
-        self._end(run_id, "COMPLETE", "FINISHED", {"tunepod.model_id": model_id or ""})
+        self._end(run_id, "COMPLETE", "FINISHED", {"tunepod.model_id": model_id or ""}, handle.job_dir)
         return self._record(self._frozen(number))
 
     def _log_final_checkpoint(
@@ -244,10 +273,10 @@ class Tuner:
             params=params,
         )
 
-    def _prune(self, number: int, run_id: str, step: int | None) -> TrialRecord:
+    def _prune(self, number: int, run_id: str, step: int | None, job_dir: Path) -> TrialRecord:
         log.info("trial %d pruned at step %s", number, step)
         self.study.tell(number, state=TrialState.PRUNED, skip_if_finished=True)
-        self._end(run_id, "PRUNED", "KILLED", {"tunepod.pruned_at_step": step})
+        self._end(run_id, "PRUNED", "KILLED", {"tunepod.pruned_at_step": step}, job_dir)
         return self._record(self._frozen(number))
 
     def _fail(self, number: int, run_id: str | None, message: str) -> TrialRecord:
@@ -260,7 +289,13 @@ class Tuner:
             self._end(run_id, "FAIL", "FAILED", {})
         return self._record(self._frozen(number))
 
-    def _end(self, run_id: str, state: str, status: str, tags: dict[str, object]) -> None:
+    def _end(
+        self, run_id: str, state: str, status: str, tags: dict[str, object], job_dir: Path | None = None
+    ) -> None:
+        if job_dir is not None:
+            # The checkpoints stay on the shared filesystem; the run points at them.
+            found = valid_checkpoints(JobPaths(job_dir).checkpoints)
+            tags = {**tags, "tunepod.checkpoints": " ".join(c.path.as_uri() for c in found)}
         self.ctx.tracker.set_tags(run_id, {"tunepod.state": state, **tags})
         self.ctx.tracker.end_run(run_id, status)  # type: ignore[arg-type]
 

@@ -57,6 +57,11 @@ class TrainJob(Strict):
         default_factory=dict, description="Fixed parameters, merged under the tuned ones."
     )
     resources: Resources = Field(default_factory=Resources)
+    max_restarts: int = Field(
+        0,
+        ge=0,
+        description="Times a failed job is started again in place, resuming from its last checkpoint.",
+    )
 
 
 # ---------------------------------------------------------------------------------------------- search space

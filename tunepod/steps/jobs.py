@@ -30,8 +30,12 @@ def run_job(
     resources: Resources,
     run_id: str,
     checkpoint_dir: Path | None = None,
+    max_restarts: int = 0,
 ) -> Result:
-    """Run one job to its end, its reports mirrored into ``run_id``; its result, or a ``JobError``."""
+    """Run one job to its end, its reports mirrored into ``run_id``; its result, or a ``JobError``.
+
+    A job that fails is started again in place up to ``max_restarts`` times (it resumes from its
+    checkpoints)."""
     paths = JobPaths(job_dir)
     paths.result.unlink(missing_ok=True)  # a result left by an earlier attempt must not count
     env = contract_env(
@@ -55,6 +59,14 @@ def run_job(
 
     timeout_s = None if resources.timeout_min is None else resources.timeout_min * 60
     outcome = watch(handle, poll_s=POLL_S, on_reports=mirror, timeout_s=timeout_s)
+    for _ in range(max_restarts):
+        if outcome.state is not JobState.FAILED or outcome.timed_out:
+            break
+        handle = run.launcher.submit(job)
+        run.tracker.set_tags(run_id, {"tunepod.job_id": handle.job_id})
+        outcome = watch(
+            handle, poll_s=POLL_S, on_reports=mirror, after_step=outcome.last_step, timeout_s=timeout_s
+        )
     result = read_result(paths.result)
     if outcome.state is JobState.SUCCEEDED and result is not None:
         return result

@@ -40,6 +40,7 @@ def run(run: PipelineRun, name: str, settings: TrainSettings, inputs: Mapping[st
             data_dir=dataset.path,
             resources=settings.train.resources,
             run_id=run_id,
+            max_restarts=settings.train.max_restarts,
         )
     except JobError as exc:
         run.tracker.log_text(run_id, str(exc), "error.txt")

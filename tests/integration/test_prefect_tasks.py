@@ -1,0 +1,74 @@
+"""The Prefect layer against a real Prefect API: trials are task runs named after the trial, and
+only transient errors are retried."""
+
+from __future__ import annotations
+
+import sqlite3
+from typing import Any
+
+import pytest
+from prefect import flow
+from prefect.client.orchestration import get_client
+
+from tasks.steps import run_trial, submit_trial
+from tunepod.errors import JobError, TransientError
+from tunepod.outputs import TrialRecord
+
+
+class ScriptedTuner:
+    """Stands in for ``Tuner.run_trial`` only, to raise chosen errors before succeeding; the retry
+    policy under test is Prefect's, run for real."""
+
+    def __init__(self, *errors: BaseException) -> None:
+        self.errors = list(errors)
+        self.calls = 0
+
+    def run_trial(self, number: int) -> TrialRecord:
+        self.calls += 1
+        if self.errors:
+            raise self.errors.pop(0)
+        return TrialRecord(
+            number=number, outcome="COMPLETE", params={}, value=1.0, job_dir="/j", checkpoint_dir="/c"
+        )
+
+
+@flow
+def one_trial(tuner: Any, number: int) -> TrialRecord:
+    return submit_trial(tuner, number).result()
+
+
+@pytest.fixture(autouse=True)
+def no_retry_delay(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(run_trial, "retry_delay_seconds", 0)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        TransientError("scheduler did not answer"),
+        sqlite3.OperationalError("database is locked"),
+        TimeoutError(),
+    ],
+)
+def test_transient_errors_are_retried(prefect_api: None, error: BaseException) -> None:
+    tuner = ScriptedTuner(error)
+    record = one_trial(tuner, 3)
+    assert record.number == 3
+    assert tuner.calls == 2
+
+
+def test_other_errors_fail_at_once(prefect_api: None) -> None:
+    tuner = ScriptedTuner(JobError("trial 3 FAILED"))
+    state = one_trial(tuner, 3, return_state=True)
+    assert state.is_failed()
+    assert tuner.calls == 1
+    with pytest.raises(JobError, match="trial 3 FAILED"):
+        state.result()
+
+
+def test_each_trial_is_a_task_run_named_after_it(prefect_api: None) -> None:
+    state = one_trial(ScriptedTuner(), 7, return_state=True)
+    with get_client(sync_client=True) as client:
+        runs = [t for t in client.read_task_runs() if t.flow_run_id == state.state_details.flow_run_id]
+    assert [t.name for t in runs] == ["trial-7"]
+    assert runs[0].state is not None and runs[0].state.is_completed()
