@@ -68,3 +68,16 @@ def test_digits_pipeline_end_to_end(prefect_api: None, in_repo: Path, tmp_path: 
     assert {"trials", "mlflow-run"} <= set(by_key)
     assert parent.info.run_id in str(by_key["mlflow-run"].data)
     assert "trial" in str(by_key["trials"].data) and "COMPLETE" in str(by_key["trials"].data)
+
+
+def test_independent_steps_run_concurrently(prefect_api: None, in_repo: Path, tmp_path: Path) -> None:
+    overrides = [f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"launcher.root={tmp_path}/shared"]
+    summary = pipeline("tests/fixtures/specs/independent_steps.yaml", overrides)
+
+    assert summary.num_completed == 2
+    jobs = sorted((tmp_path / "shared" / "jobs" / "independent" / summary.run_id).iterdir())
+    assert [j.name for j in jobs] == ["left", "right"]
+    started = [float((j / "starts.log").read_text().split()[0]) for j in jobs]
+    finished = [(j / "result.json").stat().st_mtime for j in jobs]
+    # Each job started before the other one finished: they ran side by side.
+    assert started[0] < finished[1] and started[1] < finished[0]
