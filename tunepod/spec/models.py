@@ -42,8 +42,46 @@ class LocalLauncherSpec(Strict):
     cancel_grace_s: float = Field(10.0, ge=0, description="Seconds between SIGTERM and SIGKILL on cancel.")
 
 
-# One member today; Slurm, HyperPod EKS and SageMaker join this union, discriminated by ``kind``.
-LauncherSpec = Annotated[LocalLauncherSpec, Field(discriminator="kind")]
+class SlurmLauncherSpec(Strict):
+    """Run every job as an sbatch job on a Slurm cluster (SageMaker HyperPod's Slurm orchestrator too).
+
+    The orchestrator reads what jobs write under ``root``, so ``root`` must be the same path on the
+    cluster and where tunepod runs: run tunepod on the head/login node (FSx for Lustre mounted there),
+    or submit over ``ssh`` from a machine that mounts the same filesystem at the same path.
+    """
+
+    kind: Literal["slurm"]
+    root: str = Field(..., description="Shared filesystem root (e.g. /fsx/tunepod) seen by every node.")
+    partition: str | None = Field(None, description="sbatch --partition.")
+    account: str | None = Field(None, description="sbatch --account.")
+    qos: str | None = Field(None, description="sbatch --qos.")
+    exclusive: bool = Field(False, description="sbatch --exclusive: whole nodes for each job.")
+    cpus_per_node: int | None = Field(
+        None, ge=1, description="CPUs per node (--cpus-per-task, one task per node)."
+    )
+    mem_gb: float | None = Field(None, gt=0, description="Memory per node in GB (--mem).")
+    time_limit_min: int | None = Field(
+        None, ge=1, description="Default --time when a job's resources set no timeout_min."
+    )
+    hyperpod: bool | None = Field(
+        None, description="Add srun --auto-resume=1. Default: detected from /opt/sagemaker_cluster."
+    )
+    python: str = Field("python3", description="Python on the compute nodes (after the setup lines).")
+    setup: list[str] = Field(
+        default_factory=list, description="Shell lines run before training: module loads, venv activation."
+    )
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for every job.")
+    ssh: str | None = Field(None, description="user@host of the head node; unset runs sbatch locally.")
+    ssh_options: list[str] = Field(
+        default_factory=list, description="Extra ssh arguments, e.g. ['-o', 'ProxyCommand=aws ssm ...']."
+    )
+    poll_cache_s: float = Field(
+        1.0, ge=0, description="One squeue/scontrol call answers every job's state for this long."
+    )
+
+
+# Discriminated by ``kind``; HyperPod EKS and SageMaker join this union.
+LauncherSpec = Annotated[LocalLauncherSpec | SlurmLauncherSpec, Field(discriminator="kind")]
 
 
 # ---------------------------------------------------------------------------------------------- jobs
