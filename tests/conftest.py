@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from slurm_cluster import apply_slurm_marker
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -40,3 +41,7 @@ def isolated_overrides(tmp_path: Path) -> list[str]:
         f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
         f"launcher.root={tmp_path}/shared",
     ]
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    apply_slurm_marker(item)

@@ -1,0 +1,156 @@
+"""The local Slurm cluster from ``scripts/slurm-up`` does what the Slurm launcher relies on: jobs run
+and report final states and exit codes through ``scontrol show job``, a requeued job runs again, and
+1-core jobs share the node. Plus the skip-or-fail rule of the ``slurm`` marker, which needs no cluster."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from slurm_cluster import sbatch, scancel, show_job, wait_for_job
+
+TESTS_DIR = Path(__file__).resolve().parents[1]
+# Small explicit requests: the node's default memory per CPU is half the host, and the tests must
+# not depend on it.
+ONE_CORE = ("--ntasks=1", "--cpus-per-task=1", "--mem=64M")
+
+
+def wait_for_lines(path: Path, count: int, job_id: str, timeout_s: float = 60) -> list[str]:
+    """Polls until ``path`` has ``count`` lines; ``timeout_s`` bounds a hang, it checks no speed."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        lines = path.read_text().splitlines() if path.exists() else []
+        if len(lines) >= count:
+            return lines
+        if time.monotonic() > deadline:
+            pytest.fail(f"{path} has {len(lines)} of {count} lines after {timeout_s} s: {show_job(job_id)}")
+        time.sleep(0.2)
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(180)
+class TestLocalSlurmCluster:
+    def test_a_job_that_writes_a_file_completes_with_exit_code_0(self, tmp_path: Path) -> None:
+        written = tmp_path / "written.txt"
+        job_id = sbatch(*ONE_CORE, f"--chdir={tmp_path}", "--output=job.log", f"--wrap=echo ran > {written}")
+
+        fields = wait_for_job(job_id)
+
+        assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0")
+        assert written.read_text() == "ran\n"
+
+    def test_a_failing_job_reports_failed_with_its_exit_code(self, tmp_path: Path) -> None:
+        job_id = sbatch(*ONE_CORE, f"--chdir={tmp_path}", "--output=job.log", "--wrap=exit 3")
+
+        fields = wait_for_job(job_id)
+
+        assert (fields["JobState"], fields["ExitCode"]) == ("FAILED", "3:0")
+
+    def test_a_requeued_running_job_runs_again(self, tmp_path: Path) -> None:
+        starts = tmp_path / "starts.txt"
+        script = tmp_path / "job.sh"
+        script.write_text(
+            f'#!/bin/sh\necho "start ${{SLURM_RESTART_COUNT:-0}}" >> {starts}\nexec sleep 300\n'
+        )
+        job_id = sbatch(*ONE_CORE, "--requeue", f"--chdir={tmp_path}", "--output=job.log", str(script))
+        try:
+            wait_for_lines(starts, 1, job_id)
+            subprocess.run(["scontrol", "requeue", job_id], check=True, capture_output=True, timeout=30)
+
+            # A requeued job waits for its revoked credential to expire: AuthInfo=cred_expire=10.
+            lines = wait_for_lines(starts, 2, job_id)
+
+            assert lines == ["start 0", "start 1"]
+            assert show_job(job_id)["Restarts"] == "1"
+        finally:
+            scancel(job_id)
+
+    def test_two_one_core_jobs_run_at_the_same_time(self, tmp_path: Path) -> None:
+        # Each job marks that it started, then waits up to 60 s for the other's mark: both complete
+        # with exit 0 only when both ran at once. Whole-node scheduling would hold one back until the
+        # other gave up waiting (exit 7). The 60 s leave room for someone else's job on the node.
+        script = tmp_path / "meet.sh"
+        script.write_text(
+            "#!/bin/sh\n"
+            'touch "$1.started"\n'
+            "for _ in $(seq 600); do\n"
+            '  [ -e "$2.started" ] && exit 0\n'
+            "  sleep 0.1\n"
+            "done\n"
+            "exit 7\n"
+        )
+        first = sbatch(*ONE_CORE, f"--chdir={tmp_path}", "--output=first.log", str(script), "first", "second")
+        second = sbatch(
+            *ONE_CORE, f"--chdir={tmp_path}", "--output=second.log", str(script), "second", "first"
+        )
+        try:
+            results = [wait_for_job(job_id, timeout_s=120) for job_id in (first, second)]
+
+            assert [(r["JobState"], r["ExitCode"]) for r in results] == [("COMPLETED", "0:0")] * 2
+        finally:
+            scancel(first)
+            scancel(second)
+
+
+CONFTEST_USING_THE_RECIPE = """
+import pytest
+from slurm_cluster import apply_slurm_marker
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slurm: needs the local Slurm cluster")
+
+def pytest_runtest_setup(item):
+    apply_slurm_marker(item)
+"""
+
+MARKED_TEST = """
+import pytest
+
+@pytest.mark.slurm
+def test_needs_slurm():
+    pass
+
+def test_unmarked():
+    pass
+"""
+
+
+def run_marked_test_without_slurm(tmp_path: Path, ci: str | None) -> subprocess.CompletedProcess[str]:
+    """Runs a slurm-marked test in a child pytest whose PATH has no sinfo, as on a machine without
+    the cluster."""
+    (tmp_path / "conftest.py").write_text(CONFTEST_USING_THE_RECIPE)
+    (tmp_path / "test_marked.py").write_text(MARKED_TEST)
+    env = {key: value for key, value in os.environ.items() if key != "CI"}
+    env |= {"PATH": str(tmp_path), "PYTHONPATH": str(TESTS_DIR), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    if ci is not None:
+        env["CI"] = ci
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rsf", "-p", "no:cacheprovider", str(tmp_path)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_a_slurm_test_skips_with_the_reason_when_the_cluster_is_not_up(tmp_path: Path) -> None:
+    child = run_marked_test_without_slurm(tmp_path, ci=None)
+
+    assert child.returncode == 0, child.stdout
+    assert "1 passed, 1 skipped" in child.stdout
+    assert "no sinfo on PATH" in child.stdout
+
+
+def test_a_slurm_test_fails_under_ci_when_the_cluster_is_not_up(tmp_path: Path) -> None:
+    child = run_marked_test_without_slurm(tmp_path, ci="true")
+
+    # pytest.fail in setup reports an error, not a failure: either way the run fails.
+    assert child.returncode == 1, child.stdout
+    assert "1 passed, 1 error" in child.stdout
+    assert "CI=true and the Slurm cluster is not up" in child.stdout

@@ -1,0 +1,131 @@
+"""The local test Slurm cluster that ``scripts/slurm-up`` starts: is it up, and how tests reach it.
+
+The cluster is one node (this host) with one default partition, ``debug``; clients find its config
+at Slurm's default path (``/etc/slurm/slurm.conf``), so plain ``sbatch``/``scontrol`` reach it. Jobs
+run as the submitting user on this host, so a test's ``tmp_path`` is a shared filesystem.
+
+Marker recipe (``tests/conftest.py``)::
+
+    from slurm_cluster import apply_slurm_marker
+
+    def pytest_runtest_setup(item: pytest.Item) -> None:
+        apply_slurm_marker(item)
+
+A test marked ``@pytest.mark.slurm`` then skips with the reason when the cluster is not up, and fails
+instead when ``CI=true``: CI starts the cluster (``.ci/run``), so a skip there would hide a broken one.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+import time
+
+import pytest
+
+SLURM_UP = "scripts/slurm-up"
+PARTITION = "debug"
+LOG_DIR = "/var/log/tunepod-slurm"
+#: Node states in which a job can start now.
+READY_NODE_STATES = frozenset({"idle", "mixed"})
+#: States a job never leaves (``scontrol show job`` keeps them for MinJobAge = 1 h).
+FINAL_JOB_STATES = frozenset(
+    {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+)
+
+
+def slurm_available() -> str | None:
+    """None when ``sinfo`` answers with an idle or mixed node, else why the cluster is not usable."""
+    if shutil.which("sinfo") is None:
+        return f"Slurm is not installed (no sinfo on PATH); start the test cluster with {SLURM_UP}"
+    try:
+        answer = subprocess.run(
+            ["sinfo", "--noheader", "--Node", "--format=%N %T"],
+            capture_output=True,
+            text=True,
+            timeout=15,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return f"sinfo did not answer within 15 s; is slurmctld up? ({SLURM_UP}, logs in {LOG_DIR})"
+    if answer.returncode != 0:
+        return f"sinfo failed: {answer.stderr.strip()} ({SLURM_UP}, logs in {LOG_DIR})"
+    nodes = [line.split() for line in answer.stdout.splitlines() if line.strip()]
+    if any(state in READY_NODE_STATES for _, state in nodes):
+        return None
+    listed = ", ".join(f"{name} {state}" for name, state in nodes) or "no nodes"
+    return f"no idle or mixed Slurm node ({listed}); logs in {LOG_DIR}"
+
+
+@functools.cache
+def _cached_slurm_available() -> str | None:
+    # Asked once per session: sinfo costs a process start, and the cluster is not expected to change.
+    return slurm_available()
+
+
+def apply_slurm_marker(item: pytest.Item) -> None:
+    """For a test marked ``slurm``: skip it when the cluster is down, or fail it when ``CI=true``.
+
+    Call from ``pytest_runtest_setup``; a no-op for unmarked tests.
+    """
+    if item.get_closest_marker("slurm") is None:
+        return
+    reason = _cached_slurm_available()
+    if reason is None:
+        return
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"CI=true and the Slurm cluster is not up: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+def sbatch(*options: str) -> str:
+    """Submits a job with ``sbatch --parsable`` plus ``options``; returns its job id."""
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", *options], capture_output=True, text=True, timeout=30, check=False
+    )
+    assert submitted.returncode == 0, f"sbatch {' '.join(options)} failed: {submitted.stderr}"
+    return submitted.stdout.strip().split(";")[0]
+
+
+def show_job(job_id: str) -> dict[str, str]:
+    """``scontrol --oneliner show job`` as a dict (JobState, ExitCode, Restarts, NodeList, ...).
+
+    The line is split at spaces, so a value holding one (a path with a space) is cut short; the
+    state, exit code and count fields never hold one.
+    """
+    shown = subprocess.run(
+        ["scontrol", "--oneliner", "show", "job", job_id],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert shown.returncode == 0, f"scontrol show job {job_id} failed: {shown.stderr}"
+    fields = {}
+    for token in shown.stdout.split():
+        key, sep, value = token.partition("=")
+        if sep:
+            fields[key] = value
+    return fields
+
+
+def wait_for_job(
+    job_id: str, states: frozenset[str] = FINAL_JOB_STATES, timeout_s: float = 60
+) -> dict[str, str]:
+    """Polls until the job's state is one of ``states``; returns its fields. Fails after ``timeout_s``,
+    which is a bound against hanging, not a speed check."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        fields = show_job(job_id)
+        if fields.get("JobState") in states:
+            return fields
+        if time.monotonic() > deadline:
+            pytest.fail(f"slurm job {job_id} is still {fields.get('JobState')} after {timeout_s} s: {fields}")
+        time.sleep(0.2)
+
+
+def scancel(job_id: str) -> None:
+    """Cancels a job; a job that already ended is not an error."""
+    subprocess.run(["scancel", job_id], capture_output=True, timeout=30, check=False)
