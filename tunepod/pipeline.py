@@ -7,7 +7,9 @@ nothing here knows about Prefect, so the same run can be driven by any orchestra
 from __future__ import annotations
 
 import logging
+import shutil
 import subprocess
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,7 +134,7 @@ class PipelineSummary(BaseModel):
             run_id=run.run_id,
             tracking_uri=run.tracker.tracking_uri,
             experiment_id=run.tracker.experiment_id,
-            mlflow_ui_command=f"mlflow ui --backend-store-uri {run.tracker.tracking_uri}",
+            mlflow_ui_command=f"{_mlflow_cli()} ui --backend-store-uri {run.tracker.tracking_uri}",
             run_url=run.tracker.run_url(run.run_id, DEFAULT_MLFLOW_UI),
             trials=rows,
             metric=trial_sets[0].metric if trial_sets else None,
@@ -143,6 +145,14 @@ class PipelineSummary(BaseModel):
             evaluation={f"trial-{c.trial.number}": c.value for e in evaluations for c in e.candidates},
             registration=registrations[0] if registrations else None,
         )
+
+
+def _mlflow_cli() -> str:
+    """``mlflow`` as the user can type it: the one beside this interpreter when it is not on PATH."""
+    beside = Path(sys.executable).parent / "mlflow"
+    if shutil.which("mlflow") == str(beside) or not beside.exists():
+        return "mlflow"
+    return str(beside)
 
 
 def _git_sha() -> str:
