@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tunepod.launch.base import Launcher
-from tunepod.spec.models import LauncherSpec, LocalLauncherSpec
+from tunepod.spec.models import LauncherSpec, LocalLauncherSpec, SlurmLauncherSpec
 
 
 def make_launcher(spec: LauncherSpec) -> Launcher:
@@ -13,4 +13,8 @@ def make_launcher(spec: LauncherSpec) -> Launcher:
         from tunepod.launch.local import LocalLauncher
 
         return LocalLauncher(Path(spec.root).resolve(), cancel_grace_s=spec.cancel_grace_s)
+    if isinstance(spec, SlurmLauncherSpec):
+        from tunepod.launch.slurm import SlurmLauncher
+
+        return SlurmLauncher(spec)
     raise ValueError(f"no launcher for kind {spec.kind!r}")  # unreachable: the spec union is closed

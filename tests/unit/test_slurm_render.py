@@ -1,0 +1,213 @@
+"""``render_sbatch`` against stored scripts in ``tests/unit/golden`` (submitit's way), plus the pure
+helpers around it: quoting for #SBATCH lines and for the shell, limits, and what is refused.
+
+Regenerate the stored scripts after an intended change with
+``TUNEPOD_UPDATE_GOLDEN=1 .venv/bin/pytest tests/unit/test_slurm_render.py`` and review the diff.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tunepod.errors import TunepodError
+from tunepod.launch import slurm
+from tunepod.launch.base import JobSpec, Resources
+from tunepod.launch.slurm import (
+    detect_hyperpod,
+    format_mem,
+    format_time_limit,
+    ignored_resources,
+    render_sbatch,
+    sbatch_value,
+    slurm_resources,
+)
+from tunepod.spec.models import SlurmLauncherSpec
+
+GOLDEN = Path(__file__).parent / "golden"
+UPDATE = os.environ.get("TUNEPOD_UPDATE_GOLDEN") == "1"
+
+
+def assert_matches_golden(name: str, text: str) -> None:
+    """``text`` equals ``golden/<name>.sbatch``; with TUNEPOD_UPDATE_GOLDEN=1 it (re)writes the file."""
+    path = GOLDEN / f"{name}.sbatch"
+    if UPDATE:
+        path.write_text(text)
+    assert path.exists(), f"{path} is missing; create it with TUNEPOD_UPDATE_GOLDEN=1 and review it"
+    assert text == path.read_text(), f"{path} differs; if intended, regenerate with TUNEPOD_UPDATE_GOLDEN=1"
+
+
+def spec(**fields: object) -> SlurmLauncherSpec:
+    return SlurmLauncherSpec.model_validate({"kind": "slurm", "root": "/fsx/tunepod", **fields})
+
+
+DEFAULT_JOB = JobSpec(
+    name="digits-trial-7",
+    entrypoint=Path("/fsx/tunepod/code/train.py"),
+    job_dir=Path("/fsx/tunepod/jobs/digits/trial-7"),
+)
+
+
+def job(**fields: Any) -> JobSpec:
+    return dataclasses.replace(DEFAULT_JOB, **fields)
+
+
+def test_minimal_job_renders_the_defaults() -> None:
+    assert_matches_golden("minimal", render_sbatch(job(), spec(), hyperpod=False))
+
+
+def test_every_option_set_on_hyperpod() -> None:
+    full = spec(
+        partition="gpu",
+        account="ml-team",
+        qos="high",
+        exclusive=True,
+        cpus_per_node=32,
+        mem_gb=240,
+        time_limit_min=600,
+        python="/fsx/envs/train/bin/python",
+        setup=["source /fsx/envs/train/bin/activate", "module load cuda/12.4"],
+        env={"NCCL_DEBUG": "WARN", "TUNEPOD_TRIAL": "overridden by the job"},
+    )
+    resources = Resources(num_nodes=4, procs_per_node=8, gpus_per_node=8, timeout_min=90.5)
+    rendered = job(
+        args=("--epochs", "12"),
+        env={"TUNEPOD_TRIAL": "7", "TUNEPOD_PARAMS": '{"lr": 0.01}'},
+        resources=resources,
+    )
+    assert_matches_golden("full_hyperpod", render_sbatch(rendered, full, hyperpod=True))
+
+
+def test_awkward_names_paths_and_values() -> None:
+    weird_dir = Path('/fsx/tunepod/jobs/it\'s a "quoted" #dir %j $HOME')
+    rendered = job(
+        name="trial 7 'quoted'",
+        entrypoint=Path("/fsx/code dir/train $1.py"),
+        job_dir=weird_dir,
+        args=("$HOME", "a  b", "it's", '"q"', "`id`", "*", ""),
+        env={"TUNEPOD_PARAMS": '{"name": "it\'s $HOME"}', "MULTILINE": "one\ntwo"},
+    )
+    assert_matches_golden(
+        "awkward", render_sbatch(rendered, spec(partition="a b", mem_gb=0.5), hyperpod=False)
+    )
+
+
+def test_rendered_scripts_are_valid_bash() -> None:
+    for golden in sorted(GOLDEN.glob("*.sbatch")):
+        checked = subprocess.run(["bash", "-n", str(golden)], capture_output=True, text=True)
+        assert checked.returncode == 0, f"{golden.name}: {checked.stderr}"
+
+
+def test_entrypoint_and_args_survive_the_shell_exactly() -> None:
+    args = ("$HOME", "a  b", "it's", '"q"', "`id`", "*", "$(true)", "")
+    entrypoint = Path("/code dir/it's train.py")
+    script = render_sbatch(job(entrypoint=entrypoint, args=args), spec(), hyperpod=False)
+    command = script.split("srun", 1)[1].replace("\\\n", " ")
+    words = shlex.split(command)
+    assert words[-len(args) - 1 :] == [str(entrypoint), *args]
+
+
+def test_env_values_survive_the_shell_exactly() -> None:
+    env = {"PLAIN": "x", "SPACES": "a  b", "QUOTES": 'it\'s "q"', "DOLLAR": "$HOME `id`", "NL": "1\n2"}
+    script = render_sbatch(job(env=env), spec(), hyperpod=False)
+    # The export block runs up to the next blank line (a multi-line value spans several lines).
+    start = script.index("export ")
+    block = script[start : script.index("\n\n", start)]
+    probe = block + "\n" + "".join(f'printf "%s\\0" "${name}"\n' for name in env)
+    out = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.split("\0")[:-1] == list(env.values())
+
+
+def test_job_env_wins_over_launcher_env() -> None:
+    script = render_sbatch(job(env={"SHARED": "job"}), spec(env={"SHARED": "launcher"}), hyperpod=False)
+    assert "export SHARED=job" in script
+    assert "launcher" not in script
+
+
+def test_auto_resume_only_on_hyperpod() -> None:
+    assert "srun --auto-resume=1 " in render_sbatch(job(), spec(), hyperpod=True)
+    assert "--auto-resume" not in render_sbatch(job(), spec(), hyperpod=False)
+
+
+@pytest.mark.parametrize(
+    ("fields", "field_name"),
+    [
+        ({"name": "trial\n7"}, "job name"),
+        ({"job_dir": Path("/fsx/jobs/a\nb")}, "job dir"),
+        ({"name": "trial\r7"}, "job name"),
+    ],
+)
+def test_line_breaks_in_sbatch_lines_are_refused_naming_the_field(
+    fields: dict[str, object], field_name: str
+) -> None:
+    with pytest.raises(TunepodError, match=f"^{field_name} .* line break"):
+        render_sbatch(job(**fields), spec(), hyperpod=False)
+
+
+def test_line_break_in_partition_is_refused() -> None:
+    with pytest.raises(TunepodError, match=r"^partition .* line break"):
+        render_sbatch(job(), spec(partition="gpu\n#SBATCH --qos=high"), hyperpod=False)
+
+
+def test_invalid_env_name_is_refused() -> None:
+    with pytest.raises(TunepodError, match="'BAD NAME' is not a valid shell name"):
+        render_sbatch(job(env={"BAD NAME": "x"}), spec(), hyperpod=False)
+
+
+@pytest.mark.parametrize(
+    ("value", "rendered"),
+    [
+        ("plain-name_1.2", "plain-name_1.2"),
+        ("a b", '"a b"'),
+        ("it's", '"it\'s"'),
+        ('say "hi"', '"say \\"hi\\""'),
+        ("back\\slash", '"back\\\\slash"'),
+        ("#1", '"#1"'),
+    ],
+)
+def test_sbatch_value_quotes_for_sbatchs_own_parser(value: str, rendered: str) -> None:
+    assert sbatch_value("job name", value) == rendered
+
+
+@pytest.mark.parametrize(
+    ("minutes", "expected"),
+    [(1, "00:01:00"), (0.1, "00:01:00"), (59.5, "01:00:00"), (90, "01:30:00"), (24 * 60 + 1, "1-00:01:00")],
+)
+def test_time_limit_rounds_up_to_whole_minutes(minutes: float, expected: str) -> None:
+    assert format_time_limit(minutes) == expected
+
+
+@pytest.mark.parametrize(("gb", "expected"), [(16, "16G"), (16.0, "16G"), (0.5, "512M"), (1.001, "1026M")])
+def test_memory_in_whole_gigabytes_or_megabytes(gb: float, expected: str) -> None:
+    assert format_mem(gb) == expected
+
+
+def test_job_timeout_wins_over_the_launcher_default() -> None:
+    launcher = spec(time_limit_min=60)
+    assert slurm_resources(Resources(timeout_min=5), launcher).time_limit_min == 5
+    assert slurm_resources(Resources(), launcher).time_limit_min == 60
+    assert slurm_resources(Resources(), spec()).time_limit_min is None
+    assert "--time" not in render_sbatch(job(), spec(), hyperpod=False)
+
+
+def test_instance_type_is_the_only_ignored_resource() -> None:
+    assert ignored_resources(Resources(num_nodes=3, gpus_per_node=8, timeout_min=5)) == {}
+    ignored = ignored_resources(Resources(instance_type="ml.p5.48xlarge"))
+    assert list(ignored) == ["instance_type"]
+    assert "ml.p5.48xlarge" in ignored["instance_type"]
+
+
+def test_hyperpod_is_declared_or_detected(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    marker = tmp_path / "sagemaker_cluster"
+    monkeypatch.setattr(slurm, "HYPERPOD_MARKER", marker)
+    assert detect_hyperpod(spec()) is False
+    marker.mkdir()
+    assert detect_hyperpod(spec()) is True
+    assert detect_hyperpod(spec(hyperpod=False)) is False
+    assert detect_hyperpod(spec(hyperpod=True)) is True
