@@ -21,10 +21,12 @@ from mlflow import MlflowClient
 from tunepod.errors import JobError
 from tunepod.hpo.study import make_storage
 from tunepod.hpo.tuner import ATTR_JOB_ID, TuneContext, Tuner, require_completed
+from tunepod.launch.base import Launcher
 from tunepod.launch.local import LocalLauncher
-from tunepod.outputs import Dataset
+from tunepod.launch.slurm import SlurmLauncher
+from tunepod.outputs import Dataset, TrialRecord
 from tunepod.runtime import latest_checkpoint, read_reports
-from tunepod.spec.models import TuneSettings
+from tunepod.spec.models import SlurmLauncherSpec, TuneSettings
 from tunepod.tracking import MlflowTracker
 
 TRAINER = Path(__file__).resolve().parents[1] / "fixtures" / "trainers" / "quadratic.py"
@@ -46,18 +48,24 @@ def settings(tmp_path: Path, **overrides: Any) -> TuneSettings:
     return TuneSettings.model_validate(raw)
 
 
-def make_tuner(tmp_path: Path, tune: TuneSettings) -> Tuner:
+def make_launcher(kind: str, root: Path) -> Launcher:
+    if kind == "slurm":
+        spec = SlurmLauncherSpec(kind="slurm", root=str(root), python=sys.executable, poll_cache_s=0.2)
+        return SlurmLauncher(spec)
+    return LocalLauncher(root, cancel_grace_s=5)
+
+
+def make_tuner(tmp_path: Path, tune: TuneSettings, launcher: str = "local") -> Tuner:
     tracker = MlflowTracker(f"sqlite:///{tmp_path}/mlflow.db", "tests")
     parent = tracker.start_run("pipeline")
     data = tmp_path / "data"
     data.mkdir(exist_ok=True)
     dataset = Dataset(source="test", path=str(data), num_files=0, num_bytes=0, copied_files=0, copied_bytes=0)
-    launcher = LocalLauncher(tmp_path / "shared", cancel_grace_s=5)
     return Tuner(
         TuneContext(
             step="search",
             settings=tune,
-            launcher=launcher,
+            launcher=make_launcher(launcher, tmp_path / "shared"),
             dataset=dataset,
             jobs_dir=tmp_path / "shared" / "jobs" / tune.study.name,
             tracker=tracker,
@@ -190,15 +198,19 @@ ORCHESTRATOR = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     from integration.test_tuner import make_tuner, settings
     tmp = Path({tmp!r})
-    make_tuner(tmp, settings(tmp, num_trials=3, train={{"args": {{"epochs": 6, "sleep_s": 0.5}}}})).run()
+    tune = settings(tmp, num_trials=3, train={{"args": {{"epochs": 6, "sleep_s": 0.5}}}})
+    make_tuner(tmp, tune, {launcher!r}).run()
     """
 )
 
 
-def test_orchestrator_killed_mid_study_reattaches_on_rerun(tmp_path: Path) -> None:
+@pytest.mark.parametrize("launcher", ["local", pytest.param("slurm", marks=pytest.mark.slurm)])
+def test_orchestrator_killed_mid_study_reattaches_on_rerun(tmp_path: Path, launcher: str) -> None:
     """SIGKILL the process running the study while trials run; the rerun re-attaches to the running
     jobs (no second launch), and the study ends with exactly num_trials finished trials."""
-    script = ORCHESTRATOR.format(tests=str(Path(__file__).resolve().parents[1]), tmp=str(tmp_path))
+    script = ORCHESTRATOR.format(
+        tests=str(Path(__file__).resolve().parents[1]), tmp=str(tmp_path), launcher=launcher
+    )
     orchestrator = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
     journal = tmp_path / "optuna.log"
     study = None
@@ -216,10 +228,8 @@ def test_orchestrator_killed_mid_study_reattaches_on_rerun(tmp_path: Path) -> No
         t.number: t.user_attrs[ATTR_JOB_ID] for t in study.get_trials() if ATTR_JOB_ID in t.user_attrs
     }
 
-    tuner = make_tuner(
-        tmp_path, settings(tmp_path, num_trials=3, train={"args": {"epochs": 6, "sleep_s": 0.5}})
-    )
-    trials = tuner.run()
+    tune = settings(tmp_path, num_trials=3, train={"args": {"epochs": 6, "sleep_s": 0.5}})
+    trials = make_tuner(tmp_path, tune, launcher).run()
 
     assert len(trials.trials) == 3
     assert all(t.outcome == "COMPLETE" for t in trials.trials)
@@ -227,6 +237,19 @@ def test_orchestrator_killed_mid_study_reattaches_on_rerun(tmp_path: Path) -> No
         assert starts(trial.job_dir) == 1, f"trial {trial.number} was launched twice"
         if trial.number in in_flight:
             assert trial.job_id == in_flight[trial.number]
+    assert_no_job_left(trials.trials, launcher)
+
+
+def assert_no_job_left(trials: list[TrialRecord], launcher: str) -> None:
+    """Nothing of the study still runs: no Slurm job in the queue, no local process."""
+    if launcher == "slurm":
+        ids = ",".join(t.job_id or "" for t in trials)
+        assert (
+            subprocess.run(["squeue", "-h", "-j", ids], capture_output=True, text=True).stdout.strip() == ""
+        )
+    else:
+        local = LocalLauncher(Path("/unused"))
+        assert all(local.attach(t.job_id or "", Path(t.job_dir)).pids() == [] for t in trials)
 
 
 def test_a_killed_trial_job_restarts_and_resumes_from_its_last_checkpoint(tmp_path: Path) -> None:
@@ -261,3 +284,31 @@ def test_a_killed_trial_job_restarts_and_resumes_from_its_last_checkpoint(tmp_pa
     assert resumed[0].step in (killed_after.step + 1, killed_after.step + 2)
     assert resumed[-1].step == 5
     assert tuner.study.trials[0].user_attrs["tunepod_restarts"] == 1
+
+
+@pytest.mark.slurm
+def test_a_requeued_trial_resumes_and_is_counted_once(tmp_path: Path) -> None:
+    """scontrol requeue (what a node failure does) a running trial: Slurm runs the same job again, the
+    script resumes after its last checkpoint, and Optuna and MLflow hold the trial once."""
+    tune = settings(tmp_path, num_trials=1, num_parallel=1, train={"args": {"epochs": 6, "sleep_s": 0.5}})
+    tuner = make_tuner(tmp_path, tune, "slurm")
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(tuner.run)
+        checkpoints = tuner.ctx.jobs_dir / "trial-0" / "checkpoints"
+        while (info := latest_checkpoint(checkpoints)) is None or info.step < 1:
+            assert not running.done(), running.exception()
+            time.sleep(0.1)
+        job_id = tuner.study.trials[0].user_attrs[ATTR_JOB_ID]
+        requeued_after = latest_checkpoint(checkpoints)
+        subprocess.run(["scontrol", "requeue", job_id], check=True)
+        trials = running.result(timeout=180)
+
+    (trial,) = trials.trials
+    assert trial.outcome == "COMPLETE" and trial.job_id == job_id
+    assert requeued_after is not None
+    restarted_at = float(Path(trial.job_dir, "starts.log").read_text().split()[1])
+    resumed = [r for r in read_reports(Path(trial.job_dir, "metrics.jsonl")) if r.time > restarted_at]
+    assert resumed[0].step in (requeued_after.step + 1, requeued_after.step + 2)
+    assert len(tuner.study.trials) == 1
+    assert len(child_runs(tmp_path, tuner.ctx.parent_run_id)) == 1
+    assert subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True).stdout.strip() == ""
