@@ -4,9 +4,12 @@ stores. Small budget: 4 trials, 2 in parallel, 3 epochs."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from mlflow import MlflowClient
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
 from flows.pipeline import pipeline
 from tunepod.pipeline import PipelineSummary
@@ -14,8 +17,8 @@ from tunepod.pipeline import PipelineSummary
 pytestmark = pytest.mark.slow
 
 
-def test_digits_pipeline_end_to_end(prefect_api: None, in_repo: Path, tmp_path: Path) -> None:
-    overrides = [
+def small_budget(tmp_path: Path) -> list[str]:
+    return [
         f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
         f"launcher.root={tmp_path}/shared",
         f"steps.search.with.study.storage=journal://{tmp_path}/optuna.log",
@@ -24,8 +27,28 @@ def test_digits_pipeline_end_to_end(prefect_api: None, in_repo: Path, tmp_path: 
         "steps.search.with.train.args.epochs=3",
         "steps.check.with.top_k=2",
     ]
-    state = pipeline("examples/digits/pipeline.yaml", overrides, return_state=True)
 
+
+def test_digits_pipeline_end_to_end(prefect_api: None, in_repo: Path, tmp_path: Path) -> None:
+    state = pipeline("examples/digits/pipeline.yaml", small_budget(tmp_path), return_state=True)
+    assert_pipeline_recorded(state, tmp_path, num_trials=4)
+
+
+@pytest.mark.slurm
+def test_digits_pipeline_on_slurm(prefect_api: None, in_repo: Path, tmp_path: Path) -> None:
+    state = pipeline("examples/digits/pipeline-slurm.yaml", small_budget(tmp_path), return_state=True)
+    summary = assert_pipeline_recorded(state, tmp_path, num_trials=4)
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    for trial in summary.trials:
+        tags = client.get_run(trial.run_id or "").data.tags
+        assert tags["tunepod.launcher"] == "slurm"
+        assert tags["tunepod.job_id"].isdigit()
+        assert Path(tags["tunepod.job_dir"], "job.sbatch").is_file()
+
+
+def assert_pipeline_recorded(state: Any, tmp_path: Path, num_trials: int) -> PipelineSummary:
+    """The flow run COMPLETED, its trials are child runs of one parent, the winner holds the alias,
+    and the Prefect API has every step and trial task run plus the artifacts."""
     assert state.is_completed(), state.message
     summary = state.result()
     assert isinstance(summary, PipelineSummary)
@@ -37,7 +60,7 @@ def test_digits_pipeline_end_to_end(prefect_api: None, in_repo: Path, tmp_path: 
     assert len(parents) == 1
     parent = parents[0]
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
-    assert len(children) == 4
+    assert len(children) == num_trials
     states = [r.data.tags["tunepod.state"] for r in children]
     assert "COMPLETE" in states
     assert set(states) <= {"COMPLETE", "PRUNED", "FAIL"}
@@ -51,9 +74,6 @@ def test_digits_pipeline_end_to_end(prefect_api: None, in_repo: Path, tmp_path: 
     assert summary.best is not None and summary.best.outcome == "COMPLETE"
     assert summary.evaluation
 
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
-
     with get_client(sync_client=True) as prefect:
         flow_run = prefect.read_flow_run(state.state_details.flow_run_id)
         task_runs = prefect.read_task_runs()
@@ -63,11 +83,12 @@ def test_digits_pipeline_end_to_end(prefect_api: None, in_repo: Path, tmp_path: 
     assert flow_run.state is not None and flow_run.state.type.value == "COMPLETED"
     names = {t.name for t in task_runs if t.flow_run_id == flow_run.id}
     assert {"data", "search", "check", "promote"} <= names
-    assert {f"trial-{n}" for n in range(4)} <= names
+    assert {f"trial-{n}" for n in range(num_trials)} <= names
     by_key = {a.key: a for a in artifacts}
     assert {"trials", "mlflow-run"} <= set(by_key)
     assert parent.info.run_id in str(by_key["mlflow-run"].data)
     assert "trial" in str(by_key["trials"].data) and "COMPLETE" in str(by_key["trials"].data)
+    return summary
 
 
 def test_independent_steps_run_concurrently(prefect_api: None, in_repo: Path, tmp_path: Path) -> None:
