@@ -128,6 +128,7 @@ class LauncherContract:
         handle = launcher.submit(fixture_job(tmp_path / "job", "fail.py", "boom from the contract test"))
         assert finish(handle) is JobState.FAILED
         assert "ValueError: boom from the contract test" in handle.logs()
+        assert "exit code 1" in handle.describe()
 
     def test_cancel_stops_every_process(self, launcher: Launcher, tmp_path: Path) -> None:
         pid_dir = tmp_path / "pids"

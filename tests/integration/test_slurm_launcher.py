@@ -141,16 +141,15 @@ def test_one_squeue_call_serves_every_handle(tmp_path: Path, caplog: pytest.LogC
         assert handle.state() in (JobState.CANCELLED, JobState.SUCCEEDED)
 
 
-def test_failed_job_logs_start_with_state_reason_and_exit_code(
+def test_failed_job_is_described_with_state_reason_and_exit_code(
     slurm_launcher: SlurmLauncher, tmp_path: Path
 ) -> None:
     handle = slurm_launcher.submit(fixture_job(tmp_path / "job", "fail.py", "boom for the runbook"))
     assert finish(handle) is JobState.FAILED
     assert isinstance(handle, SlurmJob)
     assert (handle.slurm_state, handle.reason, handle.exit_code) == ("FAILED", "NonZeroExitCode", 1)
-    logs = handle.logs()
-    assert logs.splitlines()[0] == f"slurm job {handle.job_id} FAILED (reason NonZeroExitCode, exit code 1)"
-    assert "ValueError: boom for the runbook" in logs
+    assert handle.describe() == f"slurm job {handle.job_id} FAILED (reason NonZeroExitCode, exit code 1)"
+    assert "ValueError: boom for the runbook" in handle.logs()
 
 
 def test_purged_or_unknown_job_is_failed_with_a_clear_reason(
@@ -159,7 +158,7 @@ def test_purged_or_unknown_job_is_failed_with_a_clear_reason(
     handle = slurm_launcher.attach(UNKNOWN_JOB_ID, tmp_path / "never submitted")
     assert handle.state() is JobState.FAILED
     assert f"slurm no longer knows job {UNKNOWN_JOB_ID}" in handle.reason
-    assert handle.logs().startswith(f"slurm job {UNKNOWN_JOB_ID} FAILED (reason slurm no longer knows")
+    assert handle.describe().startswith(f"slurm job {UNKNOWN_JOB_ID} FAILED (reason slurm no longer knows")
     handle.cancel()  # nothing to cancel: no error, outcome unchanged
     assert handle.state() is JobState.FAILED
 

@@ -88,6 +88,10 @@ class JobHandle(Protocol):
         """The last ``tail`` lines of the job's stderr (stdout where stderr is empty)."""
         ...
 
+    def describe(self) -> str:
+        """One line on how the backend saw the job end (exit code, scheduler state and reason)."""
+        ...
+
 
 @runtime_checkable
 class Launcher(Protocol):

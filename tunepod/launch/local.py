@@ -35,7 +35,7 @@ from pathlib import Path
 
 from tunepod.errors import JobError
 from tunepod.launch.base import JobSpec, JobState
-from tunepod.launch.paths import JobPaths
+from tunepod.launch.paths import JobPaths, tail_lines
 from tunepod.runtime.files import write_bytes_atomic
 
 logger = logging.getLogger(__name__)
@@ -169,6 +169,13 @@ class LocalJob:
         except (FileNotFoundError, ValueError):
             return None
 
+    def describe(self) -> str:
+        """One line on how the job ended, for error messages."""
+        code = self.exit_code
+        if code is None:
+            return f"local job {self.job_id}: no exit code (the job's wrapper was killed)"
+        return f"local job {self.job_id}: exit code {code}"
+
     def cancel(self) -> None:
         """Mark the job cancelled, SIGTERM it, SIGKILL what is left after ``cancel_grace_s``.
 
@@ -195,7 +202,7 @@ class LocalJob:
 
     def logs(self, tail: int = 50) -> str:
         """The last ``tail`` lines of stderr (where torchrun and workers write tracebacks), else stdout."""
-        return _tail(self._paths.stderr, tail) or _tail(self._paths.stdout, tail)
+        return tail_lines(self._paths.stderr, tail) or tail_lines(self._paths.stdout, tail)
 
     def pids(self) -> list[int]:
         """The live processes of this job: the wrapper, torchrun, its workers and their children."""
@@ -402,25 +409,6 @@ def _has_token(pid: int, token: str) -> bool:
     except OSError:  # gone, or another user's process: not ours either way
         return False
     return f"\0{TOKEN_ENV}={token}\0".encode() in b"\0" + environ
-
-
-def _tail(path: Path, lines: int) -> str:
-    """The last ``lines`` lines of ``path`` ("" if missing), reading only the end of a large file."""
-    try:
-        with open(path, "rb") as handle:
-            size = handle.seek(0, os.SEEK_END)
-            chunk = 64 * 1024
-            while True:
-                start = max(0, size - chunk)
-                handle.seek(start)
-                data = handle.read()
-                if data.count(b"\n") > lines or start == 0:
-                    break
-                chunk *= 4
-    except FileNotFoundError:
-        return ""
-    text = data.decode("utf-8", errors="replace").rstrip("\n")
-    return "\n".join(text.splitlines()[-lines:]) if lines > 0 else ""
 
 
 def _now() -> str:

@@ -6,6 +6,7 @@ the orchestrator can read what the job wrote and a restarted orchestrator can fi
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,3 +79,22 @@ class SharedRoot:
     def jobs_dir(self, group: str) -> Path:
         """Where the job directories of one study or step live."""
         return self.root.resolve() / "jobs" / group
+
+
+def tail_lines(path: Path, lines: int) -> str:
+    """The last ``lines`` lines of ``path`` ("" if missing), reading only the end of a large file."""
+    try:
+        with open(path, "rb") as handle:
+            size = handle.seek(0, os.SEEK_END)
+            chunk = 64 * 1024
+            while True:
+                start = max(0, size - chunk)
+                handle.seek(start)
+                data = handle.read()
+                if data.count(b"\n") > lines or start == 0:
+                    break
+                chunk *= 4
+    except FileNotFoundError:
+        return ""
+    text = data.decode("utf-8", errors="replace").rstrip("\n")
+    return "\n".join(text.splitlines()[-lines:]) if lines > 0 else ""

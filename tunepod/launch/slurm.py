@@ -32,8 +32,7 @@ from pathlib import Path
 
 from tunepod.errors import JobError, TransientError, TunepodError
 from tunepod.launch.base import JobSpec, JobState, Resources
-from tunepod.launch.local import _tail as tail_lines
-from tunepod.launch.paths import JobPaths
+from tunepod.launch.paths import JobPaths, tail_lines
 from tunepod.launch.runner import CommandFailed, CommandRunner, LocalRunner, SshRunner
 from tunepod.runtime.files import write_bytes_atomic
 from tunepod.spec.models import SlurmLauncherSpec
@@ -534,13 +533,13 @@ class SlurmJob:
             time.sleep(_CANCEL_POLL_S)
 
     def logs(self, tail: int = 50) -> str:
-        """The last ``tail`` lines of stderr (else stdout); for a failed job, first a line with the
-        Slurm state, reason and exit code (they explain a TIMEOUT or OUT_OF_MEMORY the log cannot)."""
-        text = tail_lines(self._paths.stderr, tail) or tail_lines(self._paths.stdout, tail)
-        status = self.status()
-        if self._mapped(status) is not JobState.FAILED:
-            return text
-        return f"{status.describe(self.job_id)}\n{text}" if text else status.describe(self.job_id)
+        """The last ``tail`` lines of stderr, else stdout."""
+        return tail_lines(self._paths.stderr, tail) or tail_lines(self._paths.stdout, tail)
+
+    def describe(self) -> str:
+        """Slurm's state, reason and exit code in one line: they explain a TIMEOUT or OUT_OF_MEMORY
+        that the log cannot."""
+        return self.status().describe(self.job_id)
 
     def _mapped(self, status: SlurmStatus) -> JobState:
         state = status.job_state

@@ -77,7 +77,7 @@ def failure_message(what: str, handle: JobHandle, state: JobState, *, kind: str)
     paths = JobPaths(handle.job_dir)
     tail = worker_error(handle.logs(LOG_SCAN_LINES), LOG_TAIL_LINES) or "(no output)"
     return (
-        f"{what} ({kind} job {handle.job_id}) ended {state}.\n"
+        f"{what} ({kind} job {handle.job_id}) ended {state}: {handle.describe()}.\n"
         f"Last {LOG_TAIL_LINES} lines of its log:\n{tail}\n"
         f"Full logs: {paths.stderr} and {paths.stdout}"
     )
