@@ -127,7 +127,8 @@ def test_rerun_resumes_the_study_and_runs_nothing_twice(tmp_path: Path) -> None:
     assert second.trials[0].run_id == first.trials[0].run_id
 
 
-def test_bad_trials_are_pruned_and_their_jobs_cancelled(tmp_path: Path) -> None:
+@pytest.mark.parametrize("launcher", ["local", pytest.param("slurm", marks=pytest.mark.slurm)])
+def test_bad_trials_are_pruned_and_their_jobs_cancelled(tmp_path: Path, launcher: str) -> None:
     tune = settings(
         tmp_path,
         train={"args": {"epochs": 8, "sleep_s": 0.4}},
@@ -138,7 +139,7 @@ def test_bad_trials_are_pruned_and_their_jobs_cancelled(tmp_path: Path) -> None:
         sampler="random",
         seed=3,
     )
-    tuner = make_tuner(tmp_path, tune)
+    tuner = make_tuner(tmp_path, tune, launcher)
     tuner.study.enqueue_trial({"x": 0.3})
     tuner.study.enqueue_trial({"x": 0.3})
     trials = tuner.run()
@@ -156,6 +157,7 @@ def test_bad_trials_are_pruned_and_their_jobs_cancelled(tmp_path: Path) -> None:
         assert runs[str(trial.number)].info.status == "KILLED"
     frozen = {t.number: t for t in tuner.study.get_trials()}
     assert all(frozen[t.number].state == optuna.trial.TrialState.PRUNED for t in pruned)
+    assert_no_job_left(trials.trials, launcher)
 
 
 def test_a_failing_trial_is_recorded_with_its_log_tail(tmp_path: Path) -> None:
