@@ -1,0 +1,407 @@
+"""The webhook receiver as senders meet it: a real uvicorn server on a loopback port, a real httpx
+client, events posted to the real Prefect API of the ``prefect_api`` fixture and read back from it.
+
+Covers every answer of POST /hooks/{hook} (202, 200 duplicate, 401, 404, 413, 415, 422, 429, 502),
+dedupe across a restart, secrets kept out of logs and responses, startup checks of the configuration,
+metrics, and the ``sign`` / ``serve`` commands.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+import yaml
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
+
+from tunepod.webhook.app import MAX_BODY_BYTES, create_app
+from tunepod.webhook.config import WebhookConfig, WebhookConfigError, load_webhook_config
+from tunepod.webhook.events import PrefectEventSink
+from tunepod.webhook.signatures import github_headers, new_standard_secret, standard_headers
+
+SECRET = new_standard_secret()
+OLD_SECRET = "an-older-raw-secret"
+GITHUB_SECRET = "github-hook-secret"
+SECRETS = (SECRET, OLD_SECRET, GITHUB_SECRET)
+SPEC = "examples/digits/pipeline.yaml"
+
+
+# ---------------------------------------------------------------------------------------------- fixtures
+
+
+def write_config(folder: Path) -> Path:
+    (folder / "old-secret").write_text(f"\n{OLD_SECRET}\n")
+    hooks = {
+        "digits": {
+            "spec": SPEC,
+            "secrets": [{"env": "TEST_DIGITS_SECRET"}, {"file": str(folder / "old-secret")}],
+            "overrides": ["steps.search.with.num_trials={payload.num_trials}"],
+        },
+        "gh": {
+            "spec": SPEC,
+            "scheme": "github",
+            "secrets": [{"env": "TEST_GITHUB_SECRET"}],
+            "overrides": ["tracking.experiment=digits-{payload.repository.name}"],
+        },
+        "slow": {"spec": SPEC, "secrets": [{"env": "TEST_DIGITS_SECRET"}], "rate_limit_per_min": 2},
+    }
+    path = folder / "webhooks.yaml"
+    path.write_text(yaml.safe_dump({"hooks": hooks}))
+    return path
+
+
+ENVIRON = {"TEST_DIGITS_SECRET": SECRET, "TEST_GITHUB_SECRET": GITHUB_SECRET}
+
+
+@pytest.fixture
+def api_url(prefect_api: None) -> str:
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    assert url, "the prefect_api fixture sets PREFECT_API_URL"
+    return str(url)
+
+
+@pytest.fixture
+def config(in_repo: Path, tmp_path: Path) -> WebhookConfig:
+    return load_webhook_config(write_config(tmp_path), ENVIRON)
+
+
+@contextmanager
+def serving(app: FastAPI) -> Iterator[str]:
+    """Run ``app`` under uvicorn in a thread on a free loopback port; yields its base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        for _ in range(500):
+            if server.started or not thread.is_alive():
+                break
+            time.sleep(0.01)
+        assert server.started, "uvicorn did not start"
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+class Receiver:
+    """A running receiver and a client; ``restart`` serves a new app on the same state dir."""
+
+    def __init__(self, config: WebhookConfig, api_url: str, state_dir: Path) -> None:
+        self.config, self.api_url, self.state_dir = config, api_url, state_dir
+        self.http = httpx.Client(timeout=30)
+        self.registry = CollectorRegistry()
+
+    @contextmanager
+    def running(self) -> Iterator[Receiver]:
+        sink = PrefectEventSink(self.api_url, self.http)
+        app = create_app(self.config, sink, self.state_dir, registry=self.registry)
+        with serving(app) as self.url:
+            yield self
+
+    def post(self, hook: str, body: bytes | Iterator[bytes], headers: dict[str, str]) -> httpx.Response:
+        headers = {"Content-Type": "application/json", **headers}
+        return self.http.post(f"{self.url}/hooks/{hook}", content=body, headers=headers)
+
+    def send(self, hook: str, payload: Any, secret: str = SECRET) -> httpx.Response:
+        body = json.dumps(payload).encode()
+        return self.post(hook, body, standard_headers([secret], body))
+
+
+@pytest.fixture
+def receiver(config: WebhookConfig, api_url: str, tmp_path: Path) -> Iterator[Receiver]:
+    with Receiver(config, api_url, tmp_path / "state").running() as running:
+        yield running
+    running.http.close()
+
+
+def prefect_events(api_url: str, **event_filter: Any) -> list[dict[str, Any]]:
+    answer = httpx.post(f"{api_url}/events/filter", json={"filter": event_filter, "limit": 50}, timeout=30)
+    answer.raise_for_status()
+    events: list[dict[str, Any]] = answer.json()["events"]
+    return events
+
+
+def wait_for_event(api_url: str, event_id: str) -> dict[str, Any]:
+    """The event once Prefect has stored it (the server persists events in batches, every few seconds)."""
+    for _ in range(300):
+        found = prefect_events(api_url, id={"id": [event_id]})
+        if found:
+            return found[0]
+        time.sleep(0.1)
+    raise AssertionError(f"event {event_id} never reached Prefect's event store")
+
+
+# ---------------------------------------------------------------------------------------------- accepting
+
+
+def test_a_signed_delivery_becomes_a_prefect_event_with_its_payload(receiver: Receiver) -> None:
+    payload = {"num_trials": 7, "note": "retrain"}
+    answer = receiver.send("digits", payload)
+    assert answer.status_code == 202, answer.text
+    accepted = answer.json()
+    assert accepted["hook"] == "digits"
+    assert accepted["spec"] == SPEC
+    assert accepted["overrides"] == ["steps.search.with.num_trials=7"]
+
+    event = wait_for_event(receiver.api_url, accepted["event_id"])
+    assert event["event"] == "tunepod.webhook.digits"
+    assert event["resource"]["prefect.resource.id"] == "tunepod.webhook.digits"
+    assert event["payload"]["spec_path"] == SPEC
+    assert event["payload"]["overrides"] == ["steps.search.with.num_trials=7"]
+    assert event["payload"]["body"] == payload
+
+
+def test_a_github_delivery_and_a_rotated_secret_are_accepted(receiver: Receiver) -> None:
+    body = json.dumps({"repository": {"name": "digits-trainer"}}).encode()
+    answer = receiver.post("gh", body, github_headers(GITHUB_SECRET, body))
+    assert answer.status_code == 202, answer.text
+    assert answer.json()["overrides"] == ['tracking.experiment="digits-digits-trainer"']
+    # The second secret of the digits hook comes from a file: deliveries signed with it still pass.
+    assert receiver.send("digits", {"num_trials": 3}, secret=OLD_SECRET).status_code == 202
+
+
+def test_a_redelivery_after_a_restart_is_a_duplicate_of_the_first_event(
+    config: WebhookConfig, api_url: str, tmp_path: Path
+) -> None:
+    body = json.dumps({"num_trials": 5}).encode()
+    headers = standard_headers([SECRET], body)
+    deployment = Receiver(config, api_url, tmp_path / "state")
+    with deployment.running():
+        first = deployment.post("digits", body, headers)
+        assert first.status_code == 202, first.text
+        assert deployment.post("digits", body, headers).json()["duplicate"] is True
+    event_id = first.json()["event_id"]
+    with deployment.running():  # a new app and server, the same state dir
+        again = deployment.post("digits", body, headers)
+    assert again.status_code == 200
+    assert again.json() == {"duplicate": True, "event_id": event_id}
+    wait_for_event(api_url, event_id)
+    delivered = prefect_events(api_url, event={"name": ["tunepod.webhook.digits"]})
+    assert [e["id"] for e in delivered if e["payload"]["delivery_id"] == headers["webhook-id"]] == [event_id]
+
+
+# ---------------------------------------------------------------------------------------------- rejecting
+
+
+def test_an_unknown_hook_is_404(receiver: Receiver) -> None:
+    answer = receiver.send("nope", {"num_trials": 1})
+    assert answer.status_code == 404
+    assert "nope" in answer.json()["detail"]
+
+
+def test_missing_bad_and_stale_signatures_are_401(receiver: Receiver) -> None:
+    body = b'{"num_trials": 4}'
+    signed = standard_headers([SECRET], body)
+    assert receiver.post("digits", body, {}).status_code == 401
+    assert receiver.post("digits", body, standard_headers(["not-the-secret"], body)).status_code == 401
+    assert receiver.post("digits", body + b" ", signed).status_code == 401
+    for skew_s in (-301, 301):
+        stale = standard_headers([SECRET], body, timestamp=int(time.time()) + skew_s)
+        answer = receiver.post("digits", body, stale)
+        assert answer.status_code == 401
+        assert "clock" in answer.json()["detail"]
+    # A GitHub hook wants GitHub's header; a Standard Webhooks signature does not open it.
+    assert receiver.post("gh", body, standard_headers([GITHUB_SECRET], body)).status_code == 401
+
+
+def test_a_body_over_one_mib_is_413_whether_announced_or_streamed(receiver: Receiver) -> None:
+    body = b'{"pad": "' + b"x" * MAX_BODY_BYTES + b'"}'
+    assert receiver.post("digits", body, standard_headers([SECRET], body)).status_code == 413
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: the receiver must count as it reads
+        for start in range(0, len(body), 64 * 1024):
+            yield body[start : start + 64 * 1024]
+
+    answer = receiver.post("digits", chunks(), standard_headers([SECRET], body))
+    assert answer.status_code == 413
+
+
+def test_a_body_that_is_not_json_is_415(receiver: Receiver) -> None:
+    body = b'{"num_trials": 4}'
+    as_text = receiver.post("digits", body, {**standard_headers([SECRET], body), "Content-Type": "text/csv"})
+    assert as_text.status_code == 415
+    for broken in (b"{not json", b'{"x": NaN}', b"\xff\xfe"):
+        answer = receiver.post("digits", broken, standard_headers([SECRET], broken))
+        assert answer.status_code == 415, broken
+
+
+def test_overrides_the_spec_rejects_are_422_with_the_spec_error(receiver: Receiver) -> None:
+    answer = receiver.send("digits", {"num_trials": "ten"})
+    assert answer.status_code == 422
+    detail = answer.json()["detail"]
+    assert "steps.search.with.num_trials" in detail
+    assert "expected an integer, got 'ten'" in detail
+    missing = receiver.send("digits", {"trials": 3})
+    assert missing.status_code == 422
+    assert "the payload has no payload.num_trials" in missing.json()["detail"]
+    # A rejected delivery is not recorded: once fixed upstream, its retry is not a duplicate.
+    assert receiver.send("digits", [1]).status_code == 422
+
+
+def test_the_rate_limit_is_429_with_retry_after(receiver: Receiver) -> None:
+    assert [receiver.send("slow", {}).status_code for _ in range(2)] == [202, 202]
+    limited = receiver.send("slow", {})
+    assert limited.status_code == 429
+    assert int(limited.headers["Retry-After"]) >= 1
+    # Other hooks have their own buckets.
+    assert receiver.send("digits", {"num_trials": 2}).status_code == 202
+
+
+def test_a_failed_publish_is_502_and_the_retry_publishes(
+    config: WebhookConfig, api_url: str, tmp_path: Path
+) -> None:
+    body = b'{"num_trials": 6}'
+    headers = standard_headers([SECRET], body)
+    with socket.socket() as closed:  # a port nothing listens on: Prefect "down"
+        closed.bind(("127.0.0.1", 0))
+        down = Receiver(config, f"http://127.0.0.1:{closed.getsockname()[1]}/api", tmp_path / "state")
+    with down.running():
+        failed = down.post("digits", body, headers)
+    assert failed.status_code == 502
+    assert "retry" in failed.json()["detail"]
+    with Receiver(config, api_url, tmp_path / "state").running() as up:
+        assert up.post("digits", body, headers).status_code == 202
+
+
+# ---------------------------------------------------------------------------------------------- secrets
+
+
+def test_secrets_never_reach_logs_responses_or_reprs(
+    receiver: Receiver, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    body = b'{"num_trials": 2}'
+    answers = [
+        receiver.send("digits", {"num_trials": 2}),
+        receiver.post("digits", body, standard_headers(["wrong"], body)),
+        receiver.post("gh", body, github_headers("wrong", body)),
+        receiver.send("digits", {"num_trials": "ten"}),
+        receiver.http.get(f"{receiver.url}/openapi.json"),
+        receiver.http.get(f"{receiver.url}/metrics"),
+    ]
+    assert answers[0].status_code == 202
+    assert "webhook digits accepted" in caplog.text  # the log is captured, so its silence means something
+    shown = [caplog.text, repr(receiver.config), *(answer.text for answer in answers)]
+    for secret in (*SECRETS, SECRET.removeprefix("whsec_")):
+        assert not [text for text in shown if secret in text]
+    config_file = write_config(tmp_path)
+    with pytest.raises(WebhookConfigError) as raised:
+        load_webhook_config(config_file, {"TEST_DIGITS_SECRET": "whsec_!!" + SECRET})
+    assert SECRET not in str(raised.value)
+
+
+# ---------------------------------------------------------------------------------------------- startup
+
+
+def test_startup_names_the_hook_and_field_of_every_problem(in_repo: Path, tmp_path: Path) -> None:
+    hooks = {
+        "ok": {"spec": SPEC, "secrets": [{"env": "UNSET_SECRET_VAR"}], "colour": "red"},
+        "bad": {
+            "spec": "examples/nope.yaml",
+            "secrets": [{"env": "TEST_DIGITS_SECRET"}, {"file": str(tmp_path / "missing")}],
+            "overrides": ["steps.{payload.step}.with.x=1", "a.b={payload}", "a.b={oops.x}", "a.b={payload.x"],
+        },
+    }
+    path = tmp_path / "hooks.yaml"
+    path.write_text(yaml.safe_dump({"hooks": hooks}))
+    with pytest.raises(WebhookConfigError) as raised:
+        load_webhook_config(path, ENVIRON)
+    assert raised.value.problems == [
+        "hooks.ok.colour: unknown key; valid keys: spec, scheme, secrets, rate_limit_per_min, overrides"
+    ]
+    del hooks["ok"]["colour"]
+    path.write_text(yaml.safe_dump({"hooks": hooks}))
+    with pytest.raises(WebhookConfigError) as raised:
+        load_webhook_config(path, ENVIRON)
+    problems = "\n".join(raised.value.problems)
+    assert "hooks.ok.secrets[0].env: environment variable UNSET_SECRET_VAR is not set" in problems
+    assert "hooks.bad.spec: spec file 'examples/nope.yaml' does not exist" in problems
+    assert "hooks.bad.secrets[1].file: cannot read secret file" in problems
+    assert "hooks.bad.overrides[0]: placeholders may only stand in the value" in problems
+    assert "hooks.bad.overrides[1]: placeholder {payload} needs a path" in problems
+    assert "hooks.bad.overrides[2]: placeholder {oops.x} must start with 'payload'" in problems
+    assert "hooks.bad.overrides[3]: unmatched '{'" in problems
+    assert len(raised.value.problems) == 7
+
+
+def test_the_example_config_loads_with_its_secrets_set(in_repo: Path) -> None:
+    environ = {
+        name: SECRET
+        for name in ("TUNEPOD_HOOK_S3_SECRET", "TUNEPOD_HOOK_GITHUB_SECRET", "TUNEPOD_HOOK_DIGITS_SECRET")
+    }
+    config = load_webhook_config(in_repo / "deployments/webhooks.yaml", environ)
+    s3_event = {"Records": [{"s3": {"bucket": {"name": "data"}, "object": {"key": "digits/v2"}}}]}
+    assert config.hooks["s3-upload"].render_overrides(s3_event) == [
+        'steps.data.with.source="s3://data/digits/v2"'
+    ]
+
+
+# ---------------------------------------------------------------------------------------------- service
+
+
+def test_health_openapi_and_metrics(receiver: Receiver) -> None:
+    assert receiver.http.get(f"{receiver.url}/healthz").json() == {"status": "ok"}
+    schema = receiver.http.get(f"{receiver.url}/openapi.json").json()
+    assert "/hooks/{hook}" in schema["paths"]
+    receiver.send("digits", {"num_trials": 2})
+    receiver.send("digits", {"num_trials": 2}, secret="wrong")
+    receiver.send("unknown-hook-name", {})
+    metrics = receiver.http.get(f"{receiver.url}/metrics").text
+    assert 'tunepod_webhook_requests_total{hook="digits",outcome="accepted"} 1.0' in metrics
+    assert 'tunepod_webhook_requests_total{hook="digits",outcome="unauthorized"} 1.0' in metrics
+    assert 'tunepod_webhook_requests_total{hook="<unknown>",outcome="unknown_hook"} 1.0' in metrics
+
+
+def run_cli(*args: str, env: dict[str, str], stdin: bytes = b"") -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(
+        [sys.executable, "-m", "tunepod.webhook", *args],
+        input=stdin,
+        env=env,
+        capture_output=True,
+        timeout=60,
+    )
+
+
+def test_sign_prints_headers_the_receiver_accepts(receiver: Receiver) -> None:
+    body = b'{"num_trials": 9}'
+    env = {**os.environ, "HOOK_SECRET": SECRET}
+    signed = run_cli("sign", "--secret-env", "HOOK_SECRET", "--body", "-", env=env, stdin=body)
+    assert signed.returncode == 0, signed.stderr
+    headers = dict(line.split(": ", 1) for line in signed.stdout.decode().splitlines())
+    assert headers["Content-Type"] == "application/json"
+    assert receiver.post("digits", body, headers).status_code == 202
+
+    github = run_cli("sign", "--secret", GITHUB_SECRET, "--github", "--body", "-", env=env, stdin=body)
+    github_headers_ = dict(line.split(": ", 1) for line in github.stdout.decode().splitlines())
+    assert set(github_headers_) == {"X-GitHub-Delivery", "X-Hub-Signature-256", "Content-Type"}
+
+
+def test_serve_refuses_to_start_without_prefect_api_url_or_with_a_bad_config(in_repo: Path) -> None:
+    env = {name: value for name, value in os.environ.items() if name != "PREFECT_API_URL"}
+    unset = run_cli("serve", "--config", "deployments/webhooks.yaml", env=env)
+    assert unset.returncode == 2
+    assert b"PREFECT_API_URL is not set" in unset.stderr
+    env["PREFECT_API_URL"] = "http://127.0.0.1:9/api"
+    env.pop("TUNEPOD_HOOK_S3_SECRET", None)
+    bad = run_cli("serve", "--config", "deployments/webhooks.yaml", env=env)
+    assert bad.returncode == 2
+    assert b"hooks.s3-upload.secrets[0].env: environment variable TUNEPOD_HOOK_S3_SECRET" in bad.stderr

@@ -1,0 +1,54 @@
+"""The signed-webhook receiver: a verified delivery becomes a Prefect event that starts a pipeline run.
+
+    config = load_webhook_config("deployments/webhooks.yaml")
+    app = create_app(config, PrefectEventSink(api_url, httpx.Client()), Path(".tunepod/webhook"))
+
+Modules: ``signatures`` (sign and verify, pure), ``config`` (hooks, secrets, payload -> overrides),
+``dedupe`` (delivery id -> event id, SQLite), ``events`` (``EventSink``, Prefect REST), ``app``
+(FastAPI), ``cli`` (``tunepod webhook serve|sign``).
+
+Names are loaded on first use: importing ``tunepod.webhook.cli`` must not pull in FastAPI.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tunepod.webhook.app import create_app
+    from tunepod.webhook.config import WebhookConfig, WebhookConfigError, load_webhook_config
+    from tunepod.webhook.events import EventSink, EventSinkError, PrefectEventSink
+    from tunepod.webhook.signatures import SignatureError, verify_github, verify_standard
+
+_HOMES = {
+    "create_app": "app",
+    "WebhookConfig": "config",
+    "WebhookConfigError": "config",
+    "load_webhook_config": "config",
+    "EventSink": "events",
+    "EventSinkError": "events",
+    "PrefectEventSink": "events",
+    "SignatureError": "signatures",
+    "verify_github": "signatures",
+    "verify_standard": "signatures",
+}
+
+__all__ = [
+    "EventSink",
+    "EventSinkError",
+    "PrefectEventSink",
+    "SignatureError",
+    "WebhookConfig",
+    "WebhookConfigError",
+    "create_app",
+    "load_webhook_config",
+    "verify_github",
+    "verify_standard",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)

@@ -1,0 +1,326 @@
+"""The receiver: verify a signed delivery, turn it into a Prefect event, answer the sender.
+
+    POST /hooks/{hook}   202 accepted | 200 duplicate | 400 401 404 413 415 422 429 | 502 sink failed
+    GET  /healthz        200 {"status": "ok"}
+    GET  /metrics        Prometheus text: tunepod_webhook_requests_total{hook, outcome}
+    GET  /openapi.json   the schema (FastAPI)
+
+The checks run cheapest and least trusting first: hook known (404), content type (415), size (413,
+reading at most ``MAX_BODY_BYTES`` and stopping there), signature and timestamp (401), JSON (415),
+already seen (200 duplicate), rate limit (429), overrides valid against the spec (422). The rate limit
+counts only authenticated, new deliveries: unsigned floods cannot spend a real sender's budget, and a
+sender's retries of a delivery already accepted do not either.
+
+A delivery is claimed in the dedupe log before its event is published and released again if
+publishing fails, so two concurrent copies of one delivery produce one event. A copy that arrives while
+the first is still publishing is answered as a duplicate of it.
+
+Never logged nor echoed: secrets, signature headers. Logged: hook, delivery id, outcome, reason.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import FastAPI, Header, Request, Response
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, generate_latest
+
+from tunepod.errors import SpecError
+from tunepod.spec.loader import load_spec
+from tunepod.webhook.config import Hook, PayloadError, WebhookConfig
+from tunepod.webhook.dedupe import DeliveryLog
+from tunepod.webhook.events import EventSink, EventSinkError, event_name, hook_resource
+from tunepod.webhook.signatures import SignatureError, verify_github, verify_standard
+
+MAX_BODY_BYTES = 1024 * 1024
+MAX_DELIVERY_ID_CHARS = 256
+DEDUPE_FILE = "deliveries.sqlite3"
+UNKNOWN_HOOK_LABEL = "<unknown>"  # one label for every unknown name: callers must not grow the metric
+
+logger = logging.getLogger("tunepod.webhook")
+
+
+@dataclass
+class _Rejection(Exception):
+    status: int
+    outcome: str
+    detail: str
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+class TokenBucket:
+    """``per_min`` tokens a minute, bursts up to ``per_min``. Thread safe."""
+
+    def __init__(self, per_min: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self._capacity = float(per_min)
+        self._per_s = per_min / 60.0
+        self._tokens = float(per_min)
+        self._clock = clock
+        self._updated = clock()
+        self._lock = threading.Lock()
+
+    def take(self) -> float:
+        """Take a token: 0.0 when one was there, else the seconds until one will be."""
+        with self._lock:
+            now = self._clock()
+            self._tokens = min(self._capacity, self._tokens + (now - self._updated) * self._per_s)
+            self._updated = now
+            if self._tokens >= 1.0:
+                self._tokens -= 1.0
+                return 0.0
+            return (1.0 - self._tokens) / self._per_s
+
+
+def create_app(
+    config: WebhookConfig,
+    sink: EventSink,
+    state_dir: Path,
+    *,
+    registry: CollectorRegistry | None = None,
+) -> FastAPI:
+    """The receiver app for ``config``'s hooks, publishing to ``sink``, its dedupe log under ``state_dir``.
+
+    ``registry`` receives the request counter (default: prometheus-client's global registry; apps
+    created on one registry share its counter).
+    """
+    receiver = _Receiver(
+        config=config,
+        sink=sink,
+        deliveries=DeliveryLog(state_dir / DEDUPE_FILE),
+        buckets={name: TokenBucket(hook.rate_limit_per_min) for name, hook in config.hooks.items()},
+        requests_total=requests_counter(REGISTRY if registry is None else registry),
+    )
+    app = FastAPI(
+        title="tunepod webhook receiver",
+        description="Verifies signed webhooks and turns them into Prefect events that start pipeline runs.",
+        version="1",
+    )
+    _add_routes(app, receiver, REGISTRY if registry is None else registry)
+    return app
+
+
+# Header parameters are declared so that the OpenAPI schema documents them; the receiver reads the raw
+# headers itself (a signature is checked over exact bytes, not over what a model parsed).
+_OptionalHeader = Annotated[str | None, Header()]
+
+
+def _add_routes(app: FastAPI, receiver: _Receiver, registry: CollectorRegistry) -> None:
+    @app.post(
+        "/hooks/{hook}",
+        status_code=202,
+        summary="Receive a signed delivery and start the hook's pipeline",
+        responses=_RESPONSES,
+        openapi_extra={"requestBody": _REQUEST_BODY},
+    )
+    async def receive(
+        hook: str,
+        request: Request,
+        webhook_id: Annotated[str | None, Header(alias="webhook-id")] = None,
+        webhook_timestamp: Annotated[str | None, Header(alias="webhook-timestamp")] = None,
+        webhook_signature: Annotated[str | None, Header(alias="webhook-signature")] = None,
+        x_hub_signature_256: Annotated[str | None, Header(alias="X-Hub-Signature-256")] = None,
+        x_github_delivery: Annotated[str | None, Header(alias="X-GitHub-Delivery")] = None,
+    ) -> JSONResponse:
+        return await receiver.handle(hook, request)
+
+    @app.get("/healthz", summary="Liveness")
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics", summary="Prometheus metrics", response_class=Response)
+    def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@dataclass
+class _Receiver:
+    config: WebhookConfig
+    sink: EventSink
+    deliveries: DeliveryLog
+    buckets: Mapping[str, TokenBucket]
+    requests_total: Counter
+
+    async def handle(self, name: str, request: Request) -> JSONResponse:
+        hook = self.config.hooks.get(name)
+        label = name if hook is not None else UNKNOWN_HOOK_LABEL
+        try:
+            if hook is None:
+                raise _Rejection(404, "unknown_hook", f"no hook named {name[:64]!r}")
+            status, outcome, content = await self._accept(hook, request)
+        except _Rejection as rejection:
+            self.requests_total.labels(hook=label, outcome=rejection.outcome).inc()
+            logger.info(
+                "webhook %s rejected %d %s: %s", label, rejection.status, rejection.outcome, rejection.detail
+            )
+            return JSONResponse({"detail": rejection.detail}, rejection.status, headers=rejection.headers)
+        self.requests_total.labels(hook=label, outcome=outcome).inc()
+        return JSONResponse(content, status)
+
+    async def _accept(self, hook: Hook, request: Request) -> tuple[int, str, dict[str, Any]]:
+        _check_content_type(request.headers.get("content-type", ""))
+        body = await _read_limited(request, MAX_BODY_BYTES)
+        delivery_id = _verify(hook, request.headers, body)
+        payload = _parse_json(body)
+        original = self.deliveries.event_for(hook.name, delivery_id)
+        if original is not None:
+            return self._duplicate(hook, delivery_id, original)
+        wait_s = self.buckets[hook.name].take()
+        if wait_s > 0:
+            detail = f"hook {hook.name} accepts {hook.rate_limit_per_min} deliveries a minute; retry later"
+            raise _Rejection(429, "rate_limited", detail, {"Retry-After": str(max(1, math.ceil(wait_s)))})
+        overrides = await run_in_threadpool(_checked_overrides, hook, payload)
+        event_id = str(uuid.uuid4())
+        original = self.deliveries.claim(hook.name, delivery_id, event_id)
+        if original is not None:
+            return self._duplicate(hook, delivery_id, original)
+        await self._publish(hook, delivery_id, event_id, overrides, payload)
+        logger.info("webhook %s accepted delivery %s as event %s", hook.name, delivery_id, event_id)
+        content = {"event_id": event_id, "hook": hook.name, "spec": hook.spec, "overrides": overrides}
+        return 202, "accepted", content
+
+    def _duplicate(self, hook: Hook, delivery_id: str, event_id: str) -> tuple[int, str, dict[str, Any]]:
+        logger.info("webhook %s delivery %s is a duplicate of event %s", hook.name, delivery_id, event_id)
+        return 200, "duplicate", {"duplicate": True, "event_id": event_id}
+
+    async def _publish(
+        self, hook: Hook, delivery_id: str, event_id: str, overrides: list[str], payload: Any
+    ) -> None:
+        event_payload = {
+            "hook": hook.name,
+            "delivery_id": delivery_id,
+            "spec_path": hook.spec,
+            "overrides": overrides,
+            "body": payload,
+        }
+        try:
+            await run_in_threadpool(
+                self.sink.publish, event_name(hook.name), hook_resource(hook.name), event_payload, event_id
+            )
+        except EventSinkError as exc:
+            self.deliveries.release(hook.name, delivery_id, event_id)
+            raise _Rejection(502, "sink_error", f"the event was not published, retry later: {exc}") from exc
+
+
+def _check_content_type(content_type: str) -> None:
+    media_type = content_type.partition(";")[0].strip().lower()
+    json_suffixed = media_type.startswith("application/") and media_type.endswith("+json")
+    if media_type == "application/json" or json_suffixed:
+        return
+    shown = media_type[:80] or "none"
+    raise _Rejection(415, "unsupported_media_type", f"expected Content-Type application/json, got {shown}")
+
+
+async def _read_limited(request: Request, limit: int) -> bytes:
+    """The body, or a 413 as soon as it is known to exceed ``limit`` (never reading more than that)."""
+    declared = request.headers.get("content-length", "")
+    too_large = _Rejection(413, "too_large", f"the body exceeds {limit} bytes")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_large
+    return bytes(body)
+
+
+def _verify(hook: Hook, headers: Mapping[str, str], body: bytes) -> str:
+    """The delivery id of a request signed with one of the hook's secrets; 401 otherwise."""
+    try:
+        if hook.scheme == "github":
+            delivery_id = verify_github(hook.secret_values(), headers, body)
+        else:
+            delivery_id = verify_standard(hook.secret_values(), headers, body)
+    except SignatureError as exc:
+        raise _Rejection(401, "unauthorized", str(exc)) from None
+    if len(delivery_id) > MAX_DELIVERY_ID_CHARS:
+        detail = f"the delivery id exceeds {MAX_DELIVERY_ID_CHARS} characters"
+        raise _Rejection(400, "bad_delivery_id", detail)
+    return delivery_id
+
+
+def _parse_json(body: bytes) -> Any:
+    try:
+        return json.loads(body, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:
+        reason = f": {exc}" if isinstance(exc, ValueError) else " (nested too deep)"
+        detail = "the body is not JSON" + reason
+        raise _Rejection(415, "unsupported_media_type", detail) from None
+
+
+def _reject_constant(name: str) -> Any:
+    # NaN and Infinity are not JSON; Python accepts them, Prefect's API would not.
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _checked_overrides(hook: Hook, payload: Any) -> list[str]:
+    """The hook's overrides filled from ``payload``, validated against its spec; 422 when they fail."""
+    try:
+        overrides = hook.render_overrides(payload)
+        load_spec(hook.spec, overrides)
+    except PayloadError as exc:
+        raise _Rejection(422, "invalid_overrides", str(exc)) from None
+    except SpecError as exc:
+        raise _Rejection(422, "invalid_overrides", str(exc)) from None
+    return overrides
+
+
+# One counter per registry: creating a second app on the same registry (a restart inside one process,
+# tests) must reuse it, because prometheus-client refuses to register a name twice.
+_COUNTERS: weakref.WeakKeyDictionary[CollectorRegistry, Counter] = weakref.WeakKeyDictionary()
+_COUNTERS_LOCK = threading.Lock()
+
+
+def requests_counter(registry: CollectorRegistry) -> Counter:
+    with _COUNTERS_LOCK:
+        if registry not in _COUNTERS:
+            _COUNTERS[registry] = Counter(
+                "tunepod_webhook_requests",
+                "Webhook deliveries received, by hook and outcome.",
+                ["hook", "outcome"],
+                registry=registry,
+            )
+        return _COUNTERS[registry]
+
+
+def _detail(description: str) -> dict[str, Any]:
+    schema = {"type": "object", "properties": {"detail": {"type": "string"}}, "required": ["detail"]}
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+_DUPLICATE_SCHEMA = {
+    "type": "object",
+    "properties": {"duplicate": {"type": "boolean"}, "event_id": {"type": "string"}},
+    "required": ["duplicate", "event_id"],
+}
+_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "Duplicate delivery: no new event; the id of the event its first copy produced.",
+        "content": {"application/json": {"schema": _DUPLICATE_SCHEMA}},
+    },
+    202: {"description": "Accepted: the event that starts the pipeline run was published."},
+    400: _detail("Delivery id too long."),
+    401: _detail("Missing, invalid or stale signature."),
+    404: _detail("No such hook."),
+    413: _detail("Body over 1 MiB."),
+    415: _detail("Not JSON (Content-Type or body)."),
+    422: _detail("The overrides this payload fills in fail spec validation."),
+    429: _detail("Rate limit reached; see Retry-After."),
+    502: _detail("The event could not be published; retry."),
+}
+_REQUEST_BODY = {
+    "required": True,
+    "content": {"application/json": {"schema": {"description": "The sender's JSON, signed as raw bytes."}}},
+}

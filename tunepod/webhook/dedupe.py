@@ -1,0 +1,95 @@
+"""Which deliveries the receiver already turned into events, kept in SQLite so it survives restarts.
+
+Senders retry: GitHub redelivers, Standard Webhooks senders retry until they see a 2xx. Each delivery id
+(per hook) maps to the id of the one event it produced, so a retry is answered with that event id and
+publishes nothing. Entries older than ``ttl_s`` are forgotten (a sender does not retry for days).
+
+Thread and process safety: every call opens its own connection and runs one transaction, so one
+``DeliveryLog`` may be shared by threads, and two receivers may share the file (SQLite's lock
+serialises them; ``timeout_s`` is how long a call waits for it).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Callable, Iterator
+from contextlib import closing, contextmanager
+from pathlib import Path
+
+DEFAULT_TTL_S = 24 * 60 * 60
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS deliveries (
+    hook TEXT NOT NULL,
+    delivery_id TEXT NOT NULL,
+    event_id TEXT NOT NULL,
+    received_at REAL NOT NULL,
+    PRIMARY KEY (hook, delivery_id)
+);
+CREATE INDEX IF NOT EXISTS deliveries_received_at ON deliveries (received_at);
+"""
+
+
+class DeliveryLog:
+    """Delivery id -> event id, per hook, in the SQLite file at ``path`` (created with its folder)."""
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        ttl_s: float = DEFAULT_TTL_S,
+        timeout_s: float = 10.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.path = path
+        self._ttl_s = ttl_s
+        self._timeout_s = timeout_s
+        self._clock = clock
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with self._transaction() as conn:
+            conn.executescript(_SCHEMA)
+
+    def event_for(self, hook: str, delivery_id: str) -> str | None:
+        """The event id recorded for this delivery, or None if it is new (or expired)."""
+        with self._transaction() as conn:
+            row = conn.execute(
+                "SELECT event_id FROM deliveries WHERE hook = ? AND delivery_id = ? AND received_at >= ?",
+                (hook, delivery_id, self._clock() - self._ttl_s),
+            ).fetchone()
+        return None if row is None else str(row[0])
+
+    def claim(self, hook: str, delivery_id: str, event_id: str) -> str | None:
+        """Record ``event_id`` for this delivery unless one is recorded already.
+
+        Returns None when the claim is new (the caller must now publish ``event_id``, or ``release``
+        it when publishing fails), else the event id recorded first. Atomic: of two concurrent
+        claims of one delivery exactly one gets None.
+        """
+        now = self._clock()
+        with self._transaction() as conn:
+            conn.execute("DELETE FROM deliveries WHERE received_at < ?", (now - self._ttl_s,))
+            inserted = conn.execute(
+                "INSERT OR IGNORE INTO deliveries (hook, delivery_id, event_id, received_at)"
+                " VALUES (?, ?, ?, ?)",
+                (hook, delivery_id, event_id, now),
+            ).rowcount
+            if inserted:
+                return None
+            row = conn.execute(
+                "SELECT event_id FROM deliveries WHERE hook = ? AND delivery_id = ?", (hook, delivery_id)
+            ).fetchone()
+        return str(row[0])
+
+    def release(self, hook: str, delivery_id: str, event_id: str) -> None:
+        """Forget a claim whose event was not published, so the sender's retry can publish it."""
+        with self._transaction() as conn:
+            conn.execute(
+                "DELETE FROM deliveries WHERE hook = ? AND delivery_id = ? AND event_id = ?",
+                (hook, delivery_id, event_id),
+            )
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        with closing(sqlite3.connect(self.path, timeout=self._timeout_s)) as conn, conn:
+            yield conn

@@ -1,0 +1,95 @@
+"""Where an accepted delivery goes: a Prefect event, which a deployment trigger turns into a flow run.
+
+The receiver posts ``tunepod.webhook.<hook>`` with the payload below; a trigger in
+``deployments/prefect.yaml`` matching that event name starts ``flows/pipeline.py:pipeline`` with
+``spec_path`` and ``overrides`` taken from ``event.payload``:
+
+    {"hook": "s3-upload", "delivery_id": "msg_...", "spec_path": "examples/digits/pipeline.yaml",
+     "overrides": ["steps.data.with.source=\\"s3://bucket/key\\""], "body": {...the sender's JSON...}}
+
+This module talks to Prefect's REST API with httpx (``POST {api}/events``) so that ``tunepod`` itself
+never imports Prefect.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+import httpx
+
+from tunepod.errors import TransientError
+
+EVENT_PREFIX = "tunepod.webhook."
+
+
+def event_name(hook: str) -> str:
+    return EVENT_PREFIX + hook
+
+
+def hook_resource(hook: str) -> dict[str, str]:
+    """The resource an event of ``hook`` is about (what Prefect's UI lists and triggers can match)."""
+    return {"prefect.resource.id": event_name(hook), "prefect.resource.name": hook}
+
+
+class EventSinkError(TransientError):
+    """The event could not be published; the receiver answers 502 and the sender's retry may succeed."""
+
+
+class EventSink(Protocol):
+    """Publishes one event. Implementations must be safe to call from several threads at once."""
+
+    def publish(
+        self,
+        name: str,
+        resource: Mapping[str, str],
+        payload: Mapping[str, Any],
+        event_id: str | None = None,
+    ) -> str:
+        """Publish the event (with ``event_id``, or a new uuid4) and return its id.
+
+        Raises ``EventSinkError`` when it was not published.
+        """
+        ...
+
+
+class PrefectEventSink:
+    """Posts events to a Prefect server's REST API (``api_url`` as in ``PREFECT_API_URL``).
+
+    The httpx ``client`` is owned by the caller (it closes it); httpx clients are thread safe.
+    """
+
+    def __init__(self, api_url: str, client: httpx.Client, *, timeout_s: float = 10.0) -> None:
+        self.api_url = api_url.rstrip("/")
+        self._client = client
+        self._timeout_s = timeout_s
+
+    def publish(
+        self,
+        name: str,
+        resource: Mapping[str, str],
+        payload: Mapping[str, Any],
+        event_id: str | None = None,
+    ) -> str:
+        event_id = event_id or str(uuid.uuid4())
+        event = {
+            "id": event_id,
+            "occurred": datetime.now(UTC).isoformat(),
+            "event": name,
+            "resource": dict(resource),
+            "related": [],
+            "payload": dict(payload),
+        }
+        url = f"{self.api_url}/events"
+        try:
+            response = self._client.post(url, json=[event], timeout=self._timeout_s)
+        except httpx.HTTPError as exc:
+            raise EventSinkError(f"could not reach the Prefect API at {url}: {exc}") from exc
+        if not response.is_success:
+            raise EventSinkError(
+                f"the Prefect API at {url} answered {response.status_code} to event {name}: "
+                f"{response.text[:500]}"
+            )
+        return event_id

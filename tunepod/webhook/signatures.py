@@ -1,0 +1,174 @@
+"""Webhook signatures: Standard Webhooks (``webhook-*`` headers) and GitHub (``X-Hub-Signature-256``).
+
+Pure functions, no I/O, safe to call from any thread. Signing is here too, so that ``tunepod webhook
+sign`` and the tests produce exactly what a sender would.
+
+Standard Webhooks (https://www.standardwebhooks.com): the sender signs ``"{id}.{timestamp}.{body}"``
+with HMAC-SHA256 and sends ``webhook-signature: v1,<base64>``, several space-separated signatures when
+it signs with more than one key. A secret written ``whsec_<base64>`` is that base64's bytes (the
+spec's form); any other string is its own UTF-8 bytes. The timestamp must lie within
+``TOLERANCE_S`` of the receiver's clock, on either side, which bounds how long a captured request
+can be replayed.
+
+GitHub: ``X-Hub-Signature-256: sha256=<hex HMAC-SHA256 of the body>``, keyed by the secret's UTF-8
+bytes exactly as typed into GitHub (no ``whsec_`` decoding: GitHub does none). GitHub signs neither a
+timestamp nor the delivery id, so replay protection for this scheme is only the receiver's dedupe
+window; prefer the standard scheme where the sender offers it.
+
+Every comparison of a computed signature with a received one goes through ``hmac.compare_digest``,
+so the time taken does not reveal how many leading characters matched. Secrets never appear in the
+messages of ``SignatureError``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+
+from tunepod.errors import TunepodError
+
+TOLERANCE_S = 5 * 60
+WHSEC_PREFIX = "whsec_"
+
+# Header names as they travel (HTTP header names are case-insensitive; lookups below lowercase them).
+WEBHOOK_ID = "webhook-id"
+WEBHOOK_TIMESTAMP = "webhook-timestamp"
+WEBHOOK_SIGNATURE = "webhook-signature"
+GITHUB_SIGNATURE = "X-Hub-Signature-256"
+GITHUB_DELIVERY = "X-GitHub-Delivery"
+
+
+class SignatureError(TunepodError):
+    """A request whose signature is missing, malformed, stale or made with none of the hook's secrets.
+
+    The message says which check failed (for the sender's logs); it never contains a secret or the
+    signature the receiver expected.
+    """
+
+
+class SecretFormatError(TunepodError):
+    """A ``whsec_`` secret whose remainder is not base64."""
+
+
+# ---------------------------------------------------------------------------------------------- keys
+
+
+def standard_key(secret: str) -> bytes:
+    """The HMAC key of a Standard Webhooks secret: ``whsec_<base64>`` decoded, else the UTF-8 bytes."""
+    if not secret.startswith(WHSEC_PREFIX):
+        return secret.encode("utf-8")
+    try:
+        return base64.b64decode(secret.removeprefix(WHSEC_PREFIX), validate=True)
+    except binascii.Error:
+        # The secret itself must not reach the message: it would end up in startup logs.
+        raise SecretFormatError("a whsec_ secret must be followed by base64 (its key bytes)") from None
+
+
+def new_standard_secret() -> str:
+    """A fresh random ``whsec_`` secret (24 key bytes, as the Standard Webhooks libraries generate)."""
+    import secrets
+
+    return WHSEC_PREFIX + base64.b64encode(secrets.token_bytes(24)).decode("ascii")
+
+
+# ---------------------------------------------------------------------------------------------- signing
+
+
+def sign_standard(secret: str, msg_id: str, timestamp: int, body: bytes) -> str:
+    """The ``webhook-signature`` value ``v1,<base64>`` of ``body`` sent as ``msg_id`` at ``timestamp``."""
+    signed = f"{msg_id}.{timestamp}.".encode() + body
+    digest = hmac.new(standard_key(secret), signed, hashlib.sha256).digest()
+    return "v1," + base64.b64encode(digest).decode("ascii")
+
+
+def sign_github(secret: str, body: bytes) -> str:
+    """The ``X-Hub-Signature-256`` value ``sha256=<hex>`` of ``body``."""
+    return "sha256=" + hmac.new(secret.encode("utf-8"), body, hashlib.sha256).hexdigest()
+
+
+def standard_headers(
+    secrets: Iterable[str], body: bytes, *, msg_id: str | None = None, timestamp: int | None = None
+) -> dict[str, str]:
+    """The three Standard Webhooks headers of ``body``, signed with each of ``secrets``."""
+    msg_id = msg_id or f"msg_{uuid.uuid4().hex}"
+    timestamp = int(time.time()) if timestamp is None else timestamp
+    signatures = " ".join(sign_standard(secret, msg_id, timestamp, body) for secret in secrets)
+    return {WEBHOOK_ID: msg_id, WEBHOOK_TIMESTAMP: str(timestamp), WEBHOOK_SIGNATURE: signatures}
+
+
+def github_headers(secret: str, body: bytes, *, delivery_id: str | None = None) -> dict[str, str]:
+    """The headers GitHub sends with ``body``: the delivery id and the signature."""
+    return {GITHUB_DELIVERY: delivery_id or str(uuid.uuid4()), GITHUB_SIGNATURE: sign_github(secret, body)}
+
+
+# ---------------------------------------------------------------------------------------------- verifying
+
+
+def verify_standard(
+    secrets: Iterable[str], headers: Mapping[str, str], body: bytes, *, now: float | None = None
+) -> str:
+    """Check a Standard Webhooks request; returns its ``webhook-id`` (the delivery id).
+
+    Accepts when any ``v1`` signature in the header matches any of ``secrets`` (several secrets are
+    how a hook rotates keys). Raises ``SignatureError`` otherwise, or when a header is missing, or when
+    the timestamp is further than ``TOLERANCE_S`` from ``now`` (default: the current time).
+    """
+    lowered = _lowercase(headers)
+    msg_id = _required(lowered, WEBHOOK_ID)
+    timestamp = _timestamp(_required(lowered, WEBHOOK_TIMESTAMP), time.time() if now is None else now)
+    versioned = (part.partition(",") for part in _required(lowered, WEBHOOK_SIGNATURE).split())
+    received = [value.encode("utf-8", "replace") for version, _, value in versioned if version == "v1"]
+    if not received:
+        raise SignatureError(f"{WEBHOOK_SIGNATURE} has no v1 signature (expected 'v1,<base64>')")
+    for secret in secrets:
+        expected = sign_standard(secret, msg_id, timestamp, body).removeprefix("v1,").encode("ascii")
+        if _any_matches(expected, received):
+            return msg_id
+    raise SignatureError(f"{WEBHOOK_SIGNATURE} matches none of the hook's secrets")
+
+
+def verify_github(secrets: Iterable[str], headers: Mapping[str, str], body: bytes) -> str:
+    """Check a GitHub request; returns its ``X-GitHub-Delivery`` id. Raises ``SignatureError``."""
+    lowered = _lowercase(headers)
+    received = _required(lowered, GITHUB_SIGNATURE).strip().encode("utf-8", "replace")
+    delivery_id = _required(lowered, GITHUB_DELIVERY)
+    for secret in secrets:
+        if _any_matches(sign_github(secret, body).encode("ascii"), [received]):
+            return delivery_id
+    raise SignatureError(f"{GITHUB_SIGNATURE} matches none of the hook's secrets")
+
+
+def _any_matches(expected: bytes, received: list[bytes]) -> bool:
+    # Every candidate is compared, match or not: the loop's length depends only on what the sender sent.
+    matched = False
+    for candidate in received:
+        matched |= hmac.compare_digest(expected, candidate)
+    return matched
+
+
+def _lowercase(headers: Mapping[str, str]) -> dict[str, str]:
+    return {name.lower(): value for name, value in headers.items()}
+
+
+def _required(lowered: Mapping[str, str], name: str) -> str:
+    value = lowered.get(name.lower(), "").strip()
+    if not value:
+        raise SignatureError(f"missing header {name}")
+    return value
+
+
+def _timestamp(text: str, now: float) -> int:
+    if not text.isascii() or not text.isdigit() or len(text) > 12:
+        raise SignatureError(f"{WEBHOOK_TIMESTAMP} must be whole seconds since the epoch, got {text[:40]!r}")
+    timestamp = int(text)
+    if abs(now - timestamp) > TOLERANCE_S:
+        raise SignatureError(
+            f"{WEBHOOK_TIMESTAMP} is {int(now - timestamp)} s away from the receiver's clock "
+            f"(at most {TOLERANCE_S} s either side); check the sender's clock, or this is a replay"
+        )
+    return timestamp
