@@ -1,0 +1,299 @@
+"""The local stack (`tunepod up/status/deploy/down`): real processes, free ports, state in a temp folder.
+
+The slow tests share one stack (module fixture) and run in file order: up, up again, status, deploy, a
+webhook event that runs the digits pipeline through the worker, down. Each command runs as its own
+process (`python -m tunepod.stack ...`), as a user would run it.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tunepod.launch.local import read_process_stat
+from tunepod.stack import StackConfig, StackError, up
+from tunepod.stack.processes import (
+    Service,
+    ServiceRecord,
+    group_members,
+    is_alive,
+    start_service,
+    stop_service,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+FLOW_RUN_LIMIT_S = 300.0
+WEBHOOK_SECRET = "whsec_" + base64.b64encode(b"tunepod-stack-test-secret-24").decode()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# ------------------------------------------------------------------------------------ process records
+
+
+def test_stop_service_ends_the_whole_group_and_a_reused_pid_is_not_ours(tmp_path: Path) -> None:
+    # The shell's background child is in its group: it must go too.
+    service = Service("sleeper", ["/bin/sh", "-c", "sleep 300 & sleep 300"], dict(os.environ), "", "")
+    record = start_service(service, tmp_path / "sleeper.log", tmp_path, tmp_path / "sleeper.json")
+    assert ServiceRecord.read(tmp_path / "sleeper.json") == record
+    assert is_alive(record)
+    wait_for(lambda: len(group_members(record.pid)) >= 2, "the shell and its sleeps")
+
+    impostor = ServiceRecord(**{**record.__dict__, "start_ticks": record.start_ticks + 1})
+    assert not is_alive(impostor)
+
+    assert stop_service(record, grace_s=5.0) is True
+    assert not is_alive(record)
+    assert group_members(record.pid) == []
+    assert stop_service(record, grace_s=5.0) is False
+
+
+def test_up_refuses_a_port_that_answers_for_a_process_it_did_not_start(tmp_path: Path) -> None:
+    # A plain HTTP server whose /api/health answers 200, where the Prefect server would listen.
+    (tmp_path / "www" / "api").mkdir(parents=True)
+    (tmp_path / "www" / "api" / "health").write_text("true")
+    port = free_port()
+    squatter = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+        cwd=tmp_path / "www",
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(lambda: http_ok(f"http://127.0.0.1:{port}/api/health"), "the squatting server")
+        config = StackConfig(home=tmp_path / "home", repo=REPO, prefect_port=port, mlflow_port=free_port())
+        with pytest.raises(StackError, match="already answers, but tunepod did not start"):
+            up(config)
+        assert not list((tmp_path / "home" / "stack").glob("*.json"))
+    finally:
+        squatter.terminate()
+        squatter.wait()
+
+
+# ------------------------------------------------------------------------------------ the whole stack
+
+
+@dataclass(frozen=True)
+class Stack:
+    home: Path
+    env: dict[str, str]
+    api: str
+    first_up: str
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "tunepod.stack", *args],
+            cwd=REPO,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+
+    def records(self) -> dict[str, ServiceRecord]:
+        found = {p.stem: ServiceRecord.read(p) for p in sorted((self.home / "stack").glob("*.json"))}
+        return {name: record for name, record in found.items() if record is not None}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    home = tmp_path_factory.mktemp("stack") / "tunepod"
+    ports = {name: free_port() for name in ("PREFECT", "MLFLOW", "WEBHOOK")}
+    env = {
+        **os.environ,
+        "TUNEPOD_HOME": str(home),
+        "COLUMNS": "250",
+        # The receiver refuses to start without the secrets deployments/webhooks.yaml names.
+        **{f"TUNEPOD_HOOK_{hook}_SECRET": WEBHOOK_SECRET for hook in ("S3", "GITHUB", "DIGITS")},
+        **{f"TUNEPOD_{name}_PORT": str(port) for name, port in ports.items()},
+    }
+    api = f"http://127.0.0.1:{ports['PREFECT']}/api"
+    probe = Stack(home, env, api, "")
+    first = probe.cli("up")
+    stack = Stack(home, env, api, first.stdout + first.stderr)
+    try:
+        assert first.returncode == 0, stack.first_up
+        yield stack
+    finally:
+        stack.cli("down")  # whatever a failed test left running
+
+
+@pytest.mark.slow
+def test_up_brings_every_service_to_healthy_and_records_it(stack: Stack) -> None:
+    records = stack.records()
+    assert {"prefect-server", "prefect-worker", "mlflow-server"} <= set(records)
+    for record in records.values():
+        assert is_alive(record), record
+        assert Path(record.log).is_file()
+    assert http_ok(f"{stack.api}/health")
+    assert http_ok(f"{records['mlflow-server'].url}/health")
+    assert records["prefect-server"].url in stack.first_up
+    assert "started" in stack.first_up
+    if "webhook" in records:
+        assert http_ok(f"{records['webhook'].url}/healthz")
+    else:
+        print(f"webhook receiver not started:\n{stack.first_up}")
+
+
+@pytest.mark.slow
+def test_a_second_up_changes_nothing(stack: Stack) -> None:
+    before = {name: (p.read_bytes()) for name, p in record_files(stack)}
+    second = stack.cli("up")
+    assert second.returncode == 0, second.stderr
+    assert {name: p.read_bytes() for name, p in record_files(stack)} == before
+    assert "started" not in second.stdout
+    assert second.stdout.count("running") == len(before)
+
+
+@pytest.mark.slow
+def test_status_reports_each_service_with_its_pid_and_health(stack: Stack) -> None:
+    result = stack.cli("status")
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    for name, record in stack.records().items():
+        line = next(line for line in lines if name in line)
+        assert str(record.pid) in line and "yes" in line and record.url in line
+
+
+@pytest.mark.slow
+def test_deploy_registers_both_deployments_with_inactive_schedule_and_trigger(stack: Stack) -> None:
+    result = stack.cli("deploy")
+    assert result.returncode == 0, result.stdout + result.stderr
+    for name, spec, event in [
+        ("digits", "examples/digits/pipeline.yaml", "tunepod.webhook.digits"),
+        ("digits-slurm", "examples/digits/pipeline-slurm.yaml", "tunepod.webhook.digits-slurm"),
+    ]:
+        deployment = api_get(stack, f"/deployments/name/tunepod-pipeline/{name}")
+        assert deployment["entrypoint"] == "flows/pipeline.py:pipeline"
+        assert deployment["work_pool_name"] == "tunepod-local"
+        assert deployment["parameters"] == {"spec_path": spec, "overrides": []}
+        assert deployment["job_variables"]["working_dir"] == str(REPO)
+        assert deployment["pull_steps"] == [
+            {"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}
+        ]
+        [schedule] = deployment["schedules"]
+        assert schedule["active"] is False and schedule["schedule"]["cron"] == "0 3 * * *"
+        [automation] = automations_of(stack, deployment["id"])
+        assert event in automation["trigger"]["expect"]
+        parameters = automation["actions"][0]["parameters"]
+        assert "event.payload.spec_path" in parameters["spec_path"]
+        assert parameters["overrides"]["__prefect_kind"] == "json"
+
+
+@pytest.mark.slow
+def test_a_webhook_event_runs_the_digits_deployment_with_the_payload_overrides(
+    stack: Stack, tmp_path: Path
+) -> None:
+    overrides = [
+        f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
+        f"launcher.root={tmp_path}/shared",
+        f"steps.search.with.study.storage=journal://{tmp_path}/optuna.log",
+        "steps.search.with.num_trials=2",
+        "steps.search.with.train.args.epochs=2",
+        "steps.check.with.top_k=1",
+    ]
+    deployment = api_get(stack, "/deployments/name/tunepod-pipeline/digits")
+    event = {
+        "id": str(uuid.uuid4()),
+        "occurred": dt.datetime.now(dt.UTC).isoformat(),
+        "event": "tunepod.webhook.digits",
+        "resource": {"prefect.resource.id": "tunepod.webhook.digits"},
+        # The shape the webhook receiver posts (tunepod/webhook/events.py).
+        "payload": {"hook": "digits", "spec_path": "examples/digits/pipeline.yaml", "overrides": overrides},
+    }
+    response = httpx.post(f"{stack.api}/events", json=[event], timeout=10.0)
+    assert response.is_success, response.text
+
+    flow_run = wait_for_flow_run(stack, deployment["id"])
+    assert flow_run["state_type"] == "COMPLETED", flow_run["state"]
+    assert flow_run["parameters"] == {"spec_path": "examples/digits/pipeline.yaml", "overrides": overrides}
+
+    from mlflow import MlflowClient
+
+    tracking = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    champion = tracking.get_model_version_by_alias("digits-mlp", "champion")
+    assert champion.tags["tunepod.value"]
+
+
+@pytest.mark.slow
+def test_down_stops_everything_and_leaves_no_process(stack: Stack) -> None:
+    records = stack.records()
+    assert records
+    result = stack.cli("down")
+    assert result.returncode == 0, result.stderr
+    for record in records.values():
+        assert not is_alive(record), record
+        assert group_members(record.pid) == []
+        stat = read_process_stat(record.pid)
+        assert stat is None or stat.is_dead or stat.start_ticks != record.start_ticks
+    assert stack.records() == {}
+    assert not http_ok(f"{stack.api}/health")
+    again = stack.cli("down")
+    assert again.returncode == 0 and "nothing recorded" in again.stdout
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+def record_files(stack: Stack) -> list[tuple[str, Path]]:
+    return [(p.stem, p) for p in sorted((stack.home / "stack").glob("*.json"))]
+
+
+def http_ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=3.0).is_success
+    except httpx.HTTPError:
+        return False
+
+
+def api_get(stack: Stack, path: str) -> Any:
+    response = httpx.get(f"{stack.api}{path}", timeout=10.0)
+    assert response.is_success, f"GET {path}: {response.status_code} {response.text}"
+    return response.json()
+
+
+def automations_of(stack: Stack, deployment_id: str) -> list[dict[str, Any]]:
+    url = f"{stack.api}/automations/related-to/prefect.deployment.{deployment_id}"
+    response = httpx.get(url, timeout=10.0)
+    assert response.is_success, response.text
+    automations: list[dict[str, Any]] = response.json()
+    return automations
+
+
+def wait_for_flow_run(stack: Stack, deployment_id: str) -> dict[str, Any]:
+    """The deployment's one flow run once it is final; fails with the worker's log after the limit."""
+    query = {"deployments": {"id": {"any_": [deployment_id]}}}
+    deadline = time.monotonic() + FLOW_RUN_LIMIT_S
+    while time.monotonic() < deadline:
+        runs = httpx.post(f"{stack.api}/flow_runs/filter", json=query, timeout=10.0).json()
+        if runs and runs[0]["state_type"] in {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}:
+            assert len(runs) == 1, runs
+            return dict(runs[0])
+        time.sleep(1.0)
+    worker_log = (stack.home / "logs" / "prefect-worker.log").read_text()[-4000:]
+    pytest.fail(f"no final flow run of the digits deployment after {FLOW_RUN_LIMIT_S}s:\n{worker_log}")
+
+
+def wait_for(condition: Any, what: str, limit_s: float = 30.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.05)

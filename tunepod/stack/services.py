@@ -1,0 +1,110 @@
+"""The services of the local stack: how each one starts and how to tell it is healthy (pure, plus HTTP).
+
+Prefect and MLflow are driven by their command lines (``python -m prefect ...``) and Prefect's HTTP API,
+never imported: ``tunepod`` must not import Prefect, and the commands keep start-up fast.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import secrets
+
+import httpx
+
+from tunepod.stack.config import StackConfig
+from tunepod.stack.processes import Service
+
+PREFECT_SERVER = "prefect-server"
+PREFECT_WORKER = "prefect-worker"
+MLFLOW_SERVER = "mlflow-server"
+WEBHOOK = "webhook"
+
+_HTTP_TIMEOUT_S = 3.0
+
+
+def prefect_env(config: StackConfig) -> dict[str, str]:
+    """The environment of every Prefect process of the stack, and of ``prefect deploy``."""
+    return {
+        **os.environ,
+        "PREFECT_HOME": str(config.prefect_home),
+        "PREFECT_API_URL": config.prefect_api_url,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_LOGGING_COLORS": "false",
+    }
+
+
+def prefect_server(config: StackConfig) -> Service:
+    argv = [config.python, "-m", "prefect", "server", "start"]
+    argv += ["--host", config.host, "--port", str(config.prefect_port)]
+    health = f"{config.prefect_api_url}/health"
+    return Service(PREFECT_SERVER, argv, prefect_env(config), config.prefect_url, health)
+
+
+def prefect_worker(config: StackConfig) -> Service:
+    """A process worker on the stack's pool. Its name is unique per start, so a worker record left by an
+    earlier start (Prefect shows it ONLINE for a while) is never taken for this one."""
+    name = f"{config.work_pool}-{secrets.token_hex(3)}"
+    argv = [config.python, "-m", "prefect", "worker", "start", "--pool", config.work_pool]
+    argv += ["--type", "process", "--name", name]
+    url = f"{config.prefect_url}/work-pools/work-pool/{config.work_pool}"
+    return Service(PREFECT_WORKER, argv, prefect_env(config), url, "")
+
+
+def worker_name(argv: list[str]) -> str:
+    """The ``--name`` a worker was started with (from its recorded argv)."""
+    return argv[argv.index("--name") + 1]
+
+
+def mlflow_server(config: StackConfig) -> Service:
+    argv = [config.python, "-m", "mlflow", "server"]
+    argv += ["--backend-store-uri", f"sqlite:///{config.home / 'mlflow.db'}"]
+    argv += ["--artifacts-destination", str(config.home / "mlartifacts")]
+    argv += ["--host", config.host, "--port", str(config.mlflow_port)]
+    # Without this the server starts ~7 job-execution workers (1.7 GB) that tunepod never uses.
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    return Service(MLFLOW_SERVER, argv, env, config.mlflow_url, f"{config.mlflow_url}/health")
+
+
+def webhook_receiver(config: StackConfig) -> Service:
+    argv = [config.python, "-m", "tunepod.webhook", "serve", "--config", str(config.webhook_config)]
+    argv += ["--host", config.host, "--port", str(config.webhook_port)]
+    argv += ["--state-dir", str(config.home / "webhook")]
+    health = f"{config.webhook_url}/healthz"
+    return Service(WEBHOOK, argv, prefect_env(config), config.webhook_url, health)
+
+
+def webhook_unavailable(config: StackConfig) -> str | None:
+    """Why the webhook receiver cannot start here (None when it can): the module or its config is missing."""
+    if importlib.util.find_spec("tunepod.webhook") is None:
+        return "module tunepod.webhook is not installed"
+    if not config.webhook_config.is_file():
+        return f"no receiver config at {config.webhook_config}"
+    return None
+
+
+def check_health(config: StackConfig, argv: list[str], health_url: str) -> bool:
+    """Whether the service started with ``argv`` is healthy; never raises (an error means unhealthy)."""
+    if health_url:
+        return http_ok(health_url)
+    return worker_online(config, worker_name(argv))
+
+
+def http_ok(url: str) -> bool:
+    """Whether ``GET url`` answers 2xx."""
+    try:
+        return httpx.get(url, timeout=_HTTP_TIMEOUT_S).is_success
+    except httpx.HTTPError:
+        return False
+
+
+def worker_online(config: StackConfig, name: str) -> bool:
+    """Whether the worker ``name`` has sent a heartbeat to the pool recently (Prefect says ONLINE)."""
+    url = f"{config.prefect_api_url}/work_pools/{config.work_pool}/workers/filter"
+    try:
+        response = httpx.post(url, json={}, timeout=_HTTP_TIMEOUT_S)
+    except httpx.HTTPError:
+        return False
+    if not response.is_success:
+        return False
+    return any(w.get("name") == name and w.get("status") == "ONLINE" for w in response.json())
