@@ -21,6 +21,7 @@ from tunepod.dag import Dag, build_dag
 from tunepod.launch.base import Launcher
 from tunepod.launch.factory import make_launcher
 from tunepod.launch.paths import SharedRoot
+from tunepod.metrics import PipelineMetrics, open_pipeline_metrics
 from tunepod.outputs import Evaluation, Registration, StepOutput, TrialSet
 from tunepod.spec.loader import dump_spec, load_spec, spec_hash
 from tunepod.spec.models import PipelineSpec
@@ -46,6 +47,8 @@ class PipelineRun:
     shared: SharedRoot
     tracker: MlflowTracker
     run_id: str
+    metrics: PipelineMetrics | None = None
+    """The run's Prometheus side (the /metrics endpoint when the spec asks for one); closed by finish."""
 
     @classmethod
     def start(
@@ -72,7 +75,8 @@ class PipelineRun:
         )
         tracker.log_text(run_id, dump_spec(spec), "spec.yaml")
         shared = SharedRoot(Path(spec.launcher.root))
-        return cls(spec, str(spec_path), dag, make_launcher(spec.launcher), shared, tracker, run_id)
+        metrics = open_pipeline_metrics(spec.metrics, pipeline=spec.name, run_id=run_id)
+        return cls(spec, str(spec_path), dag, make_launcher(spec.launcher), shared, tracker, run_id, metrics)
 
     def run_step(
         self, name: str, inputs: Mapping[str, StepOutput], *, submit_trial: TrialSubmitter | None = None
@@ -87,6 +91,8 @@ class PipelineRun:
 
     def finish(self, ok: bool) -> None:
         self.tracker.end_run(self.run_id, "FINISHED" if ok else "FAILED")
+        if self.metrics is not None:
+            self.metrics.close()
 
     def summary(self, outputs: Mapping[str, StepOutput]) -> PipelineSummary:
         return PipelineSummary.of(self, outputs)

@@ -29,6 +29,7 @@ from tunepod.runtime import latest_checkpoint, read_reports
 from tunepod.spec.models import SlurmLauncherSpec, TuneSettings
 from tunepod.tracking import MlflowTracker
 
+PIPELINE = "tuner-tests"
 TRAINER = Path(__file__).resolve().parents[1] / "fixtures" / "trainers" / "quadratic.py"
 
 
@@ -70,6 +71,7 @@ def make_tuner(tmp_path: Path, tune: TuneSettings, launcher: str = "local") -> T
             jobs_dir=tmp_path / "shared" / "jobs" / tune.study.name,
             tracker=tracker,
             parent_run_id=parent,
+            pipeline=PIPELINE,
         )
     )
 

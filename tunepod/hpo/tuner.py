@@ -26,6 +26,7 @@ from tunepod.launch.base import JobHandle, JobSpec, JobState, Launcher
 from tunepod.launch.contract import contract_env
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.watch import failure_message, watch
+from tunepod.metrics import default_metrics
 from tunepod.outputs import Dataset, TrialOutcome, TrialRecord, TrialSet
 from tunepod.runtime import Report, latest_checkpoint, read_result, valid_checkpoints
 from tunepod.spec.models import TuneSettings
@@ -59,6 +60,7 @@ class TuneContext:
     jobs_dir: Path
     tracker: MlflowTracker
     parent_run_id: str
+    pipeline: str
 
 
 class Tuner:
@@ -69,6 +71,9 @@ class Tuner:
         self.settings = ctx.settings
         self.study = open_study(ctx.settings)
         self._distributions = distributions(ctx.settings.space)
+        self._metrics = default_metrics().trial_observer(
+            pipeline=ctx.pipeline, study=ctx.settings.study.name, step=ctx.step
+        )
 
     # ------------------------------------------------------------------------------------ the loop
 
@@ -77,6 +82,7 @@ class Tuner:
         finished = len(self.study.get_trials(deepcopy=False, states=FINISHED))
         orphans = [t.number for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))]
         to_ask = max(0, self.settings.num_trials - finished - len(orphans))
+        self._metrics.count_trials(self.study)
         if orphans:
             log.warning("study %s: re-attaching to unfinished trials %s", self.settings.study.name, orphans)
         with ThreadPoolExecutor(self.settings.num_parallel + len(orphans), "trial") as pool:
@@ -99,6 +105,7 @@ class Tuner:
         job_dir = self.ctx.jobs_dir / f"trial-{trial.number}"
         _set_aside_stale(job_dir)
         trial.set_user_attr(ATTR_JOB_DIR, str(job_dir))
+        self._metrics.count_trials(self.study)
         return trial.number
 
     def _abandon(self, number: int, exc: BaseException) -> None:
@@ -177,7 +184,8 @@ class Tuner:
     def _resubmit(self, number: int, params: dict[str, object], run_id: str) -> JobHandle:
         frozen = self._frozen(number)
         job_dir = Path(frozen.user_attrs[ATTR_JOB_DIR])
-        handle = self.ctx.launcher.submit(self._job_spec(number, job_dir, params, run_id))
+        job = self._job_spec(number, job_dir, params, run_id)
+        handle = self._metrics.submitted(self.ctx.launcher.submit(job))
         self.study._storage.set_trial_user_attr(frozen._trial_id, ATTR_JOB_ID, handle.job_id)
         self.ctx.tracker.set_tags(
             run_id,
@@ -211,7 +219,7 @@ class Tuner:
         job_id = frozen.user_attrs.get(ATTR_JOB_ID)
         if job_id:
             try:
-                handle = self.ctx.launcher.attach(str(job_id), job_dir)
+                handle = self._metrics.attached(self.ctx.launcher.attach(str(job_id), job_dir))
                 if handle.state() in (JobState.PENDING, JobState.RUNNING, JobState.SUCCEEDED):
                     return handle
                 log.warning("trial %d: job %s ended while nobody watched; resuming it", frozen.number, job_id)
@@ -255,7 +263,7 @@ class Tuner:
         model_id = self._log_final_checkpoint(number, run_id, handle.job_dir, params)
         if model_id:
             self.study._storage.set_trial_user_attr(self._frozen(number)._trial_id, ATTR_MODEL_ID, model_id)
-        self.study.tell(number, value, state=TrialState.COMPLETE, skip_if_finished=True)
+        self._tell(number, TrialState.COMPLETE, value)
         self._end(run_id, "COMPLETE", "FINISHED", {"tunepod.model_id": model_id or ""}, handle.job_dir)
         return self._record(self._frozen(number))
 
@@ -275,7 +283,7 @@ class Tuner:
 
     def _prune(self, number: int, run_id: str, step: int | None, job_dir: Path) -> TrialRecord:
         log.info("trial %d pruned at step %s", number, step)
-        self.study.tell(number, state=TrialState.PRUNED, skip_if_finished=True)
+        self._tell(number, TrialState.PRUNED)
         self._end(run_id, "PRUNED", "KILLED", {"tunepod.pruned_at_step": step}, job_dir)
         return self._record(self._frozen(number))
 
@@ -283,11 +291,18 @@ class Tuner:
         log.error("%s", message)
         trial_id = self._frozen(number)._trial_id
         self.study._storage.set_trial_user_attr(trial_id, ATTR_ERROR, message[-4000:])
-        self.study.tell(number, state=TrialState.FAIL, skip_if_finished=True)
+        self._tell(number, TrialState.FAIL)
         if run_id:
             self.ctx.tracker.log_text(run_id, message, "error.txt")
             self._end(run_id, "FAIL", "FAILED", {})
         return self._record(self._frozen(number))
+
+    def _tell(self, number: int, state: TrialState, value: float | None = None) -> None:
+        self.study.tell(number, value, state=state, skip_if_finished=True)
+        frozen = self._frozen(number)
+        job_dir = frozen.user_attrs.get(ATTR_JOB_DIR, self.ctx.jobs_dir / f"trial-{number}")
+        self._metrics.finished(Path(job_dir), OUTCOME[state])
+        self._metrics.count_trials(self.study)
 
     def _end(
         self, run_id: str, state: str, status: str, tags: dict[str, object], job_dir: Path | None = None

@@ -5,7 +5,11 @@ Layout under the job's checkpoint folder::
     step-000007/
         state.pt        the state: torch.save when torch is importable and the state is not bytes,
                         else pickle (``format`` in the metadata says which)
-        metadata.json   {"step", "sha256", "size", "format", "time"}, written last
+        metadata.json   {"step", "sha256", "size", "format", "time", "save_seconds"}, written last
+
+``save_seconds`` is how long writing, fsyncing and hashing the state took (the rename that follows is
+not counted); the orchestrator reads it for its checkpoint metric, since a training job never imports
+prometheus-client. Checkpoints written before it existed have none.
 
 A step counts only when its ``metadata.json`` exists and the state file matches its size and sha256.
 A save writes everything into a hidden temporary folder next to the final one, fsyncs the files and
@@ -55,6 +59,8 @@ class CheckpointInfo:
     size: int
     format: str
     time: float
+    save_seconds: float | None = None
+    """Seconds the save took (None for checkpoints written before this was recorded)."""
 
 
 @dataclass(frozen=True)
@@ -93,13 +99,16 @@ def save_checkpoint(checkpoint_dir: Path, state: Any, step: int, keep: int) -> P
 
 def _write_step_folder(folder: Path, state: Any, step: int) -> None:
     state_path = folder / STATE_FILE
+    started = time.monotonic()
     state_format = _write_state(state_path, state)
+    sha256 = sha256_of(state_path)
     metadata = {
         "step": step,
-        "sha256": sha256_of(state_path),
+        "sha256": sha256,
         "size": state_path.stat().st_size,
         "format": state_format,
         "time": time.time(),
+        "save_seconds": round(time.monotonic() - started, 6),
     }
     # Written last and fsynced: its presence is what makes the step count.
     metadata_path = folder / METADATA_FILE
@@ -195,6 +204,18 @@ def valid_checkpoints(checkpoint_dir: Path) -> Iterator[CheckpointInfo]:
             yield found
 
 
+def saved_checkpoint(folder: Path) -> CheckpointInfo | None:
+    """What the metadata of step folder ``folder`` says, if the save completed, without hashing the
+    state: cheap enough for the orchestrator to poll. Use ``valid_checkpoints`` before trusting it."""
+    found = _inspect(folder, verify_checksum=False)
+    return found if isinstance(found, CheckpointInfo) else None
+
+
+def step_folders(checkpoint_dir: Path) -> list[Path]:
+    """The ``step-N`` folders under ``checkpoint_dir`` (complete or not), newest first."""
+    return _step_folders_newest_first(checkpoint_dir)
+
+
 def _step_folders_newest_first(checkpoint_dir: Path) -> list[Path]:
     try:
         entries = list(Path(checkpoint_dir).iterdir())
@@ -219,6 +240,7 @@ def _inspect(folder: Path, verify_checksum: bool) -> CheckpointInfo | str:
             size=int(raw["size"]),
             format=str(raw["format"]),
             time=float(raw["time"]),
+            save_seconds=_optional_float(raw.get("save_seconds")),
         )
     except FileNotFoundError:
         return f"no {METADATA_FILE} (the save did not complete)"
@@ -235,6 +257,10 @@ def _inspect(folder: Path, verify_checksum: bool) -> CheckpointInfo | str:
     except FileNotFoundError:
         return f"no {STATE_FILE}"
     return info
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def _read_state(path: Path, state_format: str) -> Any:

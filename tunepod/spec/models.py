@@ -284,10 +284,26 @@ StepSpec = Annotated[
 ]
 
 
+class MetricsSpec(Strict):
+    """Serve Prometheus metrics at ``http://<host>:<port>/metrics`` while the pipeline runs."""
+
+    port: int = Field(9464, ge=0, le=65535, description="Port of the endpoint; 0 takes any free port.")
+    host: str = Field("127.0.0.1", description="Address to listen on; 0.0.0.0 for a remote Prometheus.")
+    linger_s: float = Field(
+        0.0,
+        ge=0,
+        description="Seconds to keep serving after the run ends; set it to the scrape interval or more "
+        "so a short pipeline is scraped at least once with its final counts.",
+    )
+
+
 class PipelineSpec(Strict):
     """A whole pipeline: where to track it, where to run its jobs, and its steps."""
 
     name: str = Field(..., min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     tracking: TrackingSpec
     launcher: LauncherSpec = Field(default_factory=LocalLauncherSpec)
+    metrics: MetricsSpec | None = Field(
+        None, description="Prometheus endpoint of the running pipeline (e.g. {port: 9464}); off when unset."
+    )
     steps: dict[str, StepSpec] = Field(..., min_length=1)

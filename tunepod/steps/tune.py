@@ -25,6 +25,7 @@ def tuner(run: PipelineRun, name: str, settings: TuneSettings, inputs: Mapping[s
             jobs_dir=run.shared.jobs_dir(settings.study.name),
             tracker=run.tracker,
             parent_run_id=run.run_id,
+            pipeline=run.spec.name,
         )
     )
 

@@ -1,0 +1,238 @@
+"""The tunepod_* metrics, each test on a fresh CollectorRegistry; the /metrics endpoint over real HTTP;
+the Grafana dashboard and the Prometheus config against the metrics that exist."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+from optuna.trial import TrialState
+from prometheus_client import CollectorRegistry
+
+from tunepod.launch.base import JobState
+from tunepod.launch.paths import JobPaths
+from tunepod.metrics import TRIAL_STATES, TrialObserver, TunepodMetrics, open_pipeline_metrics
+from tunepod.runtime.checkpoints import METADATA_FILE, save_checkpoint, saved_checkpoint
+from tunepod.spec.models import MetricsSpec, PipelineSpec
+from tunepod.webhook.app import requests_counter
+
+REPO = Path(__file__).resolve().parents[2]
+DASHBOARD = REPO / "deployments" / "observability" / "grafana-dashboard.json"
+PROMETHEUS_CONFIG = REPO / "deployments" / "observability" / "prometheus.yml"
+# The labels of observer_for()'s trials: its run was never opened as a pipeline.
+LABELS = {"pipeline": "pipe", "study": "quad", "step": "search"}
+
+
+class ScriptedJob:
+    """A JobHandle whose states follow a script. It stands in for a scheduler's queue: the local
+    launcher never shows PENDING, and queue waits are about the PENDING -> RUNNING edge."""
+
+    def __init__(self, job_dir: Path, states: list[JobState]) -> None:
+        self.job_id = "scripted-1"
+        self.job_dir = job_dir
+        self._states = states
+
+    def state(self) -> JobState:
+        return self._states.pop(0) if len(self._states) > 1 else self._states[0]
+
+    def cancel(self) -> None:
+        self._states = [JobState.CANCELLED]
+
+    def logs(self, tail: int = 50) -> str:
+        return ""
+
+    def describe(self) -> str:
+        return "scripted"
+
+
+@pytest.fixture
+def metrics() -> TunepodMetrics:
+    return TunepodMetrics(CollectorRegistry())
+
+
+def sample(metrics: TunepodMetrics, name: str, **labels: str) -> float | None:
+    return metrics.registry.get_sample_value(name, labels)
+
+
+def observer_for(metrics: TunepodMetrics) -> TrialObserver:
+    return metrics.trial_observer(pipeline=LABELS["pipeline"], study="quad", step="search")
+
+
+def test_staging_adds_bytes_and_observes_seconds_per_step(metrics: TunepodMetrics) -> None:
+    metrics.observe_staging("pipe", "data", copied_bytes=1000, seconds=2.5)
+    metrics.observe_staging("pipe", "data", copied_bytes=24, seconds=0.5)
+    metrics.observe_staging("pipe", "other", copied_bytes=7, seconds=1.0)
+
+    assert sample(metrics, "tunepod_staging_copied_bytes_total", pipeline="pipe", step="data") == 1024
+    assert sample(metrics, "tunepod_staging_seconds_count", pipeline="pipe", step="data") == 2
+    assert sample(metrics, "tunepod_staging_seconds_sum", pipeline="pipe", step="data") == 3.0
+    assert sample(metrics, "tunepod_staging_copied_bytes_total", pipeline="pipe", step="other") == 7
+
+
+def test_trials_gauge_counts_the_study_in_each_state(metrics: TunepodMetrics) -> None:
+    study = optuna.create_study()
+    for _ in range(4):
+        study.ask()
+    study.tell(0, 1.0)
+    study.tell(1, state=TrialState.PRUNED)
+    study.tell(2, state=TrialState.FAIL)
+    observer_for(metrics).count_trials(study)
+
+    counts = {state: sample(metrics, "tunepod_trials", **LABELS, state=state) for state in TRIAL_STATES}
+    assert counts == {"RUNNING": 1, "COMPLETE": 1, "PRUNED": 1, "FAIL": 1}
+
+
+def test_queue_wait_from_submission_to_first_running_poll(metrics: TunepodMetrics, tmp_path: Path) -> None:
+    job = observer_for(metrics).submitted(
+        ScriptedJob(tmp_path, [JobState.PENDING, JobState.PENDING, JobState.RUNNING, JobState.SUCCEEDED])
+    )
+    states = [job.state() for _ in range(4)]
+
+    assert states[-1] is JobState.SUCCEEDED
+    assert sample(metrics, "tunepod_trial_queue_wait_seconds_count", **LABELS) == 1
+
+
+def test_reattached_running_job_has_no_queue_wait(metrics: TunepodMetrics, tmp_path: Path) -> None:
+    observer = observer_for(metrics)
+    observer.attached(ScriptedJob(tmp_path / "a", [JobState.RUNNING])).state()
+    assert sample(metrics, "tunepod_trial_queue_wait_seconds_count", **LABELS) is None
+
+    # Seen pending first: its wait counts from when the launcher wrote submission.json.
+    paths = JobPaths(tmp_path / "b")
+    paths.job_dir.mkdir()
+    paths.submission.write_text("{}")
+    submitted = time.time() - 100
+    os.utime(paths.submission, (submitted, submitted))
+    job = observer.attached(ScriptedJob(paths.job_dir, [JobState.PENDING, JobState.RUNNING]))
+    job.state()
+    job.state()
+    assert sample(metrics, "tunepod_trial_queue_wait_seconds_count", **LABELS) == 1
+    assert sample(metrics, "tunepod_trial_queue_wait_seconds_sum", **LABELS) >= 100  # type: ignore[operator]
+
+
+def test_trial_duration_runs_from_first_submission_across_restarts(
+    metrics: TunepodMetrics, tmp_path: Path
+) -> None:
+    observer = observer_for(metrics)
+    observer.submitted(ScriptedJob(tmp_path, [JobState.FAILED]))
+    time.sleep(0.05)
+    observer.submitted(ScriptedJob(tmp_path, [JobState.SUCCEEDED]))  # the restart keeps the first time
+    observer.finished(tmp_path, "COMPLETE")
+    observer.finished(tmp_path, "COMPLETE")  # nothing in flight any more: not counted twice
+
+    labels = {**LABELS, "state": "COMPLETE"}
+    assert sample(metrics, "tunepod_trial_duration_seconds_count", **labels) == 1
+    assert sample(metrics, "tunepod_trial_duration_seconds_sum", **labels) >= 0.05  # type: ignore[operator]
+
+
+def test_checkpoint_save_seconds_come_from_new_checkpoints_metadata(
+    metrics: TunepodMetrics, tmp_path: Path
+) -> None:
+    checkpoints = JobPaths(tmp_path).checkpoints
+    save_checkpoint(checkpoints, b"before the submission", 0, keep=5)
+    time.sleep(0.01)
+    job = observer_for(metrics).attached(ScriptedJob(tmp_path, [JobState.RUNNING]))
+    job.state()
+    save_checkpoint(checkpoints, b"x" * 1000, 1, keep=5)
+    save_checkpoint(checkpoints, b"y" * 1000, 2, keep=5)
+    job.state()
+    job.state()  # seen once, counted once
+
+    assert sample(metrics, "tunepod_checkpoint_save_seconds_count", **LABELS) == 2
+    recorded = [saved_checkpoint(checkpoints / f"step-00000{n}") for n in (1, 2)]
+    expected = sum(info.save_seconds for info in recorded if info and info.save_seconds is not None)
+    assert sample(metrics, "tunepod_checkpoint_save_seconds_sum", **LABELS) == pytest.approx(expected)
+
+
+def test_checkpoint_metadata_records_save_seconds_and_older_ones_read_as_none(tmp_path: Path) -> None:
+    folder = save_checkpoint(tmp_path, {"w": [1.0, 2.0]}, 3, keep=2)
+    info = saved_checkpoint(folder)
+    assert info is not None and info.save_seconds is not None and info.save_seconds >= 0
+
+    metadata = json.loads((folder / METADATA_FILE).read_text())
+    del metadata["save_seconds"]
+    (folder / METADATA_FILE).write_text(json.dumps(metadata))
+    older = saved_checkpoint(folder)
+    assert older is not None and older.step == 3 and older.save_seconds is None
+
+
+def test_endpoint_serves_the_metrics_while_open_and_stops_on_close() -> None:
+    opened = open_pipeline_metrics(MetricsSpec(port=0), pipeline="served", run_id="run-served")
+    assert opened.url is not None
+    url = opened.url
+    try:
+        body = urllib.request.urlopen(url, timeout=10).read().decode()
+        assert "# TYPE tunepod_trials gauge" in body
+        assert "# TYPE tunepod_trial_queue_wait_seconds histogram" in body
+    finally:
+        opened.close()
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(url, timeout=5)
+
+
+def test_a_busy_port_leaves_the_run_without_an_endpoint() -> None:
+    first = open_pipeline_metrics(MetricsSpec(port=0), pipeline="a", run_id="run-a")
+    try:
+        assert first.server is not None
+        busy = MetricsSpec(port=first.server.server_port)
+        second = open_pipeline_metrics(busy, pipeline="b", run_id="run-b")
+        assert second.url is None
+        second.close()
+    finally:
+        first.close()
+
+
+def test_spec_takes_an_optional_metrics_block() -> None:
+    base = {
+        "name": "p",
+        "tracking": {"experiment": "e"},
+        "steps": {"s": {"uses": "stage", "with": {"source": "a", "target": "b"}}},
+    }
+    assert PipelineSpec.model_validate(base).metrics is None
+    spec = PipelineSpec.model_validate({**base, "metrics": {"port": 9464, "linger_s": 5}})
+    assert spec.metrics == MetricsSpec(port=9464, host="127.0.0.1", linger_s=5)
+    with pytest.raises(ValueError, match="prot"):
+        PipelineSpec.model_validate({**base, "metrics": {"prot": 9464}})
+
+
+# ---------------------------------------------------------------------------------------------- deployments
+
+
+def exposed_names(metrics: TunepodMetrics) -> set[str]:
+    """Every series name the registry can expose (a histogram's _bucket/_sum/_count, a counter's _total)."""
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+    return {family.name + suffix for family in metrics.registry.collect() for suffix in suffixes[family.type]}
+
+
+def test_every_dashboard_expr_uses_a_metric_that_exists(metrics: TunepodMetrics) -> None:
+    requests_counter(metrics.registry)  # the webhook receiver's counter is on the dashboard too
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    used = {name for expr in exprs for name in re.findall(r"\btunepod_[a-z_]+", expr)}
+    names = exposed_names(metrics)
+
+    assert dashboard["uid"] and dashboard["title"] and isinstance(dashboard["schemaVersion"], int)
+    assert len({panel["id"] for panel in dashboard["panels"]}) == len(dashboard["panels"])
+    assert used - names == set()
+    # Each metric has a panel.
+    families = {family.name for family in metrics.registry.collect()}
+    assert {f for f in families if not any(name.startswith(f) for name in used)} == set()
+
+
+def test_prometheus_config_scrapes_the_pipeline_and_the_webhook_receiver() -> None:
+    config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    targets = {
+        name: [t for group in job["static_configs"] for t in group["targets"]] for name, job in jobs.items()
+    }
+    assert targets == {"tunepod-pipeline": ["127.0.0.1:9464"], "tunepod-webhook": ["127.0.0.1:8787"]}
+    assert all(job.get("metrics_path", "/metrics") == "/metrics" for job in jobs.values())
+    assert MetricsSpec().port == 9464  # the default the pipeline target points at
