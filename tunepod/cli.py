@@ -24,6 +24,8 @@ from tunepod.dag import Dag, build_dag
 from tunepod.errors import SpecError
 from tunepod.spec.loader import load_spec
 from tunepod.spec.models import PipelineSpec
+from tunepod.stack.cli import register as register_stack_commands
+from tunepod.webhook.cli import webhook_app
 
 if TYPE_CHECKING:
     from tunepod.pipeline import PipelineSummary
@@ -139,6 +141,12 @@ def print_summary(summary: PipelineSummary) -> None:
 
 def _short(value: object) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+# ---------------------------------------------------------------------------------------------- stack
+
+register_stack_commands(app)
+app.add_typer(webhook_app, name="webhook", help="The signed-webhook receiver: serve it, sign a test request.")
 
 
 if __name__ == "__main__":
