@@ -10,7 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +24,8 @@ from tunepod.hpo.tuner import ATTR_JOB_ID, TuneContext, Tuner, require_completed
 from tunepod.launch.base import Launcher
 from tunepod.launch.local import LocalLauncher
 from tunepod.launch.slurm import SlurmLauncher
-from tunepod.outputs import Dataset, TrialRecord
-from tunepod.runtime import latest_checkpoint, read_reports
+from tunepod.outputs import Dataset, TrialRecord, TrialSet
+from tunepod.runtime import Report, latest_checkpoint, read_reports
 from tunepod.spec.models import SlurmLauncherSpec, TuneSettings
 from tunepod.tracking import MlflowTracker
 
@@ -82,6 +82,21 @@ def child_runs(tmp_path: Path, parent_run_id: str) -> list[Any]:
     return list(
         client.search_runs([experiment.experiment_id], f"tags.mlflow.parentRunId = '{parent_run_id}'")
     )
+
+
+def wait_for_checkpoint(tuner: Tuner, running: Future[TrialSet], step: int) -> int:
+    """Wait until trial 0 of a running study has checkpointed ``step``; the newest step seen."""
+    checkpoints = tuner.ctx.jobs_dir / "trial-0" / "checkpoints"
+    while (info := latest_checkpoint(checkpoints)) is None or info.step < step:
+        assert not running.done(), running.exception()
+        time.sleep(0.1)
+    return info.step
+
+
+def reports_after_restart(trial: TrialRecord) -> list[Report]:
+    """What the trial's script reported after its second start (starts.log has one line per start)."""
+    restarted_at = float(Path(trial.job_dir, "starts.log").read_text().split()[1])
+    return [r for r in read_reports(Path(trial.job_dir, "metrics.jsonl")) if r.time > restarted_at]
 
 
 def starts(job_dir: str) -> int:
@@ -268,24 +283,18 @@ def test_a_killed_trial_job_restarts_and_resumes_from_its_last_checkpoint(tmp_pa
     tuner = make_tuner(tmp_path, tune)
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(tuner.run)
-        checkpoints = tuner.ctx.jobs_dir / "trial-0" / "checkpoints"
-        while (info := latest_checkpoint(checkpoints)) is None or info.step < 1:
-            assert not running.done(), running.exception()
-            time.sleep(0.1)
+        killed_after = wait_for_checkpoint(tuner, running, step=1)
         job_id = tuner.study.trials[0].user_attrs[ATTR_JOB_ID]
         job = tuner.ctx.launcher.attach(job_id, tuner.ctx.jobs_dir / "trial-0")
-        killed_after = latest_checkpoint(checkpoints)
         for pid in job.pids():
             os.kill(pid, signal.SIGKILL)
         trials = running.result(timeout=120)
 
     trial = trials.trials[0]
     assert trial.outcome == "COMPLETE"
-    assert killed_after is not None
-    restarted_at = float(Path(trial.job_dir, "starts.log").read_text().split()[1])
-    resumed = [r for r in read_reports(Path(trial.job_dir, "metrics.jsonl")) if r.time > restarted_at]
+    resumed = reports_after_restart(trial)
     # It may have checkpointed once more between our look and the kill, never less.
-    assert resumed[0].step in (killed_after.step + 1, killed_after.step + 2)
+    assert resumed[0].step in (killed_after + 1, killed_after + 2)
     assert resumed[-1].step == 5
     assert tuner.study.trials[0].user_attrs["tunepod_restarts"] == 1
 
@@ -298,21 +307,15 @@ def test_a_requeued_trial_resumes_and_is_counted_once(tmp_path: Path) -> None:
     tuner = make_tuner(tmp_path, tune, "slurm")
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(tuner.run)
-        checkpoints = tuner.ctx.jobs_dir / "trial-0" / "checkpoints"
-        while (info := latest_checkpoint(checkpoints)) is None or info.step < 1:
-            assert not running.done(), running.exception()
-            time.sleep(0.1)
+        requeued_after = wait_for_checkpoint(tuner, running, step=1)
         job_id = tuner.study.trials[0].user_attrs[ATTR_JOB_ID]
-        requeued_after = latest_checkpoint(checkpoints)
         subprocess.run(["scontrol", "requeue", job_id], check=True)
         trials = running.result(timeout=180)
 
     (trial,) = trials.trials
     assert trial.outcome == "COMPLETE" and trial.job_id == job_id
-    assert requeued_after is not None
-    restarted_at = float(Path(trial.job_dir, "starts.log").read_text().split()[1])
-    resumed = [r for r in read_reports(Path(trial.job_dir, "metrics.jsonl")) if r.time > restarted_at]
-    assert resumed[0].step in (requeued_after.step + 1, requeued_after.step + 2)
+    resumed = reports_after_restart(trial)
+    assert resumed[0].step in (requeued_after + 1, requeued_after + 2)
     assert len(tuner.study.trials) == 1
     assert len(child_runs(tmp_path, tuner.ctx.parent_run_id)) == 1
     assert subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True).stdout.strip() == ""
