@@ -10,9 +10,10 @@ Both sides run the jobs ``benchmarks/specs/overhead.yaml`` declares: ``num_trial
 ``torchrun --standalone --nproc-per-node <procs_per_node>``.
 
 * baseline: a plain Python script (this file, run again with a hidden flag) stages the digits with
-  ``write_digits`` and runs the torchrun commands in a two-slot loop, the training-contract variables
-  set by hand. Nothing tracks, tunes or orchestrates.
+  ``write_digits`` and keeps ``num_parallel`` torchrun commands running in a poll loop, the
+  training-contract variables set by hand. Nothing tracks, tunes or orchestrates.
 * tunepod: ``tunepod run`` on the spec, every store redirected into a temp folder with ``--set``.
+  Prefect itself keeps its default home (``~/.prefect``), as for any ``tunepod run``.
 
 Each side is timed from its launch to its exit (end to end) and, separately, from its first job's
 start to its last job's end (the trial window), so the fixed start-up cost (imports, Prefect's
@@ -30,6 +31,7 @@ import itertools
 import json
 import os
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -51,6 +53,17 @@ SPEC = REPO / "benchmarks" / "specs" / "overhead.yaml"
 # The baseline loop checks its jobs this often; it bounds how late the loop sees a job end.
 BASELINE_POLL_S = 0.05
 LOG_TAIL_LINES = 30
+# A 1-minute load average above this before the start means other work shares the CPUs with the jobs.
+BUSY_LOAD = 1.0
+CPU_TIME = "CPU time"
+END_TO_END = "end to end"
+TRIAL_WINDOW = "trial window"
+LEGEND = (
+    "end to end: launch to exit of the whole command. trial window: first job start to last job end. "
+    "mean job: one job's start to its exit. mean slot gap: a job's end to the start of the job that "
+    "takes its slot. CPU time: user + system seconds of the command and all its processes, jobs included "
+    "(less sensitive than wall time to other work on the machine)."
+)
 
 console = Console(highlight=False, soft_wrap=True)
 
@@ -108,6 +121,8 @@ class JobSpan:
     start: float
     end: float
     exit_code: int | None
+    has_result: bool
+    """The job's rank 0 wrote its result file: the training itself ran to the end."""
 
 
 @dataclass
@@ -118,6 +133,9 @@ class SideRun:
     launched: float
     exited: float
     jobs: list[JobSpan]
+    cpu_s: float
+    """User + system CPU seconds of the command and every process under it (jobs included)."""
+    warnings: list[str]
     events: dict[str, float] = field(default_factory=dict)
     """Named moments read from the side's log (tunepod: Prefect's log lines)."""
     log: Path | None = None
@@ -134,12 +152,13 @@ class SideRun:
         first = min(j.start for j in self.jobs)
         last = max(j.end for j in self.jobs)
         return {
-            "end to end": self.wall_s,
-            "launch -> first job starts": first - self.launched,
-            "trial window (first job start -> last job end)": self.window_s,
-            "last job ends -> exit": self.exited - last,
-            "mean job duration (start -> exit)": statistics.fmean(j.end - j.start for j in self.jobs),
-            "mean slot gap (job ends -> next job starts)": mean_slot_gap(self.jobs, num_parallel),
+            END_TO_END: self.wall_s,
+            "launch -> first job": first - self.launched,
+            TRIAL_WINDOW: self.window_s,
+            "last job -> exit": self.exited - last,
+            "mean job": statistics.fmean(j.end - j.start for j in self.jobs),
+            "mean slot gap": mean_slot_gap(self.jobs, num_parallel),
+            CPU_TIME: self.cpu_s,
         }
 
 
@@ -152,8 +171,31 @@ def mean_slot_gap(jobs: Sequence[JobSpan], num_parallel: int) -> float:
     return statistics.fmean(gaps) if gaps else 0.0
 
 
+def children_cpu_s() -> float:
+    """CPU seconds of this process's finished descendants: the kernel adds a process's time to its
+    parent's children total when the parent reaps it, so a whole reaped tree counts."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 class SideFailed(Exception):
-    """A side did not run all its jobs to success; the message says where its logs are."""
+    """A side did not run all its jobs to the end; the message says where its logs are."""
+
+
+def check_jobs(side: str, jobs: Sequence[JobSpan], workload: Workload, logs: Path) -> list[str]:
+    """Raise ``SideFailed`` unless every trial trained to the end; return warnings about jobs that
+    wrote their result and then exited non-zero (a crash in teardown: the timing still holds)."""
+    unfinished = sorted(j.trial for j in jobs if not j.has_result)
+    if len(jobs) != workload.num_trials or unfinished:
+        raise SideFailed(
+            f"{side} ran {len(jobs)} jobs (want {workload.num_trials}); without a result: {unfinished}; "
+            f"logs under {logs}"
+        )
+    return [
+        f"{side} trial {j.trial} wrote its result, then exited {j.exit_code} (see {logs})"
+        for j in sorted(jobs, key=lambda j: j.trial)
+        if j.exit_code != 0
+    ]
 
 
 # ---------------------------------------------------------------------------------------------- baseline
@@ -164,18 +206,18 @@ def run_baseline(workload: Workload, work_dir: Path) -> SideRun:
     log = work_dir / "baseline.log"
     argv = [sys.executable, str(Path(__file__).resolve()), "--baseline-child", str(work_dir)]
     argv += ["--workload", json.dumps(asdict(workload))]
+    cpu_before = children_cpu_s()
     launched = time.time()
     with open(log, "wb") as out:
         code = subprocess.run(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, check=False).returncode
     exited = time.time()
+    cpu_s = children_cpu_s() - cpu_before
     if code != 0:
         raise SideFailed(f"baseline exited {code}; log {log}:\n{tail(log)}")
     spans = json.loads((work_dir / "baseline-jobs.json").read_text())
     jobs = [JobSpan(**span) for span in spans]
-    failed = [j.trial for j in jobs if j.exit_code != 0]
-    if failed:
-        raise SideFailed(f"baseline trials {failed} failed; logs under {work_dir / 'jobs'}")
-    return SideRun("baseline", launched, exited, jobs, log=log)
+    warnings = check_jobs("baseline", jobs, workload, work_dir / "jobs")
+    return SideRun("baseline", launched, exited, jobs, cpu_s, warnings, log=log)
 
 
 def baseline_child(work_dir: Path, workload: Workload) -> None:
@@ -194,7 +236,8 @@ def baseline_child(work_dir: Path, workload: Workload) -> None:
         time.sleep(BASELINE_POLL_S)
         for trial, (process, started) in list(running.items()):
             if process.poll() is not None:
-                spans.append(JobSpan(trial, started, time.time(), process.returncode))
+                has_result = (work_dir / "jobs" / f"trial-{trial}" / "result.json").exists()
+                spans.append(JobSpan(trial, started, time.time(), process.returncode, has_result))
                 del running[trial]
     (work_dir / "baseline-jobs.json").write_text(json.dumps([asdict(s) for s in spans]))
 
@@ -240,22 +283,21 @@ def run_tunepod(workload: Workload, work_dir: Path, epochs: int, prefect_api: st
     env.pop("PREFECT_API_URL", None)  # without --prefect-api, measure the temporary server
     if prefect_api:
         env["PREFECT_API_URL"] = prefect_api
+    cpu_before = children_cpu_s()
     launched = time.time()
     with open(log, "wb") as out:
         code = subprocess.run(
             argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, check=False
         ).returncode
     exited = time.time()
+    cpu_s = children_cpu_s() - cpu_before
     if code != 0:
         raise SideFailed(f"tunepod run exited {code}; log {log}:\n{tail(log)}")
-    jobs = tunepod_jobs(work_dir / "shared" / "jobs" / workload.study)
-    failed = [j.trial for j in jobs if j.exit_code != 0]
-    if len(jobs) != workload.num_trials or failed:
-        raise SideFailed(
-            f"tunepod ran {len(jobs)} jobs (want {workload.num_trials}), failed: {failed}; see {log}"
-        )
+    study_dir = work_dir / "shared" / "jobs" / workload.study
+    jobs = tunepod_jobs(study_dir)
+    warnings = check_jobs("tunepod", jobs, workload, study_dir)
     events = prefect_events(log.read_text(errors="replace"), launched, workload.stage_step)
-    return SideRun("tunepod", launched, exited, jobs, events=events, log=log)
+    return SideRun("tunepod", launched, exited, jobs, cpu_s, warnings, events=events, log=log)
 
 
 def tunepod_command() -> list[str]:
@@ -277,6 +319,7 @@ def tunepod_jobs(study_dir: Path) -> list[JobSpan]:
                 start=(job_dir / "submission.json").stat().st_mtime,
                 end=end_file.stat().st_mtime,
                 exit_code=int(exit_file.read_text()) if exit_file.exists() else None,
+                has_result=(job_dir / "result.json").exists(),
             )
         )
     return jobs
@@ -339,24 +382,26 @@ def print_report(
         title=f"{workload.num_trials} digits trials x {epochs} epochs, {workload.num_parallel} at a time, "
         f"torchrun x{workload.procs_per_node} (median of {len(baseline)}, seconds)"
     )
-    for column in ("", "baseline", "tunepod", "tunepod - baseline", "tunepod / baseline"):
+    for column in ("", "baseline", "tunepod", "difference", "ratio"):
         table.add_column(column, justify="left" if not column else "right")
     for key in base:
         ratio = f"{tune[key] / base[key]:.2f}" if base[key] > 0.05 else ""
         table.add_row(key, f"{base[key]:.2f}", f"{tune[key]:.2f}", f"{tune[key] - base[key]:+.2f}", ratio)
     console.print(table)
-    window_key = "trial window (first job start -> last job end)"
-    fixed = (tune["end to end"] - tune[window_key]) - (base["end to end"] - base[window_key])
-    per_trial = (tune[window_key] - base[window_key]) * workload.num_parallel / workload.num_trials
+    console.print(LEGEND)
+    fixed = (tune[END_TO_END] - tune[TRIAL_WINDOW]) - (base[END_TO_END] - base[TRIAL_WINDOW])
+    per_trial = (tune[TRIAL_WINDOW] - base[TRIAL_WINDOW]) * workload.num_parallel / workload.num_trials
     end_to_end_ratio = statistics.median(ratios)
-    console.print(f"end-to-end ratio tunepod / baseline: {end_to_end_ratio:.2f}")
-    console.print(f"trial-window ratio tunepod / baseline: {tune[window_key] / base[window_key]:.2f}")
+    console.print(f"end-to-end ratio tunepod / baseline: {end_to_end_ratio:.2f} (median of the runs' ratios)")
+    console.print(f"trial-window ratio tunepod / baseline: {tune[TRIAL_WINDOW] / base[TRIAL_WINDOW]:.2f}")
     console.print(f"fixed cost outside the trial window: {fixed:+.1f} s")
     console.print(
         f"per-trial overhead inside the window: {per_trial:+.2f} s of slot time per trial "
         f"(window difference x {workload.num_parallel} slots / {workload.num_trials} trials)"
     )
     print_timeline(tunepod)
+    for warning in [w for run in [*baseline, *tunepod] for w in run.warnings]:
+        console.print(f"warning: {warning}", style="yellow", markup=False)
     if prefect_api:
         console.print(f"Prefect: the server at {prefect_api} (--prefect-api); no server start-up included.")
     elif all("Prefect server starting" in run.events for run in tunepod):
@@ -413,6 +458,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     workload = read_workload(args.epochs)
     root = Path(tempfile.mkdtemp(prefix="tunepod-overhead-"))
+    load_before = os.getloadavg()[0]
     runs: dict[str, list[SideRun]] = {"baseline": [], "tunepod": []}
     try:
         for repeat in range(args.repeats):
@@ -433,6 +479,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         console.print(f"temp folder kept: {root}")
         return 1
     ratio = print_report(workload, args.epochs, runs["baseline"], runs["tunepod"], args.prefect_api)
+    # Other work on the machine skews both sides; the reader should know how busy it was.
+    console.print(
+        f"machine: {os.cpu_count()} CPUs, 1-minute load average {load_before:.1f} before, "
+        f"{os.getloadavg()[0]:.1f} after"
+    )
+    if load_before > BUSY_LOAD:
+        console.print(
+            f"warning: the machine was busy before the benchmark started (load {load_before:.1f}); "
+            "the jobs compete with that work, so rerun on a quiet machine to compare numbers",
+            style="yellow",
+        )
     if args.keep:
         console.print(f"temp folder kept: {root}")
     else:

@@ -141,4 +141,7 @@ for epoch in range(start_epoch, params["epochs"]):
 model.eval()
 ctx.finish(val_accuracy=accuracy(val_set))
 if distributed:
+    # Wait for rank 0's last checkpoint and result before anyone tears gloo down: a rank that leaves
+    # while the others still hold connections can abort ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()

@@ -666,4 +666,4 @@ def _recorded_job_id(paths: JobPaths) -> str | None:
 
 
 def _now() -> str:
-    return datetime.now(UTC).isoformat(timespec="seconds")
+    return datetime.now(UTC).isoformat(timespec="milliseconds")
