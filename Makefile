@@ -22,13 +22,15 @@ lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
-# The slurm-marked tests need the local one-node Slurm cluster, the metrics test Debian's prometheus, the
-# UI tests Debian's chromium (root: the scripts install Debian packages when missing). Without them those tests skip with the reason,
+# The slurm-marked tests need the local one-node Slurm cluster (and, over ssh, an sshd on 127.0.0.1:2222),
+# the metrics test Debian's prometheus, the UI tests Debian's chromium (root: the scripts install Debian
+# packages when missing). Without them those tests skip with the reason,
 # except under CI=true where they fail.
 test: lint
 	scripts/slurm-up || echo "warning: no local Slurm cluster; the slurm tests will skip (fail under CI=true)" >&2
 	scripts/prometheus-up || echo "warning: no prometheus; its test will skip (fail under CI=true)" >&2
 	scripts/browser-up || echo "warning: no chromium; the UI tests will skip (fail under CI=true)" >&2
+	scripts/sshd-up || echo "warning: no test sshd; the slurm-over-ssh tests will skip (fail under CI=true)" >&2
 	$(VENV)/bin/pytest
 
 # The local one-node Slurm cluster the slurm-marked tests use (root; installs Debian packages if missing).

@@ -29,7 +29,8 @@ SLURM_UP = "scripts/slurm-up"
 PARTITION = "debug"
 LOG_DIR = "/var/log/tunepod-slurm"
 #: Node states in which a job can start now.
-READY_NODE_STATES = frozenset({"idle", "mixed"})
+# A node busy with someone's jobs (allocated, completing) still serves the tests: they wait in the queue.
+READY_NODE_STATES = frozenset({"idle", "mixed", "allocated", "completing"})
 #: States a job never leaves (``scontrol show job`` keeps them for MinJobAge = 1 h).
 FINAL_JOB_STATES = frozenset(
     {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
@@ -37,7 +38,7 @@ FINAL_JOB_STATES = frozenset(
 
 
 def slurm_available() -> str | None:
-    """None when ``sinfo`` answers with an idle or mixed node, else why the cluster is not usable."""
+    """None when ``sinfo`` answers with a usable node, else why the cluster is not usable."""
     if shutil.which("sinfo") is None:
         return f"Slurm is not installed (no sinfo on PATH); start the test cluster with {SLURM_UP}"
     try:
@@ -56,7 +57,7 @@ def slurm_available() -> str | None:
     if any(state in READY_NODE_STATES for _, state in nodes):
         return None
     listed = ", ".join(f"{name} {state}" for name, state in nodes) or "no nodes"
-    return f"no idle or mixed Slurm node ({listed}); logs in {LOG_DIR}"
+    return f"no usable Slurm node ({listed}); logs in {LOG_DIR}"
 
 
 @functools.cache
