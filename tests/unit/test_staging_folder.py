@@ -257,7 +257,6 @@ def test_stage_takes_a_local_folder_or_a_file_uri(source: Path, tmp_path: Path) 
 @pytest.mark.parametrize(
     ("uri", "message"),
     [
-        ("s3://bucket/data", "s3:// sources are not supported yet"),
         ("gs://bucket/data", "unknown scheme gs://"),
     ],
 )

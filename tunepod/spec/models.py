@@ -221,7 +221,7 @@ class TrainSettings(Strict):
 class StageSettings(Strict):
     """Copy a dataset onto the shared filesystem, skipping files that have not changed."""
 
-    source: str = Field(..., description="builtin://digits, or a local folder.")
+    source: str = Field(..., description="builtin://digits, s3://bucket/prefix/, or a local folder.")
     target: str = Field(
         ..., description="fsx:///<path> (under the launcher's shared root) or a local folder."
     )

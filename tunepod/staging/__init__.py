@@ -1,7 +1,8 @@
 """Staging: put a dataset into a folder on the shared filesystem, copying only what changed.
 
-``stage`` takes the ``source`` of a stage step (``builtin://NAME`` or a local folder) and mirrors it
-into ``target`` with ``stage_folder``, which keeps a manifest of what it copied there.
+``stage`` takes the ``source`` of a stage step (``builtin://NAME``, a local folder or
+``s3://bucket/prefix/``) and mirrors it into ``target`` with ``stage_folder`` or ``stage_s3``, which
+keep a manifest of what they copied there.
 """
 
 from __future__ import annotations
@@ -10,14 +11,25 @@ from pathlib import Path
 
 from tunepod.errors import TunepodError
 from tunepod.staging.folder import ManifestEntry, StageReport, read_manifest, stage_folder
+from tunepod.staging.s3 import stage_s3
 
-__all__ = ["ManifestEntry", "StageReport", "read_manifest", "source_folder", "stage", "stage_folder"]
+__all__ = [
+    "ManifestEntry",
+    "StageReport",
+    "read_manifest",
+    "source_folder",
+    "stage",
+    "stage_folder",
+    "stage_s3",
+]
 
-SUPPORTED_SOURCES = "builtin://NAME, a local folder path, or file:///absolute/path"
+SUPPORTED_SOURCES = "builtin://NAME, a local folder path, file:///absolute/path, or s3://bucket/prefix/"
 
 
 def stage(source_uri: str, target: Path, cache_dir: Path) -> StageReport:
     """Mirror the dataset ``source_uri`` into ``target``; builtins are first written under ``cache_dir``."""
+    if source_uri.startswith("s3://"):
+        return stage_s3(source_uri, target)
     return stage_folder(source_folder(source_uri, cache_dir), target)
 
 
@@ -35,6 +47,6 @@ def source_folder(source_uri: str, cache_dir: Path) -> Path:
         return Path(rest)
     if scheme == "s3":
         raise TunepodError(
-            f"cannot stage {source_uri}: s3:// sources are not supported yet; use {SUPPORTED_SOURCES}"
+            f"{source_uri} is not a local folder: s3:// sources are downloaded by stage(), not read in place"
         )
     raise TunepodError(f"cannot stage {source_uri}: unknown scheme {scheme}://; use {SUPPORTED_SOURCES}")

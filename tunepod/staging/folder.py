@@ -1,7 +1,8 @@
 """Mirror a folder into another one, copying only what changed, with a manifest of what tunepod put there.
 
 The manifest ``<target>/.tunepod-manifest.json`` maps each relative path to the ``size``, ``sha256``
-and ``mtime_ns`` of the source file that was staged. It is what makes a restage cheap and safe:
+and ``mtime_ns`` of the source file that was staged (files staged from S3 also record the object's
+ETag, see ``tunepod.staging.s3``). It is what makes a restage cheap and safe:
 
 - a source file whose (size, mtime_ns) match its entry is not hashed again;
 - a staged copy counts as intact when its size and mtime match the entry (each copy gets the
@@ -26,11 +27,11 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -62,11 +63,18 @@ class StageReport(BaseModel):
 
 @dataclass(frozen=True)
 class ManifestEntry:
-    """A staged file: the source's size, content hash and modification time when it was staged."""
+    """A staged file: the source's size, content hash and modification time when it was staged.
+
+    ``etag``, ``etag_kind`` (``etag`` or ``etag-multipart``) and ``checksum_sha256`` are set only for
+    a file staged from S3: they identify the object version that was downloaded.
+    """
 
     size: int
     sha256: str
     mtime_ns: int
+    etag: str | None = None
+    etag_kind: str | None = None
+    checksum_sha256: str | None = None
 
     def describes(self, info: os.stat_result) -> bool:
         """Whether a file with ``info`` has this entry's size and mtime (cheap proxy for its content)."""
@@ -86,7 +94,7 @@ class _FileTask:
 
 
 @dataclass(frozen=True)
-class _Synced:
+class Synced:
     entry: ManifestEntry
     copied: bool
 
@@ -101,11 +109,11 @@ def stage_folder(source: Path, target: Path, *, workers: int = 4) -> StageReport
     started = time.monotonic()
     source, target = _checked_folders(source, target)
     target.mkdir(parents=True, exist_ok=True)
-    with _exclusive(target / LOCK_NAME):
+    with exclusive(target / LOCK_NAME):
         previous = read_manifest(target)
         tasks = [_task(source, target, rel, info, previous.get(rel)) for rel, info in _source_files(source)]
-        synced = _sync_all(tasks, previous, target, workers)
-        removed = _remove_deleted(target, previous, {task.rel for task in tasks})
+        synced = sync_all(tasks, previous, target, workers, _sync_file)
+        removed = remove_deleted(target, previous, {task.rel for task in tasks})
         write_manifest(target, {rel: result.entry for rel, result in synced.items()})
     copied = [result.entry.size for result in synced.values() if result.copied]
     report = StageReport(
@@ -137,9 +145,14 @@ def read_manifest(target: Path) -> Manifest:
 
 def write_manifest(target: Path, manifest: Manifest) -> None:
     """Replace the manifest of ``target`` atomically."""
-    files = {rel: asdict(manifest[rel]) for rel in sorted(manifest)}
+    files = {rel: _without_nones(asdict(manifest[rel])) for rel in sorted(manifest)}
     data = json.dumps({"version": _MANIFEST_VERSION, "files": files}, indent=1) + "\n"
     write_bytes_atomic(target / MANIFEST_NAME, data.encode("utf-8"))
+
+
+def _without_nones(fields: dict[str, object]) -> dict[str, object]:
+    # A folder's entries stay {size, sha256, mtime_ns}: the S3-only fields appear only when set.
+    return {name: value for name, value in fields.items() if value is not None}
 
 
 def _checked_folders(source: Path, target: Path) -> tuple[Path, Path]:
@@ -163,7 +176,7 @@ def _checked_folders(source: Path, target: Path) -> tuple[Path, Path]:
 
 
 @contextlib.contextmanager
-def _exclusive(lock_path: Path) -> Iterator[None]:
+def exclusive(lock_path: Path) -> Iterator[None]:
     with open(lock_path, "a") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
@@ -172,7 +185,7 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
         yield
 
 
-def _is_reserved(rel: str) -> bool:
+def is_reserved(rel: str) -> bool:
     # A staged folder used as a source holds our own bookkeeping files: never mirror those.
     return rel in (MANIFEST_NAME, LOCK_NAME) or rel.endswith(PARTIAL_SUFFIX)
 
@@ -186,14 +199,14 @@ def _source_files(source: Path) -> Iterator[tuple[str, os.stat_result]]:
         for name in sorted(names):
             path = Path(folder, name)
             rel = path.relative_to(source).as_posix()
-            info = _stat_or_none(path)
+            info = stat_or_none(path)
             if info is None or not stat.S_ISREG(info.st_mode):
                 logger.warning("staging skips %s: not a regular file (or a broken symlink)", path)
-            elif not _is_reserved(rel):
+            elif not is_reserved(rel):
                 yield rel, info
 
 
-def _stat_or_none(path: Path) -> os.stat_result | None:
+def stat_or_none(path: Path) -> os.stat_result | None:
     try:
         return path.stat()
     except FileNotFoundError:
@@ -206,11 +219,32 @@ def _task(
     return _FileTask(rel=rel, source=source / rel, target=target / rel, info=info, previous=previous)
 
 
-def _sync_all(tasks: list[_FileTask], previous: Manifest, target: Path, workers: int) -> dict[str, _Synced]:
-    """Sync every file, ``workers`` at a time. On the first failure, stop starting new ones, record
-    what completed in the manifest and raise ``TunepodError`` naming the file that failed."""
+class Readable(Protocol):
+    """What ``write_stream_atomic`` reads from: an open file, or an S3 response body."""
+
+    def read(self, size: int = ..., /) -> bytes: ...
+
+
+class _NamedTask(Protocol):
+    @property
+    def rel(self) -> str: ...
+
+
+_Task = TypeVar("_Task", bound=_NamedTask)
+
+
+def sync_all(
+    tasks: Sequence[_Task],
+    previous: Manifest,
+    target: Path,
+    workers: int,
+    sync: Callable[[_Task], Synced],
+) -> dict[str, Synced]:
+    """Run ``sync`` on every task, ``workers`` at a time. On the first failure, stop starting new ones,
+    record what completed in the manifest and raise ``TunepodError`` naming the file that failed.
+    Shared by the folder and the S3 stagers; ``sync`` is called from worker threads."""
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tunepod-stage") as pool:
-        futures = {pool.submit(_sync_file, task): task for task in tasks}
+        futures = {pool.submit(sync, task): task for task in tasks}
         for future in as_completed(futures):
             if future.exception() is not None:
                 for pending in futures:
@@ -232,31 +266,31 @@ def _sync_all(tasks: list[_FileTask], previous: Manifest, target: Path, workers:
     return synced
 
 
-def _succeeded(future: Future[_Synced]) -> bool:
+def _succeeded(future: Future[Synced]) -> bool:
     return future.done() and not future.cancelled() and future.exception() is None
 
 
-def _failed(future: Future[_Synced]) -> bool:
+def _failed(future: Future[Synced]) -> bool:
     return future.done() and not future.cancelled() and future.exception() is not None
 
 
-def _sync_file(task: _FileTask) -> _Synced:
+def _sync_file(task: _FileTask) -> Synced:
     """Make ``task.target`` hold ``task.source``'s bytes, copying only when the content differs."""
     info, previous = task.info, task.previous
-    target_info = _stat_or_none(task.target)
+    target_info = stat_or_none(task.target)
     if previous is not None and target_info is not None and previous.describes(target_info):
         if previous.describes(info):
-            return _Synced(previous, copied=False)  # unchanged since staged: no read at all
+            return Synced(previous, copied=False)  # unchanged since staged: no read at all
         sha256 = sha256_of(task.source)
         if sha256 == previous.sha256:  # touched, same bytes
-            return _Synced(_adopt(task, sha256), copied=False)
+            return Synced(_adopt(task, sha256), copied=False)
     elif previous is None and target_info is not None and target_info.st_size == info.st_size:
         # No record (a first stage, or a run killed before writing its manifest): trust the copy
         # only after comparing contents.
         sha256 = sha256_of(task.source)
         if sha256_of(task.target) == sha256:
-            return _Synced(_adopt(task, sha256), copied=False)
-    return _Synced(ManifestEntry(info.st_size, _copy_atomic(task), info.st_mtime_ns), copied=True)
+            return Synced(_adopt(task, sha256), copied=False)
+    return Synced(ManifestEntry(info.st_size, _copy_atomic(task), info.st_mtime_ns), copied=True)
 
 
 def _adopt(task: _FileTask, sha256: str) -> ManifestEntry:
@@ -268,36 +302,49 @@ def _adopt(task: _FileTask, sha256: str) -> ManifestEntry:
 def _copy_atomic(task: _FileTask) -> str:
     """Copy through a partial file that is fsynced, then renamed over the target; returns the sha256
     of the bytes copied. The partial file is removed if anything fails."""
-    partial = task.target.with_name(f".{task.target.name}{PARTIAL_SUFFIX}")
+    with open(task.source, "rb") as src:
+        return write_stream_atomic(
+            src,
+            task.target,
+            mode=stat.S_IMODE(task.info.st_mode),
+            times_ns=(task.info.st_atime_ns, task.info.st_mtime_ns),
+        )
+
+
+def write_stream_atomic(src: Readable, target: Path, *, mode: int, times_ns: tuple[int, int]) -> str:
+    """Write what ``src`` reads to ``target`` through ``.<name>.tunepod-partial`` (fsynced, given
+    ``mode`` and (atime, mtime) ``times_ns``, then renamed over ``target``); returns the sha256 of the
+    bytes written. The partial file is removed if anything fails, so ``target`` is whole or untouched."""
+    partial = target.with_name(f".{target.name}{PARTIAL_SUFFIX}")
     partial.parent.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256()
     try:
-        with open(task.source, "rb") as src, open(partial, "wb") as dst:
+        with open(partial, "wb") as dst:
             _copy_stream(src, dst, digest)
             dst.flush()
             os.fsync(dst.fileno())
-        os.chmod(partial, stat.S_IMODE(task.info.st_mode))
-        os.utime(partial, ns=(task.info.st_atime_ns, task.info.st_mtime_ns))
-        os.replace(partial, task.target)
+        os.chmod(partial, mode)
+        os.utime(partial, ns=times_ns)
+        os.replace(partial, target)
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
     return digest.hexdigest()
 
 
-def _copy_stream(src: BinaryIO, dst: BinaryIO, digest: hashlib._Hash) -> None:
+def _copy_stream(src: Readable, dst: BinaryIO, digest: hashlib._Hash) -> None:
     """Copy ``src`` to ``dst`` in chunks, hashing what is read (one read serves both)."""
     while chunk := src.read(_CHUNK_BYTES):
         digest.update(chunk)
         dst.write(chunk)
 
 
-def _remove_deleted(target: Path, previous: Manifest, current: set[str]) -> int:
+def remove_deleted(target: Path, previous: Manifest, current: set[str]) -> int:
     """Remove intact staged copies of files that left the source; returns how many were removed."""
     removed = 0
     for rel in sorted(set(previous) - current):
         path = target / rel
-        info = _stat_or_none(path)
+        info = stat_or_none(path)
         if info is None:
             continue
         if not previous[rel].describes(info):
