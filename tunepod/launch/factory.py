@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tunepod.errors import TunepodError
 from tunepod.launch.base import Launcher
-from tunepod.spec.models import LauncherSpec, LocalLauncherSpec, SlurmLauncherSpec
+from tunepod.spec.models import LauncherSpec, LocalLauncherSpec, SageMakerLauncherSpec, SlurmLauncherSpec
 
 
 def make_launcher(spec: LauncherSpec) -> Launcher:
@@ -17,4 +18,12 @@ def make_launcher(spec: LauncherSpec) -> Launcher:
         from tunepod.launch.slurm import SlurmLauncher
 
         return SlurmLauncher(spec)
-    raise ValueError(f"no launcher for kind {spec.kind!r}")  # unreachable: the spec union is closed
+    if isinstance(spec, SageMakerLauncherSpec):
+        from tunepod.launch.sagemaker import SageMakerLauncher
+
+        return SageMakerLauncher(spec)
+    # A kind the spec accepts (so its manifests can be rendered and validated) before it can submit.
+    raise TunepodError(
+        f"launcher kind {spec.kind!r} cannot submit jobs yet (its manifests render and validate, see "
+        f"tunepod.launch); fix: use kind local, slurm or sagemaker"
+    )

@@ -80,8 +80,155 @@ class SlurmLauncherSpec(Strict):
     )
 
 
+class LogMonitoringRuleSpec(Strict):
+    """One HyperPod hang-detection rule over the job's log lines (the operator's
+    ``logMonitoringConfiguration``). The training script must print the lines the pattern matches."""
+
+    name: str = Field(..., min_length=1, description="Name of the rule, shown in the job's status.")
+    log_pattern: str = Field(..., min_length=1, description="Regex of the log lines the rule watches.")
+    stop_pattern: str | None = Field(None, description="Regex of the line after which the rule stops.")
+    start_within_s: int | None = Field(
+        None, ge=1, description="The first match must come this soon after start, else the job is HANGING."
+    )
+    recur_within_s: int | None = Field(
+        None, ge=1, description="Seconds allowed between two matches before the job is HANGING."
+    )
+
+    @model_validator(mode="after")
+    def _check_limit(self) -> LogMonitoringRuleSpec:
+        if self.start_within_s is None and self.recur_within_s is None:
+            raise ValueError(
+                f"rule {self.name!r} can never fire; fix: set start_within_s, recur_within_s or both"
+            )
+        return self
+
+
+class HyperPodEksLauncherSpec(Strict):
+    """Run every job as a ``HyperPodPyTorchJob`` (or a Kubeflow ``PyTorchJob``) on an EKS cluster.
+
+    Jobs write their checkpoints, metrics and results under ``root``, a PersistentVolumeClaim (FSx for
+    Lustre) mounted at ``root`` in every pod; the orchestrator reads them there, so it must mount the
+    same filesystem at the same path (run tunepod in the cluster or on a machine that mounts FSx).
+    """
+
+    kind: Literal["hyperpod_eks"]
+    crd: Literal["hyperpod", "kubeflow"] = Field(
+        "hyperpod",
+        description="hyperpod: HyperPodPyTorchJob (the image needs hyperpod-elastic-agent); "
+        "kubeflow: the Kubeflow training operator's PyTorchJob.",
+    )
+    namespace: str = Field("default", min_length=1, description="Namespace of the jobs and the claim.")
+    image: str = Field(..., min_length=1, description="Training image (with torch and tunepod.runtime).")
+    root: str = Field(..., description="Shared root (e.g. /fsx/tunepod): mount path of the claim in pods.")
+    claim_name: str = Field(..., min_length=1, description="PersistentVolumeClaim of the shared filesystem.")
+    queue_name: str | None = Field(None, description="Kueue LocalQueue (label kueue.x-k8s.io/queue-name).")
+    priority_class: str | None = Field(
+        None, description="Kueue WorkloadPriorityClass (label kueue.x-k8s.io/priority-class)."
+    )
+    cpus_per_node: float | None = Field(None, gt=0, description="CPU request and limit of each pod.")
+    mem_gb: float | None = Field(None, gt=0, description="Memory request and limit of each pod, in GiB.")
+    efa_per_node: int = Field(0, ge=0, description="EFA devices per pod (vpc.amazonaws.com/efa).")
+    python: str = Field("python", description="Python in the image (the Kubeflow command runs torchrun).")
+    working_dir: str | None = Field(None, description="Container working directory for relative paths.")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for every job.")
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Extra pod nodeSelector.")
+    service_account: str | None = Field(None, description="Service account of the pods.")
+    max_retries: int = Field(0, ge=0, description="Times the operator restarts a failed job.")
+    restart_eval_period_s: int | None = Field(
+        None, ge=1, description="HyperPod: window in which the restart limits below are counted."
+    )
+    max_full_job_restarts: int | None = Field(None, ge=0, description="HyperPod: full restarts allowed.")
+    ttl_after_finished_s: int = Field(
+        3600, ge=1, description="Seconds a finished job is kept so that its final state can be read."
+    )
+    hang_detection: list[LogMonitoringRuleSpec] = Field(
+        default_factory=list, description="HyperPod log rules that mark a silent job HANGING."
+    )
+    elastic: bool = Field(False, description="Kubeflow: render an elasticPolicy (c10d rendezvous).")
+    poll_cache_s: float = Field(2.0, ge=0, description="One list call answers every job's state this long.")
+
+    @model_validator(mode="after")
+    def _check_restarts(self) -> HyperPodEksLauncherSpec:
+        if self.max_full_job_restarts is not None and self.restart_eval_period_s is None:
+            raise ValueError(
+                "max_full_job_restarts needs a window; fix: set restart_eval_period_s (e.g. 3600)"
+            )
+        return self
+
+
+class SageMakerParallelism(Strict):
+    """Model-parallel degrees, handed to the SageMaker model parallelism library (SMP v2)."""
+
+    tensor: int = Field(1, ge=1, description="SMP tensor_parallel_degree; 1 leaves SMP off.")
+    pipeline: int = Field(
+        1, ge=1, le=1, description="Pipeline degree: SMP v2 has no pipeline parallelism, so only 1."
+    )
+    data: int | None = Field(
+        None, ge=1, description="Data-parallel degree; checked to equal world size / tensor at submit."
+    )
+
+
+class SageMakerFsxSpec(Strict):
+    """FSx for Lustre file system mounted into every training job as the ``train`` channel."""
+
+    file_system_id: str = Field(..., pattern=r"^fs-[0-9a-f]+$", description="e.g. fs-0123456789abcdef0.")
+    directory_path: str = Field(
+        ..., pattern=r"^/", description="Path inside the file system, starting with its mount name."
+    )
+    access_mode: Literal["rw", "ro"] = Field(
+        "rw", description="rw lets jobs write metrics and results under root; ro only reads data."
+    )
+
+
+class SageMakerLauncherSpec(Strict):
+    """Run every job as a SageMaker training job (CreateTrainingJob through boto3).
+
+    ``root`` is where tunepod sees the FSx file system whose ``fsx.directory_path`` the jobs mount:
+    paths under it are rewritten to the job's mount point, so jobs write their metrics and results
+    where the orchestrator reads them.
+    """
+
+    kind: Literal["sagemaker"]
+    root: str = Field(..., description="Local mount of fsx.directory_path (e.g. /fsx/tunepod).")
+    role_arn: str = Field(..., pattern=r"^arn:aws[a-z-]*:iam::\d{12}:role/", description="Execution role.")
+    image_uri: str = Field(..., description="Training image (a SageMaker PyTorch container or derived).")
+    output_s3_uri: str = Field(..., pattern=r"^s3://", description="OutputDataConfig.S3OutputPath.")
+    checkpoint_s3_uri: str = Field(
+        ..., pattern=r"^s3://", description="Prefix; each job syncs /opt/ml/checkpoints to <prefix>/<job>."
+    )
+    code_uri: str | None = Field(
+        None, description="s3://.../sourcedir.tar.gz holding the entrypoint; unset: its folder under root."
+    )
+    instance_type: str | None = Field(None, description="Default when a job's resources set none.")
+    volume_size_gb: int = Field(50, ge=1, description="EBS volume per instance.")
+    input_mode: Literal["File", "FastFile", "Pipe"] = "File"
+    fsx: SageMakerFsxSpec | None = None
+    subnets: list[str] = Field(default_factory=list, description="VpcConfig subnets (FSx needs them).")
+    security_group_ids: list[str] = Field(default_factory=list, description="VpcConfig security groups.")
+    parallelism: SageMakerParallelism = Field(default_factory=SageMakerParallelism)
+    max_retry_attempts: int = Field(1, ge=1, le=30, description="RetryStrategy: attempts on internal errors.")
+    max_runtime_s: int = Field(
+        86400, ge=1, description="StoppingCondition when a job's resources set no timeout_min."
+    )
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for every job.")
+    region: str | None = Field(None, description="AWS region; default: boto3's configuration.")
+
+    @model_validator(mode="after")
+    def _check_vpc(self) -> SageMakerLauncherSpec:
+        if self.fsx is not None and not (self.subnets and self.security_group_ids):
+            raise ValueError(
+                "fsx needs the jobs in its VPC; fix: set subnets and security_group_ids next to fsx"
+            )
+        if bool(self.subnets) != bool(self.security_group_ids):
+            raise ValueError("VpcConfig needs both; fix: set subnets and security_group_ids together")
+        return self
+
+
 # Discriminated by ``kind``; HyperPod EKS and SageMaker join this union.
-LauncherSpec = Annotated[LocalLauncherSpec | SlurmLauncherSpec, Field(discriminator="kind")]
+LauncherSpec = Annotated[
+    LocalLauncherSpec | SlurmLauncherSpec | HyperPodEksLauncherSpec | SageMakerLauncherSpec,
+    Field(discriminator="kind"),
+]
 
 
 # ---------------------------------------------------------------------------------------------- jobs

@@ -1,0 +1,301 @@
+"""``render_manifest`` against stored manifests in ``tests/unit/golden`` (``*.hyperpod.yaml`` for
+``HyperPodPyTorchJob``, ``*.pytorchjob.yaml`` for Kubeflow), each HyperPod one also validated against
+the CRD's JSON schema in ``../shared/schemas``, plus the pure helpers around them.
+
+Regenerate the stored manifests after an intended change with
+``TUNEPOD_UPDATE_GOLDEN=1 .venv/bin/pytest tests/unit/test_hyperpod_eks_render.py`` and review the diff.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+from pydantic import TypeAdapter, ValidationError
+
+from tunepod.errors import TunepodError
+from tunepod.launch.base import JobSpec, JobState, Resources
+from tunepod.launch.hyperpod_eks import (
+    MAX_NAME_LENGTH,
+    format_cpu,
+    format_memory,
+    ignored_settings,
+    literal,
+    object_name,
+    render_manifest,
+    state_from_conditions,
+)
+from tunepod.spec.models import HyperPodEksLauncherSpec, LauncherSpec
+
+GOLDEN = Path(__file__).parent / "golden"
+UPDATE = os.environ.get("TUNEPOD_UPDATE_GOLDEN") == "1"
+SCHEMA_PATH = Path(__file__).parents[3] / "shared" / "schemas" / "hyperpodpytorchjob-spec.schema.json"
+DNS_1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+
+
+def hyperpod_schema() -> dict[str, Any]:
+    if not SCHEMA_PATH.exists():
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{SCHEMA_PATH} is missing; CI must check manifests against the HyperPod schema")
+        pytest.skip(f"{SCHEMA_PATH} is missing (the shared schemas folder is not next to this checkout)")
+    schema: dict[str, Any] = json.loads(SCHEMA_PATH.read_text())
+    return schema
+
+
+def assert_matches_golden(name: str, manifest: dict[str, Any]) -> None:
+    """``manifest`` as YAML equals ``golden/<name>``; with TUNEPOD_UPDATE_GOLDEN=1 it (re)writes it."""
+    path = GOLDEN / name
+    text = yaml.safe_dump(manifest, sort_keys=False, width=1000)
+    if UPDATE:
+        path.write_text(text)
+    assert path.exists(), f"{path} is missing; create it with TUNEPOD_UPDATE_GOLDEN=1 and review it"
+    assert text == path.read_text(), f"{path} differs; if intended, regenerate with TUNEPOD_UPDATE_GOLDEN=1"
+
+
+def assert_valid_hyperpod(manifest: dict[str, Any]) -> None:
+    assert manifest["apiVersion"] == "sagemaker.amazonaws.com/v1"
+    assert manifest["kind"] == "HyperPodPyTorchJob"
+    jsonschema.validate(manifest["spec"], hyperpod_schema(), cls=jsonschema.Draft202012Validator)
+
+
+def spec(**fields: object) -> HyperPodEksLauncherSpec:
+    base = {
+        "kind": "hyperpod_eks",
+        "image": "123456789012.dkr.ecr.us-west-2.amazonaws.com/train:1.4",
+        "root": "/fsx/tunepod",
+        "claim_name": "fsx-claim",
+    }
+    return HyperPodEksLauncherSpec.model_validate({**base, **fields})
+
+
+CONTRACT_ENV = {
+    "TUNEPOD_PARAMS": '{"lr": 0.01, "hidden": 64}',
+    "TUNEPOD_CHECKPOINT_DIR": "/fsx/tunepod/jobs/digits/trial-7/checkpoints",
+    "TUNEPOD_RESULT_FILE": "/fsx/tunepod/jobs/digits/trial-7/result.json",
+    "TUNEPOD_TRIAL": "7",
+}
+DEFAULT_JOB = JobSpec(
+    name="digits-trial-7",
+    entrypoint=Path("/fsx/tunepod/code/train.py"),
+    job_dir=Path("/fsx/tunepod/jobs/digits/trial-7"),
+    env=CONTRACT_ENV,
+)
+
+
+def job(**fields: Any) -> JobSpec:
+    return dataclasses.replace(DEFAULT_JOB, **fields)
+
+
+FULL = {
+    "namespace": "ml-team",
+    "queue_name": "hyperpod-ns-ml-team-localqueue",
+    "priority_class": "training-priority",
+    "cpus_per_node": 90,
+    "mem_gb": 1000,
+    "efa_per_node": 32,
+    "working_dir": "/fsx/tunepod/code",
+    "env": {"NCCL_DEBUG": "WARN", "FI_PROVIDER": "efa", "TUNEPOD_TRIAL": "overridden by the job"},
+    "node_selector": {"sagemaker.amazonaws.com/deep-health-check-status": "Passed"},
+    "service_account": "training",
+    "max_retries": 5,
+    "ttl_after_finished_s": 7200,
+}
+GPU_JOB = job(
+    args=("--epochs", "12"),
+    resources=Resources(
+        num_nodes=4, procs_per_node=8, gpus_per_node=8, instance_type="ml.p5.48xlarge", timeout_min=90.5
+    ),
+)
+
+
+# ------------------------------------------------------------------------------------------ HyperPod
+
+
+def test_minimal_hyperpod_job() -> None:
+    manifest = render_manifest(job(), spec())
+    assert_valid_hyperpod(manifest)
+    assert_matches_golden("minimal.hyperpod.yaml", manifest)
+
+
+def test_every_hyperpod_option() -> None:
+    full = spec(
+        **FULL,
+        restart_eval_period_s=3600,
+        max_full_job_restarts=2,
+        hang_detection=[
+            {"name": "started", "log_pattern": r".*epoch 0 .*", "start_within_s": 600},
+            {
+                "name": "progress",
+                "log_pattern": r".*val_accuracy=(\d+\.\d+).*",
+                "stop_pattern": ".*training done.*",
+                "recur_within_s": 900,
+            },
+        ],
+    )
+    manifest = render_manifest(GPU_JOB, full)
+    assert_valid_hyperpod(manifest)
+    assert_matches_golden("full.hyperpod.yaml", manifest)
+
+
+def test_awkward_names_and_dollars_are_made_safe() -> None:
+    awkward = job(
+        name="9 Trials/of Digits: lr=0.01 and much more text than a Kubernetes name can hold",
+        args=("--note", "costs $5 and $(HOME) stays literal"),
+        env={"TUNEPOD_PARAMS": '{"tag": "$(whoami)"}'},
+    )
+    manifest = render_manifest(awkward, spec(env={"PRICE": "$$2"}))
+    assert_valid_hyperpod(manifest)
+    assert_matches_golden("awkward.hyperpod.yaml", manifest)
+    container = manifest["spec"]["replicaSpecs"][0]["template"]["spec"]["containers"][0]
+    assert container["command"][-1] == "costs $$5 and $$(HOME) stays literal"
+    assert {"name": "PRICE", "value": "$$$$2"} in container["env"]
+
+
+def test_a_job_dir_outside_the_root_is_refused() -> None:
+    with pytest.raises(TunepodError, match=r"outside the launcher root /fsx/tunepod.*fsx-claim"):
+        render_manifest(job(job_dir=Path("/tmp/trial-7")), spec())
+
+
+def test_a_relative_root_is_refused() -> None:
+    with pytest.raises(TunepodError, match="absolute path"):
+        render_manifest(job(), spec(root="fsx/tunepod"))
+
+
+def test_an_env_name_kubernetes_rejects_is_refused() -> None:
+    with pytest.raises(TunepodError, match=r"'BAD-NAME'.*C identifier"):
+        render_manifest(job(env={"BAD-NAME": "x"}), spec())
+
+
+def test_the_job_env_wins_over_the_launcher_env() -> None:
+    manifest = render_manifest(job(), spec(env={"TUNEPOD_TRIAL": "launcher", "EXTRA": "1"}))
+    env = manifest["spec"]["replicaSpecs"][0]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "TUNEPOD_TRIAL", "value": "7"} in env
+    assert {"name": "EXTRA", "value": "1"} in env
+    assert [entry["name"] for entry in env].count("TUNEPOD_TRIAL") == 1
+
+
+# ------------------------------------------------------------------------------------------ Kubeflow
+
+
+def test_kubeflow_single_node() -> None:
+    assert_matches_golden("minimal.pytorchjob.yaml", render_manifest(job(), spec(crd="kubeflow")))
+
+
+def test_kubeflow_master_and_workers() -> None:
+    manifest = render_manifest(GPU_JOB, spec(crd="kubeflow", **FULL))
+    assert_matches_golden("full.pytorchjob.yaml", manifest)
+    replicas = manifest["spec"]["pytorchReplicaSpecs"]
+    assert (replicas["Master"]["replicas"], replicas["Worker"]["replicas"]) == (1, 3)
+
+
+def test_kubeflow_elastic() -> None:
+    manifest = render_manifest(GPU_JOB, spec(crd="kubeflow", elastic=True, max_retries=3))
+    assert_matches_golden("elastic.pytorchjob.yaml", manifest)
+    assert set(manifest["spec"]["pytorchReplicaSpecs"]) == {"Worker"}
+
+
+def test_settings_the_chosen_crd_ignores_are_named() -> None:
+    rules = [{"name": "r", "log_pattern": "x", "recur_within_s": 60}]
+    assert set(ignored_settings(spec(crd="kubeflow", hang_detection=rules, restart_eval_period_s=60))) == {
+        "hang_detection",
+        "restart_eval_period_s",
+    }
+    assert set(ignored_settings(spec(elastic=True))) == {"elastic"}
+    assert ignored_settings(spec()) == {}
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+@pytest.mark.parametrize(
+    "job_name",
+    ["digits-trial-7", "Digits_Trial_7", "7", "---", "a" * 200, "trial 7: lr=0.1", "x" * 41 + "-" + "y" * 10],
+)
+def test_object_names_are_dns_labels_and_stable(job_name: str) -> None:
+    name = object_name(job_name)
+    assert DNS_1035.fullmatch(name), name
+    assert len(name) <= MAX_NAME_LENGTH
+    assert object_name(job_name) == name
+
+
+def test_names_that_clean_up_alike_stay_distinct() -> None:
+    assert object_name("trial_7") != object_name("trial-7")
+    assert object_name("a" * 100 + "1") != object_name("a" * 100 + "2")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"), [("plain", "plain"), ("$(HOME)", "$$(HOME)"), ("$$", "$$$$"), ("a$b", "a$$b")]
+)
+def test_literal_doubles_every_dollar(text: str, expected: str) -> None:
+    assert literal(text) == expected
+
+
+@pytest.mark.parametrize(("gb", "quantity"), [(16, "16Gi"), (1.5, "1536Mi"), (0.001, "2Mi")])
+def test_memory_quantities(gb: float, quantity: str) -> None:
+    assert format_memory(gb) == quantity
+
+
+@pytest.mark.parametrize(("cpus", "quantity"), [(8, "8"), (1.5, "1500m"), (0.25, "250m")])
+def test_cpu_quantities(cpus: float, quantity: str) -> None:
+    assert format_cpu(cpus) == quantity
+
+
+# ------------------------------------------------------------------------------------------ spec
+
+
+def test_the_launcher_union_picks_the_hyperpod_spec() -> None:
+    parsed = TypeAdapter(LauncherSpec).validate_python(
+        {"kind": "hyperpod_eks", "image": "i", "root": "/fsx", "claim_name": "c"}
+    )
+    assert isinstance(parsed, HyperPodEksLauncherSpec)
+    assert parsed.ttl_after_finished_s > 0
+
+
+def test_a_rule_that_can_never_fire_is_refused() -> None:
+    with pytest.raises(ValidationError, match="can never fire"):
+        spec(hang_detection=[{"name": "r", "log_pattern": "x"}])
+
+
+def test_full_job_restarts_need_a_window() -> None:
+    with pytest.raises(ValidationError, match="restart_eval_period_s"):
+        spec(max_full_job_restarts=2)
+
+
+def test_a_zero_ttl_is_refused() -> None:
+    # The operator deletes a job at once with TTL 0, and its final state with it.
+    with pytest.raises(ValidationError, match="ttl_after_finished_s"):
+        spec(ttl_after_finished_s=0)
+
+
+# ------------------------------------------------------------------------------------------ states
+
+
+def cond(kind: str, status: str = "True") -> dict[str, str]:
+    return {"type": kind, "status": status}
+
+
+@pytest.mark.parametrize(
+    ("conditions", "expected"),
+    [
+        ([], JobState.PENDING),
+        ([cond("Created")], JobState.PENDING),
+        ([cond("Created", "False"), cond("Suspended")], JobState.PENDING),
+        ([cond("Created"), cond("Running")], JobState.RUNNING),
+        ([cond("Running", "False"), cond("Restarting")], JobState.RUNNING),
+        ([cond("Created"), cond("Running", "False"), cond("Succeeded")], JobState.SUCCEEDED),
+        ([cond("Running", "False"), cond("Completed")], JobState.SUCCEEDED),
+        ([cond("Running"), cond("Failed")], JobState.FAILED),
+        ([cond("Failed", "False"), cond("Running")], JobState.RUNNING),
+        ([cond("SomethingNew"), cond("Running")], JobState.RUNNING),
+        ([cond("SomethingNew")], JobState.PENDING),
+    ],
+)
+def test_conditions_map_to_job_states(conditions: list[dict[str, str]], expected: JobState) -> None:
+    assert state_from_conditions(conditions) is expected

@@ -1,0 +1,222 @@
+"""``render_training_job`` against stored requests in ``tests/unit/golden`` and against botocore's
+model of CreateTrainingJob (Stubber validates every parameter's name, type and required fields), plus
+the pure helpers: job names, path rewriting, what is refused, and the state table.
+
+Regenerate the stored requests after an intended change with
+``TUNEPOD_UPDATE_GOLDEN=1 .venv/bin/pytest tests/unit/test_sagemaker_render.py`` and review the diff.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+from botocore.stub import Stubber
+from pydantic import ValidationError
+
+from tunepod.errors import TunepodError
+from tunepod.launch.base import JobSpec, JobState, Resources
+from tunepod.launch.contract import contract_env
+from tunepod.launch.paths import JobPaths
+from tunepod.launch.sagemaker import (
+    map_training_job_state,
+    render_training_job,
+    training_job_name,
+)
+from tunepod.spec.models import SageMakerLauncherSpec
+
+GOLDEN = Path(__file__).parent / "golden"
+UPDATE = os.environ.get("TUNEPOD_UPDATE_GOLDEN") == "1"
+JOB_DIR = Path("/fsx/tunepod/jobs/digits/trial-7")
+
+
+def assert_matches_golden(name: str, request: dict[str, Any]) -> None:
+    path = GOLDEN / f"{name}.training-job.json"
+    text = json.dumps(request, indent=2, sort_keys=True) + "\n"
+    if UPDATE:
+        path.write_text(text)
+    assert path.exists(), f"{path} is missing; create it with TUNEPOD_UPDATE_GOLDEN=1 and review it"
+    assert text == path.read_text(), f"{path} differs; if intended, regenerate with TUNEPOD_UPDATE_GOLDEN=1"
+
+
+def assert_valid_request(request: dict[str, Any]) -> None:
+    """botocore checks ``request`` against the real CreateTrainingJob model (no network)."""
+    client = boto3.client(
+        "sagemaker", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x"
+    )
+    with Stubber(client) as stub:
+        stub.add_response("create_training_job", {"TrainingJobArn": "arn:x"}, expected_params=request)
+        client.create_training_job(**request)
+        stub.assert_no_pending_responses()
+
+
+def spec(**fields: object) -> SageMakerLauncherSpec:
+    base = {
+        "kind": "sagemaker",
+        "root": "/fsx/tunepod",
+        "role_arn": "arn:aws:iam::123456789012:role/tunepod-training",
+        "image_uri": "763104351884.dkr.ecr.us-east-1.amazonaws.com/pytorch-training:2.5.1-gpu-py311",
+        "output_s3_uri": "s3://tunepod-bucket/output",
+        "checkpoint_s3_uri": "s3://tunepod-bucket/checkpoints/",
+        "instance_type": "ml.g5.xlarge",
+    }
+    return SageMakerLauncherSpec.model_validate({**base, **fields})
+
+
+FSX = {
+    "fsx": {"file_system_id": "fs-0123456789abcdef0", "directory_path": "/abcdefgh/tunepod"},
+    "subnets": ["subnet-0a1b2c3d"],
+    "security_group_ids": ["sg-0a1b2c3d"],
+}
+
+
+def job(params: dict[str, object] | None = None, **fields: Any) -> JobSpec:
+    paths = JobPaths(JOB_DIR)
+    env = contract_env(
+        paths,
+        params=params or {"lr": 0.01, "hidden": 64, "optimizer": "adam"},
+        data_dir="/fsx/tunepod/datasets/digits",
+        trial="7",
+        tracking_uri="http://mlflow.internal:5000",
+        run_id="abc123",
+    )
+    base = JobSpec(
+        name="digits-trial-7", entrypoint=Path("/fsx/tunepod/code/train.py"), job_dir=JOB_DIR, env=env
+    )
+    return dataclasses.replace(base, **fields)
+
+
+def test_minimal_request_with_code_in_s3() -> None:
+    request = render_training_job(job(), spec(code_uri="s3://tunepod-bucket/code/sourcedir.tar.gz"))
+    assert_matches_golden("minimal", request)
+    assert_valid_request(request)
+    # Without FSx the orchestrator's paths mean nothing in the job: the runtime's SageMaker defaults rule.
+    assert "TUNEPOD_DATA_DIR" not in request["Environment"]
+    assert "TUNEPOD_PARAMS" not in request["Environment"]
+
+
+def test_full_request_on_fsx_with_tensor_parallelism() -> None:
+    resources = Resources(num_nodes=2, gpus_per_node=8, instance_type="ml.p4d.24xlarge", timeout_min=90.5)
+    full = spec(parallelism={"tensor": 4, "data": 4}, max_retry_attempts=3, env={"NCCL_DEBUG": "WARN"}, **FSX)
+    request = render_training_job(job(resources=resources), full, attempt=2)
+    assert_matches_golden("full_fsx", request)
+    assert_valid_request(request)
+    env, hps = request["Environment"], request["HyperParameters"]
+    assert env["TUNEPOD_DATA_DIR"] == "/opt/ml/input/data/train/datasets/digits"
+    assert env["TUNEPOD_RESULT_FILE"] == "/opt/ml/input/data/train/jobs/digits/trial-7/result.json"
+    assert env["TUNEPOD_CHECKPOINT_DIR"] == "/opt/ml/checkpoints"
+    assert json.loads(hps["mp_parameters"]) == {"tensor_parallel_degree": 4}
+    assert hps["sagemaker_submit_directory"] == '"/opt/ml/input/data/train/code"'
+    assert request["StoppingCondition"] == {"MaxRuntimeInSeconds": 5430}
+    assert request["TrainingJobName"] == "digits-trial-7-r2"
+    # The checkpoint prefix follows the tunepod job, not the attempt, so a resubmission resumes.
+    assert request["CheckpointConfig"]["S3Uri"] == "s3://tunepod-bucket/checkpoints/digits-trial-7"
+
+
+def test_hyperparameters_are_json_strings_that_decode_to_the_params() -> None:
+    params = {"lr": 0.001, "hidden": 128, "optimizer": "sgd", "nesterov": True}
+    hps = render_training_job(job(params), spec(**FSX))["HyperParameters"]
+    assert all(isinstance(value, str) for value in hps.values())
+    assert {name: json.loads(hps[name]) for name in params} == params
+    assert json.loads(hps["sagemaker_torch_distributed_enabled"]) is True
+    assert json.loads(hps["sagemaker_program"]) == "train.py"
+
+
+NAME_PATTERN = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["digits-trial-7", "study_a.trial 3", "x" * 200, "--weird--", "__", "a" * 62 + "_b"],
+)
+@pytest.mark.parametrize("attempt", [1, 2, 130])
+def test_job_names_follow_sagemaker_rules_and_are_stable(name: str, attempt: int) -> None:
+    rendered = training_job_name(name, attempt)
+    assert NAME_PATTERN.match(rendered), rendered
+    assert rendered == training_job_name(name, attempt)
+    assert rendered != training_job_name(name, attempt + 1)
+
+
+def test_names_that_clean_to_the_same_text_stay_distinct() -> None:
+    assert training_job_name("a_b") != training_job_name("a.b")
+    assert training_job_name("x" * 100 + "1") != training_job_name("x" * 100 + "2")
+    assert training_job_name("plain-name-1") == "plain-name-1"
+
+
+@pytest.mark.parametrize(
+    ("make_job", "launcher", "fragment"),
+    [
+        (lambda: job(args=("--epochs", "3")), spec(**FSX), "pass them as parameters"),
+        (lambda: job({"sagemaker_program": "x"}), spec(**FSX), "reserved"),
+        (lambda: job(), spec(instance_type=None, **FSX), "instance type"),
+        (lambda: job(), spec(), "not visible to SageMaker jobs"),
+        (lambda: job(entrypoint=Path("/home/me/train.py")), spec(**FSX), "under root /fsx/tunepod"),
+        (
+            lambda: job(resources=Resources(num_nodes=2, gpus_per_node=8)),
+            spec(parallelism={"tensor": 4, "data": 8}, **FSX),
+            "world size 16",
+        ),
+    ],
+)
+def test_what_a_training_job_cannot_express_is_refused(
+    make_job: Any, launcher: SageMakerLauncherSpec, fragment: str
+) -> None:
+    with pytest.raises(TunepodError, match="fix:") as caught:
+        render_training_job(make_job(), launcher)
+    assert fragment in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"fsx": FSX["fsx"]},  # FSx without a VPC
+        {"subnets": ["subnet-1"]},  # half a VpcConfig
+        {"parallelism": {"pipeline": 2}},  # SMP v2 has no pipeline parallelism
+        {"role_arn": "tunepod-training"},
+        {"unknown": 1},
+    ],
+)
+def test_spec_rejects_inconsistent_settings(fields: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        spec(**fields)
+
+
+@pytest.mark.parametrize(
+    ("status", "secondary", "expected"),
+    [
+        ("InProgress", "Starting", JobState.PENDING),
+        ("InProgress", "LaunchingMLInstances", JobState.PENDING),
+        ("InProgress", "PreparingTrainingStack", JobState.PENDING),
+        ("InProgress", "Downloading", JobState.PENDING),
+        ("InProgress", "DownloadingTrainingImage", JobState.PENDING),
+        ("InProgress", "Interrupted", JobState.PENDING),
+        ("InProgress", "Restarting", JobState.PENDING),
+        ("InProgress", "Training", JobState.RUNNING),
+        ("InProgress", "Uploading", JobState.RUNNING),
+        ("InProgress", "SomethingNew", JobState.RUNNING),
+        ("Stopping", "Stopping", JobState.RUNNING),
+        ("Completed", "Completed", JobState.SUCCEEDED),
+        ("Failed", "Failed", JobState.FAILED),
+        ("Stopped", "Stopped", JobState.CANCELLED),
+        ("Stopped", "MaxRuntimeExceeded", JobState.FAILED),
+        ("Stopped", "MaxWaitTimeExceeded", JobState.FAILED),
+        ("Brand-new", "", JobState.RUNNING),
+    ],
+)
+def test_state_table(status: str, secondary: str, expected: JobState) -> None:
+    assert map_training_job_state(status, secondary) is expected
+
+
+def test_the_stubber_check_can_fail() -> None:
+    from botocore.exceptions import ParamValidationError
+
+    request = render_training_job(job(), spec(**FSX))
+    request["ResourceConfig"]["InstanceCount"] = "2"  # a string where the model wants an integer
+    with pytest.raises(ParamValidationError):
+        assert_valid_request(request)

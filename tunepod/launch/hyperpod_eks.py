@@ -1,0 +1,406 @@
+"""Run jobs on a SageMaker HyperPod EKS cluster as ``HyperPodPyTorchJob`` objects (or Kubeflow
+``PyTorchJob`` objects, ``crd: kubeflow``).
+
+Render, then execute: ``render_manifest`` is a pure function from a ``JobSpec`` to the custom object
+(golden-tested, and validated against the HyperPod CRD's JSON schema in the tests).
+
+How the workers start differs per operator, and the manifest follows each one's convention:
+
+- HyperPod: the operator talks to the HyperPod elastic agent inside every pod; AWS requires the image
+  to install ``hyperpod-elastic-agent`` and to start training with ``hyperpodrun`` (torchrun's
+  arguments plus the agent's). The operator supplies the rendezvous, so the command names only the
+  node count, the processes per node (also ``spec.nprocPerNode``) and the script.
+- Kubeflow: the training operator injects ``PET_MASTER_ADDR``/``PET_MASTER_PORT``/``PET_NODE_RANK``
+  (or ``PET_RDZV_ENDPOINT`` under an ``elasticPolicy``), which ``torch.distributed.run`` reads as the
+  defaults of its own flags; the command is plain ``python -m torch.distributed.run``.
+
+Every pod mounts the shared filesystem's PersistentVolumeClaim at ``spec.root``, so the job dir,
+checkpoints and result file of a job live on FSx where the orchestrator reads them. The job's output
+goes to the pod log (HyperPod's hang detection reads it there), not to files under the job dir.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import math
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import PurePosixPath
+from typing import Any
+
+from tunepod.errors import TunepodError
+from tunepod.launch.base import JobSpec, JobState, Resources
+from tunepod.spec.models import HyperPodEksLauncherSpec
+
+logger = logging.getLogger(__name__)
+
+HYPERPOD_GROUP = "sagemaker.amazonaws.com"
+HYPERPOD_VERSION = "v1"
+HYPERPOD_PLURAL = "hyperpodpytorchjobs"
+HYPERPOD_KIND = "HyperPodPyTorchJob"
+KUBEFLOW_GROUP = "kubeflow.org"
+KUBEFLOW_VERSION = "v1"
+KUBEFLOW_PLURAL = "pytorchjobs"
+KUBEFLOW_KIND = "PyTorchJob"
+
+CONTAINER_NAME = "pytorch"  # Kubeflow's operator finds the training container by this name.
+SHARED_VOLUME = "shared"
+SHM_VOLUME = "dshm"
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
+OBJECT_LABEL = "tunepod.io/object"
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
+
+# Room left under the 63-character DNS label limit for what the operators append to make pod and
+# service names (``-worker-12``, ``-pod-12``).
+MAX_NAME_LENGTH = 50
+_NAME_HASH_LENGTH = 8
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+# ------------------------------------------------------------------------------------------ names
+
+
+def object_name(job_name: str) -> str:
+    """A DNS-1035 label for ``job_name``: stable (the same job name always gives the same object),
+    unique (two names that clean up alike differ in their hash suffix), at most ``MAX_NAME_LENGTH``.
+
+    DNS-1035 rather than DNS-1123: Kubeflow names Services after the job, and those must start with
+    a letter.
+    """
+    digest = hashlib.sha256(job_name.encode()).hexdigest()[:_NAME_HASH_LENGTH]
+    cleaned = re.sub(r"[^a-z0-9]+", "-", job_name.lower()).strip("-")
+    if not cleaned[:1].isalpha():
+        cleaned = f"j-{cleaned}".rstrip("-")
+    stem = cleaned[: MAX_NAME_LENGTH - _NAME_HASH_LENGTH - 1].rstrip("-")
+    return f"{stem}-{digest}"
+
+
+# ------------------------------------------------------------------------------------------ escaping
+
+
+def literal(text: str) -> str:
+    """``text`` safe from Kubernetes' ``$(VAR)`` expansion in command, args and env values.
+
+    Kubernetes turns ``$$`` into ``$`` and ``$(NAME)`` into a variable's value; doubling every ``$``
+    therefore always yields the original text.
+    """
+    return text.replace("$", "$$")
+
+
+def container_env(job: JobSpec, spec: HyperPodEksLauncherSpec) -> list[dict[str, str]]:
+    """The launcher's ``env``, then the job's training contract (which wins), as EnvVar entries."""
+    merged = {**spec.env, **job.env}
+    for name in merged:
+        if not _ENV_NAME.fullmatch(name):
+            raise TunepodError(
+                f"environment variable name {name!r} of job {job.name!r} is not a C identifier, which "
+                "Kubernetes requires; fix: rename it"
+            )
+    return [{"name": name, "value": literal(value)} for name, value in merged.items()]
+
+
+# ------------------------------------------------------------------------------------------ resources
+
+
+def format_memory(mem_gb: float) -> str:
+    """A memory quantity: whole GiB as ``NGi``, anything else rounded up to MiB."""
+    return f"{int(mem_gb)}Gi" if float(mem_gb).is_integer() else f"{math.ceil(mem_gb * 1024)}Mi"
+
+
+def format_cpu(cpus: float) -> str:
+    """A CPU quantity: whole CPUs as ``N``, fractions in millicores (``1500m``)."""
+    return str(int(cpus)) if float(cpus).is_integer() else f"{math.ceil(cpus * 1000)}m"
+
+
+def pod_resources(resources: Resources, spec: HyperPodEksLauncherSpec) -> dict[str, dict[str, str]]:
+    """Requests equal to limits: extended resources (GPUs, EFA) must be, and equal cpu/memory give the
+    pods Guaranteed QoS, the last to be evicted under node pressure."""
+    amounts: dict[str, str] = {}
+    if spec.cpus_per_node is not None:
+        amounts["cpu"] = format_cpu(spec.cpus_per_node)
+    if spec.mem_gb is not None:
+        amounts["memory"] = format_memory(spec.mem_gb)
+    if resources.gpus_per_node > 0:
+        amounts["nvidia.com/gpu"] = str(resources.gpus_per_node)
+    if spec.efa_per_node > 0:
+        amounts["vpc.amazonaws.com/efa"] = str(spec.efa_per_node)
+    return {"requests": dict(amounts), "limits": dict(amounts)} if amounts else {}
+
+
+def active_deadline_s(resources: Resources) -> int | None:
+    """``timeout_min`` as whole seconds, rounded up, for the run policy's ``activeDeadlineSeconds``."""
+    return None if resources.timeout_min is None else math.ceil(resources.timeout_min * 60)
+
+
+def ignored_settings(spec: HyperPodEksLauncherSpec) -> dict[str, str]:
+    """Settings of ``spec`` that its ``crd`` cannot honour, keyed by field (the launcher warns once)."""
+    if spec.crd == "hyperpod":
+        return {"elastic": "elastic=true ignored: it applies to crd: kubeflow only"} if spec.elastic else {}
+    hyperpod_only = {
+        "hang_detection": bool(spec.hang_detection),
+        "restart_eval_period_s": spec.restart_eval_period_s is not None,
+        "max_full_job_restarts": spec.max_full_job_restarts is not None,
+    }
+    return {
+        field: f"{field} ignored: it is a HyperPod training operator setting and crd is kubeflow"
+        for field, is_set in hyperpod_only.items()
+        if is_set
+    }
+
+
+# ------------------------------------------------------------------------------------------ pod
+
+
+def _check_under_root(job: JobSpec, spec: HyperPodEksLauncherSpec) -> None:
+    root = PurePosixPath(spec.root)
+    if not root.is_absolute():
+        raise TunepodError(f"launcher root {spec.root!r} must be an absolute path (the claim's mount path)")
+    job_dir = PurePosixPath(job.job_dir.as_posix())
+    if not job_dir.is_relative_to(root):
+        raise TunepodError(
+            f"job dir {job_dir} of job {job.name!r} is outside the launcher root {root}, so the pods "
+            f"(which mount claim {spec.claim_name!r} at {root}) would not see it; "
+            "fix: put job dirs under root"
+        )
+
+
+def training_command(job: JobSpec, spec: HyperPodEksLauncherSpec) -> list[str]:
+    """The container command (see the module docstring for why it differs per operator)."""
+    res = job.resources
+    script = [literal(str(job.entrypoint)), *(literal(arg) for arg in job.args)]
+    if spec.crd == "hyperpod":
+        return [
+            "hyperpodrun",
+            f"--nnodes={res.num_nodes}",
+            f"--nproc-per-node={res.procs_per_node}",
+            *script,
+        ]
+    nnodes = f"{res.num_nodes}:{res.num_nodes}" if spec.elastic else str(res.num_nodes)
+    return [
+        literal(spec.python),
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={nnodes}",
+        f"--nproc-per-node={res.procs_per_node}",
+        *script,
+    ]
+
+
+def _container(job: JobSpec, spec: HyperPodEksLauncherSpec) -> dict[str, Any]:
+    container: dict[str, Any] = {
+        "name": CONTAINER_NAME,
+        "image": spec.image,
+        "command": training_command(job, spec),
+        "env": container_env(job, spec),
+        "volumeMounts": [
+            {"name": SHARED_VOLUME, "mountPath": spec.root},
+            {"name": SHM_VOLUME, "mountPath": "/dev/shm"},
+        ],
+    }
+    if spec.working_dir is not None:
+        container["workingDir"] = spec.working_dir
+    resources = pod_resources(job.resources, spec)
+    if resources:
+        container["resources"] = resources
+    return container
+
+
+def pod_template(job: JobSpec, spec: HyperPodEksLauncherSpec, labels: Mapping[str, str]) -> dict[str, Any]:
+    """The pod template shared by every replica of ``job``."""
+    pod: dict[str, Any] = {
+        "containers": [_container(job, spec)],
+        "volumes": [
+            {"name": SHARED_VOLUME, "persistentVolumeClaim": {"claimName": spec.claim_name}},
+            # The default 64 MB /dev/shm of a container is too small for DataLoader workers and NCCL.
+            {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}},
+        ],
+    }
+    node_selector = dict(spec.node_selector)
+    if job.resources.instance_type is not None:
+        node_selector[INSTANCE_TYPE_LABEL] = job.resources.instance_type
+    if node_selector:
+        pod["nodeSelector"] = node_selector
+    if spec.service_account is not None:
+        pod["serviceAccountName"] = spec.service_account
+    return {"metadata": {"labels": dict(labels)}, "spec": pod}
+
+
+def pod_labels(job: JobSpec) -> dict[str, str]:
+    """Labels of the pods: ours only, so that ``logs`` finds a job's pods by label."""
+    return {MANAGED_BY_LABEL: "tunepod", OBJECT_LABEL: object_name(job.name)}
+
+
+def object_labels(job: JobSpec, spec: HyperPodEksLauncherSpec) -> dict[str, str]:
+    """Labels of the job object: the pods' labels, and Kueue's queue and priority when set.
+
+    Kueue's labels stay off the pod template: where Kueue's plain-pod integration is on, it would
+    queue every pod as a workload of its own on top of the job's.
+    """
+    labels = pod_labels(job)
+    if spec.queue_name is not None:
+        labels[QUEUE_LABEL] = spec.queue_name
+    if spec.priority_class is not None:
+        labels[PRIORITY_LABEL] = spec.priority_class
+    return labels
+
+
+def _metadata(job: JobSpec, spec: HyperPodEksLauncherSpec) -> dict[str, Any]:
+    return {
+        "name": object_name(job.name),
+        "namespace": spec.namespace,
+        "labels": object_labels(job, spec),
+        # The full job name and job dir, unabridged: a restarted orchestrator matches objects to trials
+        # by these, and an operator reading `kubectl describe` sees where the files are.
+        "annotations": {"tunepod.io/job-name": job.name, "tunepod.io/job-dir": job.job_dir.as_posix()},
+    }
+
+
+# ------------------------------------------------------------------------------------------ HyperPod
+
+
+def _log_monitoring(spec: HyperPodEksLauncherSpec) -> list[dict[str, Any]]:
+    rules = []
+    for rule in spec.hang_detection:
+        entry: dict[str, Any] = {"name": rule.name, "logPattern": rule.log_pattern}
+        if rule.stop_pattern is not None:
+            entry["stopPattern"] = rule.stop_pattern
+        if rule.start_within_s is not None:
+            entry["expectedStartCutOffInSeconds"] = rule.start_within_s
+        if rule.recur_within_s is not None:
+            entry["expectedRecurringFrequencyInSeconds"] = rule.recur_within_s
+        rules.append(entry)
+    return rules
+
+
+def hyperpod_run_policy(job: JobSpec, spec: HyperPodEksLauncherSpec) -> dict[str, Any]:
+    """``runPolicy``: retries, the TTL that keeps a finished job readable, limits, hang detection."""
+    # The operator's default TTL of 0 deletes a finished job at once, and its final state with it.
+    policy: dict[str, Any] = {
+        "cleanPodPolicy": "All",
+        "jobMaxRetryCount": spec.max_retries,
+        "ttlSecondsAfterFinished": spec.ttl_after_finished_s,
+    }
+    deadline = active_deadline_s(job.resources)
+    if deadline is not None:
+        policy["activeDeadlineSeconds"] = deadline
+    if spec.restart_eval_period_s is not None:
+        restart: dict[str, Any] = {"evalPeriodSeconds": spec.restart_eval_period_s}
+        if spec.max_full_job_restarts is not None:
+            restart["maxFullJobRestarts"] = spec.max_full_job_restarts
+        policy["restartPolicy"] = restart
+    if spec.hang_detection:
+        policy["logMonitoringConfiguration"] = _log_monitoring(spec)
+    return policy
+
+
+def render_hyperpod(job: JobSpec, spec: HyperPodEksLauncherSpec) -> dict[str, Any]:
+    """The ``HyperPodPyTorchJob`` for ``job`` (pure)."""
+    return {
+        "apiVersion": f"{HYPERPOD_GROUP}/{HYPERPOD_VERSION}",
+        "kind": HYPERPOD_KIND,
+        "metadata": _metadata(job, spec),
+        "spec": {
+            # A string in the CRD: it also takes "auto", "cpu" and "gpu".
+            "nprocPerNode": str(job.resources.procs_per_node),
+            "replicaSpecs": [
+                {
+                    "name": "pods",
+                    "replicas": job.resources.num_nodes,
+                    "template": pod_template(job, spec, pod_labels(job)),
+                }
+            ],
+            "runPolicy": hyperpod_run_policy(job, spec),
+        },
+    }
+
+
+# ------------------------------------------------------------------------------------------ Kubeflow
+
+
+def _kubeflow_replica(replicas: int, template: dict[str, Any], max_retries: int) -> dict[str, Any]:
+    # OnFailure restarts a failed pod in place (counted against backoffLimit); Never fails the job.
+    restart = "OnFailure" if max_retries > 0 else "Never"
+    return {"replicas": replicas, "restartPolicy": restart, "template": template}
+
+
+def render_kubeflow(job: JobSpec, spec: HyperPodEksLauncherSpec) -> dict[str, Any]:
+    """The Kubeflow ``PyTorchJob`` for ``job`` (pure): Master + Workers, or Workers under an
+    ``elasticPolicy`` whose c10d rendezvous the operator points every pod at."""
+    res = job.resources
+    template = pod_template(job, spec, pod_labels(job))
+    run_policy: dict[str, Any] = {
+        "cleanPodPolicy": "All",
+        "backoffLimit": spec.max_retries,
+        "ttlSecondsAfterFinished": spec.ttl_after_finished_s,
+    }
+    deadline = active_deadline_s(res)
+    if deadline is not None:
+        run_policy["activeDeadlineSeconds"] = deadline
+    body: dict[str, Any] = {"nprocPerNode": str(res.procs_per_node), "runPolicy": run_policy}
+    if spec.elastic:
+        body["elasticPolicy"] = {
+            "rdzvBackend": "c10d",
+            "minReplicas": res.num_nodes,
+            "maxReplicas": res.num_nodes,
+            "maxRestarts": spec.max_retries,
+        }
+        body["pytorchReplicaSpecs"] = {"Worker": _kubeflow_replica(res.num_nodes, template, spec.max_retries)}
+    else:
+        replicas = {"Master": _kubeflow_replica(1, template, spec.max_retries)}
+        if res.num_nodes > 1:
+            replicas["Worker"] = _kubeflow_replica(res.num_nodes - 1, template, spec.max_retries)
+        body["pytorchReplicaSpecs"] = replicas
+    return {
+        "apiVersion": f"{KUBEFLOW_GROUP}/{KUBEFLOW_VERSION}",
+        "kind": KUBEFLOW_KIND,
+        "metadata": _metadata(job, spec),
+        "spec": body,
+    }
+
+
+def render_manifest(job: JobSpec, spec: HyperPodEksLauncherSpec) -> dict[str, Any]:
+    """The custom object that runs ``job`` under ``spec.crd`` (pure). Raises ``TunepodError`` for a
+    job the pods could not run (a job dir outside the shared root, an invalid variable name)."""
+    _check_under_root(job, spec)
+    return render_hyperpod(job, spec) if spec.crd == "hyperpod" else render_kubeflow(job, spec)
+
+
+# ------------------------------------------------------------------------------------------ states
+
+# Condition types both operators set in ``status.conditions`` (Kubeflow's JobConditionType; the HyperPod
+# operator follows it and reports "Completed" as well). A terminal condition that is "True" decides;
+# otherwise the job runs once a running condition is "True", and waits before that.
+TERMINAL_CONDITIONS: Mapping[str, JobState] = {
+    "Succeeded": JobState.SUCCEEDED,
+    "Completed": JobState.SUCCEEDED,
+    "Failed": JobState.FAILED,
+}
+RUNNING_CONDITIONS = frozenset({"Running", "Restarting", "PodsRunning"})
+# Created: accepted, pods not all started; Suspended: held by Kueue (or by hand) until admitted.
+PENDING_CONDITIONS = frozenset({"Created", "Suspended", "Queued", "Pending"})
+
+
+def state_from_conditions(conditions: Sequence[Mapping[str, Any]]) -> JobState:
+    """The ``JobState`` of a job object from its ``status.conditions`` (empty: not seen yet, PENDING).
+
+    An unknown condition type is logged once and ignored, so a newer operator cannot crash the
+    orchestrator. Cancellation is not a condition: the launcher deletes the object and knows why.
+    """
+    active = [str(c.get("type", "")) for c in conditions if str(c.get("status", "")).lower() == "true"]
+    for kind in active:
+        if kind in TERMINAL_CONDITIONS:
+            return TERMINAL_CONDITIONS[kind]
+    for kind in active:
+        if kind not in RUNNING_CONDITIONS | PENDING_CONDITIONS:
+            _warn_unknown_condition(kind)
+    return JobState.RUNNING if RUNNING_CONDITIONS.intersection(active) else JobState.PENDING
+
+
+@functools.cache
+def _warn_unknown_condition(kind: str) -> None:
+    # Cached: a job polled every second would otherwise repeat the warning every second.
+    logger.warning("unknown job condition %r ignored when mapping the job's state", kind)
