@@ -3,12 +3,17 @@
 ``builtin://digits`` is scikit-learn's bundled 8x8 digits (1797 images, no download), split into
 train/val/test so the example pipeline runs on a fresh machine without network. The files are
 byte-identical for a given seed, so staging them twice copies nothing the second time.
+
+``builtin://python-stdlib`` is a text corpus for the tiny language model example: the sources of a
+fixed list of standard library modules, read from the running interpreter's own stdlib folder (no
+download), split into train/val/test bytes. Same interpreter, same bytes.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import sysconfig
 import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -25,6 +30,17 @@ MANIFEST_FILE = "dataset.json"
 # The earliest date a zip entry can carry; any fixed value makes the archive bytes reproducible.
 _ZIP_DATE_TIME = (1980, 1, 1, 0, 0, 0)
 _ZIP_CREATE_SYSTEM_UNIX = 3
+# Pure-Python modules present in every CPython since 3.8 and not scheduled for removal: a few
+# hundred KB of code, comments and docstrings. A fixed list, not a directory listing, so the corpus
+# does not change when an interpreter adds or drops unrelated modules.
+STDLIB_CORPUS_MODULES = (
+    "argparse", "ast", "bisect", "calendar", "contextlib", "copy", "dataclasses", "difflib", "enum",
+    "fnmatch", "fractions", "functools", "heapq", "shlex", "statistics", "string", "textwrap", "tokenize",
+)  # fmt: skip
+# The corpus is cut into blocks dealt out in a fixed pattern of 20: 18 to train, then one to val and
+# one to test. Every split then samples every module, and no split is one module's tail.
+_TEXT_BLOCK_BYTES = 4096
+_TEXT_SPLIT_PATTERN = ("train",) * 18 + ("val", "test")
 
 
 def write_digits(dest: Path, seed: int = 0) -> list[Path]:
@@ -90,7 +106,56 @@ def _npz_bytes(arrays: Mapping[str, npt.NDArray[np.generic]]) -> bytes:
     return buffer.getvalue()
 
 
-BUILTIN_SOURCES: dict[str, Callable[[Path], list[Path]]] = {"digits": write_digits}
+def write_python_stdlib(dest: Path) -> list[Path]:
+    """Write the stdlib text splits under ``dest`` and return the files written, ``dataset.json`` last.
+
+    ``train.bin``, ``val.bin``, ``test.bin`` are raw bytes (one token per byte for a byte-level
+    model; a block boundary may cut a UTF-8 character): the sources of ``STDLIB_CORPUS_MODULES`` in
+    that order, each after a ``# file: NAME.py`` line, dealt out in 4 KiB blocks, 90/5/5. Modules the
+    interpreter lacks are skipped and the manifest lists the ones used. Each file is written
+    atomically and ``dataset.json`` last. Same interpreter, same bytes.
+    """
+    corpus, modules = _stdlib_corpus()
+    splits: dict[str, bytearray] = {name: bytearray() for name in ("train", "val", "test")}
+    for index, start in enumerate(range(0, len(corpus), _TEXT_BLOCK_BYTES)):
+        split = _TEXT_SPLIT_PATTERN[index % len(_TEXT_SPLIT_PATTERN)]
+        splits[split] += corpus[start : start + _TEXT_BLOCK_BYTES]
+    dest.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, data in splits.items():
+        path = dest / f"{name}.bin"
+        write_bytes_atomic(path, bytes(data))
+        written.append(path)
+    manifest = {
+        "name": "python-stdlib",
+        "source": f"standard library sources of Python {sysconfig.get_python_version()}",
+        "modules": modules,
+        "counts": {name: len(data) for name, data in splits.items()},
+        "files": {name: f"{name}.bin" for name in splits},
+        "format": "raw bytes, one token per byte (vocabulary 256)",
+    }
+    manifest_path = dest / MANIFEST_FILE
+    write_bytes_atomic(manifest_path, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode("ascii"))
+    written.append(manifest_path)
+    return written
+
+
+def _stdlib_corpus() -> tuple[bytes, list[str]]:
+    """The concatenated sources of the corpus modules this interpreter has, and their names."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    parts, used = [], []
+    for module in STDLIB_CORPUS_MODULES:
+        source = stdlib / f"{module}.py"
+        if source.is_file():
+            parts.append(f"# file: {module}.py\n".encode("ascii") + source.read_bytes())
+            used.append(module)
+    return b"\n".join(parts), used
+
+
+BUILTIN_SOURCES: dict[str, Callable[[Path], list[Path]]] = {
+    "digits": write_digits,
+    "python-stdlib": write_python_stdlib,
+}
 """Every builtin dataset: name -> function that writes it into a folder and returns its files."""
 
 
