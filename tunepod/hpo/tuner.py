@@ -259,7 +259,9 @@ class Tuner:
                 f"{metric}=...) or ctx.finish({metric}=...) in {self.settings.train.entrypoint}"
             )
             return self._fail(number, run_id, message)
-        self.ctx.tracker.log_metric(run_id, metric, value)
+        # At the trial's last step, so the metric's history has no stray point at step 0.
+        last_step = max(self._frozen(number).intermediate_values, default=None)
+        self.ctx.tracker.log_metric(run_id, metric, value, step=last_step)
         model_id = self._log_final_checkpoint(number, run_id, handle.job_dir, params)
         if model_id:
             self.study._storage.set_trial_user_attr(self._frozen(number)._trial_id, ATTR_MODEL_ID, model_id)

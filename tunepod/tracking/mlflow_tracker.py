@@ -107,8 +107,11 @@ class MlflowTracker:
         for start in range(0, len(points), 1000):  # log_batch takes at most 1000 metrics
             self.client.log_batch(run_id, metrics=points[start : start + 1000])
 
-    def log_metric(self, run_id: str, key: str, value: float, *, model_id: str | None = None) -> None:
-        self.client.log_metric(run_id, key, value, timestamp=int(time.time() * 1000), model_id=model_id)
+    def log_metric(
+        self, run_id: str, key: str, value: float, *, step: int | None = None, model_id: str | None = None
+    ) -> None:
+        timestamp = int(time.time() * 1000)
+        self.client.log_metric(run_id, key, value, timestamp=timestamp, step=step, model_id=model_id)
 
     def log_text(self, run_id: str, text: str, artifact_file: str) -> None:
         self.client.log_text(run_id, text, artifact_file)
