@@ -18,12 +18,12 @@ instead when ``CI=true``: CI starts the cluster (``.ci/run``), so a skip there w
 from __future__ import annotations
 
 import functools
-import os
 import shutil
 import subprocess
 import time
 
 import pytest
+from needs import skip_or_fail
 
 SLURM_UP = "scripts/slurm-up"
 PARTITION = "debug"
@@ -76,9 +76,7 @@ def apply_slurm_marker(item: pytest.Item) -> None:
     reason = _cached_slurm_available()
     if reason is None:
         return
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(f"CI=true and the Slurm cluster is not up: {reason}", pytrace=False)
-    pytest.skip(reason)
+    skip_or_fail(f"the Slurm cluster is not up: {reason}")
 
 
 def sbatch(*options: str) -> str:

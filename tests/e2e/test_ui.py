@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 import yaml
+from needs import skip_or_fail
 
 from tunepod.stack.processes import ServiceRecord, group_members, is_alive
 from tunepod.webhook.signatures import standard_headers
@@ -75,9 +76,7 @@ def chromium_available() -> None:
     reason = browser_missing()
     if reason is None:
         return
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(f"CI=true and no browser for the UI tests: {reason}", pytrace=False)
-    pytest.skip(reason)
+    skip_or_fail(f"no browser for the UI tests: {reason}")
 
 
 pytestmark = pytest.mark.slow

@@ -8,7 +8,6 @@ skip with the reason, except under ``CI=true``, where a skip would hide a broken
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from needs import skip_or_fail
 from test_tuner import PIPELINE, make_tuner, settings
 
 from tunepod.metrics import open_pipeline_metrics
@@ -40,9 +40,7 @@ def require(tool: Path) -> None:
     if tool.exists():
         return
     reason = f"{tool} is missing: install Debian's prometheus with scripts/prometheus-up (make test runs it)"
-    if os.environ.get("CI") == "true":
-        pytest.fail(reason)
-    pytest.skip(reason)
+    skip_or_fail(reason)
 
 
 def free_port() -> int:
