@@ -45,10 +45,8 @@ def slurm_launcher(tmp_path: Path) -> SlurmLauncher:
     return SlurmLauncher(slurm_spec(tmp_path / "shared"))
 
 
-class TestSlurmLauncherContract(LauncherContract):
-    @pytest.fixture
-    def launcher(self, slurm_launcher: SlurmLauncher) -> Launcher:
-        return slurm_launcher
+class SlurmContract(LauncherContract):
+    """How Slurm restarts and crashes a job, for every Slurm launcher (local commands or over ssh)."""
 
     def restart(self, launcher: Launcher) -> Launcher:
         assert isinstance(launcher, SlurmLauncher)
@@ -61,6 +59,12 @@ class TestSlurmLauncherContract(LauncherContract):
     def resume_after_crash(self, launcher: Launcher, job: JobSpec, crashed: JobHandle) -> JobHandle:
         # Slurm requeued the job by itself (--requeue): the same job id runs again in the same job dir.
         return crashed
+
+
+class TestSlurmLauncherContract(SlurmContract):
+    @pytest.fixture
+    def launcher(self, slurm_launcher: SlurmLauncher) -> Launcher:
+        return slurm_launcher
 
 
 class CountingRunner:

@@ -11,16 +11,15 @@ runs, plus how failures surface: a command that fails remotely keeps its stderr,
 from __future__ import annotations
 
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from launcher_contract import LauncherContract
 from sshd import TARGET, require_sshd, ssh_options
+from test_slurm_launcher import SlurmContract
 
 from tunepod.errors import TransientError
-from tunepod.launch.base import JobHandle, JobSpec, Launcher
+from tunepod.launch.base import Launcher
 from tunepod.launch.runner import SSH_CONNECTION_FAILED, CommandFailed, SshRunner
 from tunepod.launch.slurm import SlurmLauncher
 from tunepod.spec.models import SlurmLauncherSpec
@@ -54,24 +53,12 @@ def unused_loopback_port() -> int:
         return int(probe.getsockname()[1])
 
 
-class TestSlurmOverSshContract(LauncherContract):
+class TestSlurmOverSshContract(SlurmContract):
     @pytest.fixture
     def launcher(self, tmp_path: Path) -> Launcher:
         launcher = SlurmLauncher(ssh_slurm_spec(tmp_path / "shared"))
         assert isinstance(launcher.runner, SshRunner)  # the spec's ssh field chose the ssh path
         return launcher
-
-    def restart(self, launcher: Launcher) -> Launcher:
-        assert isinstance(launcher, SlurmLauncher)
-        return SlurmLauncher(launcher.spec)
-
-    def kill_hard(self, handle: JobHandle) -> None:
-        # What Slurm does to a job on a failed node: kill it and put it back in the queue.
-        subprocess.run(["scontrol", "requeue", handle.job_id], check=True, capture_output=True, timeout=30)
-
-    def resume_after_crash(self, launcher: Launcher, job: JobSpec, crashed: JobHandle) -> JobHandle:
-        # Slurm requeued the job by itself (--requeue): the same job id runs again in the same job dir.
-        return crashed
 
 
 def test_remote_command_failure_keeps_its_stderr() -> None:
