@@ -110,11 +110,22 @@ class LauncherContract:
     def leftover_processes(self, handle: JobHandle, pid_dir: Path) -> list[int]:
         return [pid for pid in recorded_pids(pid_dir) if is_alive(pid)]
 
+    def make_job(self, job_dir: Path, script: str, *args: str, procs: int = 1) -> JobSpec:
+        """The contract's jobs; a backend that cannot pass an argv (SageMaker) passes ``args`` another way
+        that ``tests/fixtures/jobs/_args.py`` reads."""
+        return fixture_job(job_dir, script, *args, procs=procs)
+
+    def checkpoint_step(self, job: JobSpec) -> int | None:
+        """The step of the job's latest checkpoint, where the backend keeps it (default: the job's
+        checkpoint dir on the shared filesystem)."""
+        latest = runtime.latest_checkpoint(job.paths.checkpoints)
+        return None if latest is None else latest.step
+
     # ------------------------------------------------------------------------------------------ tests
 
     def test_submit_runs_then_succeeds_with_result(self, launcher: Launcher, tmp_path: Path) -> None:
         release = tmp_path / "release"
-        job = fixture_job(tmp_path / "job", "succeed.py", str(release), procs=2)
+        job = self.make_job(tmp_path / "job", "succeed.py", str(release), procs=2)
         handle = launcher.submit(job)
         assert handle.state() in (JobState.PENDING, JobState.RUNNING)
         assert handle.state() in (JobState.PENDING, JobState.RUNNING)  # still: it waits for the release
@@ -125,14 +136,14 @@ class LauncherContract:
         assert result.metrics == {"world_size": 2.0}
 
     def test_failing_job_is_failed_with_traceback_in_logs(self, launcher: Launcher, tmp_path: Path) -> None:
-        handle = launcher.submit(fixture_job(tmp_path / "job", "fail.py", "boom from the contract test"))
+        handle = launcher.submit(self.make_job(tmp_path / "job", "fail.py", "boom from the contract test"))
         assert finish(handle) is JobState.FAILED
         assert "ValueError: boom from the contract test" in handle.logs()
         assert "exit code 1" in handle.describe()
 
     def test_cancel_stops_every_process(self, launcher: Launcher, tmp_path: Path) -> None:
         pid_dir = tmp_path / "pids"
-        job = fixture_job(tmp_path / "job", "hang.py", str(pid_dir), procs=2)
+        job = self.make_job(tmp_path / "job", "hang.py", str(pid_dir), procs=2)
         handle = launcher.submit(job)
         wait_until(lambda: len(list(pid_dir.glob("rank-*.json"))) == 2, "both ranks to start")
         handle.cancel()
@@ -143,14 +154,14 @@ class LauncherContract:
         assert not job.paths.result.exists()
 
     def test_cancel_after_the_end_keeps_the_outcome(self, launcher: Launcher, tmp_path: Path) -> None:
-        handle = launcher.submit(fixture_job(tmp_path / "job", "succeed.py"))
+        handle = launcher.submit(self.make_job(tmp_path / "job", "succeed.py"))
         assert finish(handle) is JobState.SUCCEEDED, handle.logs()
         handle.cancel()
         assert handle.state() is JobState.SUCCEEDED
 
     def test_attach_after_restart_follows_to_success(self, launcher: Launcher, tmp_path: Path) -> None:
         release = tmp_path / "release"
-        job = fixture_job(tmp_path / "job", "succeed.py", str(release))
+        job = self.make_job(tmp_path / "job", "succeed.py", str(release))
         submitted = launcher.submit(job)
         attached = self.restart(launcher).attach(submitted.job_id, job.job_dir)
         assert attached.job_id == submitted.job_id
@@ -161,7 +172,7 @@ class LauncherContract:
 
     def test_attach_after_restart_can_cancel(self, launcher: Launcher, tmp_path: Path) -> None:
         pid_dir = tmp_path / "pids"
-        job = fixture_job(tmp_path / "job", "hang.py", str(pid_dir))
+        job = self.make_job(tmp_path / "job", "hang.py", str(pid_dir))
         submitted = launcher.submit(job)
         wait_until(lambda: (pid_dir / "rank-0.json").exists(), "the rank to start")
         attached = self.restart(launcher).attach(submitted.job_id, job.job_dir)
@@ -173,14 +184,10 @@ class LauncherContract:
 
     def test_resubmit_after_crash_resumes_from_checkpoint(self, launcher: Launcher, tmp_path: Path) -> None:
         num_steps, pause_at = 5, 2
-        job = fixture_job(tmp_path / "job", "count.py", str(num_steps), str(pause_at))
+        job = self.make_job(tmp_path / "job", "count.py", str(num_steps), str(pause_at))
         crashed = launcher.submit(job)
 
-        def paused() -> bool:
-            latest = runtime.latest_checkpoint(job.paths.checkpoints)
-            return latest is not None and latest.step == pause_at
-
-        wait_until(paused, f"checkpoint step {pause_at}")
+        wait_until(lambda: self.checkpoint_step(job) == pause_at, f"checkpoint step {pause_at}")
         self.kill_hard(crashed)
         resumed = self.resume_after_crash(launcher, job, crashed)
         assert finish(resumed) is JobState.SUCCEEDED, resumed.logs()
