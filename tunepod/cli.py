@@ -12,6 +12,7 @@ optuna, torch, prefect) are imported inside the commands that need them, never a
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -24,7 +25,10 @@ from tunepod.dag import Dag, build_dag
 from tunepod.errors import SpecError
 from tunepod.spec.loader import load_spec
 from tunepod.spec.models import PipelineSpec
+from tunepod.stack.cli import HomeOption
 from tunepod.stack.cli import register as register_stack_commands
+from tunepod.stack.config import DEFAULT_HOME
+from tunepod.stack.manage import running_prefect_api
 from tunepod.webhook.cli import webhook_app
 
 if TYPE_CHECKING:
@@ -93,13 +97,14 @@ def graph(spec: SpecArgument, set_: SetOption = None) -> None:
 
 
 @app.command()
-def run(spec: SpecArgument, set_: SetOption = None) -> None:
+def run(spec: SpecArgument, set_: SetOption = None, home: HomeOption = Path(DEFAULT_HOME)) -> None:
     """Run the pipeline as a Prefect flow and print a summary. Exit 2 for an invalid spec, 1 if it fails.
 
-    Without PREFECT_API_URL, Prefect starts a temporary local server for the run; point
-    PREFECT_API_URL at a server (`tunepod up`, or `prefect server start`) to keep the run's history.
+    The flow runs on the Prefect server PREFECT_API_URL names; else on the one `tunepod up` started
+    (found under --home), so the run shows in its UI; else Prefect starts a temporary server for it.
     """
     _load(spec, set_)  # every spec error before Prefect's start-up cost
+    _use_running_stack(home)
     from flows.pipeline import pipeline  # Prefect is imported here only: it costs seconds
 
     state = pipeline(str(spec), list(set_ or []), return_state=True)
@@ -107,6 +112,17 @@ def run(spec: SpecArgument, set_: SetOption = None) -> None:
         Console(stderr=True, soft_wrap=True).print(Text(f"pipeline failed: {state.message}", "bold red"))
         raise typer.Exit(1)
     print_summary(state.result())
+
+
+def _use_running_stack(home: Path) -> None:
+    """Point Prefect at the local stack's server when nothing else is chosen (before Prefect is imported:
+    it reads its settings once)."""
+    if os.environ.get("PREFECT_API_URL"):
+        return
+    api = running_prefect_api(home)
+    if api is not None:
+        os.environ["PREFECT_API_URL"] = api
+        Console(stderr=True, highlight=False).print(f"using the Prefect server of the local stack: {api}")
 
 
 def print_summary(summary: PipelineSummary) -> None:

@@ -234,6 +234,29 @@ def test_a_webhook_event_runs_the_digits_deployment_with_the_payload_overrides(
 
 
 @pytest.mark.slow
+def test_tunepod_run_uses_the_running_stack_when_no_prefect_api_is_set(stack: Stack, tmp_path: Path) -> None:
+    env = {name: value for name, value in stack.env.items() if name != "PREFECT_API_URL"}
+    spec = REPO / "examples" / "digits" / "pipeline.yaml"
+    overrides = [
+        f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
+        f"launcher.root={tmp_path}/shared",
+        f"steps.search.with.study.storage=journal://{tmp_path}/optuna.log",
+        "steps.search.with.num_trials=1",
+        "steps.search.with.train.args.epochs=1",
+        "steps.check.with.top_k=1",
+    ]
+    argv = [str(Path(sys.executable).parent / "tunepod"), "run", str(spec)]
+    argv += [part for override in overrides for part in ("--set", override)]
+    result = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"using the Prefect server of the local stack: {stack.api}" in result.stderr
+
+    query = {"flow_runs": {"name": {"any_": [str(spec)]}}}
+    runs = httpx.post(f"{stack.api}/flow_runs/filter", json=query, timeout=10.0).json()
+    assert [(run["state_type"], run["deployment_id"]) for run in runs] == [("COMPLETED", None)]
+
+
+@pytest.mark.slow
 def test_down_stops_everything_and_leaves_no_process(stack: Stack) -> None:
     records = stack.records()
     assert records

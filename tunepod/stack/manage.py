@@ -104,6 +104,15 @@ def status(config: StackConfig) -> list[ServiceStatus]:
     return report
 
 
+def running_prefect_api(home: Path) -> str | None:
+    """The API URL of the Prefect server a ``tunepod up`` with state folder ``home`` started, if it runs
+    and answers its health check; None otherwise (no stack, stopped, or a pid reused by another process)."""
+    record = ServiceRecord.read(home.expanduser().resolve() / "stack" / f"{services.PREFECT_SERVER}.json")
+    if record is None or not is_alive(record) or not services.http_ok(record.health_url):
+        return None
+    return record.health_url.removesuffix("/health")
+
+
 def ensure_work_pool(config: StackConfig) -> None:
     """Create the stack's ``process`` work pool unless it exists (the CLI fills in its job template)."""
     response = httpx.get(f"{config.prefect_api_url}/work_pools/{config.work_pool}", timeout=10.0)
