@@ -52,6 +52,7 @@ INPUT_RULES: dict[str, tuple[InputSlot, ...]] = {
     "train": (InputSlot(("stage",)), InputSlot(("tune",), required=False)),
     "evaluate": (InputSlot(("tune", "train")),),
     "register": (InputSlot(("evaluate",)),),
+    "export": (InputSlot(("tune", "train")),),
 }
 
 

@@ -13,8 +13,24 @@ from pydantic import BaseModel, Field
 TrialOutcome = Literal["COMPLETE", "PRUNED", "FAIL"]
 
 
+class FsxImport(BaseModel):
+    """How a dataset came into FSx for Lustre: the association and the import task that linked it."""
+
+    file_system_id: str
+    file_system_path: str = Field(description="The dataset's folder inside the file system.")
+    association_id: str
+    import_task_id: str
+    num_imported_files: int = Field(description="Files whose metadata the import task brought in.")
+    num_failed_files: int
+    num_preloaded_files: int | None = Field(None, description="Files restored by the preload job, if run.")
+
+
 class Dataset(BaseModel):
-    """A dataset staged onto the shared filesystem (output of ``stage``)."""
+    """A dataset staged onto the shared filesystem (output of ``stage``).
+
+    For an FSx target, ``copied_files`` counts the files the import task brought in and
+    ``copied_bytes`` is 0: FSx imports metadata, and file contents load on first read (or preload).
+    """
 
     source: str
     path: str = Field(description="Absolute path on the shared filesystem.")
@@ -22,6 +38,7 @@ class Dataset(BaseModel):
     num_bytes: int
     copied_files: int
     copied_bytes: int
+    fsx: FsxImport | None = Field(None, description="Set when the target is fsx://<file-system-id>/.")
 
 
 class TrialRecord(BaseModel):
@@ -98,4 +115,27 @@ class Registration(BaseModel):
     metric: str
 
 
-StepOutput = Dataset | TrialSet | Evaluation | Registration
+class ExportedCheckpoint(BaseModel):
+    """One trial's checkpoint folder, exported to S3."""
+
+    trial: int
+    run_id: str | None = Field(None, description="The trial's MLflow run.")
+    checkpoint_dir: str = Field(description="The folder on the file system.")
+    s3_uri: str = Field(description="Where its files are in S3 (a prefix ending in /).")
+
+
+class Export(BaseModel):
+    """Output of ``export``: the checkpoints now in S3, and the FSx tasks that put them there."""
+
+    step: str
+    file_system_id: str
+    association_id: str
+    s3_prefix: str
+    checkpoints: list[ExportedCheckpoint]
+    export_task_ids: list[str] = Field(description="One export task per 100 folders (FSx's limit).")
+    num_exported_files: int = Field(description="New or changed files the export tasks wrote to S3.")
+    release_task_ids: list[str] = Field(default_factory=list, description="Empty unless release: true.")
+    num_released_files: int | None = None
+
+
+StepOutput = Dataset | TrialSet | Evaluation | Registration | Export

@@ -44,7 +44,7 @@ def test_invalid_spec_prints_every_issue_to_stderr_and_exits_2(tmp_path: Path) -
     assert f"invalid pipeline spec {broken} (2 errors):" in result.stderr
     assert f"{broken}:11: steps.search.uses: unknown step kind 'tuen'" in result.stderr
     assert f"{broken}:28: steps.check.uses: unknown step kind 'evaluat'" in result.stderr
-    assert "    fix: use one of: stage, tune, train, evaluate, register (did you mean 'tune'?)" in (
+    assert "    fix: use one of: stage, tune, train, evaluate, register, export (did you mean 'tune'?)" in (
         result.stderr
     )
 

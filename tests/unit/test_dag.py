@@ -31,6 +31,7 @@ def spec_of(steps: dict[str, dict[str, Any]]) -> PipelineSpec:
         "train": {"train": {"entrypoint": "t.py"}},
         "evaluate": {"entrypoint": "e.py", "metric": "m"},
         "register": {"model": "m"},
+        "export": {"file_system_id": "fs-0123456789abcdef0", "s3_prefix": "s3://b/p/"},
     }
     return PipelineSpec.model_validate(
         {
@@ -55,6 +56,7 @@ def test_rules_cover_exactly_the_step_kinds_the_models_accept() -> None:
         ("train", "a train step takes exactly one stage step and optionally one tune step"),
         ("evaluate", "an evaluate step takes exactly one tune or train step"),
         ("register", "a register step takes exactly one evaluate step"),
+        ("export", "an export step takes exactly one tune or train step"),
     ],
 )
 def test_rules_read_as_sentences(kind: str, words: str) -> None:
@@ -166,6 +168,24 @@ def test_train_takes_a_stage_and_optionally_a_tune() -> None:
     assert build_dag(with_tune).inputs("f") == {"tune": "t", "stage": "s"}
     alone = spec_of({"s": {"uses": "stage"}, "f": {"uses": "train", "needs": ["s"]}})
     assert build_dag(alone).inputs("f") == {"stage": "s"}
+
+
+def test_export_takes_the_trials_of_a_tune_or_a_train_step() -> None:
+    steps = {
+        "s": {"uses": "stage"},
+        "t": {"uses": "tune", "needs": ["s"]},
+        "f": {"uses": "train", "needs": ["s"]},
+        "x": {"uses": "export", "needs": ["f"]},
+    }
+    assert build_dag(spec_of(steps)).inputs("x") == {"train": "f"}
+    problems = find_problems(spec_of({**steps, "x": {"uses": "export"}}))
+    assert [(format_path(p.path), p.message, p.fix) for p in problems] == [
+        (
+            "steps.x.needs",
+            "an export step takes exactly one tune or train step; none is listed",
+            "add one of these steps to needs: t, f",
+        )
+    ]
 
 
 def test_mermaid_ids_stay_valid_for_any_step_name() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,6 +24,7 @@ from tunepod.staging.fsx import (
     import_metadata,
     release_from_file_system,
 )
+from tunepod.staging.fsx_stage import export_folders
 
 boto3 = pytest.importorskip("boto3")
 from botocore.stub import Stubber  # noqa: E402 (after the skip: botocore comes with boto3)
@@ -302,3 +304,61 @@ def test_a_task_still_running_at_the_timeout_is_a_transient_error(fsx: tuple[Any
     )
     with pytest.raises(TransientError, match=r"still EXECUTING after 0 s.*describe-data-repository-tasks"):
         export_to_repository(client, FS, [], poll_s=0, timeout_s=0)
+
+
+def test_export_folders_links_the_jobs_root_once_and_exports_in_tasks_of_100_paths(
+    fsx: tuple[Any, Stubber], tmp_path: Path
+) -> None:
+    client, stubber = fsx
+    root = tmp_path / "tunepod" / "jobs"
+    folders = [root / "study" / f"trial-{n}" / "checkpoints" for n in range(101)]
+    paths = [f"/tunepod/jobs/study/trial-{n}/checkpoints" for n in range(101)]
+    linked = association("/tunepod/jobs", "s3://bucket/ckpt/", "AVAILABLE")
+    stubber.add_response("describe_data_repository_associations", {"Associations": []}, BY_FILE_SYSTEM)
+    # Only explicit tasks move data: no auto import/export policy, no import on create.
+    stubber.add_response(
+        "create_data_repository_association",
+        {"Association": linked},
+        {
+            "FileSystemId": FS,
+            "FileSystemPath": "/tunepod/jobs",
+            "DataRepositoryPath": "s3://bucket/ckpt/",
+            "BatchImportMetaDataOnCreate": False,
+        },
+    )
+    for chunk in (paths[:100], paths[100:]):
+        done = task("SUCCEEDED", "EXPORT_TO_REPOSITORY", Status={"SucceededCount": len(chunk)})
+        stubber.add_response(
+            "create_data_repository_task",
+            {"DataRepositoryTask": done},
+            {
+                "Type": "EXPORT_TO_REPOSITORY",
+                "FileSystemId": FS,
+                "Paths": chunk,
+                "Report": {"Enabled": False},
+            },
+        )
+    report = export_folders(
+        folders,
+        file_system_id=FS,
+        root=root,
+        mount=tmp_path,
+        s3_prefix="s3://bucket/ckpt",
+        client=client,
+        **FAST,
+    )
+    assert [t.num_succeeded for t in report.export_tasks] == [100, 1]
+    assert report.release_tasks == []
+    assert report.s3_uris[folders[7]] == "s3://bucket/ckpt/study/trial-7/checkpoints/"
+
+
+def test_export_folders_refuses_a_folder_outside_the_linked_root(tmp_path: Path) -> None:
+    with pytest.raises(TunepodError, match=r"is not under .*jobs \(the associated folder\)"):
+        export_folders(
+            [tmp_path / "elsewhere"],
+            file_system_id=FS,
+            root=tmp_path / "jobs",
+            mount=tmp_path,
+            s3_prefix="s3://bucket/ckpt/",
+            client=object(),
+        )

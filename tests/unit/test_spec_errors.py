@@ -79,7 +79,7 @@ CASES = [
         "uses: tuen",
         "steps.search.uses",
         "unknown step kind 'tuen'",
-        "use one of: stage, tune, train, evaluate, register (did you mean 'tune'?)",
+        "use one of: stage, tune, train, evaluate, register, export (did you mean 'tune'?)",
     ),
     Case(
         "step without uses",
@@ -87,7 +87,7 @@ CASES = [
         "",
         "steps.promote.uses",
         "missing 'uses', the step kind",
-        "add uses: one of stage, tune, train, evaluate, register",
+        "add uses: one of stage, tune, train, evaluate, register, export",
         line_of="  promote:",
     ),
     Case(
@@ -162,6 +162,41 @@ CASES = [
         "must match pattern '^[A-Za-z0-9_.-]+$', got 'digits hpo'",
         "change name to match",
     ),
+    Case(
+        "fsx target with a file system id needs an s3 source",
+        "target: fsx:///datasets/digits}",
+        "target: fsx://fs-0123456789abcdef0/datasets/digits}",
+        "steps.data.with",
+        "an fsx://fs-0123456789abcdef0/ target is linked to S3, so the source must be s3://..., "
+        "not 'builtin://digits'",
+        "upload the data to S3 and use s3://bucket/prefix/, or stage it to fsx:///<path>",
+    ),
+    Case(
+        "fsx target with a malformed file system id",
+        "with: {source: builtin://digits, target: fsx:///datasets/digits}",
+        "with: {source: s3://b/digits/, target: fsx://fs-XYZ/datasets/digits}",
+        "steps.data.with",
+        "'fs-XYZ' is not an FSx file system id",
+        "write the target as fsx://fs-0123456789abcdef0/<path>",
+    ),
+    Case(
+        "fsx settings with a target that is not an FSx file system",
+        "target: fsx:///datasets/digits}",
+        "target: fsx:///datasets/digits, fsx: {preload: true}}",
+        "steps.data.with",
+        "fsx settings apply only to an fsx://<file-system-id>/<path> target, not 'fsx:///datasets/digits'",
+        "remove fsx",
+    ),
+    Case(
+        "export: top_k that would silently do nothing",
+        "  promote:\n",
+        "  save:\n    uses: export\n    needs: [search]\n    with: {file_system_id: fs-0123456789abcdef0, "
+        "s3_prefix: s3://b/c/, trials: completed, top_k: 2}\n  promote:\n",
+        "steps.save.with",
+        "top_k has no effect with trials: completed",
+        "remove top_k or use trials: best",
+        line_of="    with: {file_system_id",
+    ),
     # --- how the steps connect, and the files they name
     Case(
         "unknown step in needs",
@@ -194,6 +229,16 @@ CASES = [
         "steps.search.needs",
         "a tune step takes exactly one stage step; none is listed",
         "add one of these steps to needs: data",
+    ),
+    Case(
+        "export of an evaluate step",
+        "  promote:\n",
+        "  save:\n    uses: export\n    needs: [check]\n    with: {file_system_id: fs-0123456789abcdef0, "
+        "s3_prefix: s3://b/c/}\n  promote:\n",
+        "steps.save.needs[0]",
+        "'check' is an evaluate step, but an export step takes exactly one tune or train step",
+        "remove 'check' from the needs of 'save'",
+        line_of="    needs: [check]",
     ),
     Case(
         "step needed twice",

@@ -6,6 +6,7 @@ that silently does nothing. Cross-field checks say how to fix what they reject.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -212,6 +213,12 @@ class SageMakerLauncherSpec(Strict):
     )
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for every job.")
     region: str | None = Field(None, description="AWS region; default: boto3's configuration.")
+    poll_cache_s: float = Field(
+        5.0,
+        ge=0,
+        description="One DescribeTrainingJob answers a job's state this long (per job: no cheap call "
+        "lists every job's state); a final state is kept for good.",
+    )
 
     @model_validator(mode="after")
     def _check_vpc(self) -> SageMakerLauncherSpec:
@@ -365,13 +372,91 @@ class TrainSettings(Strict):
     metric: str | None = Field(None, description="Metric to read from the job's result, if any.")
 
 
+FsxAutoEvent = Literal["NEW", "CHANGED", "DELETED"]
+FSX_AUTO_EVENTS: tuple[FsxAutoEvent, ...] = ("NEW", "CHANGED", "DELETED")
+
+
+class FsxStageSpec(Strict):
+    """FSx for Lustre settings of a stage step whose target is ``fsx://<file-system-id>/<path>``.
+
+    The step links ``<path>`` to the S3 source with a data repository association (created once,
+    then reused), imports the S3 metadata, and optionally preloads the file contents.
+    """
+
+    mount: str | None = Field(
+        None,
+        description="Where the file system is mounted, here and on the nodes (e.g. /fsx); "
+        "default: the launcher's root. The dataset lands at <mount>/<path>.",
+    )
+    region: str | None = Field(None, description="AWS region of the file system; default: boto3's.")
+    auto_import: list[FsxAutoEvent] = Field(
+        default_factory=lambda: list(FSX_AUTO_EVENTS),
+        description="S3 events a NEW association imports by itself; [] turns auto import off.",
+    )
+    preload: bool = Field(
+        False, description="Load the file contents after the import (`lfs hsm_restore`, as a launcher job)."
+    )
+    num_files_per_batch: int = Field(
+        256, ge=1, description="Files per `lfs hsm_restore` call of the preload job."
+    )
+    report_path: str | None = Field(
+        None, pattern=r"^s3://", description="s3:// prefix where FSx writes a CSV of the files that failed."
+    )
+    poll_s: float = Field(10.0, gt=0, description="Seconds between polls of the association and task.")
+    timeout_s: float = Field(3600.0, gt=0, description="Longest wait for the association, then the task.")
+
+
+FSX_FILE_SYSTEM_ID = r"fs-[0-9a-f]{8,17}"
+_FSX_TARGET = re.compile(r"fsx://(?P<id>[^/]+)(?P<path>/.*)?")
+
+
+def fsx_target_id(target: str) -> str | None:
+    """The file system id of an ``fsx://<id>/<path>`` target; None for ``fsx:///path`` and folders."""
+    match = _FSX_TARGET.fullmatch(target)
+    return match["id"] if match else None
+
+
 class StageSettings(Strict):
-    """Copy a dataset onto the shared filesystem, skipping files that have not changed."""
+    """Copy a dataset onto the shared filesystem, skipping files that have not changed; or, for an
+    ``fsx://<file-system-id>/<path>`` target, link the S3 source into FSx for Lustre."""
 
     source: str = Field(..., description="builtin://digits, s3://bucket/prefix/, or a local folder.")
     target: str = Field(
-        ..., description="fsx:///<path> (under the launcher's shared root) or a local folder."
+        ...,
+        description="fsx:///<path> (under the launcher's shared root), fsx://<file-system-id>/<path> "
+        "(FSx for Lustre linked to an s3:// source), or a local folder.",
     )
+    fsx: FsxStageSpec | None = Field(None, description="Settings of an fsx://<file-system-id>/ target.")
+
+    @model_validator(mode="after")
+    def _check_fsx(self) -> StageSettings:
+        file_system_id = fsx_target_id(self.target)
+        if file_system_id is None:
+            if self.fsx is not None:
+                raise ValueError(
+                    "fsx settings apply only to an fsx://<file-system-id>/<path> target, not "
+                    f"{self.target!r}; fix: remove fsx, or set the target to e.g. "
+                    "fsx://fs-0123456789abcdef0/datasets/x"
+                )
+            return self
+        path = self.target[len("fsx://") + len(file_system_id) :].strip("/")
+        if not re.fullmatch(FSX_FILE_SYSTEM_ID, file_system_id):
+            raise ValueError(
+                f"{file_system_id!r} is not an FSx file system id; fix: write the target as "
+                "fsx://fs-0123456789abcdef0/<path> (`aws fsx describe-file-systems` lists yours)"
+            )
+        if not path or ".." in path.split("/"):
+            raise ValueError(
+                f"target {self.target!r} names no folder inside the file system; fix: add a path such as "
+                f"fsx://{file_system_id}/datasets/x (no '..')"
+            )
+        if not self.source.startswith("s3://"):
+            raise ValueError(
+                f"an fsx://{file_system_id}/ target is linked to S3, so the source must be s3://..., "
+                f"not {self.source!r}; fix: upload the data to S3 and use s3://bucket/prefix/, or stage "
+                "it to fsx:///<path> (a folder under the launcher's root)"
+            )
+        return self
 
 
 class EvaluateSettings(Strict):
@@ -392,6 +477,44 @@ class RegisterSettings(Strict):
     model: str = Field(..., min_length=1, description="Registered model name in MLflow.")
     alias: str = Field("champion", pattern=r"^[A-Za-z][A-Za-z0-9_-]*$")
     only_if_better: bool = Field(True, description="Move the alias only if the new version beats its holder.")
+
+
+class ExportSettings(Strict):
+    """Export the checkpoints of a tune or train step from FSx for Lustre to S3.
+
+    One data repository association links the launcher's jobs folder to ``s3_prefix`` and is reused
+    by every run (FSx allows few associations per file system); each chosen trial's checkpoint
+    folder lands at ``<s3_prefix>/<its path under the jobs folder>``.
+    """
+
+    file_system_id: str = Field(
+        ..., pattern=rf"^{FSX_FILE_SYSTEM_ID}$", description="The FSx file system the jobs write to."
+    )
+    s3_prefix: str = Field(..., pattern=r"^s3://[^/]+/", description="Where the checkpoints go (s3://b/p/).")
+    trials: Literal["best", "completed"] = Field(
+        "best", description="best: the top_k best completed trials; completed: every completed trial."
+    )
+    top_k: int = Field(1, ge=1, description="How many of the best trials to export (trials: best).")
+    release: bool = Field(
+        False, description="Free the file-system space of the exported files (S3 keeps the bytes)."
+    )
+    mount: str | None = Field(
+        None, description="Where the file system is mounted here; default: the launcher's root."
+    )
+    region: str | None = Field(None, description="AWS region of the file system; default: boto3's.")
+    report_path: str | None = Field(
+        None, pattern=r"^s3://", description="s3:// prefix where FSx writes a CSV of the files that failed."
+    )
+    poll_s: float = Field(10.0, gt=0, description="Seconds between polls of the association and tasks.")
+    timeout_s: float = Field(3600.0, gt=0, description="Longest wait for the association, then each task.")
+
+    @model_validator(mode="after")
+    def _check_top_k(self) -> ExportSettings:
+        if self.trials == "completed" and "top_k" in self.model_fields_set:
+            raise ValueError(
+                "top_k has no effect with trials: completed; fix: remove top_k or use trials: best"
+            )
+        return self
 
 
 # ---------------------------------------------------------------------------------------------- steps
@@ -426,8 +549,13 @@ class RegisterStep(StepBase):
     with_: RegisterSettings = Field(..., alias="with")
 
 
+class ExportStep(StepBase):
+    uses: Literal["export"]
+    with_: ExportSettings = Field(..., alias="with")
+
+
 StepSpec = Annotated[
-    StageStep | TuneStep | TrainStep | EvaluateStep | RegisterStep, Field(discriminator="uses")
+    StageStep | TuneStep | TrainStep | EvaluateStep | RegisterStep | ExportStep, Field(discriminator="uses")
 ]
 
 

@@ -2,7 +2,9 @@
 
 ``stage`` takes the ``source`` of a stage step (``builtin://NAME``, a local folder or
 ``s3://bucket/prefix/``) and mirrors it into ``target`` with ``stage_folder`` or ``stage_s3``, which
-keep a manifest of what they copied there.
+keep a manifest of what they copied there. An ``fsx://<file-system-id>/<path>`` target is not a
+copy: ``stage_fsx`` links the S3 prefix into FSx for Lustre, and ``export_folders`` sends folders
+back to S3 (``fsx_stage``, over the data repository calls of ``fsx``).
 """
 
 from __future__ import annotations
@@ -11,15 +13,19 @@ from pathlib import Path
 
 from tunepod.errors import TunepodError
 from tunepod.staging.folder import ManifestEntry, StageReport, read_manifest, stage_folder
+from tunepod.staging.fsx_stage import FsxTarget, export_folders, stage_fsx
 from tunepod.staging.s3 import stage_s3
 
 __all__ = [
+    "FsxTarget",
     "ManifestEntry",
     "StageReport",
+    "export_folders",
     "read_manifest",
     "source_folder",
     "stage",
     "stage_folder",
+    "stage_fsx",
     "stage_s3",
 ]
 

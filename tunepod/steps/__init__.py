@@ -18,6 +18,7 @@ T = TypeVar("T")
 def _registry() -> dict[str, StepRunner]:
     # Imported here: the step modules import this package's helpers.
     import tunepod.steps.evaluate
+    import tunepod.steps.export
     import tunepod.steps.register
     import tunepod.steps.stage
     import tunepod.steps.train
@@ -29,6 +30,7 @@ def _registry() -> dict[str, StepRunner]:
         "train": tunepod.steps.train.run,
         "evaluate": tunepod.steps.evaluate.run,
         "register": tunepod.steps.register.run,
+        "export": tunepod.steps.export.run,
     }
 
 

@@ -1,20 +1,31 @@
-"""``uses: stage`` -- put a dataset on the shared filesystem, copying only what changed."""
+"""``uses: stage`` -- put a dataset on the shared filesystem, copying only what changed; or, for an
+``fsx://<file-system-id>/<path>`` target, link an S3 prefix into FSx for Lustre (and preload it)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+import tunepod.staging.preload_job
+from tunepod.launch.base import Resources
 from tunepod.metrics import default_metrics
-from tunepod.outputs import Dataset, StepOutput
-from tunepod.spec.models import StageSettings
+from tunepod.outputs import Dataset, FsxImport, StepOutput
+from tunepod.spec.models import FsxStageSpec, StageSettings, fsx_target_id
 from tunepod.staging import stage
+from tunepod.staging.fsx_stage import FsxStageReport, FsxTarget, stage_fsx
+from tunepod.steps.jobs import run_job
 
 if TYPE_CHECKING:
     from tunepod.pipeline import PipelineRun
 
+PRELOAD_ENTRYPOINT = Path(tunepod.staging.preload_job.__file__)
+
 
 def run(run: PipelineRun, name: str, settings: StageSettings, inputs: Mapping[str, StepOutput]) -> Dataset:
+    if fsx_target_id(settings.target) is not None:
+        return _run_fsx(run, name, settings, settings.fsx or FsxStageSpec())
     target = run.shared.resolve(settings.target)
     report = stage(settings.source, target, cache_dir=run.shared.root.resolve() / ".cache")
     run.tracker.set_tags(run.run_id, {f"tunepod.{name}.path": str(target)})
@@ -31,3 +42,72 @@ def run(run: PipelineRun, name: str, settings: StageSettings, inputs: Mapping[st
         copied_files=report.copied_files,
         copied_bytes=report.copied_bytes,
     )
+
+
+def _run_fsx(run: PipelineRun, name: str, settings: StageSettings, fsx: FsxStageSpec) -> Dataset:
+    target = FsxTarget.parse(settings.target)
+    mount = Path(fsx.mount) if fsx.mount is not None else run.shared.root
+    report = stage_fsx(settings.source, target, fsx, mount)
+    num_preloaded = _preload(run, name, report.target, fsx) if fsx.preload else None
+    imported = FsxImport(
+        file_system_id=target.file_system_id,
+        file_system_path=target.path,
+        association_id=report.association.association_id,
+        import_task_id=report.import_task.task_id,
+        num_imported_files=report.import_task.num_succeeded,
+        num_failed_files=report.import_task.num_failed,
+        num_preloaded_files=num_preloaded,
+    )
+    _track_fsx(run, name, report, imported)
+    # Bytes are not copied at import: FSx loads contents on first read, so 0 is what this step moved.
+    default_metrics().observe_staging(run.spec.name, name, copied_bytes=0, seconds=report.seconds)
+    return Dataset(
+        source=settings.source,
+        path=str(report.target),
+        num_files=report.num_files,
+        num_bytes=report.num_bytes,
+        copied_files=report.import_task.num_succeeded,
+        copied_bytes=0,
+        fsx=imported,
+    )
+
+
+def _preload(run: PipelineRun, name: str, folder: Path, fsx: FsxStageSpec) -> int:
+    """Run the preload job on the launcher; the number of files it restored."""
+    result = run_job(
+        run,
+        what=f"Preload of {folder} (step {name})",
+        name=f"{run.spec.name}-{name}-preload",
+        entrypoint=str(PRELOAD_ENTRYPOINT),
+        job_dir=run.jobs_dir(name, "preload"),
+        params={"num_files_per_batch": fsx.num_files_per_batch},
+        data_dir=str(folder),
+        resources=Resources(num_nodes=1, procs_per_node=1),
+        run_id=run.run_id,
+    )
+    return int(result.metrics.get("num_files", 0))
+
+
+def _track_fsx(run: PipelineRun, name: str, report: FsxStageReport, imported: FsxImport) -> None:
+    """Tags, metrics and a JSON report on the pipeline run, as the folder stager logs its own."""
+    run.tracker.set_tags(
+        run.run_id,
+        {
+            f"tunepod.{name}.path": str(report.target),
+            f"tunepod.{name}.fsx_association": imported.association_id,
+            f"tunepod.{name}.fsx_import_task": imported.import_task_id,
+        },
+    )
+    metrics = {
+        "num_files": report.num_files,
+        "num_bytes": report.num_bytes,
+        "imported_files": imported.num_imported_files,
+        "import_failed_files": imported.num_failed_files,
+        "seconds": report.seconds,
+    }
+    if imported.num_preloaded_files is not None:
+        metrics["preloaded_files"] = imported.num_preloaded_files
+    for key, value in metrics.items():
+        run.tracker.log_metric(run.run_id, f"{name}.{key}", float(value))
+    document = {"target": str(report.target), **imported.model_dump(), **metrics}
+    run.tracker.log_text(run.run_id, json.dumps(document, indent=1) + "\n", f"staging/{name}.json")
