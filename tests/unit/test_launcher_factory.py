@@ -8,6 +8,7 @@ import pytest
 
 from tunepod.errors import TunepodError
 from tunepod.launch.factory import make_launcher
+from tunepod.launch.kube import HyperPodEksLauncher
 from tunepod.launch.local import LocalLauncher
 from tunepod.launch.sagemaker import SageMakerLauncher
 from tunepod.launch.slurm import SlurmLauncher
@@ -34,7 +35,23 @@ def test_local_slurm_and_sagemaker_build_their_launchers(tmp_path: Path) -> None
     assert isinstance(make_launcher(sagemaker), SageMakerLauncher)
 
 
-def test_hyperpod_eks_says_it_cannot_submit_yet(tmp_path: Path) -> None:
-    spec = HyperPodEksLauncherSpec(kind="hyperpod_eks", image="img", root="/fsx/tunepod", claim_name="fsx")
-    with pytest.raises(TunepodError, match=r"'hyperpod_eks' cannot submit jobs yet.*fix: use kind local"):
+def test_hyperpod_eks_builds_a_kubernetes_launcher_from_its_kubeconfig(tmp_path: Path) -> None:
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        "clusters: [{name: k, cluster: {server: 'http://127.0.0.1:9'}}]\n"
+        "contexts: [{name: c, context: {cluster: k, user: u}}]\nusers: [{name: u, user: {}}]\n"
+    )
+    spec = HyperPodEksLauncherSpec(
+        kind="hyperpod_eks", image="img", root="/fsx/tunepod", claim_name="fsx", kubeconfig=str(kubeconfig)
+    )
+    assert isinstance(make_launcher(spec), HyperPodEksLauncher)
+
+
+def test_hyperpod_eks_without_its_kubeconfig_names_the_field(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-kubeconfig"
+    spec = HyperPodEksLauncherSpec(
+        kind="hyperpod_eks", image="img", root="/fsx/tunepod", claim_name="fsx", kubeconfig=str(missing)
+    )
+    with pytest.raises(TunepodError, match=r"launcher\.kubeconfig"):
         make_launcher(spec)

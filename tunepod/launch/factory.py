@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import assert_never
 
-from tunepod.errors import TunepodError
 from tunepod.launch.base import Launcher
-from tunepod.spec.models import LauncherSpec, LocalLauncherSpec, SageMakerLauncherSpec, SlurmLauncherSpec
+from tunepod.spec.models import (
+    HyperPodEksLauncherSpec,
+    LauncherSpec,
+    LocalLauncherSpec,
+    SageMakerLauncherSpec,
+    SlurmLauncherSpec,
+)
 
 
 def make_launcher(spec: LauncherSpec) -> Launcher:
@@ -22,8 +28,8 @@ def make_launcher(spec: LauncherSpec) -> Launcher:
         from tunepod.launch.sagemaker import SageMakerLauncher
 
         return SageMakerLauncher(spec)
-    # A kind the spec accepts (so its manifests can be rendered and validated) before it can submit.
-    raise TunepodError(
-        f"launcher kind {spec.kind!r} cannot submit jobs yet (its manifests render and validate, see "
-        f"tunepod.launch); fix: use kind local, slurm or sagemaker"
-    )
+    if isinstance(spec, HyperPodEksLauncherSpec):
+        from tunepod.launch.kube import HyperPodEksLauncher
+
+        return HyperPodEksLauncher(spec)
+    assert_never(spec)

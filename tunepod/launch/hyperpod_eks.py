@@ -2,7 +2,10 @@
 ``PyTorchJob`` objects, ``crd: kubeflow``).
 
 Render, then execute: ``render_manifest`` is a pure function from a ``JobSpec`` to the custom object
-(golden-tested, and validated against the HyperPod CRD's JSON schema in the tests).
+(golden-tested, and validated against the HyperPod CRD's JSON schema in the tests), and
+``state_from_conditions`` maps an object's ``status.conditions`` to a ``JobState``. This module stays
+pure (it never imports ``kubernetes``); ``tunepod.launch.kube.HyperPodEksLauncher`` creates, follows,
+and deletes the objects through the Kubernetes API.
 
 How the workers start differs per operator, and the manifest follows each one's convention:
 
@@ -261,6 +264,10 @@ def _metadata(job: JobSpec, spec: HyperPodEksLauncherSpec) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------ HyperPod
 
+# Finished pods are kept (they hold no accelerators once their containers have exited) until the job's
+# TTL or a cancel deletes the job: the launcher reads a failed job's log and exit codes from them.
+CLEAN_POD_POLICY = "None"
+
 
 def _log_monitoring(spec: HyperPodEksLauncherSpec) -> list[dict[str, Any]]:
     rules = []
@@ -280,7 +287,7 @@ def hyperpod_run_policy(job: JobSpec, spec: HyperPodEksLauncherSpec) -> dict[str
     """``runPolicy``: retries, the TTL that keeps a finished job readable, limits, hang detection."""
     # The operator's default TTL of 0 deletes a finished job at once, and its final state with it.
     policy: dict[str, Any] = {
-        "cleanPodPolicy": "All",
+        "cleanPodPolicy": CLEAN_POD_POLICY,
         "jobMaxRetryCount": spec.max_retries,
         "ttlSecondsAfterFinished": spec.ttl_after_finished_s,
     }
@@ -333,7 +340,7 @@ def render_kubeflow(job: JobSpec, spec: HyperPodEksLauncherSpec) -> dict[str, An
     res = job.resources
     template = pod_template(job, spec, pod_labels(job))
     run_policy: dict[str, Any] = {
-        "cleanPodPolicy": "All",
+        "cleanPodPolicy": CLEAN_POD_POLICY,
         "backoffLimit": spec.max_retries,
         "ttlSecondsAfterFinished": spec.ttl_after_finished_s,
     }

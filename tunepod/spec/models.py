@@ -147,6 +147,14 @@ class HyperPodEksLauncherSpec(Strict):
     )
     elastic: bool = Field(False, description="Kubeflow: render an elasticPolicy (c10d rendezvous).")
     poll_cache_s: float = Field(2.0, ge=0, description="One list call answers every job's state this long.")
+    kubeconfig: str | None = Field(
+        None,
+        description="kubeconfig file of the cluster (aws eks update-kubeconfig writes one); unset: the "
+        "pod's service account when KUBERNETES_SERVICE_HOST is set, else $KUBECONFIG or ~/.kube/config.",
+    )
+    context: str | None = Field(
+        None, description="Context of the kubeconfig to use; unset: the file's current-context."
+    )
 
     @model_validator(mode="after")
     def _check_restarts(self) -> HyperPodEksLauncherSpec:
@@ -195,7 +203,9 @@ class SageMakerLauncherSpec(Strict):
     image_uri: str = Field(..., description="Training image (a SageMaker PyTorch container or derived).")
     output_s3_uri: str = Field(..., pattern=r"^s3://", description="OutputDataConfig.S3OutputPath.")
     checkpoint_s3_uri: str = Field(
-        ..., pattern=r"^s3://", description="Prefix; each job syncs /opt/ml/checkpoints to <prefix>/<job>."
+        ...,
+        pattern=r"^s3://",
+        description="Prefix; a job syncs /opt/ml/checkpoints to <prefix>/<its checkpoint dir under root>.",
     )
     code_uri: str | None = Field(
         None, description="s3://.../sourcedir.tar.gz holding the entrypoint; unset: its folder under root."

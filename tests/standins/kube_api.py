@@ -1,0 +1,512 @@
+"""A STAND-IN for a Kubernetes API server with the HyperPod (or Kubeflow) training operator: no API
+server can run on this machine, so the hyperpod_eks launcher's tests talk to this instead.
+
+It serves the real REST paths over real HTTP on 127.0.0.1 (``http.server`` in a thread), so the
+launcher uses the real ``kubernetes`` client through a kubeconfig that ``write_kubeconfig`` writes
+(server ``http://127.0.0.1:PORT``, no authentication).
+
+Emulated, and only this:
+
+- custom objects ``hyperpodpytorchjobs.sagemaker.amazonaws.com/v1`` and ``pytorchjobs.kubeflow.org/v1``:
+  create (409 AlreadyExists on a taken name), get, list with an equality ``labelSelector``, delete
+  (404 when missing, 409 when ``preconditions.uid`` differs; Foreground keeps the object, with a
+  ``deletionTimestamp``, until its pods are gone; Background removes it first);
+- pods: list (``labelSelector``), get, and ``/log`` with ``tailLines``;
+- errors as ``Status`` objects; ``refuse_with`` makes every request answer one error (e.g. 403);
+- a tiny operator: each created job gets its pods (labels from the template, an owner reference to
+  the job), and each pod's container ``command`` runs as a LOCAL process in a new session with the
+  container's env (``$(VAR)`` and ``$$`` expanded as Kubernetes does) and ``workingDir``. ``hyperpodrun``
+  becomes ``sys.executable -m torch.distributed.run --standalone``, the image's python becomes
+  ``sys.executable`` (Kubeflow's torchrun also gets ``--standalone``, in place of the ``PET_*``
+  rendezvous the real operator injects). The claim's mount path is the same local path. Conditions
+  walk Created -> Running (Kubeflow) / PodsRunning (HyperPod) -> Succeeded / Completed or Failed, each
+  with reason, message and lastTransitionTime; pods get ``status.phase`` and
+  ``containerStatuses[].state.terminated.exitCode`` (128 + signal for a killed process, as kubelet
+  reports). stdout and stderr together are the pod log. Deleting a job sends SIGTERM to its pods'
+  processes, then SIGKILL after ``grace_s``; ``crash`` SIGKILLs them like a node failure.
+
+Not emulated: authentication, RBAC, watches, resourceVersion semantics, namespaces as objects, other
+resources, multi-node jobs (refused: the job fails with reason ``StandInSingleNodeOnly``), restarts
+(``jobMaxRetryCount``/``backoffLimit``: a failed pod fails the job), ``activeDeadlineSeconds``,
+``ttlSecondsAfterFinished`` (ended jobs stay until deleted), ``cleanPodPolicy`` (pods stay until their
+job is deleted), schema validation of the objects, scheduling and resources.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+CRDS = {"hyperpodpytorchjobs": "sagemaker.amazonaws.com", "pytorchjobs": "kubeflow.org"}
+TOKEN_ENV = "KUBE_STANDIN_POD_UID"
+_OBJECTS = re.compile(
+    r"^/apis/(?P<group>[^/]+)/v1/namespaces/(?P<ns>[^/]+)/(?P<plural>[^/]+)(?:/(?P<name>[^/]+))?$"
+)
+_PODS = re.compile(r"^/api/v1/namespaces/(?P<ns>[^/]+)/pods(?:/(?P<name>[^/]+)(?P<log>/log)?)?$")
+_EXPAND = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+class ApiError(Exception):
+    def __init__(self, code: int, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.reason, self.message = code, reason, message
+
+
+def now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """Kubernetes' expansion: ``$$`` -> ``$``, ``$(NAME)`` -> its value when defined, else kept."""
+    return _EXPAND.sub(lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), text)
+
+
+def local_argv(command: list[str]) -> list[str]:
+    """The container command as a command on this machine (see the module docstring)."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    if command[0] == "hyperpodrun":
+        return [*torchrun, *command[1:]]
+    if Path(command[0]).name.startswith("python"):
+        if command[1:3] == ["-m", "torch.distributed.run"]:
+            return [*torchrun, *command[3:]]
+        return [sys.executable, *command[1:]]
+    return command
+
+
+def pids_of(token: str) -> list[int]:
+    """Live processes whose environment carries ``TOKEN_ENV=token`` (torchrun's workers start new
+    sessions, so a process group does not hold them all)."""
+    marker = f"{TOKEN_ENV}={token}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+            stat = (entry / "stat").read_bytes()
+        except OSError:
+            continue
+        if marker in environ.split(b"\0") and stat[stat.rindex(b")") + 2 :][:1] not in (b"Z", b"X"):
+            pids.append(int(entry.name))
+    return pids
+
+
+def kill_all(token: str, signum: signal.Signals) -> None:
+    for pid in pids_of(token):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
+class Pod:
+    """One pod and the local process running its container."""
+
+    def __init__(self, body: dict[str, Any], job_name: str, log: Path) -> None:
+        self.body = body
+        self.job_name = job_name
+        self.log = log
+        self.token = body["metadata"]["uid"]
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        container = self.body["spec"]["containers"][0]
+        env: dict[str, str] = {}
+        for var in container.get("env") or []:
+            env[var["name"]] = expand(var.get("value", ""), env)
+        argv = local_argv([expand(part, env) for part in container["command"] + container.get("args", [])])
+        with open(self.log, "wb") as log:
+            self.process = subprocess.Popen(
+                argv,
+                env={**os.environ, **env, TOKEN_ENV: self.token},
+                cwd=container.get("workingDir"),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.body["status"] = {
+            "phase": "Running",
+            "containerStatuses": [{"name": container["name"], "state": {"running": {"startedAt": now()}}}],
+        }
+
+    def finished(self, code: int) -> int:
+        exit_code = 128 - code if code < 0 else code
+        terminated = {
+            "exitCode": exit_code,
+            "reason": "Completed" if code == 0 else "Error",
+            "finishedAt": now(),
+        }
+        self.body["status"]["phase"] = "Succeeded" if code == 0 else "Failed"
+        self.body["status"]["containerStatuses"][0]["state"] = {"terminated": terminated}
+        return exit_code
+
+    def stop(self, grace_s: float) -> None:
+        """SIGTERM to the container's process group, SIGKILL to every process left after ``grace_s``."""
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while pids_of(self.token) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL every process of the pod; loops, as one may be forking while the first round lands."""
+        while pids_of(self.token):
+            kill_all(self.token, signal.SIGKILL)
+            time.sleep(0.05)
+
+
+class KubeApiStandIn:
+    """The stand-in server and operator; see the module docstring. ``calls`` counts requests by
+    ``VERB resource`` (``list hyperpodpytorchjobs``, ``get pods/log``)."""
+
+    def __init__(self, state_dir: Path, grace_s: float = 3.0) -> None:
+        self.state_dir = state_dir
+        self.grace_s = grace_s
+        self.calls: Counter[str] = Counter()
+        self.refusal: ApiError | None = None
+        self._lock = threading.RLock()
+        self._objects: dict[tuple[str, str, str], dict[str, Any]] = {}
+        self._pods: dict[tuple[str, str], Pod] = {}
+        self._versions = itertools.count(1)
+        self._threads: list[threading.Thread] = []
+        standin = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                standin._serve(self, "GET")
+
+            def do_POST(self) -> None:
+                standin._serve(self, "POST")
+
+            def do_DELETE(self) -> None:
+                standin._serve(self, "DELETE")
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    # -------------------------------------------------------------------------------------- lifecycle
+
+    def __enter__(self) -> KubeApiStandIn:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._spawn(lambda: self._server.serve_forever(poll_interval=0.05))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Stop serving (idempotent) and kill every process the pods still run."""
+        self._server.shutdown()
+        self._server.server_close()
+        with self._lock:
+            pods = list(self._pods.values())
+        for pod in pods:
+            pod.stop(grace_s=0)
+        for thread in self._threads:
+            thread.join(timeout=10)
+
+    def write_kubeconfig(self, path: Path, context: str = "standin") -> Path:
+        config = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "standin", "cluster": {"server": self.url}}],
+            "users": [{"name": "standin", "user": {}}],
+            "contexts": [{"name": context, "context": {"cluster": "standin", "user": "standin"}}],
+            "current-context": context,
+        }
+        path.write_text(json.dumps(config))  # JSON is YAML, and the client reads it as such
+        return path
+
+    def refuse_with(self, code: int, reason: str, message: str) -> None:
+        """Answer every request with this error until ``refuse_with`` is called again with code 0."""
+        self.refusal = ApiError(code, reason, message) if code else None
+
+    def crash(self, namespace: str, name: str) -> None:
+        """SIGKILL every process of the job's pods, as a node failure would."""
+        for pod in self._pods_of(namespace, name):
+            pod.kill()
+
+    # -------------------------------------------------------------------------------------- HTTP
+
+    def _serve(self, request: BaseHTTPRequestHandler, verb: str) -> None:
+        url = urlparse(request.path)
+        query = {key: values[-1] for key, values in parse_qs(url.query).items()}
+        length = int(request.headers.get("Content-Length") or 0)
+        body = json.loads(request.rfile.read(length)) if length else {}
+        try:
+            if self.refusal is not None:
+                raise self.refusal
+            code, answer = self._route(verb, url.path, query, body)
+        except ApiError as error:
+            code, answer = error.code, self._status(error)
+        data = answer.encode() if isinstance(answer, str) else json.dumps(answer).encode()
+        request.send_response(code)
+        request.send_header("Content-Type", "text/plain" if isinstance(answer, str) else "application/json")
+        request.send_header("Content-Length", str(len(data)))
+        request.end_headers()
+        request.wfile.write(data)
+
+    def _route(self, verb: str, path: str, query: dict[str, str], body: dict[str, Any]) -> tuple[int, Any]:
+        if match := _OBJECTS.match(path):
+            group, ns, plural, name = match.group("group", "ns", "plural", "name")
+            if CRDS.get(plural) != group:
+                raise ApiError(404, "NotFound", "the server could not find the requested resource")
+            action = {"POST": "create", "DELETE": "delete"}.get(verb, "get" if name else "list")
+            self._count(f"{action} {plural}")
+            return getattr(self, f"_{action}_object")(plural, ns, name, query, body)
+        if (match := _PODS.match(path)) and verb == "GET":
+            ns, name, log = match.group("ns", "name", "log")
+            self._count("get pods/log" if log else "get pods" if name else "list pods")
+            return 200, self._pod_answer(ns, name, bool(log), query)
+        raise ApiError(404, "NotFound", f"the stand-in does not emulate {verb} {path}")
+
+    def _count(self, call: str) -> None:
+        with self._lock:  # handler threads serve requests concurrently
+            self.calls[call] += 1
+
+    @staticmethod
+    def _status(error: ApiError) -> dict[str, Any]:
+        return {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "metadata": {},
+            "status": "Failure",
+            "message": error.message,
+            "reason": error.reason,
+            "code": error.code,
+        }
+
+    # -------------------------------------------------------------------------------------- objects
+
+    def _create_object(
+        self, plural: str, ns: str, _: None, q: dict[str, str], body: dict[str, Any]
+    ) -> tuple[int, Any]:
+        name = body["metadata"]["name"]
+        with self._lock:
+            if (plural, ns, name) in self._objects:
+                raise ApiError(409, "AlreadyExists", f'{plural}.{CRDS[plural]} "{name}" already exists')
+            obj = copy.deepcopy(body)
+            obj["metadata"].update(namespace=ns, uid=str(uuid.uuid4()), creationTimestamp=now(), generation=1)
+            self._objects[(plural, ns, name)] = obj
+            self._set_condition(obj, "Created", "created")
+            self._spawn(lambda: self._operate(plural, ns, name))
+            return 201, copy.deepcopy(obj)
+
+    def _get_object(self, plural: str, ns: str, name: str, q: dict[str, str], b: Any) -> tuple[int, Any]:
+        with self._lock:
+            return 200, copy.deepcopy(self._must_get(plural, ns, name))
+
+    def _list_object(self, plural: str, ns: str, _: None, query: dict[str, str], b: Any) -> tuple[int, Any]:
+        wanted = self._selector(query.get("labelSelector", ""))
+        with self._lock:
+            items = [
+                copy.deepcopy(obj)
+                for (p, n, _), obj in self._objects.items()
+                if (p, n) == (plural, ns) and wanted.items() <= (obj["metadata"].get("labels") or {}).items()
+            ]
+        return 200, {"apiVersion": f"{CRDS[plural]}/v1", "kind": "List", "metadata": {}, "items": items}
+
+    def _delete_object(
+        self, plural: str, ns: str, name: str, query: dict[str, str], body: dict[str, Any]
+    ) -> tuple[int, Any]:
+        policy = query.get("propagationPolicy") or body.get("propagationPolicy") or "Background"
+        with self._lock:
+            obj = self._must_get(plural, ns, name)
+            uid = (body.get("preconditions") or {}).get("uid")
+            if uid is not None and uid != obj["metadata"]["uid"]:
+                raise ApiError(
+                    409,
+                    "Conflict",
+                    f"Precondition failed: UID in precondition: {uid}, in object: {obj['metadata']['uid']}",
+                )
+            if not obj["metadata"].get("deletionTimestamp"):
+                obj["metadata"]["deletionTimestamp"] = now()
+                if policy == "Foreground":
+                    obj["metadata"]["finalizers"] = ["foregroundDeletion"]
+                else:
+                    del self._objects[(plural, ns, name)]
+                self._spawn(lambda: self._remove(plural, ns, name, obj))
+            return 200, copy.deepcopy(obj)
+
+    def _remove(self, plural: str, ns: str, name: str, obj: dict[str, Any]) -> None:
+        """The garbage collector: stop and drop the pods, then the object (if still the same one)."""
+        pods = self._pods_of(ns, name)
+        for pod in pods:
+            pod.stop(self.grace_s)
+        with self._lock:
+            for pod in pods:
+                self._pods.pop((ns, pod.body["metadata"]["name"]), None)
+            if self._objects.get((plural, ns, name)) is obj:
+                del self._objects[(plural, ns, name)]
+
+    def _must_get(self, plural: str, ns: str, name: str) -> dict[str, Any]:
+        obj = self._objects.get((plural, ns, name))
+        if obj is None:
+            raise ApiError(404, "NotFound", f'{plural}.{CRDS[plural]} "{name}" not found')
+        return obj
+
+    @staticmethod
+    def _selector(text: str) -> dict[str, str]:
+        wanted = {}
+        for term in filter(None, text.split(",")):
+            key, sep, value = term.replace("==", "=").partition("=")
+            if not sep or key.endswith("!"):
+                raise ApiError(
+                    400, "BadRequest", f"the stand-in understands only key=value selectors, not {term!r}"
+                )
+            wanted[key] = value
+        return wanted
+
+    # -------------------------------------------------------------------------------------- pods
+
+    def _pod_answer(self, ns: str, name: str | None, log: bool, query: dict[str, str]) -> Any:
+        with self._lock:
+            if name is None:
+                wanted = self._selector(query.get("labelSelector", ""))
+                items = [
+                    copy.deepcopy(pod.body)
+                    for (n, _), pod in self._pods.items()
+                    if n == ns and wanted.items() <= pod.body["metadata"]["labels"].items()
+                ]
+                return {"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": items}
+            pod = self._pods.get((ns, name))
+            if pod is None:
+                raise ApiError(404, "NotFound", f'pods "{name}" not found')
+            if not log:
+                return copy.deepcopy(pod.body)
+        if not pod.log.exists():
+            raise ApiError(400, "BadRequest", f'container "pytorch" in pod "{name}" is waiting to start')
+        lines = pod.log.read_text(errors="replace").splitlines(keepends=True)
+        return "".join(lines[-int(query["tailLines"]) :] if "tailLines" in query else lines)
+
+    def _pods_of(self, ns: str, name: str) -> list[Pod]:
+        with self._lock:
+            return [pod for (n, _), pod in self._pods.items() if n == ns and pod.job_name == name]
+
+    # -------------------------------------------------------------------------------------- operator
+
+    def _operate(self, plural: str, ns: str, name: str) -> None:
+        """Run the job's one pod to its end and walk the job's conditions the way the operator does."""
+        with self._lock:
+            obj = self._objects.get((plural, ns, name))
+            if obj is None or obj["metadata"].get("deletionTimestamp"):
+                return  # deleted before the operator got to it
+            replicas = self._replicas(plural, obj)
+            if len(replicas) != 1:
+                self._set_condition(
+                    obj,
+                    "Failed",
+                    f"has {len(replicas)} pods; the stand-in runs single-node jobs only",
+                    reason="StandInSingleNodeOnly",
+                )
+                return
+            pod = self._make_pod(obj, *replicas[0])
+            pod.start()
+            self._set_condition(
+                obj, "PodsRunning" if plural == "hyperpodpytorchjobs" else "Running", "running"
+            )
+        code = pod.process.wait() if pod.process else 1
+        with self._lock:
+            exit_code = pod.finished(code)
+            if self._objects.get((plural, ns, name)) is obj and not obj["metadata"].get("deletionTimestamp"):
+                done = "Completed" if plural == "hyperpodpytorchjobs" else "Succeeded"
+                pod_name = pod.body["metadata"]["name"]
+                if code == 0:
+                    self._set_condition(obj, done, "completed successfully")
+                else:
+                    self._set_condition(obj, "Failed", f"failed: pod {pod_name} exited with code {exit_code}")
+
+    @staticmethod
+    def _replicas(plural: str, obj: dict[str, Any]) -> list[tuple[str, int, dict[str, Any]]]:
+        """(replica type, index, pod template) of every pod the operator would create."""
+        if plural == "hyperpodpytorchjobs":
+            specs = [(r["name"], r.get("replicas", 1), r["template"]) for r in obj["spec"]["replicaSpecs"]]
+        else:
+            specs = [
+                (t.lower(), r.get("replicas", 1), r["template"])
+                for t, r in obj["spec"]["pytorchReplicaSpecs"].items()
+            ]
+        return [(kind, i, template) for kind, count, template in specs for i in range(count)]
+
+    def _make_pod(self, obj: dict[str, Any], replica: str, index: int, template: dict[str, Any]) -> Pod:
+        meta = obj["metadata"]
+        labels = dict(template["metadata"].get("labels") or {})
+        if obj["kind"] == "PyTorchJob":
+            labels.update(
+                {
+                    "training.kubeflow.org/job-name": meta["name"],
+                    "training.kubeflow.org/replica-type": replica,
+                    "training.kubeflow.org/replica-index": str(index),
+                }
+            )
+        name = f"{meta['name']}-{replica}-{index}"
+        owner = {
+            "apiVersion": obj["apiVersion"],
+            "kind": obj["kind"],
+            "name": meta["name"],
+            "uid": meta["uid"],
+            "controller": True,
+        }
+        body = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "spec": copy.deepcopy(template["spec"]),
+            "metadata": {
+                "name": name,
+                "namespace": meta["namespace"],
+                "uid": str(uuid.uuid4()),
+                "labels": labels,
+                "ownerReferences": [owner],
+                "creationTimestamp": now(),
+            },
+            "status": {"phase": "Pending"},
+        }
+        pod = Pod(
+            body, meta["name"], self.state_dir / f"{meta['namespace']}-{name}-{body['metadata']['uid']}.log"
+        )
+        self._pods[(meta["namespace"], name)] = pod
+        return pod
+
+    def _set_condition(self, obj: dict[str, Any], kind: str, what: str, reason: str = "") -> None:
+        conditions = obj.setdefault("status", {}).setdefault("conditions", [])
+        for condition in conditions:
+            if condition["type"] in ("Running", "PodsRunning") and condition["status"] == "True":
+                condition.update(status="False", lastTransitionTime=now())
+        stamp = now()
+        conditions.append(
+            {
+                "type": kind,
+                "status": "True",
+                "reason": reason or f"{obj['kind']}{kind}",
+                "message": f"{obj['kind']} {obj['metadata']['namespace']}/{obj['metadata']['name']} {what}",
+                "lastUpdateTime": stamp,
+                "lastTransitionTime": stamp,
+            }
+        )
+        obj["metadata"]["resourceVersion"] = str(next(self._versions))
+
+    def _spawn(self, target: Any) -> None:
+        thread = threading.Thread(target=target, daemon=True)
+        thread.start()
+        self._threads.append(thread)
