@@ -1,6 +1,7 @@
 """``SageMakerLauncher`` against a real moto server (create, describe, attach: moto's jobs complete at
 once) and, for what moto cannot do (StopTrainingJob, jobs in progress, failures), a real botocore
-client driven by Stubber, which still validates every request against the API model."""
+client driven by Stubber, which still validates every request against the API model. The launcher
+contract itself runs against the SageMaker stand-in in ``test_sagemaker_contract.py``."""
 
 from __future__ import annotations
 
@@ -52,7 +53,9 @@ def a_job(tmp_path: Path, name: str = "digits-trial-1") -> JobSpec:
 
 def test_submit_describe_attach_and_resubmit_on_moto(moto: MotoServer, tmp_path: Path) -> None:
     client = moto.client("sagemaker")
-    launcher = SageMakerLauncher(launcher_spec(tmp_path), client, poll_s=0.05)
+    launcher = SageMakerLauncher(
+        launcher_spec(tmp_path), client, logs_client=moto.client("logs"), poll_s=0.05
+    )
     job = a_job(tmp_path)
     handle = launcher.submit(job)
     assert handle.job_id == "digits-trial-1"
@@ -60,8 +63,11 @@ def test_submit_describe_attach_and_resubmit_on_moto(moto: MotoServer, tmp_path:
     described = client.describe_training_job(TrainingJobName=handle.job_id)
     assert described["HyperParameters"]["lr"] == "0.1"
     assert described["ResourceConfig"]["InstanceType"] == "ml.m5.xlarge"
+    assert described["CheckpointConfig"]["S3Uri"] == "s3://bucket/checkpoints/jobs/digits-trial-1/checkpoints"
     assert "Completed" in handle.describe()
-    assert "/aws/sagemaker/TrainingJobs" in handle.logs()
+    logs = handle.logs()  # moto has no log group for its jobs: said, not raised
+    assert "cannot read CloudWatch Logs for digits-trial-1" in logs
+    assert "/aws/sagemaker/TrainingJobs" in logs
     again = launcher.attach(handle.job_id, job.job_dir)
     assert again.state() is JobState.SUCCEEDED
     handle.cancel()  # a finished job keeps its outcome; no StopTrainingJob is sent
@@ -81,10 +87,8 @@ def test_unknown_job_is_a_job_error(moto: MotoServer, tmp_path: Path) -> None:
         handle.state()
 
 
-def stubbed() -> tuple[Any, Stubber]:
-    client = boto3.client(
-        "sagemaker", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x"
-    )
+def stubbed(service: str = "sagemaker") -> tuple[Any, Stubber]:
+    client = boto3.client(service, region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
     return client, Stubber(client)
 
 
@@ -112,11 +116,10 @@ def test_cancel_stops_and_waits_until_stopped(tmp_path: Path) -> None:
     stub.add_response("stop_training_job", {}, name)
     stub.add_response("describe_training_job", describe("trial-3", "Stopping", "Stopping"), name)
     stub.add_response("describe_training_job", describe("trial-3", "Stopped", "Stopped"), name)
-    stub.add_response("describe_training_job", describe("trial-3", "Stopped", "Stopped"), name)
     with stub:
         handle = SageMakerLauncher(launcher_spec(tmp_path), client, poll_s=0.01).attach("trial-3", tmp_path)
         handle.cancel()
-        assert handle.state() is JobState.CANCELLED
+        assert handle.state() is JobState.CANCELLED  # the final state is kept: no call more
         stub.assert_no_pending_responses()
     assert (tmp_path / "cancelled").exists()
 
@@ -135,19 +138,73 @@ def test_stop_racing_the_end_keeps_the_real_outcome(tmp_path: Path) -> None:
         stub.assert_no_pending_responses()
 
 
-def test_failure_reason_and_log_hint_in_logs(tmp_path: Path) -> None:
+def test_cloudwatch_tail_failure_reason_and_log_hint_in_logs(tmp_path: Path) -> None:
     client, stub = stubbed()
-    name = {"TrainingJobName": "trial-5"}
-    reason = "AlgorithmError: ExecuteUserScriptError: exit code 1"
-    for _ in range(3):
-        stub.add_response("describe_training_job", describe("trial-5", "Failed", "Failed", reason), name)
-    with stub:
-        handle = SageMakerLauncher(launcher_spec(tmp_path), client).attach("trial-5", tmp_path)
+    logs_client, logs_stub = stubbed("logs")
+    reason = 'AlgorithmError: ExecuteUserScriptError:\nExitCode 1\nErrorMessage "ValueError: boom"'
+    failed = describe("trial-5", "Failed", "Failed", reason)
+    # Once: a final state is never asked again.
+    stub.add_response("describe_training_job", failed, {"TrainingJobName": "trial-5"})
+    group = "/aws/sagemaker/TrainingJobs"
+    streams = ["trial-5/algo-2-1700000000", "trial-5/algo-1-1700000000"]
+    logs_stub.add_response(
+        "describe_log_streams",
+        {"logStreams": [{"logStreamName": stream} for stream in streams]},
+        {"logGroupName": group, "logStreamNamePrefix": "trial-5/"},
+    )
+    for stream in sorted(streams):  # algo-1 first
+        host = stream.split("/")[1][:6]
+        events = [{"timestamp": 1, "message": f"{host} line {i}", "ingestionTime": 1} for i in range(3)]
+        logs_stub.add_response(
+            "get_log_events",
+            {"events": events},
+            {"logGroupName": group, "logStreamName": stream, "startFromHead": False, "limit": 2},
+        )
+    with stub, logs_stub:
+        launcher = SageMakerLauncher(launcher_spec(tmp_path), client, logs_client=logs_client)
+        handle = launcher.attach("trial-5", tmp_path)
         assert handle.state() is JobState.FAILED
-        logs = handle.logs()
-        assert reason in logs
-        assert "/aws/sagemaker/TrainingJobs" in logs
-        assert reason in handle.describe()
+        assert handle.logs(tail=2).splitlines() == [
+            "==> trial-5/algo-1-1700000000 <==",
+            "algo-1 line 1",
+            "algo-1 line 2",
+            "==> trial-5/algo-2-1700000000 <==",
+            "algo-2 line 1",
+            "algo-2 line 2",
+            # A reason of several lines becomes one.
+            "FailureReason: " + " ".join(reason.split()),
+            f"Full logs: CloudWatch Logs group {group}, streams trial-5/algo-<n>-<timestamp>",
+        ]
+        assert handle.describe() == (
+            "sagemaker training job trial-5 Failed (exit code 1; Failed: AlgorithmError: "
+            'ExecuteUserScriptError: ExitCode 1 ErrorMessage "ValueError: boom")'
+        )
+        stub.assert_no_pending_responses()
+        logs_stub.assert_no_pending_responses()
+
+
+def test_logs_without_permission_say_so(tmp_path: Path) -> None:
+    client, stub = stubbed()
+    logs_client, logs_stub = stubbed("logs")
+    stub.add_response("describe_training_job", describe("trial-8", "InProgress", "Training"))
+    logs_stub.add_client_error("describe_log_streams", "AccessDeniedException", "not authorized")
+    with stub, logs_stub:
+        handle = SageMakerLauncher(launcher_spec(tmp_path), client, logs_client=logs_client).attach(
+            "trial-8", tmp_path
+        )
+        assert handle.logs().splitlines()[0] == (
+            "(cannot read CloudWatch Logs for trial-8: access denied; fix: allow logs:DescribeLogStreams and "
+            "logs:GetLogEvents on it)"
+        )
+
+
+def test_max_runtime_exceeded_is_a_failure(tmp_path: Path) -> None:
+    client, stub = stubbed()
+    stub.add_response("describe_training_job", describe("trial-9", "Stopped", "MaxRuntimeExceeded"))
+    with stub:
+        handle = SageMakerLauncher(launcher_spec(tmp_path), client).attach("trial-9", tmp_path)
+        assert handle.state() is JobState.FAILED
+        assert "exit code" not in handle.describe()
 
 
 def test_submit_refuses_a_job_dir_whose_job_still_runs(tmp_path: Path) -> None:

@@ -121,3 +121,38 @@ def test_cli_does_not_import_heavy_libraries() -> None:
     assert loaded.returncode == 0, loaded.stderr
     for heavy in ("mlflow", "optuna", "torch", "prefect", "sklearn"):
         assert f"'{heavy}'" not in loaded.stdout
+
+
+def test_the_fsx_example_is_valid_as_written() -> None:
+    # Its placeholders (file system id, bucket) are well-formed: only AWS itself could reject them.
+    result = runner.invoke(app, ["validate", "examples/digits/pipeline-fsx.yaml"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == (
+        "OK examples/digits/pipeline-fsx.yaml: pipeline digits-hpo-fsx, 5 steps in order: "
+        "data, search, check, promote, save"
+    )
+    spec = load_spec("examples/digits/pipeline-fsx.yaml")
+    assert build_dag(spec).inputs("save") == {"tune": "search"}
+
+
+SAGEMAKER_DIGITS = "examples/digits/pipeline-sagemaker.yaml"
+
+
+def test_validate_accepts_the_sagemaker_digits_spec() -> None:
+    result = runner.invoke(app, ["validate", SAGEMAKER_DIGITS])
+    assert result.exit_code == 0, result.output
+    expected = "pipeline digits-hpo-sagemaker, 4 steps in order: data, search, check, promote"
+    assert result.stdout.strip() == f"OK {SAGEMAKER_DIGITS}: {expected}"
+    spec = load_spec(SAGEMAKER_DIGITS)
+    assert spec.launcher.kind == "sagemaker"
+    local = load_spec("examples/digits/pipeline.yaml")
+    # The same steps as the local spec, each of the same kind with the same inputs.
+    assert {name: (step.uses, step.needs) for name, step in spec.steps.items()} == {
+        name: (step.uses, step.needs) for name, step in local.steps.items()
+    }
+
+
+def test_validate_rejects_the_sagemaker_digits_spec_without_its_vpc() -> None:
+    result = runner.invoke(app, ["validate", SAGEMAKER_DIGITS, "--set", "launcher.subnets=[]"])
+    assert result.exit_code == 2
+    assert "fsx needs the jobs in its VPC" in result.stderr

@@ -146,6 +146,12 @@ def test_sagemaker_names_are_the_fallback() -> None:
     assert contract.trial == "job-1"
 
 
+def test_sagemaker_output_folder_comes_from_the_toolkit_when_it_names_one() -> None:
+    contract = read_contract({"SM_HPS": "{}", "SM_OUTPUT_DATA_DIR": "/data/out"})
+    assert contract.result_file == Path("/data/out/result.json")
+    assert contract.metrics_file == Path("/data/out/metrics.jsonl")
+
+
 def test_sagemaker_without_a_train_channel_uses_the_first_channel() -> None:
     contract = read_contract({"SM_CHANNEL_VALID": "/v", "SM_CHANNEL_DIGITS": "/d"})
     assert contract.data_dir == Path("/d")

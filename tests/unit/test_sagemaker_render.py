@@ -25,6 +25,9 @@ from tunepod.launch.base import JobSpec, JobState, Resources
 from tunepod.launch.contract import contract_env
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.sagemaker import (
+    TrainingJobStatus,
+    checkpoint_s3_uri,
+    exit_code_of,
     map_training_job_state,
     render_training_job,
     training_job_name,
@@ -74,6 +77,7 @@ FSX = {
     "subnets": ["subnet-0a1b2c3d"],
     "security_group_ids": ["sg-0a1b2c3d"],
 }
+FSX_READ_ONLY = {**FSX, "fsx": {**FSX["fsx"], "access_mode": "ro"}}
 
 
 def job(params: dict[str, object] | None = None, **fields: Any) -> JobSpec:
@@ -110,13 +114,74 @@ def test_full_request_on_fsx_with_tensor_parallelism() -> None:
     env, hps = request["Environment"], request["HyperParameters"]
     assert env["TUNEPOD_DATA_DIR"] == "/opt/ml/input/data/train/datasets/digits"
     assert env["TUNEPOD_RESULT_FILE"] == "/opt/ml/input/data/train/jobs/digits/trial-7/result.json"
-    assert env["TUNEPOD_CHECKPOINT_DIR"] == "/opt/ml/checkpoints"
+    # A read-write FSx channel keeps checkpoints in the trial's folder, where the orchestrator reads them.
+    assert env["TUNEPOD_CHECKPOINT_DIR"] == "/opt/ml/input/data/train/jobs/digits/trial-7/checkpoints"
+    assert "CheckpointConfig" not in request
     assert json.loads(hps["mp_parameters"]) == {"tensor_parallel_degree": 4}
     assert hps["sagemaker_submit_directory"] == '"/opt/ml/input/data/train/code"'
     assert request["StoppingCondition"] == {"MaxRuntimeInSeconds": 5430}
     assert request["TrainingJobName"] == "digits-trial-7-r2"
-    # The checkpoint prefix follows the tunepod job, not the attempt, so a resubmission resumes.
-    assert request["CheckpointConfig"]["S3Uri"] == "s3://tunepod-bucket/checkpoints/digits-trial-7"
+
+
+def test_a_read_only_channel_syncs_checkpoints_with_s3_and_leaves_results_to_sagemaker() -> None:
+    request = render_training_job(job(), spec(**FSX_READ_ONLY), attempt=2)
+    assert_valid_request(request)
+    env = request["Environment"]
+    assert env["TUNEPOD_DATA_DIR"] == "/opt/ml/input/data/train/datasets/digits"
+    assert env["TUNEPOD_CHECKPOINT_DIR"] == "/opt/ml/checkpoints"
+    # The job could not write them on the channel: the runtime falls back to /opt/ml/output/data.
+    assert "TUNEPOD_RESULT_FILE" not in env and "TUNEPOD_METRICS_FILE" not in env
+    # The checkpoint prefix follows the checkpoint dir, not the attempt, so a resubmission resumes.
+    expected = "s3://tunepod-bucket/checkpoints/jobs/digits/trial-7/checkpoints"
+    assert request["CheckpointConfig"] == {"S3Uri": expected, "LocalPath": "/opt/ml/checkpoints"}
+
+
+def test_a_read_write_channel_needs_no_checkpoint_prefix() -> None:
+    launcher = spec(checkpoint_s3_uri=None, **FSX)
+    assert "CheckpointConfig" not in render_training_job(job(), launcher)
+
+
+def test_jobs_handed_one_checkpoint_dir_share_one_checkpoint_prefix() -> None:
+    trial = job()
+    evaluation_dir = Path("/fsx/tunepod/jobs/check/trial-7")
+    evaluation_env = contract_env(
+        JobPaths(evaluation_dir), params={}, data_dir="/x", trial="e", checkpoint_dir=JOB_DIR / "checkpoints"
+    )
+    evaluation = job(name="digits-check-trial-7", job_dir=evaluation_dir, env=evaluation_env)
+    shared = "s3://tunepod-bucket/checkpoints/jobs/digits/trial-7/checkpoints"
+    uris = {
+        render_training_job(trial, spec(**FSX_READ_ONLY))["CheckpointConfig"]["S3Uri"],
+        render_training_job(trial, spec(**FSX_READ_ONLY), attempt=3)["CheckpointConfig"]["S3Uri"],
+        render_training_job(evaluation, spec(**FSX_READ_ONLY))["CheckpointConfig"]["S3Uri"],
+        checkpoint_s3_uri(evaluation, spec(**FSX_READ_ONLY)),
+    }
+    assert uris == {shared}
+    # Without the contract's variable, the job's own checkpoints folder is the key.
+    bare = job(env={"TUNEPOD_PARAMS": "{}"})
+    assert checkpoint_s3_uri(bare, spec()) == shared
+
+
+@pytest.mark.parametrize(
+    ("reason", "code"),
+    [
+        (
+            'AlgorithmError: ExecuteUserScriptError:\nExitCode 1\nErrorMessage "ValueError: boom"\n'
+            'Command "/opt/conda/bin/python3.11 -m torch.distributed.run train.py", exit code: 1',
+            1,
+        ),
+        ("AlgorithmError: ExecuteUserScriptError: exit code: 137", 137),
+        ("InternalServerError: We encountered an internal error.  Please try again.", None),
+        ("", None),
+    ],
+)
+def test_exit_code_is_read_from_the_failure_reason(reason: str, code: int | None) -> None:
+    status = TrainingJobStatus("Failed", "Failed", reason)
+    assert exit_code_of(reason) == code
+    described = status.describe("trial-7")
+    assert "\n" not in described
+    assert ("exit code" in described) is (code is not None)
+    if code is not None:
+        assert described.startswith(f"sagemaker training job trial-7 Failed (exit code {code}; Failed: ")
 
 
 def test_hyperparameters_are_json_strings_that_decode_to_the_params() -> None:
@@ -158,6 +223,16 @@ def test_names_that_clean_to_the_same_text_stay_distinct() -> None:
         (lambda: job(), spec(), "not visible to SageMaker jobs"),
         (lambda: job(entrypoint=Path("/home/me/train.py")), spec(**FSX), "under root /fsx/tunepod"),
         (
+            lambda: job(env={"TUNEPOD_CHECKPOINT_DIR": "/scratch/ckpt"}),
+            spec(code_uri="s3://b/code.tar.gz"),
+            "outside root /fsx/tunepod",
+        ),
+        (
+            lambda: job(env={"TUNEPOD_CHECKPOINT_DIR": "/scratch/ckpt"}),
+            spec(**FSX),
+            "checkpoint dir /scratch/ckpt is not visible to SageMaker jobs",
+        ),
+        (
             lambda: job(resources=Resources(num_nodes=2, gpus_per_node=8)),
             spec(parallelism={"tensor": 4, "data": 8}, **FSX),
             "world size 16",
@@ -178,6 +253,8 @@ def test_what_a_training_job_cannot_express_is_refused(
         {"fsx": FSX["fsx"]},  # FSx without a VPC
         {"subnets": ["subnet-1"]},  # half a VpcConfig
         {"parallelism": {"pipeline": 2}},  # SMP v2 has no pipeline parallelism
+        {"checkpoint_s3_uri": None},  # checkpoints would sync with S3, but to where?
+        {"checkpoint_s3_uri": None, **FSX_READ_ONLY},
         {"role_arn": "tunepod-training"},
         {"unknown": 1},
     ],

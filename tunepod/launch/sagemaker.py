@@ -16,16 +16,32 @@ trial parameters), ``SM_CHANNEL_TRAIN`` (the FSx mount) and friends, which ``tun
 Paths: with ``spec.fsx`` every job mounts ``fsx.directory_path`` as its ``train`` channel at
 ``/opt/ml/input/data/train``. tunepod sees the same directory at ``spec.root``, so the contract's
 paths under ``root`` (data, metrics file, result file, even the code) are rewritten to the mount and
-the orchestrator reads what the job writes, as on Slurm. Checkpoints go to ``/opt/ml/checkpoints``,
-which SageMaker syncs with ``<checkpoint_s3_uri>/<job name>``: a resubmitted job (a new training job
-name, same tunepod job name) starts from the checkpoints of the one before.
+the orchestrator reads what the job writes, as on Slurm.
+
+Checkpoints: with a read-write FSx channel they go where every other backend keeps them, the job's
+checkpoint dir under ``root`` (rewritten to the mount): the orchestrator logs the final one as an MLflow
+model, evaluation jobs and resubmits read them in place, and an ``export`` step can send them to S3.
+A job restarted by RetryStrategy sees the same file system, so it resumes as well. Without a writable
+FSx channel they go to ``/opt/ml/checkpoints``, which SageMaker syncs with ``CheckpointConfig.S3Uri``
+(downloaded before the script starts, uploaded while it runs). That URI is keyed by the checkpoint
+dir, not by the job: ``<checkpoint_s3_uri>/<checkpoint dir relative to root>``, so a trial's job, its
+resubmits and an evaluation job pointed at the trial's checkpoint dir share one prefix. The
+orchestrator cannot read such checkpoints (nor, with a read-only channel, results): that mode runs
+jobs, not whole pipelines, and the launcher says so once.
 
 Names: a training job name is unique in an account and region for good, so attempt N > 1 of one
 tunepod job is ``<name>-rN``; the attempt is counted in ``<job_dir>/submission.json``.
 
-Tested against moto's server (create and describe; its jobs complete at once and cannot be stopped)
-and with botocore's Stubber for StopTrainingJob and the statuses moto never reports (InProgress with
-each SecondaryStatus, Stopping, Stopped, Failed with a FailureReason, MaxRuntimeExceeded).
+States: one DescribeTrainingJob per job answers ``state()`` for ``spec.poll_cache_s`` (a final state
+for good). Per job, because no call lists the states of just the jobs we follow: ListTrainingJobs
+pages through every job of the account (filters: a name substring, times, one status) and carries no
+FailureReason. Logs: the job's output is in CloudWatch Logs (group ``/aws/sagemaker/TrainingJobs``, one
+stream ``<job>/algo-<n>-<ts>`` per instance); ``logs()`` reads its tail from there.
+
+Tested against the SageMaker stand-in of ``tests/standins/sagemaker_api.py`` (the launcher contract
+suite: real boto3 clients over HTTP, local torchrun processes, checkpoints synced to moto's S3),
+against moto's server (create and describe; its jobs complete at once and cannot be stopped) and with
+botocore's Stubber for what neither reaches (Stopping, MaxRuntimeExceeded, racing a stop).
 """
 
 from __future__ import annotations
@@ -35,10 +51,11 @@ import hashlib
 import json
 import logging
 import math
+import os
 import re
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
@@ -79,6 +96,7 @@ _RESERVED_PARAM = re.compile(r"^(sagemaker_|mp_parameters$)")
 # Contract variables that name orchestrator-side paths: rewritten to the FSx mount, else dropped so
 # that the runtime falls back to SageMaker's own folders (/opt/ml/output/data, SM_CHANNEL_*).
 _PATH_ENVS = (runtime.DATA_DIR_ENV, runtime.RESULT_FILE_ENV, runtime.METRICS_FILE_ENV)
+_WRITTEN_PATH_ENVS = (runtime.RESULT_FILE_ENV, runtime.METRICS_FILE_ENV)
 
 # ------------------------------------------------------------------------------------------ states
 
@@ -112,6 +130,10 @@ IN_PROGRESS_SECONDARY_STATES: Mapping[str, JobState] = {
 
 # A Stopped job stopped by SageMaker itself at a limit failed; tunepod's own stops are cancellations.
 _LIMIT_SECONDARY_STATES = frozenset({"MaxRuntimeExceeded", "MaxWaitTimeExceeded"})
+
+# A script error's FailureReason: "AlgorithmError: ExecuteUserScriptError:\nExitCode 1\nErrorMessage
+# ...\nCommand ..., exit code: 1" (the sagemaker-training toolkit's ExecuteUserScriptError).
+_EXIT_CODE = re.compile(r"exit\s*code\s*:?\s*(-?\d+)", re.IGNORECASE)
 
 
 def map_training_job_state(status: str, secondary_status: str = "") -> JobState:
@@ -183,15 +205,52 @@ def ignored_resources(resources: Resources) -> dict[str, str]:
     return ignored
 
 
-def container_path(path: Path, spec: SageMakerLauncherSpec) -> str | None:
-    """Where the job sees ``path`` (a path under ``spec.root``), or None when it cannot see it."""
-    if spec.fsx is None:
-        return None
+def relative_to_root(path: Path | str, spec: SageMakerLauncherSpec) -> PurePosixPath | None:
+    """``path`` relative to ``spec.root`` (both made absolute and normalized), or None if outside it."""
     try:
-        relative = PurePosixPath(path).relative_to(PurePosixPath(spec.root))
+        return PurePosixPath(os.path.abspath(path)).relative_to(os.path.abspath(spec.root))
     except ValueError:
         return None
+
+
+def container_path(path: Path, spec: SageMakerLauncherSpec) -> str | None:
+    """Where the job sees ``path`` (a path under ``spec.root``), or None when it cannot see it."""
+    relative = relative_to_root(path, spec)
+    if spec.fsx is None or relative is None:
+        return None
     return str(CHANNEL_MOUNT / relative)
+
+
+def checkpoints_on_fsx(spec: SageMakerLauncherSpec) -> bool:
+    """Whether jobs keep checkpoints on the FSx channel (read-write) rather than syncing them with S3."""
+    return spec.fsx is not None and spec.fsx.access_mode == "rw"
+
+
+def checkpoint_dir(job: JobSpec) -> Path:
+    """The folder whose checkpoints the job reads and writes: the contract's ``TUNEPOD_CHECKPOINT_DIR``
+    (an evaluation job points it at a trial's), else the job's own ``checkpoints`` folder."""
+    configured = job.env.get(runtime.CHECKPOINT_DIR_ENV)
+    return Path(configured) if configured else job.paths.checkpoints
+
+
+def checkpoint_s3_uri(job: JobSpec, spec: SageMakerLauncherSpec) -> str:
+    """``CheckpointConfig.S3Uri``: ``<checkpoint_s3_uri>/<checkpoint dir relative to root>``.
+
+    Keyed by the folder, not the job, so every job handed one checkpoint dir (a trial, its resubmits,
+    its evaluation) syncs ``/opt/ml/checkpoints`` with the same prefix.
+    """
+    directory = checkpoint_dir(job)
+    relative = relative_to_root(directory, spec)
+    if relative is None:
+        raise TunepodError(
+            f"checkpoint dir {directory} of job {job.name} is outside root {spec.root}, so it has no S3 "
+            "prefix that other jobs could find; fix: keep job dirs (and the checkpoint dirs evaluations "
+            "read) under root"
+        )
+    if spec.checkpoint_s3_uri is None:  # the spec requires it whenever checkpoints go to S3
+        raise TunepodError("checkpoints go to S3 but the launcher has no checkpoint_s3_uri; fix: set it")
+    prefix = spec.checkpoint_s3_uri.rstrip("/")
+    return f"{prefix}/{relative}" if relative.parts else prefix
 
 
 def _mounted(what: str, path: Path, spec: SageMakerLauncherSpec) -> str:
@@ -260,19 +319,24 @@ def hyperparameters(job: JobSpec, spec: SageMakerLauncherSpec) -> dict[str, str]
 def environment(job: JobSpec, spec: SageMakerLauncherSpec) -> dict[str, str]:
     """The launcher's ``env``, then the job's contract (which wins), with its paths made the job's own.
 
-    The parameters travel as hyperparameters instead; checkpoints always go to the folder SageMaker
-    syncs with S3.
+    The parameters travel as hyperparameters instead. Paths under ``root`` become paths on the FSx
+    mount; a path the job cannot see (or, on a read-only channel, could not write) is dropped so that
+    the runtime falls back to SageMaker's own folder. Checkpoints: see the module docstring.
     """
     env = {**spec.env, **job.env}
     env.pop(runtime.PARAMS_ENV, None)
+    writable = checkpoints_on_fsx(spec)
     for name in _PATH_ENVS:
-        if name in env:
-            mounted = container_path(Path(env[name]), spec)
-            if mounted is None:
-                del env[name]
-            else:
-                env[name] = mounted
-    if runtime.CHECKPOINT_DIR_ENV in env:
+        if name not in env:
+            continue
+        mounted = container_path(Path(env[name]), spec)
+        if mounted is None or (name in _WRITTEN_PATH_ENVS and not writable):
+            del env[name]
+        else:
+            env[name] = mounted
+    if writable:
+        env[runtime.CHECKPOINT_DIR_ENV] = _mounted("checkpoint dir", checkpoint_dir(job), spec)
+    else:
         env[runtime.CHECKPOINT_DIR_ENV] = CHECKPOINT_LOCAL_PATH
     return env
 
@@ -316,14 +380,12 @@ def render_training_job(job: JobSpec, spec: SageMakerLauncherSpec, *, attempt: i
             "VolumeSizeInGB": spec.volume_size_gb,
         },
         "OutputDataConfig": {"S3OutputPath": spec.output_s3_uri},
-        "CheckpointConfig": {
-            # Keyed by the tunepod job, not the attempt: a resubmitted job resumes from these.
-            "S3Uri": f"{spec.checkpoint_s3_uri.rstrip('/')}/{training_job_name(job.name)}",
-            "LocalPath": CHECKPOINT_LOCAL_PATH,
-        },
         "StoppingCondition": {"MaxRuntimeInSeconds": max_runtime_s(job.resources, spec)},
         "RetryStrategy": {"MaximumRetryAttempts": spec.max_retry_attempts},
     }
+    if not checkpoints_on_fsx(spec):
+        sync = {"S3Uri": checkpoint_s3_uri(job, spec), "LocalPath": CHECKPOINT_LOCAL_PATH}
+        request["CheckpointConfig"] = sync
     channels = fsx_channel(spec)
     if channels:
         request["InputDataConfig"] = channels
@@ -358,11 +420,28 @@ class TrainingJobStatus:
     def job_state(self) -> JobState:
         return map_training_job_state(self.status, self.secondary_status)
 
+    @property
+    def exit_code(self) -> int | None:
+        """The script's exit code when the FailureReason names one (a script error), else None."""
+        return exit_code_of(self.failure_reason)
+
+    @property
+    def one_line_reason(self) -> str:
+        # SageMaker's reasons for a script error span several lines.
+        return " ".join(self.failure_reason.split())
+
     def describe(self, job_id: str) -> str:
-        """One line: ``sagemaker training job x Failed (Failed: AlgorithmError: ...)``."""
-        details = [part for part in (self.secondary_status, self.failure_reason) if part]
-        suffix = f" ({': '.join(details)})" if details else ""
+        """One line: ``sagemaker training job x Failed (exit code 1; Failed: AlgorithmError: ...)``."""
+        details = [part for part in (self.secondary_status, self.one_line_reason) if part]
+        code = "" if self.exit_code is None else f"exit code {self.exit_code}; "
+        suffix = f" ({code}{': '.join(details)})" if details else ""
         return f"sagemaker training job {job_id} {self.status}{suffix}"
+
+
+def exit_code_of(failure_reason: str) -> int | None:
+    """The exit code in a FailureReason (``... ExitCode 1 ...``, ``exit code: 1``), or None."""
+    match = _EXIT_CODE.search(failure_reason)
+    return int(match.group(1)) if match else None
 
 
 def log_hint(job_id: str) -> str:
@@ -370,31 +449,153 @@ def log_hint(job_id: str) -> str:
     return f"CloudWatch Logs group {LOG_GROUP}, streams {job_id}/algo-<n>-<timestamp>"
 
 
-class SageMakerJob:
-    """A submitted SageMaker training job; every query is one DescribeTrainingJob call.
+class TrainingJobStatusCache:
+    """DescribeTrainingJob answers, at most one call per job every ``max_age_s`` seconds.
 
-    Thread safety: boto3 clients are thread-safe, so every method may be called from several threads;
-    concurrent ``cancel`` calls are serialized and all return once the job has ended.
+    Per job (see the module docstring for why there is no one-call-for-all). A final status is kept
+    for good: once SageMaker says a job ended, it is never asked again. Thread safety: every method
+    may be called from several threads; callers asking about one job share one call (a lock per job),
+    different jobs are described concurrently.
+    """
+
+    def __init__(self, client: Any, max_age_s: float) -> None:
+        self.client = client
+        self.max_age_s = max_age_s
+        self._lock = threading.Lock()
+        self._job_locks: dict[str, threading.Lock] = {}
+        self._known: dict[str, tuple[TrainingJobStatus, float]] = {}
+
+    def status(self, job_id: str, *, max_age_s: float | None = None) -> TrainingJobStatus:
+        """The status of ``job_id``, at most ``max_age_s`` (default: the cache's) seconds old.
+
+        Raises ``JobError`` when SageMaker does not know the job, ``TransientError`` when a retry may help.
+        """
+        limit = self.max_age_s if max_age_s is None else max_age_s
+        with self._lock_of(job_id):
+            with self._lock:
+                known = self._known.get(job_id)
+            if known is not None:
+                status, fetched_at = known
+                if status.job_state.is_terminal or time.monotonic() - fetched_at < limit:
+                    return status
+            status = self._describe(job_id)
+            with self._lock:
+                self._known[job_id] = (status, time.monotonic())
+            return status
+
+    def _lock_of(self, job_id: str) -> threading.Lock:
+        with self._lock:
+            return self._job_locks.setdefault(job_id, threading.Lock())
+
+    def _describe(self, job_id: str) -> TrainingJobStatus:
+        try:
+            response = self.client.describe_training_job(TrainingJobName=job_id)
+        except Exception as exc:
+            raise _translate(exc, f"describe sagemaker training job {job_id}") from exc
+        return TrainingJobStatus.from_describe(response)
+
+
+class CloudWatchLogReader:
+    """The tail of a training job's output, read from CloudWatch Logs.
+
+    ``make_client`` builds the boto3 ``logs`` client on first use (a launcher whose jobs never fail
+    never needs one). Reading never raises: logs are what an error message shows, so a missing stream
+    or permission becomes a line saying so. Thread safety: safe from several threads.
+    """
+
+    def __init__(self, make_client: Callable[[], Any]) -> None:
+        self._make_client = make_client
+        self._client: Any | None = None
+        self._lock = threading.Lock()
+
+    def tail(self, job_id: str, lines: int) -> list[str]:
+        """The last ``lines`` lines of every instance's stream (algo-1 first), or why there are none."""
+        try:
+            client = self._client_once()
+            streams = _log_streams(client, job_id)
+            if not streams:
+                return [f"(no CloudWatch log streams for {job_id} yet: its instances have not started)"]
+            tails = [(stream, _stream_tail(client, stream, lines)) for stream in streams]
+        except Exception as exc:
+            return [f"(cannot read CloudWatch Logs for {job_id}: {_error_text(exc)})"]
+        if len(tails) == 1:
+            return tails[0][1]
+        return [line for stream, text in tails for line in (f"==> {stream} <==", *text)]
+
+    def _client_once(self) -> Any:
+        with self._lock:
+            if self._client is None:
+                self._client = self._make_client()
+            return self._client
+
+
+def _log_streams(client: Any, job_id: str) -> list[str]:
+    """The job's stream names, ``algo-1`` first (a prefix search: ``<job>/`` matches no other job)."""
+    names: list[str] = []
+    request: dict[str, Any] = {"logGroupName": LOG_GROUP, "logStreamNamePrefix": f"{job_id}/"}
+    while True:
+        response = client.describe_log_streams(**request)
+        names += [str(stream["logStreamName"]) for stream in response.get("logStreams", [])]
+        if not response.get("nextToken"):
+            break
+        request["nextToken"] = response["nextToken"]
+    return sorted(names, key=_instance_order)
+
+
+def _instance_order(stream: str) -> tuple[int, str]:
+    match = re.search(r"/algo-(\d+)", stream)
+    return (int(match.group(1)) if match else 0, stream)
+
+
+def _stream_tail(client: Any, stream: str, lines: int) -> list[str]:
+    # startFromHead=False: the newest ``limit`` events, in order; an event is usually one line.
+    response = client.get_log_events(
+        logGroupName=LOG_GROUP, logStreamName=stream, startFromHead=False, limit=min(lines, 10_000)
+    )
+    text = [line for event in response.get("events", []) for line in str(event["message"]).splitlines()]
+    return text[-lines:]
+
+
+def _error_text(exc: BaseException) -> str:
+    code = _error_code(exc)
+    if code == "ResourceNotFoundException":
+        return f"{LOG_GROUP} does not exist yet in this account and region"
+    if code == "AccessDeniedException":
+        return "access denied; fix: allow logs:DescribeLogStreams and logs:GetLogEvents on it"
+    return f"{type(exc).__name__}: {exc}"
+
+
+class SageMakerJob:
+    """A submitted SageMaker training job, followed through its launcher's status cache.
+
+    Thread safety: boto3 clients are thread-safe and the cache is, so every method may be called from
+    several threads; concurrent ``cancel`` calls are serialized and all return once the job has ended.
     """
 
     def __init__(
-        self, job_id: str, job_dir: Path, *, client: Any, cancel_timeout_s: float, poll_s: float
+        self,
+        job_id: str,
+        job_dir: Path,
+        *,
+        client: Any,
+        cache: TrainingJobStatusCache,
+        log_reader: CloudWatchLogReader,
+        cancel_timeout_s: float,
+        poll_s: float,
     ) -> None:
         self.job_id = job_id
         self.job_dir = job_dir
         self._client = client
+        self._cache = cache
+        self._log_reader = log_reader
         self._cancel_timeout_s = cancel_timeout_s
         self._poll_s = poll_s
         self._paths = JobPaths(job_dir)
         self._cancel_lock = threading.Lock()
 
-    def status(self) -> TrainingJobStatus:
-        """SageMaker's own view of the job; raises ``JobError`` when it does not know the job."""
-        try:
-            response = self._client.describe_training_job(TrainingJobName=self.job_id)
-        except Exception as exc:
-            raise _translate(exc, f"describe sagemaker training job {self.job_id}") from exc
-        return TrainingJobStatus.from_describe(response)
+    def status(self, *, max_age_s: float | None = None) -> TrainingJobStatus:
+        """SageMaker's view of the job (cached, see ``TrainingJobStatusCache.status``)."""
+        return self._cache.status(self.job_id, max_age_s=max_age_s)
 
     def state(self) -> JobState:
         return self.status().job_state
@@ -406,7 +607,7 @@ class SageMakerJob:
         still not over after ``cancel_timeout_s``.
         """
         with self._cancel_lock:
-            if self.state().is_terminal:
+            if self.status(max_age_s=0).job_state.is_terminal:
                 return
             self._paths.job_dir.mkdir(parents=True, exist_ok=True)
             write_bytes_atomic(self._paths.cancelled, f"cancelled at {_now()}\n".encode())
@@ -414,11 +615,20 @@ class SageMakerJob:
             self._wait_until_ended()
 
     def logs(self, tail: int = 50) -> str:
-        """SageMaker's failure reason and where the full logs are (the job's output is in CloudWatch)."""
-        status = self.status()
-        lines = [f"FailureReason: {status.failure_reason}"] if status.failure_reason else []
-        lines.append(f"Logs: {log_hint(self.job_id)}")
-        return "\n".join(lines[-tail:]) if tail > 0 else ""
+        """The last ``tail`` lines of the job's CloudWatch output, SageMaker's FailureReason, and
+        where the full logs are. Never raises: what cannot be read is said instead."""
+        if tail <= 0:
+            return ""
+        lines = self._log_reader.tail(self.job_id, tail)
+        try:
+            reason = self.status().one_line_reason
+        except TunepodError as exc:
+            lines.append(f"(could not describe the job: {exc})")
+        else:
+            if reason:
+                lines.append(f"FailureReason: {reason}")
+        lines.append(f"Full logs: {log_hint(self.job_id)}")
+        return "\n".join(lines)
 
     def describe(self) -> str:
         return self.status().describe(self.job_id)
@@ -434,7 +644,8 @@ class SageMakerJob:
 
     def _wait_until_ended(self) -> None:
         deadline = time.monotonic() + self._cancel_timeout_s
-        while not (status := self.status()).job_state.is_terminal:
+        # Asked fresh each time: a long poll_cache_s must not slow a cancel down.
+        while not (status := self.status(max_age_s=0)).job_state.is_terminal:
             if time.monotonic() > deadline:
                 raise JobError(
                     f"{status.describe(self.job_id)} {self._cancel_timeout_s:.0f}s after StopTrainingJob; "
@@ -449,8 +660,11 @@ class SageMakerJob:
 class SageMakerLauncher:
     """Submits jobs as SageMaker training jobs with boto3 and follows them with DescribeTrainingJob.
 
-    ``client`` is a boto3 ``sagemaker`` client (default: a new one for ``spec.region``). Thread
-    safety: ``submit`` and ``attach`` may be called from several threads.
+    ``client`` is a boto3 ``sagemaker`` client and ``logs_client`` a ``logs`` one (default: new ones
+    for ``spec.region``, made by boto3, so ``AWS_ENDPOINT_URL_SAGEMAKER`` and
+    ``AWS_ENDPOINT_URL_CLOUDWATCH_LOGS`` apply; the logs client is made on first use, in the region
+    of ``client``). Handles from one launcher share its status cache. Thread safety: ``submit`` and
+    ``attach`` may be called from several threads.
     """
 
     kind = "sagemaker"
@@ -460,6 +674,7 @@ class SageMakerLauncher:
         spec: SageMakerLauncherSpec,
         client: Any | None = None,
         *,
+        logs_client: Any | None = None,
         cancel_timeout_s: float = 900.0,
         poll_s: float = _CANCEL_POLL_S,
     ) -> None:
@@ -467,6 +682,11 @@ class SageMakerLauncher:
         self.client = client if client is not None else sagemaker_client(spec.region)
         self.cancel_timeout_s = cancel_timeout_s
         self.poll_s = poll_s
+        self.cache = TrainingJobStatusCache(self.client, spec.poll_cache_s)
+        region = spec.region or getattr(getattr(self.client, "meta", None), "region_name", None)
+        self.log_reader = CloudWatchLogReader(
+            (lambda: logs_client) if logs_client is not None else (lambda: aws_client("logs", region))
+        )
         self._warned: set[str] = set()
         self._warn_lock = threading.Lock()
 
@@ -502,6 +722,7 @@ class SageMakerLauncher:
             "name": job.name,
             "attempt": attempt,
             "arn": response.get("TrainingJobArn", ""),
+            "checkpoint_s3_uri": request.get("CheckpointConfig", {}).get("S3Uri"),
             "submitted_at": _now(),
         }
         write_bytes_atomic(paths.submission, json.dumps(record, indent=2).encode())
@@ -519,14 +740,20 @@ class SageMakerLauncher:
 
     def _handle(self, job_id: str, job_dir: Path) -> SageMakerJob:
         return SageMakerJob(
-            job_id, job_dir, client=self.client, cancel_timeout_s=self.cancel_timeout_s, poll_s=self.poll_s
+            job_id,
+            job_dir,
+            client=self.client,
+            cache=self.cache,
+            log_reader=self.log_reader,
+            cancel_timeout_s=self.cancel_timeout_s,
+            poll_s=self.poll_s,
         )
 
     def _refuse_if_running(self, paths: JobPaths, previous: Mapping[str, Any]) -> None:
         job_id = previous.get("job_id")
         if not job_id:
             return
-        status = self._handle(str(job_id), paths.job_dir).status()
+        status = self.cache.status(str(job_id), max_age_s=0)
         if not status.job_state.is_terminal:
             raise JobError(
                 f"job dir {paths.job_dir} belongs to {status.describe(str(job_id))}, which has not ended; "
@@ -535,10 +762,11 @@ class SageMakerLauncher:
 
     def _warn_ignored(self, job: JobSpec) -> None:
         messages = dict(ignored_resources(job.resources))
-        if self.spec.fsx is None:
+        if not checkpoints_on_fsx(self.spec):
             messages["fsx"] = (
-                "no fsx on the launcher: jobs write metrics and results to /opt/ml/output/data (S3 output), "
-                "where the orchestrator cannot read them while they run"
+                "no read-write fsx on the launcher: jobs write metrics and results to /opt/ml/output/data "
+                "and checkpoints to S3, where the orchestrator cannot read them; fix: mount FSx with "
+                "access_mode rw to run whole pipelines"
             )
         for key, message in messages.items():
             with self._warn_lock:
@@ -550,11 +778,19 @@ class SageMakerLauncher:
 
 def sagemaker_client(region: str | None) -> Any:
     """A boto3 SageMaker client; raises ``TunepodError`` naming the extra when boto3 is missing."""
+    return aws_client("sagemaker", region)
+
+
+def aws_client(service: str, region: str | None) -> Any:
+    """A boto3 client for ``service``; raises ``TunepodError`` naming the extra when boto3 is missing.
+
+    boto3 applies its usual configuration, ``AWS_ENDPOINT_URL_<SERVICE>`` variables included.
+    """
     try:
         import boto3  # type: ignore[import-untyped]
     except ImportError as exc:
         raise TunepodError(f"the sagemaker launcher needs boto3; fix: {INSTALL_HINT}") from exc
-    return boto3.session.Session().client("sagemaker", region_name=region)
+    return boto3.session.Session().client(service, region_name=region)
 
 
 def _error_code(exc: BaseException) -> str | None:

@@ -76,11 +76,14 @@ def failure_message(what: str, handle: JobHandle, state: JobState, *, kind: str)
     """A runbook for a job that ended badly: which job, what state, the log tail, where the logs are."""
     paths = JobPaths(handle.job_dir)
     tail = worker_error(handle.logs(LOG_SCAN_LINES), LOG_TAIL_LINES) or "(no output)"
-    return (
+    message = (
         f"{what} ({kind} job {handle.job_id}) ended {state}: {handle.describe()}.\n"
-        f"Last {LOG_TAIL_LINES} lines of its log:\n{tail}\n"
-        f"Full logs: {paths.stderr} and {paths.stdout}"
+        f"Last {LOG_TAIL_LINES} lines of its log:\n{tail}"
     )
+    # Backends whose output is elsewhere (pod logs, CloudWatch) say where in their logs() text.
+    if paths.stderr.exists() or paths.stdout.exists():
+        message += f"\nFull logs: {paths.stderr} and {paths.stdout}"
+    return message
 
 
 def worker_error(log: str, lines: int) -> str:

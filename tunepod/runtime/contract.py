@@ -6,8 +6,8 @@ them into a ``Contract``. Each value is looked up in this order:
 1. the ``TUNEPOD_*`` variable, set by every tunepod launcher;
 2. on SageMaker (any ``SM_*`` variable present), SageMaker's own names: ``SM_HPS`` for the parameters,
    ``SM_CHANNEL_TRAIN`` (else the first ``SM_CHANNEL_*`` by name) for the data, ``/opt/ml/checkpoints``
-   for checkpoints (SageMaker syncs it with S3), ``/opt/ml/output/data`` for the result and metrics
-   files (uploaded with the job's output), ``TRAINING_JOB_NAME`` for the trial;
+   for checkpoints (SageMaker syncs it with S3), ``SM_OUTPUT_DATA_DIR`` (``/opt/ml/output/data``) for
+   the result and metrics files (uploaded with the job's output), ``TRAINING_JOB_NAME`` for the trial;
 3. outside any job, a local run: folders under ``<cwd>/.tunepod/local`` (``data/``, ``checkpoints/``,
    ``metrics.jsonl``, ``result.json``). The current directory, not a temp folder, so that a second
    ``python train.py`` resumes from the first one's checkpoints and ``evaluate.py`` finds them.
@@ -47,6 +47,7 @@ SAGEMAKER_TRAIN_CHANNEL_ENV = "SM_CHANNEL_TRAIN"
 SAGEMAKER_JOB_NAME_ENV = "TRAINING_JOB_NAME"
 SAGEMAKER_CHECKPOINT_DIR = Path("/opt/ml/checkpoints")
 SAGEMAKER_OUTPUT_DIR = Path("/opt/ml/output/data")
+SAGEMAKER_OUTPUT_DIR_ENV = "SM_OUTPUT_DATA_DIR"  # the training toolkit's name for SAGEMAKER_OUTPUT_DIR
 
 _FOLDER_ENVS = (DATA_DIR_ENV, CHECKPOINT_DIR_ENV, RESULT_FILE_ENV, METRICS_FILE_ENV)
 
@@ -87,7 +88,8 @@ def read_contract(
     """
     on_sagemaker = any(name.startswith("SM_") for name in env)
     local_dir = (cwd or Path.cwd()) / LOCAL_RUN_DIR
-    sagemaker_or_local = SAGEMAKER_OUTPUT_DIR if on_sagemaker else local_dir
+    sagemaker_output = _path(env, SAGEMAKER_OUTPUT_DIR_ENV) or SAGEMAKER_OUTPUT_DIR
+    sagemaker_or_local = sagemaker_output if on_sagemaker else local_dir
     return Contract(
         source=_source(env, on_sagemaker),
         params={**(defaults or {}), **_params(env)},

@@ -202,10 +202,11 @@ class SageMakerLauncherSpec(Strict):
     role_arn: str = Field(..., pattern=r"^arn:aws[a-z-]*:iam::\d{12}:role/", description="Execution role.")
     image_uri: str = Field(..., description="Training image (a SageMaker PyTorch container or derived).")
     output_s3_uri: str = Field(..., pattern=r"^s3://", description="OutputDataConfig.S3OutputPath.")
-    checkpoint_s3_uri: str = Field(
-        ...,
+    checkpoint_s3_uri: str | None = Field(
+        None,
         pattern=r"^s3://",
-        description="Prefix; a job syncs /opt/ml/checkpoints to <prefix>/<its checkpoint dir under root>.",
+        description="Where /opt/ml/checkpoints syncs (<prefix>/<checkpoint dir under root>) when jobs "
+        "have no read-write fsx; with one, checkpoints stay on FSx (export them with an export step).",
     )
     code_uri: str | None = Field(
         None, description="s3://.../sourcedir.tar.gz holding the entrypoint; unset: its folder under root."
@@ -238,6 +239,11 @@ class SageMakerLauncherSpec(Strict):
             )
         if bool(self.subnets) != bool(self.security_group_ids):
             raise ValueError("VpcConfig needs both; fix: set subnets and security_group_ids together")
+        if self.checkpoint_s3_uri is None and (self.fsx is None or self.fsx.access_mode != "rw"):
+            raise ValueError(
+                "without a read-write fsx, checkpoints sync with S3; fix: set checkpoint_s3_uri "
+                "(s3://bucket/prefix/), or mount fsx with access_mode: rw"
+            )
         return self
 
 

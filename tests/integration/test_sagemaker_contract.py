@@ -1,0 +1,257 @@
+"""The launcher contract against ``SageMakerLauncher`` and the SageMaker stand-in
+(``tests/standins/sagemaker_api.py``: the real AWS JSON protocol over HTTP, jobs as local torchrun
+processes, FSx as a local folder), plus SageMaker-only tests: the state cache, CloudWatch logs, the exit
+code in ``describe``, an evaluation job finding a trial's checkpoints, checkpoints synced with a real
+moto S3 server when the channel is read-only, and MaxRuntimeExceeded.
+
+The launcher is built as the factory builds it, ``SageMakerLauncher(spec)``, and finds the stand-in
+through ``AWS_ENDPOINT_URL_SAGEMAKER`` / ``AWS_ENDPOINT_URL_CLOUDWATCH_LOGS``. ``tmp_path`` is the
+launcher's root and the folder the stand-in mounts as the FSx file system, so the contract's job dirs
+are on "FSx"; the fixture scripts are copied there too, as a user's code would be.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from launcher_contract import JOBS, LauncherContract, finish, fixture_job, wait_until
+from moto_server import MotoServer, moto_server
+from standins.sagemaker_api import SageMakerStandIn
+
+from tunepod import runtime
+from tunepod.launch.base import JobHandle, JobSpec, JobState, Launcher, Resources
+from tunepod.launch.sagemaker import SageMakerJob, SageMakerLauncher
+from tunepod.spec.models import SageMakerLauncherSpec
+
+pytestmark = pytest.mark.timeout(180)
+
+BUCKET = "tunepod-test"
+FILE_SYSTEM = ("fs-0123456789abcdef0", "/abcdefgh/tunepod")
+# Instance types by processes: a CPU type runs one; the GPU type has 4 GPUs, which the stand-in
+# caps at 2 processes (this machine's cores).
+INSTANCE_TYPES = {1: "ml.m5.xlarge", 2: "ml.g5.12xlarge"}
+
+
+@pytest.fixture(scope="module")
+def moto() -> Iterator[MotoServer]:
+    with moto_server() as server:
+        server.client("s3").create_bucket(Bucket=BUCKET)
+        yield server
+
+
+@pytest.fixture
+def standin(
+    moto: MotoServer,
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[SageMakerStandIn]:
+    instances = tmp_path_factory.mktemp("instances")
+    with SageMakerStandIn(
+        file_systems={FILE_SYSTEM: tmp_path}, work_dir=instances, s3_endpoint_url=moto.endpoint_url
+    ) as server:
+        for name, value in {
+            "AWS_ENDPOINT_URL_SAGEMAKER": server.endpoint_url,
+            "AWS_ENDPOINT_URL_CLOUDWATCH_LOGS": server.endpoint_url,
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }.items():
+            monkeypatch.setenv(name, value)
+        yield server
+
+
+def sagemaker_spec(root: Path, **fields: object) -> SageMakerLauncherSpec:
+    values = {
+        "kind": "sagemaker",
+        "root": str(root),
+        "role_arn": "arn:aws:iam::123456789012:role/tunepod-test",
+        "image_uri": "763104351884.dkr.ecr.us-east-1.amazonaws.com/pytorch-training:2.5.1-cpu-py311",
+        "output_s3_uri": f"s3://{BUCKET}/output",
+        # One prefix per test: the moto server outlives the test, and job dirs repeat across tests.
+        "checkpoint_s3_uri": f"s3://{BUCKET}/{root.name}/checkpoints",
+        "fsx": {"file_system_id": FILE_SYSTEM[0], "directory_path": FILE_SYSTEM[1]},
+        "subnets": ["subnet-0a1b2c3d"],
+        "security_group_ids": ["sg-0a1b2c3d"],
+        "poll_cache_s": 0.2,
+        **fields,
+    }
+    return SageMakerLauncherSpec.model_validate(values)
+
+
+def sagemaker_job(job_dir: Path, script: str, *args: str, procs: int = 1, **resources: Any) -> JobSpec:
+    """A fixture job as SageMaker takes it: its code on FSx, its argv as the parameter ``args``."""
+    code = job_dir.parent / "code"
+    shutil.copytree(JOBS, code, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+    spec = fixture_job(job_dir, script, resources=Resources(instance_type=INSTANCE_TYPES[procs], **resources))
+    env = {**spec.env, runtime.PARAMS_ENV: json.dumps({"args": list(args)})}
+    return dataclasses.replace(spec, entrypoint=code / script, env=env)
+
+
+def checkpoint_s3_uri(job: JobSpec) -> str | None:
+    """Where the launcher said the job's checkpoints go (``submission.json``), None before submit."""
+    try:
+        return str(json.loads(job.paths.submission.read_text())["checkpoint_s3_uri"])
+    except FileNotFoundError:
+        return None
+
+
+def latest_step_in_s3(s3: Any, uri: str, scratch: Path) -> int | None:
+    """The latest whole checkpoint under ``uri``: downloaded, then checked as the runtime checks it."""
+    bucket, _, prefix = uri.removeprefix("s3://").partition("/")
+    shutil.rmtree(scratch, ignore_errors=True)
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{prefix}/"):
+        for item in page.get("Contents", []):
+            target = scratch / item["Key"][len(prefix) + 1 :]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            s3.download_file(bucket, item["Key"], str(target))
+    latest = runtime.latest_checkpoint(scratch)
+    return None if latest is None else latest.step
+
+
+class TestSageMakerContract(LauncherContract):
+    """On a read-write FSx channel, as a pipeline runs: checkpoints, metrics and results on FSx."""
+
+    standin: SageMakerStandIn
+
+    @pytest.fixture
+    def launcher(self, standin: SageMakerStandIn) -> Launcher:
+        self.standin = standin
+        root = standin.file_systems[FILE_SYSTEM]
+        return SageMakerLauncher(sagemaker_spec(root), poll_s=0.05)
+
+    def restart(self, launcher: Launcher) -> Launcher:
+        assert isinstance(launcher, SageMakerLauncher)
+        return SageMakerLauncher(launcher.spec, poll_s=launcher.poll_s)
+
+    def kill_hard(self, handle: JobHandle) -> None:
+        self.standin.crash(handle.job_id)
+
+    def make_job(self, job_dir: Path, script: str, *args: str, procs: int = 1) -> JobSpec:
+        return sagemaker_job(job_dir, script, *args, procs=procs)
+
+
+# ---------------------------------------------------------------------------------- SageMaker only
+
+
+def test_launcher_finds_the_endpoints_in_the_environment(standin: SageMakerStandIn, tmp_path: Path) -> None:
+    launcher = SageMakerLauncher(sagemaker_spec(tmp_path))
+    assert launcher.client.meta.endpoint_url == standin.endpoint_url
+    launcher.attach("no-such-job", tmp_path / "nowhere").logs()
+    assert standin.count("DescribeLogStreams") == 1  # the logs client found the stand-in too
+
+
+def test_one_describe_per_job_per_cache_window_and_a_final_state_for_good(
+    standin: SageMakerStandIn, tmp_path: Path
+) -> None:
+    launcher = SageMakerLauncher(sagemaker_spec(tmp_path, poll_cache_s=3600), poll_s=0.05)
+    handle = launcher.submit(sagemaker_job(tmp_path / "job", "succeed.py", str(tmp_path / "never")))
+    attached = launcher.attach(handle.job_id, handle.job_dir)
+    states: list[JobState] = []
+
+    def poll() -> None:
+        states.extend(h.state() for h in (handle, attached) for _ in range(3))
+
+    threads = [threading.Thread(target=poll) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(states) == 24 and not any(state.is_terminal for state in states)
+    assert standin.count("DescribeTrainingJob", handle.job_id) == 1
+    handle.cancel()  # asks afresh despite the hour-long cache, until the job has ended
+    assert handle.state() is JobState.CANCELLED
+    described = standin.count("DescribeTrainingJob", handle.job_id)
+    assert described > 1
+    assert attached.state() is JobState.CANCELLED
+    assert "Stopped" in attached.describe()
+    assert standin.count("DescribeTrainingJob", handle.job_id) == described
+
+
+def test_failed_script_shows_its_traceback_from_cloudwatch_and_its_exit_code(
+    standin: SageMakerStandIn, tmp_path: Path
+) -> None:
+    launcher = SageMakerLauncher(sagemaker_spec(tmp_path), poll_s=0.05)
+    handle = launcher.submit(sagemaker_job(tmp_path / "job", "fail.py", "boom in the cloud"))
+    assert finish(handle) is JobState.FAILED
+    logs = handle.logs()
+    # Lines only the job's output has (FailureReason carries the error line alone).
+    assert "fixture job starting" in logs
+    assert "Traceback (most recent call last):" in logs
+    assert 'fail.py", line' in logs
+    assert "FailureReason: AlgorithmError: ExecuteUserScriptError: ExitCode 1" in logs
+    assert standin.count("GetLogEvents") >= 1
+    assert "exit code 1" in handle.describe()
+    assert "\n" not in handle.describe()
+    short = handle.logs(tail=2).splitlines()
+    assert len(short) == 4 and short[-1].startswith("Full logs: CloudWatch Logs group")
+    not_started = launcher.attach("not-started", tmp_path / "other").logs()
+    assert "no CloudWatch log streams for not-started yet" in not_started
+
+
+def test_logs_before_any_stream_exists_say_so_instead_of_failing(
+    standin: SageMakerStandIn, tmp_path: Path
+) -> None:
+    logs = SageMakerLauncher(sagemaker_spec(tmp_path)).attach("early", tmp_path / "early").logs()
+    assert "cannot read CloudWatch Logs for early: /aws/sagemaker/TrainingJobs does not exist yet" in logs
+    assert "could not describe the job" in logs
+    assert logs.splitlines()[-1] == (
+        "Full logs: CloudWatch Logs group /aws/sagemaker/TrainingJobs, streams early/algo-<n>-<timestamp>"
+    )
+
+
+def test_evaluation_job_finds_the_trials_checkpoints_on_fsx(
+    standin: SageMakerStandIn, tmp_path: Path
+) -> None:
+    launcher = SageMakerLauncher(sagemaker_spec(tmp_path), poll_s=0.05)
+    trial = sagemaker_job(tmp_path / "jobs" / "trial-3", "count.py", "3", "99")  # 3 steps, no pause
+    assert finish(launcher.submit(trial)) is JobState.SUCCEEDED
+    assert runtime.latest_checkpoint(trial.paths.checkpoints) is not None  # where the orchestrator reads
+    # An evaluation: another job, another job dir, handed the trial's checkpoint dir.
+    evaluation = sagemaker_job(tmp_path / "jobs" / "eval-3", "count.py", "3", "99")
+    env = {**evaluation.env, runtime.CHECKPOINT_DIR_ENV: str(trial.paths.checkpoints)}
+    handle = launcher.submit(dataclasses.replace(evaluation, env=env))
+    assert finish(handle) is JobState.SUCCEEDED, handle.logs()
+    result = runtime.read_result(evaluation.paths.result)
+    assert result is not None
+    assert result.metrics == {"resumed_from": 3, "count": 3}  # it started after the trial's last step
+
+
+def test_without_a_writable_channel_checkpoints_sync_with_s3_and_a_resubmit_resumes(
+    standin: SageMakerStandIn, moto: MotoServer, tmp_path: Path
+) -> None:
+    read_only = {"file_system_id": FILE_SYSTEM[0], "directory_path": FILE_SYSTEM[1], "access_mode": "ro"}
+    launcher = SageMakerLauncher(sagemaker_spec(tmp_path, fsx=read_only), poll_s=0.05)
+    job = sagemaker_job(tmp_path / "jobs" / "trial-5", "count.py", "4", "1")  # pauses after step 1
+    crashed = launcher.submit(job)
+    uri = checkpoint_s3_uri(job)
+    assert uri == f"s3://{BUCKET}/{tmp_path.name}/checkpoints/jobs/trial-5/checkpoints"
+    s3 = moto.client("s3")
+    wait_until(lambda: latest_step_in_s3(s3, uri, tmp_path / "s3") == 1, "checkpoint step 1 in S3")
+    standin.crash(crashed.job_id)
+    assert finish(crashed) is JobState.FAILED
+    resumed = launcher.submit(job)  # a new training job, the same checkpoint prefix
+    assert finish(resumed) is JobState.SUCCEEDED, resumed.logs()
+    # Results stay in the job's own output folder (the orchestrator cannot see them in this mode).
+    result = runtime.read_result(standin.jobs[resumed.job_id].dir / "output" / "data" / "result.json")
+    assert result is not None
+    assert result.metrics == {"resumed_from": 2, "count": 4}
+    assert not job.paths.result.exists()
+
+
+def test_max_runtime_exceeded_is_a_failure(standin: SageMakerStandIn, tmp_path: Path) -> None:
+    launcher = SageMakerLauncher(sagemaker_spec(tmp_path), poll_s=0.05)
+    job = sagemaker_job(tmp_path / "job", "hang.py", str(tmp_path / "pids"), timeout_min=1 / 60)
+    handle = launcher.submit(job)  # MaxRuntimeInSeconds=1
+    assert isinstance(handle, SageMakerJob)
+    assert finish(handle) is JobState.FAILED
+    assert handle.status().secondary_status == "MaxRuntimeExceeded"
+    assert "Stopped (MaxRuntimeExceeded)" in handle.describe()
+    assert not (job.job_dir / "cancelled").exists()

@@ -1,0 +1,554 @@
+"""A SageMaker stand-in: no SageMaker can run here, so this emulates the part tunepod talks to.
+
+It serves the real AWS JSON protocol (``X-Amz-Target``) over real HTTP on 127.0.0.1, so the launcher
+uses real boto3 clients pointed at ``endpoint_url`` (or ``AWS_ENDPOINT_URL_SAGEMAKER`` and
+``AWS_ENDPOINT_URL_CLOUDWATCH_LOGS``). Requests are not authenticated.
+
+Emulated:
+
+- SageMaker ``CreateTrainingJob`` / ``DescribeTrainingJob`` / ``StopTrainingJob`` and CloudWatch Logs
+  ``DescribeLogStreams`` / ``GetLogEvents`` (group ``/aws/sagemaker/TrainingJobs``), with AWS's error
+  codes (ResourceInUse, ValidationException, ResourceNotFoundException);
+- the lifecycle: InProgress Starting -> Downloading -> Training -> Uploading -> Completed | Failed
+  (FailureReason in the toolkit's words, ``ExitCode N``) | Stopping -> Stopped, and Stopped with
+  MaxRuntimeExceeded once ``StoppingCondition.MaxRuntimeInSeconds`` of training has passed;
+- the PyTorch container's sagemaker-training toolkit: ``sagemaker_submit_directory`` is copied to the
+  job's code folder (``/opt/ml/code``) and ``sagemaker_program`` runs from there under
+  ``python -m torch.distributed.run --standalone --nproc-per-node N`` (N: the instance type's GPUs from
+  ``GPUS_PER_INSTANCE``, at most ``max_procs`` since each GPU is a CPU process here; CPU types 1;
+  unknown types ``default_gpus``), with the request's Environment plus ``SM_HPS`` (the decoded
+  hyperparameters but the ``sagemaker_*`` ones), ``SM_CHANNEL_<NAME>``, ``SM_NUM_GPUS``,
+  ``TRAINING_JOB_NAME`` and the argv ``--key value`` per hyperparameter, sorted, as the toolkit builds it;
+- the mounts, as a path mapping: a FileSystemDataSource channel (file system id + DirectoryPath) is the
+  local folder configured in ``file_systems``; env values and hyperparameters that start with
+  ``/opt/ml/input/data/<channel>``, ``/opt/ml/checkpoints`` (the LocalPath), ``/opt/ml/code``,
+  ``/opt/ml/model`` or ``/opt/ml/output`` are rewritten to the job's local folders;
+- checkpoints: the job's checkpoint folder is synced with ``CheckpointConfig.S3Uri`` through real S3
+  calls against ``s3_endpoint_url`` (moto): downloaded before the script starts, new or changed files
+  uploaded every ``sync_s`` while it runs and once more at the end;
+- output lines (stdout and stderr together) as events of the stream ``<job>/algo-1-<epoch s>``;
+- StopTrainingJob: SIGTERM to the job's processes, SIGKILL after ``stop_grace_s``; ``crash(job)``:
+  SIGKILL, ending Failed like an instance failure (no final checkpoint upload). Like an instance going
+  away, every process the job left is killed when it ends (found by ``INSTANCE_ENV``).
+
+Not emulated: images (jobs run this machine's Python; TrainingImage is ignored), IAM, VPC, several
+instances (InstanceCount > 1 is refused), S3 channels and ``s3://`` code tarballs, the output upload
+(model.tar.gz), RetryStrategy and spot, SMP (``mp_parameters`` is passed on, not acted on), deleting
+in S3 what the job deleted locally, paging of DescribeLogStreams, server-side request validation
+(botocore validates requests against the real model on the client side).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import boto3
+
+LOG_GROUP = "/aws/sagemaker/TrainingJobs"
+CONTAINER_DATA = "/opt/ml/input/data"
+# Every process of a job inherits this variable, which is how the stand-in finds them all: torchrun
+# starts its workers in sessions of their own, so no process group holds a whole job.
+INSTANCE_ENV = "STANDIN_INSTANCE_ID"
+TERMINAL = ("Completed", "Failed", "Stopped")
+INSTANCE_FAILURE = "InternalServerError: We encountered an internal error.  Please try again."
+# GPUs per instance (AWS instance type pages). CPU families (ml.m, ml.c, ml.r, ml.t) have none.
+GPUS_PER_INSTANCE = {
+    "ml.g4dn.xlarge": 1, "ml.g4dn.12xlarge": 4, "ml.g5.xlarge": 1, "ml.g5.2xlarge": 1,
+    "ml.g5.12xlarge": 4, "ml.g5.48xlarge": 8, "ml.g6.xlarge": 1, "ml.g6.12xlarge": 4,
+    "ml.p3.2xlarge": 1, "ml.p3.8xlarge": 4, "ml.p3.16xlarge": 8, "ml.p4d.24xlarge": 8,
+    "ml.p4de.24xlarge": 8, "ml.p5.48xlarge": 8,
+}  # fmt: skip
+_CPU_FAMILIES = re.compile(r"^ml\.(m|c|r|t)\d")
+
+
+class ApiError(Exception):
+    """An AWS error answer: HTTP 400 with ``__type`` and ``message``, as botocore parses them."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class _JobFailed(Exception):
+    """The job cannot go on; ``str(exc)`` is its FailureReason."""
+
+
+class TrainingJob:
+    """One training job: its request, where it stands, its log events and its local folders."""
+
+    def __init__(self, request: dict[str, Any], work_dir: Path) -> None:
+        self.name: str = request["TrainingJobName"]
+        self.request = request
+        self.arn = f"arn:aws:sagemaker:us-east-1:123456789012:training-job/{self.name.lower()}"
+        self.status, self.secondary, self.failure_reason = "InProgress", "Starting", ""
+        self.transitions: list[dict[str, Any]] = [{"Status": "Starting", "StartTime": time.time()}]
+        self.created = time.time()
+        self.stream = f"{self.name}/algo-1-{int(self.created)}"
+        self.instance_id = f"{self.name}-{secrets.token_hex(4)}"
+        self.events: list[dict[str, Any]] | None = None  # None until the instance starts
+        self.process: subprocess.Popen[bytes] | None = None
+        self.stop_requested, self.crashed, self.max_runtime_exceeded = threading.Event(), False, False
+        self.lock = threading.Lock()
+        self.dir = work_dir / self.name  # the instance's /opt/ml
+        hps = {key: _decode(value) for key, value in request.get("HyperParameters", {}).items()}
+        self.hyperparameters: dict[str, Any] = hps
+        self.checkpoint_uri: str | None = request.get("CheckpointConfig", {}).get("S3Uri")
+        self.synced: dict[str, tuple[int, int]] = {}  # checkpoint file -> (mtime_ns, size) in S3
+
+    def set(self, status: str, secondary: str, reason: str = "") -> None:
+        with self.lock:
+            # A stopping job only ends: its last steps (the upload) happen under Stopping.
+            if self.status in TERMINAL or (self.status == "Stopping" and status not in TERMINAL):
+                return
+            now = time.time()
+            self.transitions[-1]["EndTime"] = now
+            self.transitions.append({"Status": secondary, "StartTime": now})
+            self.status, self.secondary, self.failure_reason = status, secondary, reason
+
+    def log(self, line: str) -> None:
+        with self.lock:
+            if self.events is None:
+                self.events = []
+            stamp = int(time.time() * 1000)
+            self.events.append({"timestamp": stamp, "message": line, "ingestionTime": stamp})
+
+    def describe(self) -> dict[str, Any]:
+        fields = ("TrainingJobName", "HyperParameters", "AlgorithmSpecification", "RoleArn", "Environment")
+        fields += ("InputDataConfig", "OutputDataConfig", "ResourceConfig", "StoppingCondition")
+        with self.lock:
+            answer = {key: self.request[key] for key in (*fields, "CheckpointConfig") if key in self.request}
+            output = self.request["OutputDataConfig"]["S3OutputPath"].rstrip("/")
+            answer |= {
+                "TrainingJobArn": self.arn,
+                "TrainingJobStatus": self.status,
+                "SecondaryStatus": self.secondary,
+                "SecondaryStatusTransitions": [dict(t) for t in self.transitions],
+                "ModelArtifacts": {"S3ModelArtifacts": f"{output}/{self.name}/output/model.tar.gz"},
+                "CreationTime": self.created,
+                "LastModifiedTime": self.transitions[-1]["StartTime"],
+            }
+            if self.failure_reason:
+                answer["FailureReason"] = self.failure_reason
+        return answer
+
+
+class SageMakerStandIn:
+    """The stand-in server; a context manager that serves on 127.0.0.1 while it is open.
+
+    ``file_systems`` maps (FileSystemId, DirectoryPath) to the local folder that stands for it;
+    ``work_dir`` holds each job's ``/opt/ml`` (code, checkpoints, model, output). ``calls`` records
+    every ``(operation, job or stream name)`` received, for tests that count calls. Thread safe.
+    """
+
+    def __init__(
+        self,
+        *,
+        file_systems: Mapping[tuple[str, str], Path],
+        work_dir: Path,
+        s3_endpoint_url: str,
+        max_procs: int = 2,
+        default_gpus: int = 1,
+        phase_s: float = 0.05,
+        sync_s: float = 0.1,
+        stop_grace_s: float = 5.0,
+    ) -> None:
+        self.file_systems = dict(file_systems)
+        self.work_dir = work_dir
+        self.max_procs, self.default_gpus = max_procs, default_gpus
+        self.phase_s, self.sync_s, self.stop_grace_s = phase_s, sync_s, stop_grace_s
+        self.s3 = boto3.client(
+            "s3", endpoint_url=s3_endpoint_url, region_name="us-east-1",
+            aws_access_key_id="testing", aws_secret_access_key="testing",
+        )  # fmt: skip
+        self.jobs: dict[str, TrainingJob] = {}
+        self.calls: list[tuple[str, str]] = []
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+        self._server.daemon_threads = True
+        self._server.standin = self  # type: ignore[attr-defined]
+        self.endpoint_url = f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def __enter__(self) -> SageMakerStandIn:
+        threading.Thread(target=self._server.serve_forever, args=(0.05,), daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        for job in list(self.jobs.values()):
+            if job.status not in TERMINAL:
+                job.stop_requested.set()
+                self.crash(job.name)
+        for thread in self._threads:
+            thread.join(timeout=30)
+
+    def count(self, operation: str, name: str | None = None) -> int:
+        with self._lock:
+            return sum(1 for op, on in self.calls if op == operation and name in (None, on))
+
+    def crash(self, name: str) -> None:
+        """Kill the job's processes as an instance failure would; the job ends Failed."""
+        job = self.jobs[name]
+        job.crashed = True
+        _kill_instance(job.instance_id, signal.SIGKILL)
+
+    # ---------------------------------------------------------------------------------- the API
+
+    def dispatch(self, target: str, body: dict[str, Any]) -> dict[str, Any]:
+        operations: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+            "SageMaker.CreateTrainingJob": self._create,
+            "SageMaker.DescribeTrainingJob": lambda b: self._job(b).describe(),
+            "SageMaker.StopTrainingJob": self._stop,
+            "Logs_20140328.DescribeLogStreams": self._describe_log_streams,
+            "Logs_20140328.GetLogEvents": self._get_log_events,
+        }
+        if target not in operations:
+            raise ApiError("UnknownOperationException", f"the stand-in does not emulate {target}")
+        with self._lock:
+            name = body.get("TrainingJobName") or body.get("logStreamName") or body.get("logStreamNamePrefix")
+            self.calls.append((target.split(".")[-1], str(name or "")))
+        return operations[target](body)
+
+    def _job(self, body: dict[str, Any]) -> TrainingJob:
+        job = self.jobs.get(body["TrainingJobName"])
+        if job is None:
+            raise ApiError("ValidationException", "Requested resource not found.")
+        return job
+
+    def _create(self, request: dict[str, Any]) -> dict[str, Any]:
+        if request["ResourceConfig"]["InstanceCount"] != 1:
+            raise ApiError("ValidationException", "the stand-in runs single-instance jobs only")
+        for channel in request.get("InputDataConfig", []):
+            if "FileSystemDataSource" not in channel["DataSource"]:
+                raise ApiError(
+                    "ValidationException", "the stand-in mounts FileSystemDataSource channels only"
+                )
+        with self._lock:
+            if request["TrainingJobName"] in self.jobs:
+                raise ApiError("ResourceInUse", f"Training job {request['TrainingJobName']} already exists")
+            job = self.jobs[request["TrainingJobName"]] = TrainingJob(request, self.work_dir)
+            thread = threading.Thread(target=self._run, args=(job,), name=f"job-{job.name}", daemon=True)
+            self._threads.append(thread)
+        thread.start()
+        return {"TrainingJobArn": job.arn}
+
+    def _stop(self, body: dict[str, Any]) -> dict[str, Any]:
+        job = self._job(body)
+        if job.status in TERMINAL:
+            raise ApiError("ValidationException", f"The training job is in status {job.status}")
+        job.set("Stopping", "Stopping")
+        job.stop_requested.set()
+        return {}
+
+    def _describe_log_streams(self, body: dict[str, Any]) -> dict[str, Any]:
+        streams = [j for j in list(self.jobs.values()) if j.events is not None]
+        if body["logGroupName"] != LOG_GROUP or not streams:
+            raise ApiError("ResourceNotFoundException", "The specified log group does not exist.")
+        prefix = body.get("logStreamNamePrefix", "")
+        return {
+            "logStreams": [
+                {
+                    "logStreamName": j.stream,
+                    "creationTime": int(j.created * 1000),
+                    "arn": f"{j.arn}:{j.stream}",
+                }
+                for j in streams
+                if j.stream.startswith(prefix)
+            ]
+        }
+
+    def _get_log_events(self, body: dict[str, Any]) -> dict[str, Any]:
+        job = next((j for j in list(self.jobs.values()) if j.stream == body["logStreamName"]), None)
+        if body["logGroupName"] != LOG_GROUP or job is None or job.events is None:
+            raise ApiError("ResourceNotFoundException", "The specified log stream does not exist.")
+        with job.lock:
+            events = list(job.events)
+        limit, token = int(body.get("limit", 10_000)), body.get("nextToken", "")
+        if token.startswith("f/") or (not token and body.get("startFromHead")):
+            start = int(token[2:]) if token else 0
+            end = min(len(events), start + limit)
+        else:  # backwards from the token, or from the newest event
+            end = int(token[2:]) if token else len(events)
+            start = max(0, end - limit)
+        return {
+            "events": events[start:end],
+            "nextForwardToken": f"f/{end}",
+            "nextBackwardToken": f"b/{start}",
+        }
+
+    # ---------------------------------------------------------------------------------- a job's life
+
+    def _run(self, job: TrainingJob) -> None:
+        try:
+            final = self._lifecycle(job)
+        except _JobFailed as exc:
+            final = ("Failed", "Failed", str(exc))
+        except Exception as exc:  # a stand-in bug must end the job visibly, not hang the test
+            final = ("Failed", "Failed", f"InternalServerError: stand-in: {type(exc).__name__}: {exc}")
+        # The instance goes away with everything it ran before the job is seen to end.
+        _kill_instance(job.instance_id, signal.SIGKILL)
+        job.set(*final)
+
+    def _lifecycle(self, job: TrainingJob) -> tuple[str, str, str]:
+        """Walk the job through its statuses; its final (status, secondary status, reason)."""
+        time.sleep(self.phase_s)
+        if not job.stop_requested.is_set():
+            job.set("InProgress", "Downloading")
+            command, env = self._prepare(job)
+            time.sleep(self.phase_s)
+        if not job.stop_requested.is_set():
+            job.set("InProgress", "Training")
+            code = self._train(job, command, env)
+            if job.crashed:
+                raise _JobFailed(INSTANCE_FAILURE)
+            job.set("InProgress", "Uploading")
+            self._upload_checkpoints(job)
+            if code != 0 and not job.stop_requested.is_set():
+                raise _JobFailed(_script_error(job, command, code))
+        if job.max_runtime_exceeded:
+            return ("Stopped", "MaxRuntimeExceeded", "")
+        if job.stop_requested.is_set():
+            return ("Stopped", "Stopped", "")
+        return ("Completed", "Completed", "")
+
+    def _prepare(self, job: TrainingJob) -> tuple[list[str], dict[str, str]]:
+        """Mount, fetch the code and the checkpoints; the toolkit's command and environment."""
+        mounts = self._mounts(job)
+        for folder in ("code", "checkpoints", "model", "output/data"):
+            (job.dir / folder).mkdir(parents=True, exist_ok=True)
+        hps = {key: _map_paths(value, mounts) for key, value in job.hyperparameters.items()}
+        source = Path(str(hps["sagemaker_submit_directory"]))
+        if not source.is_dir():
+            raise _JobFailed(f"ClientError: sagemaker_submit_directory {source} is not a folder here")
+        shutil.copytree(source, job.dir / "code", dirs_exist_ok=True)
+        self._download_checkpoints(job)
+        user = {key: value for key, value in hps.items() if not key.startswith("sagemaker_")}
+        gpus = self._gpus(job.request["ResourceConfig"]["InstanceType"])
+        env = {name: os.environ[name] for name in ("PATH", "HOME", "LANG", "TMPDIR") if name in os.environ}
+        env |= {
+            name: str(_map_paths(value, mounts)) for name, value in job.request.get("Environment", {}).items()
+        }
+        env |= {f"SM_CHANNEL_{c.upper()}": str(mounts[f"{CONTAINER_DATA}/{c}"]) for c in self._channels(job)}
+        env |= {
+            "SM_HPS": json.dumps(user),
+            "SM_CHANNELS": json.dumps(sorted(self._channels(job))),
+            "SM_NUM_GPUS": str(gpus),
+            "SM_CURRENT_HOST": "algo-1",
+            "SM_HOSTS": json.dumps(["algo-1"]),
+            "SM_MODEL_DIR": str(job.dir / "model"),
+            "SM_OUTPUT_DATA_DIR": str(job.dir / "output" / "data"),
+            "TRAINING_JOB_NAME": job.name,
+            INSTANCE_ENV: job.instance_id,
+        }
+        procs = min(max(gpus, 1), self.max_procs)
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}"]
+        return [*launch, str(hps["sagemaker_program"]), *_cmd_args(user)], env
+
+    def _mounts(self, job: TrainingJob) -> dict[str, Path]:
+        """Container path -> local folder, longest first."""
+        local_path = job.request.get("CheckpointConfig", {}).get("LocalPath", "/opt/ml/checkpoints")
+        mounts = {local_path: job.dir / "checkpoints", "/opt/ml/code": job.dir / "code"}
+        mounts |= {"/opt/ml/model": job.dir / "model", "/opt/ml/output": job.dir / "output"}
+        for channel in job.request.get("InputDataConfig", []):
+            source = channel["DataSource"]["FileSystemDataSource"]
+            key = (source["FileSystemId"], source["DirectoryPath"])
+            if key not in self.file_systems:
+                raise _JobFailed(
+                    f"ClientError: Unable to mount file system: {key[0]} directory path: {key[1]}. "
+                    "Incorrect file system directory path."
+                )
+            mounts[f"{CONTAINER_DATA}/{channel['ChannelName']}"] = self.file_systems[key]
+        return dict(sorted(mounts.items(), key=lambda item: -len(item[0])))
+
+    def _channels(self, job: TrainingJob) -> list[str]:
+        return [channel["ChannelName"] for channel in job.request.get("InputDataConfig", [])]
+
+    def _gpus(self, instance_type: str) -> int:
+        if _CPU_FAMILIES.match(instance_type):
+            return 0
+        return GPUS_PER_INSTANCE.get(instance_type, self.default_gpus)
+
+    def _train(self, job: TrainingJob, command: list[str], env: dict[str, str]) -> int:
+        job.log(f"Invoking script with the following command: {' '.join(command)}")
+        process = subprocess.Popen(
+            command, cwd=job.dir / "code", env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            start_new_session=True,  # a container of its own: the test's Ctrl-C does not reach it
+        )  # fmt: skip
+        job.process = process
+        pump = threading.Thread(target=_pump, args=(job, process), daemon=True)
+        pump.start()
+        deadline = time.monotonic() + job.request["StoppingCondition"]["MaxRuntimeInSeconds"]
+        while process.poll() is None:
+            if job.stop_requested.wait(self.sync_s) or time.monotonic() > deadline:
+                job.max_runtime_exceeded = not job.stop_requested.is_set()
+                job.set("Stopping", "Stopping")
+                job.stop_requested.set()
+                _terminate(job, process, self.stop_grace_s)
+            elif not job.crashed:
+                self._upload_checkpoints(job)
+        pump.join(timeout=10)
+        return process.returncode
+
+    # ---------------------------------------------------------------------------------- checkpoint sync
+
+    def _bucket_and_prefix(self, job: TrainingJob) -> tuple[str, str]:
+        assert job.checkpoint_uri is not None
+        bucket, _, prefix = job.checkpoint_uri.removeprefix("s3://").partition("/")
+        return bucket, prefix.strip("/")
+
+    def _download_checkpoints(self, job: TrainingJob) -> None:
+        if job.checkpoint_uri is None:
+            return
+        bucket, prefix = self._bucket_and_prefix(job)
+        try:
+            for key in _keys(self.s3, bucket, prefix):
+                target = job.dir / "checkpoints" / key[len(prefix) :].lstrip("/")
+                target.parent.mkdir(parents=True, exist_ok=True)
+                self.s3.download_file(bucket, key, str(target))
+                stat = target.stat()
+                job.synced[str(target)] = (stat.st_mtime_ns, stat.st_size)
+        except Exception as exc:
+            raise _JobFailed(
+                f"ClientError: cannot download checkpoints from {job.checkpoint_uri}: {exc}"
+            ) from exc
+
+    def _upload_checkpoints(self, job: TrainingJob) -> None:
+        if job.checkpoint_uri is None:
+            return
+        bucket, prefix = self._bucket_and_prefix(job)
+        root = job.dir / "checkpoints"
+        for path in sorted(root.rglob("*")):
+            try:
+                stat = path.stat()
+                if not path.is_file() or job.synced.get(str(path)) == (stat.st_mtime_ns, stat.st_size):
+                    continue
+                key = f"{prefix}/{path.relative_to(root).as_posix()}".lstrip("/")
+                self.s3.upload_file(str(path), bucket, key)
+            except FileNotFoundError:  # a save in progress renamed it away: the next pass sees the result
+                continue
+            job.synced[str(path)] = (stat.st_mtime_ns, stat.st_size)
+
+
+def _keys(s3: Any, bucket: str, prefix: str) -> Iterator[str]:
+    for page in s3.get_paginator("list_objects_v2").paginate(
+        Bucket=bucket, Prefix=f"{prefix}/" if prefix else ""
+    ):
+        yield from (item["Key"] for item in page.get("Contents", []))
+
+
+def _decode(value: str) -> Any:
+    # The toolkit decodes each hyperparameter as JSON and keeps what does not parse as a string.
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def _map_paths(value: Any, mounts: Mapping[str, Path]) -> Any:
+    """``value`` with every string that starts with a container path rewritten to the local folder."""
+    if isinstance(value, list):
+        return [_map_paths(item, mounts) for item in value]
+    if isinstance(value, str):
+        for container, local in mounts.items():
+            if value == container or value.startswith(container + "/"):
+                return str(local) + value[len(container) :]
+    return value
+
+
+def _cmd_args(hyperparameters: Mapping[str, Any]) -> list[str]:
+    """The toolkit's argv: ``--key value`` per hyperparameter, sorted; a dict as ``k=v,k=v``."""
+
+    def text(value: Any) -> str:
+        if isinstance(value, dict):
+            return ",".join(f"{k}={v}" for k, v in sorted(value.items()))
+        return str(value)
+
+    pairs = ((f"--{key}", text(hyperparameters[key])) for key in sorted(hyperparameters))
+    return list(itertools.chain.from_iterable(pairs))
+
+
+def _pump(job: TrainingJob, process: subprocess.Popen[bytes]) -> None:
+    assert process.stdout is not None
+    for raw in process.stdout:
+        job.log(raw.decode("utf-8", errors="replace").rstrip("\n"))
+
+
+def _script_error(job: TrainingJob, command: list[str], code: int) -> str:
+    """The toolkit's FailureReason for a script that exited ``code``, with its last error line."""
+    with job.lock:
+        lines = [event["message"] for event in job.events or []]
+    errors = [line for line in lines if re.match(r"^\w[\w.]*(Error|Exception): ", line)]
+    message = next((line for line in reversed(errors) if "ChildFailedError" not in line), "")
+    return (
+        f'AlgorithmError: ExecuteUserScriptError:\nExitCode {code}\nErrorMessage "{message}"\n'
+        f'Command "{" ".join(command)}", exit code: {code}'
+    )
+
+
+def _instance_pids(instance_id: str) -> list[int]:
+    """Live processes that inherited ``INSTANCE_ENV=instance_id`` (a zombie's environ reads empty)."""
+    needle = f"{INSTANCE_ENV}={instance_id}".encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        with contextlib.suppress(OSError):
+            if entry.isdigit() and needle in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
+                pids.append(int(entry))
+    return pids
+
+
+def _kill_instance(instance_id: str, sig: signal.Signals) -> None:
+    """Signal every process of the instance; with SIGKILL, until none is left."""
+    for _ in range(100):
+        pids = _instance_pids(instance_id)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        if not pids or sig != signal.SIGKILL:
+            return
+        time.sleep(0.02)
+
+
+def _terminate(job: TrainingJob, process: subprocess.Popen[bytes], grace_s: float) -> None:
+    _kill_instance(job.instance_id, signal.SIGTERM)
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        _kill_instance(job.instance_id, signal.SIGKILL)
+        process.wait()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """One AWS JSON-protocol request: the operation in ``X-Amz-Target``, the input as the JSON body."""
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        standin: SageMakerStandIn = self.server.standin  # type: ignore[attr-defined]
+        try:
+            status, answer = 200, standin.dispatch(self.headers.get("X-Amz-Target", ""), body)
+        except ApiError as exc:
+            status, answer = 400, {"__type": exc.code, "message": exc.message}
+        payload = json.dumps(answer).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/x-amz-json-1.1")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Quiet: the test output is for the tests."""
