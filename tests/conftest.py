@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from moto_server import MotoServer, moto_server
 from slurm_cluster import apply_slurm_marker
 
 REPO = Path(__file__).resolve().parents[1]
@@ -25,6 +26,13 @@ def prefect_api() -> Iterator[None]:
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+@pytest.fixture(scope="module")
+def moto() -> Iterator[MotoServer]:
+    """A moto server (real HTTP, real botocore) shared by the tests of one module."""
+    with moto_server() as server:
+        yield server
 
 
 @pytest.fixture

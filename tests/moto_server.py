@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +40,13 @@ class MotoServer:
     def reset(self) -> None:
         """Forget every bucket, job and cluster (moto's own reset endpoint)."""
         httpx.post(f"{self.endpoint_url}/moto-api/reset", timeout=10).raise_for_status()
+
+
+def put_objects(client: Any, bucket: str, prefix: str, objects: Mapping[str, bytes]) -> None:
+    """Create ``bucket`` and put each of ``objects`` (relative key -> bytes) under ``prefix``."""
+    client.create_bucket(Bucket=bucket)
+    for key, data in objects.items():
+        client.put_object(Bucket=bucket, Key=f"{prefix}{key}", Body=data)
 
 
 def _free_port() -> int:

@@ -6,25 +6,18 @@ contract itself runs against the SageMaker stand-in in ``test_sagemaker_contract
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import boto3
 import pytest
 from botocore.stub import Stubber
-from moto_server import MotoServer, moto_server
+from moto_server import MotoServer
 
 from tunepod.errors import JobError
 from tunepod.launch.base import JobSpec, JobState, wait
 from tunepod.launch.sagemaker import SageMakerLauncher
 from tunepod.spec.models import SageMakerLauncherSpec
-
-
-@pytest.fixture(scope="module")
-def moto() -> Iterator[MotoServer]:
-    with moto_server() as server:
-        yield server
 
 
 def launcher_spec(root: Path) -> SageMakerLauncherSpec:

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 from mlflow import MlflowClient
-from moto_server import REGION, MotoServer, moto_server
+from moto_server import REGION, MotoServer, put_objects
 from standins.fsx_api import FsxStandIn, fsx_standin
 
 from tunepod.errors import JobError, TunepodError
@@ -39,20 +39,12 @@ OBJECTS = {"train.csv": b"x,y\n1,2\n", "test.csv": b"x,y\n3,4\n", "shards/part-0
 FAST = {"poll_s": 0.01, "timeout_s": 30}
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[MotoServer]:
-    with moto_server() as running:
-        yield running
-
-
 @pytest.fixture
-def s3(server: MotoServer) -> Any:
+def s3(moto: MotoServer) -> Any:
     """An empty moto holding ``OBJECTS`` under s3://datasets/digits/."""
-    server.reset()
-    client = server.client("s3")
-    client.create_bucket(Bucket=BUCKET)
-    for rel, data in OBJECTS.items():
-        client.put_object(Bucket=BUCKET, Key=f"digits/{rel}", Body=data)
+    moto.reset()
+    client = moto.client("s3")
+    put_objects(client, BUCKET, "digits/", OBJECTS)
     return client
 
 

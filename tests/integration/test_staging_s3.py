@@ -10,12 +10,11 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from moto_server import REGION, MotoServer, moto_server
+from moto_server import REGION, MotoServer, put_objects
 
 from tunepod.errors import TransientError, TunepodError
 from tunepod.staging import read_manifest, stage, stage_s3
@@ -33,20 +32,12 @@ OBJECTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[MotoServer]:
-    with moto_server() as running:
-        yield running
-
-
 @pytest.fixture
-def s3(server: MotoServer) -> Any:
+def s3(moto: MotoServer) -> Any:
     """A real S3 client on an empty moto holding the bucket ``datasets`` with ``OBJECTS`` under digits/."""
-    server.reset()
-    client = server.client("s3")
-    client.create_bucket(Bucket=BUCKET)
-    for rel, data in OBJECTS.items():
-        client.put_object(Bucket=BUCKET, Key=f"digits/{rel}", Body=data)
+    moto.reset()
+    client = moto.client("s3")
+    put_objects(client, BUCKET, "digits/", OBJECTS)
     client.put_object(Bucket=BUCKET, Key="digits/shards/", Body=b"")  # a console "folder" marker
     client.put_object(Bucket=BUCKET, Key="other/readme.txt", Body=b"not staged")
     return client
@@ -218,12 +209,12 @@ def test_an_interrupted_download_leaves_no_partial_file_and_the_next_run_complet
 
 
 def test_stage_routes_s3_sources_to_the_s3_stager(
-    server: MotoServer, s3: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    moto: MotoServer, s3: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     isolated_aws_env(monkeypatch, tmp_path)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", server.endpoint_url)  # boto3 reads it: no client passed
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", moto.endpoint_url)  # boto3 reads it: no client passed
     report = stage(URI, tmp_path / "target", tmp_path / "cache")
     assert report.copied_files == 3
     assert tree(tmp_path / "target") == OBJECTS
@@ -250,10 +241,10 @@ def isolated_aws_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 
 
 def test_missing_credentials_are_explained(
-    server: MotoServer, s3: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    moto: MotoServer, s3: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     isolated_aws_env(monkeypatch, tmp_path)
-    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", server.endpoint_url)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", moto.endpoint_url)
     with pytest.raises(TunepodError, match=r"no usable AWS credentials.*fix: set AWS_PROFILE"):
         stage_s3(URI, tmp_path / "target")
     assert not (tmp_path / "target").exists()
@@ -267,11 +258,11 @@ def test_missing_credentials_are_explained(
     ],
 )
 def test_rejected_credentials_and_denied_access_are_explained(
-    server: MotoServer, tmp_path: Path, code: str, explained: str
+    moto: MotoServer, tmp_path: Path, code: str, explained: str
 ) -> None:
     from botocore.stub import Stubber
 
-    client = server.client("s3")
+    client = moto.client("s3")
     with Stubber(client) as stubber:
         stubber.add_client_error("list_objects_v2", service_error_code=code, http_status_code=403)
         with pytest.raises(TunepodError, match=explained):
