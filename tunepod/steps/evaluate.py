@@ -71,6 +71,7 @@ def _evaluate(
         resources=settings.resources,
         run_id=run_id,
         checkpoint_dir=Path(trial.checkpoint_dir),
+        tag_prefix=f"tunepod.{name}.",  # the trial's own tunepod.job_id names its training job
     )
     value = result.metrics.get(settings.metric)
     if value is None or not math.isfinite(value):

@@ -31,11 +31,14 @@ def run_job(
     run_id: str,
     checkpoint_dir: Path | None = None,
     max_restarts: int = 0,
+    tag_prefix: str = "tunepod.",
 ) -> Result:
     """Run one job to its end, its reports mirrored into ``run_id``; its result, or a ``JobError``.
 
     A job that fails is started again in place up to ``max_restarts`` times (it resumes from its
-    checkpoints)."""
+    checkpoints). The job's id and dir are tagged on ``run_id`` as ``<tag_prefix>job_id`` and
+    ``<tag_prefix>job_dir``: a job that runs in another job's run (an evaluation in its trial's run)
+    passes its own prefix, so that the tags of the job that made the run are kept."""
     paths = JobPaths(job_dir)
     paths.result.unlink(missing_ok=True)  # a result left by an earlier attempt must not count
     env = contract_env(
@@ -51,7 +54,7 @@ def run_job(
         name=name, entrypoint=Path(entrypoint).resolve(), job_dir=job_dir, env=env, resources=resources
     )
     handle = run.launcher.submit(job)
-    run.tracker.set_tags(run_id, {"tunepod.job_id": handle.job_id, "tunepod.job_dir": str(job_dir)})
+    run.tracker.set_tags(run_id, {f"{tag_prefix}job_id": handle.job_id, f"{tag_prefix}job_dir": str(job_dir)})
 
     def mirror(reports: list[Report]) -> bool:
         run.tracker.log_reports(run_id, reports)
@@ -63,7 +66,7 @@ def run_job(
         if outcome.state is not JobState.FAILED or outcome.timed_out:
             break
         handle = run.launcher.submit(job)
-        run.tracker.set_tags(run_id, {"tunepod.job_id": handle.job_id})
+        run.tracker.set_tags(run_id, {f"{tag_prefix}job_id": handle.job_id})
         outcome = watch(
             handle, poll_s=POLL_S, on_reports=mirror, after_step=outcome.last_step, timeout_s=timeout_s
         )
