@@ -13,6 +13,7 @@ import dataclasses
 import json
 import logging
 import re
+import shutil
 import sys
 import threading
 from collections.abc import Iterator
@@ -20,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from launcher_contract import LauncherContract, finish, fixture_job, wait_until
+from launcher_contract import JOBS, LauncherContract, finish, fixture_job, wait_until
 from standins.kube_api import KubeApiStandIn
 
 from tunepod.errors import JobError, TransientError, TunepodError
-from tunepod.launch.base import JobHandle, JobState, Launcher, Resources
+from tunepod.launch.base import JobHandle, JobSpec, JobState, Launcher, Resources
 from tunepod.launch.hyperpod_eks import HYPERPOD_PLURAL, render_manifest
 from tunepod.launch.kube import MANIFEST_NAME, HyperPodEksLauncher, KubeJob
 from tunepod.spec.models import HyperPodEksLauncherSpec
@@ -55,6 +56,14 @@ def eks_spec(root: Path, kubeconfig: Path | None, **fields: Any) -> HyperPodEksL
     return HyperPodEksLauncherSpec.model_validate(values)
 
 
+def eks_job(job_dir: Path, script: str, *args: str, **fields: Any) -> JobSpec:
+    """A fixture job with its code beside the job dir, under root: on a cluster the pods see only the
+    claim (and the image), so the scripts live on FSx like a user's checkout."""
+    code = job_dir.parent / "code"
+    shutil.copytree(JOBS, code, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+    return dataclasses.replace(fixture_job(job_dir, script, *args, **fields), entrypoint=code / script)
+
+
 def eks_launcher(kube: KubeApiStandIn, tmp_path: Path, **fields: Any) -> HyperPodEksLauncher:
     kubeconfig = kube.write_kubeconfig(tmp_path / "kubeconfig")
     return HyperPodEksLauncher(eks_spec(tmp_path, kubeconfig, **fields), cancel_timeout_s=30)
@@ -74,6 +83,9 @@ class TestHyperPodEksContract(LauncherContract):
         assert isinstance(handle, KubeJob)
         self.kube.crash(handle.ref.namespace, handle.ref.name)
 
+    def make_job(self, job_dir: Path, script: str, *args: str, procs: int = 1) -> JobSpec:
+        return eks_job(job_dir, script, *args, procs=procs)
+
 
 def test_launcher_implements_the_protocol(kube: KubeApiStandIn, tmp_path: Path) -> None:
     launcher = eks_launcher(kube, tmp_path)
@@ -84,7 +96,7 @@ def test_launcher_implements_the_protocol(kube: KubeApiStandIn, tmp_path: Path) 
 def test_the_object_in_the_cluster_is_the_rendered_manifest(kube: KubeApiStandIn, tmp_path: Path) -> None:
     launcher = eks_launcher(kube, tmp_path)
     release = tmp_path / "release"
-    job = fixture_job(tmp_path / "jobs" / "trial-1", "succeed.py", str(release))
+    job = eks_job(tmp_path / "jobs" / "trial-1", "succeed.py", str(release))
     handle = launcher.submit(job)
     rendered = render_manifest(job, launcher.spec)
 
@@ -112,7 +124,7 @@ def test_one_list_call_serves_every_handle(
     # elastic applies to Kubeflow only: the launcher warns about it once, not once per job.
     launcher = eks_launcher(kube, tmp_path, poll_cache_s=3600, elastic=True)
     release = tmp_path / "release"
-    jobs = [fixture_job(tmp_path / f"job{i}", "succeed.py", str(release)) for i in range(3)]
+    jobs = [eks_job(tmp_path / f"job{i}", "succeed.py", str(release)) for i in range(3)]
     handles = [launcher.submit(job) for job in jobs]
     handles.append(launcher.attach(handles[0].job_id, jobs[0].job_dir))
     calls_before = kube.calls.copy()
@@ -142,14 +154,14 @@ def test_running_job_dir_is_refused_and_a_resubmission_replaces_the_ended_object
     launcher = eks_launcher(kube, tmp_path)
     job_dir = tmp_path / "job"
     pid_dir = tmp_path / "pids"
-    first = launcher.submit(fixture_job(job_dir, "hang.py", str(pid_dir)))
+    first = launcher.submit(eks_job(job_dir, "hang.py", str(pid_dir)))
     with pytest.raises(JobError, match=r"has not ended .*kubectl -n default delete hyperpodpytorchjobs"):
-        launcher.submit(fixture_job(job_dir, "succeed.py"))
+        launcher.submit(eks_job(job_dir, "succeed.py"))
     wait_until(lambda: (pid_dir / "rank-0.json").exists(), "the rank to start")
     first.cancel()
     assert first.state() is JobState.CANCELLED
 
-    second = launcher.submit(fixture_job(job_dir, "succeed.py"))
+    second = launcher.submit(eks_job(job_dir, "succeed.py"))
     assert second.ref.name == first.ref.name and second.job_id != first.job_id
     assert not job_dir.joinpath("cancelled").exists()
     assert finish(second) is JobState.SUCCEEDED, second.logs()
@@ -162,7 +174,7 @@ def test_running_job_dir_is_refused_and_a_resubmission_replaces_the_ended_object
 def test_object_deleted_outside_tunepod_is_failed_and_says_so(kube: KubeApiStandIn, tmp_path: Path) -> None:
     launcher = eks_launcher(kube, tmp_path)
     pid_dir = tmp_path / "pids"
-    handle = launcher.submit(fixture_job(tmp_path / "job", "hang.py", str(pid_dir)))
+    handle = launcher.submit(eks_job(tmp_path / "job", "hang.py", str(pid_dir)))
     wait_until(lambda: (pid_dir / "rank-0.json").exists(), "the rank to start")
     assert handle.state() is JobState.RUNNING
     # A LIST that fails transiently serves the last known state, until that is too old.
@@ -182,7 +194,7 @@ def test_object_deleted_outside_tunepod_is_failed_and_says_so(kube: KubeApiStand
 def test_an_object_of_another_job_dir_is_never_replaced(kube: KubeApiStandIn, tmp_path: Path) -> None:
     launcher = eks_launcher(kube, tmp_path)
     # Two job dirs whose jobs share a name share an object name; the stand-in fails 2-node jobs at once.
-    first = fixture_job(tmp_path / "study-a" / "trial-0", "succeed.py", resources=Resources(num_nodes=2))
+    first = eks_job(tmp_path / "study-a" / "trial-0", "succeed.py", resources=Resources(num_nodes=2))
     handle = launcher.submit(first)
     assert finish(handle) is JobState.FAILED
     second = dataclasses.replace(first, job_dir=tmp_path / "study-b" / "trial-0")
@@ -195,7 +207,7 @@ def test_an_object_of_another_job_dir_is_never_replaced(kube: KubeApiStandIn, tm
 
 def test_multi_node_job_is_refused_by_the_stand_in(kube: KubeApiStandIn, tmp_path: Path) -> None:
     launcher = eks_launcher(kube, tmp_path)
-    handle = launcher.submit(fixture_job(tmp_path / "job", "succeed.py", resources=Resources(num_nodes=2)))
+    handle = launcher.submit(eks_job(tmp_path / "job", "succeed.py", resources=Resources(num_nodes=2)))
     assert finish(handle) is JobState.FAILED
     assert "StandInSingleNodeOnly" in handle.describe()
 
@@ -204,7 +216,7 @@ def test_forbidden_is_a_job_error_naming_rbac(kube: KubeApiStandIn, tmp_path: Pa
     launcher = eks_launcher(kube, tmp_path)
     kube.refuse_with(403, "Forbidden", 'user "standin" cannot create resource "hyperpodpytorchjobs"')
     with pytest.raises(JobError, match=r"HTTP 403.*cannot create resource.*RBAC"):
-        launcher.submit(fixture_job(tmp_path / "job", "succeed.py"))
+        launcher.submit(eks_job(tmp_path / "job", "succeed.py"))
     handle = launcher.attach("default/trial-1-0123abcd/0b0c6c2e-uid", tmp_path / "job")
     with pytest.raises(JobError, match="RBAC"):
         handle.state()
@@ -214,7 +226,7 @@ def test_api_down_is_transient(kube: KubeApiStandIn, tmp_path: Path) -> None:
     launcher = eks_launcher(kube, tmp_path)
     kube.stop()  # the API server goes away
     with pytest.raises(TransientError, match="did not answer"):
-        launcher.submit(fixture_job(tmp_path / "job", "succeed.py"))
+        launcher.submit(eks_job(tmp_path / "job", "succeed.py"))
     with pytest.raises(TransientError):
         launcher.attach("default/trial-1-0123abcd/0b0c6c2e-uid", tmp_path / "job").state()
 

@@ -162,6 +162,13 @@ def test_a_job_dir_outside_the_root_is_refused() -> None:
         render_manifest(job(job_dir=Path("/tmp/trial-7")), spec())
 
 
+def test_an_entrypoint_outside_the_root_is_refused_naming_the_fix() -> None:
+    with pytest.raises(
+        TunepodError, match=r"entrypoint /home/me/train.py .* fix: run tunepod from a checkout"
+    ):
+        render_manifest(job(entrypoint=Path("/home/me/train.py")), spec())
+
+
 def test_a_relative_root_is_refused() -> None:
     with pytest.raises(TunepodError, match="absolute path"):
         render_manifest(job(), spec(root="fsx/tunepod"))

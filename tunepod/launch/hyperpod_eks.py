@@ -162,13 +162,16 @@ def _check_under_root(job: JobSpec, spec: HyperPodEksLauncherSpec) -> None:
     root = PurePosixPath(spec.root)
     if not root.is_absolute():
         raise TunepodError(f"launcher root {spec.root!r} must be an absolute path (the claim's mount path)")
-    job_dir = PurePosixPath(job.job_dir.as_posix())
-    if not job_dir.is_relative_to(root):
-        raise TunepodError(
-            f"job dir {job_dir} of job {job.name!r} is outside the launcher root {root}, so the pods "
-            f"(which mount claim {spec.claim_name!r} at {root}) would not see it; "
-            "fix: put job dirs under root"
-        )
+    for what, path, fix in (
+        ("job dir", job.job_dir, "put job dirs under root"),
+        ("entrypoint", job.entrypoint, f"run tunepod from a checkout under {root} (e.g. {root}/src)"),
+    ):
+        posix = PurePosixPath(path.as_posix())
+        if not posix.is_relative_to(root):
+            raise TunepodError(
+                f"{what} {posix} of job {job.name!r} is outside the launcher root {root}, so the pods "
+                f"(which mount claim {spec.claim_name!r} at {root}) would not see it; fix: {fix}"
+            )
 
 
 def training_command(job: JobSpec, spec: HyperPodEksLauncherSpec) -> list[str]:
