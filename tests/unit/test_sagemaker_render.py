@@ -24,14 +24,8 @@ from tunepod.errors import TunepodError
 from tunepod.launch.base import JobSpec, JobState, Resources
 from tunepod.launch.contract import contract_env
 from tunepod.launch.paths import JobPaths
-from tunepod.launch.sagemaker import (
-    TrainingJobStatus,
-    checkpoint_s3_uri,
-    exit_code_of,
-    map_training_job_state,
-    render_training_job,
-    training_job_name,
-)
+from tunepod.launch.sagemaker import TrainingJobStatus, exit_code_of, map_training_job_state
+from tunepod.launch.sagemaker_request import checkpoint_s3_uri, render_training_job, training_job_name
 from tunepod.spec.models import SageMakerLauncherSpec
 
 GOLDEN = Path(__file__).parent / "golden"
