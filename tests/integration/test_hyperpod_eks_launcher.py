@@ -2,7 +2,9 @@
 STAND-IN Kubernetes API (``standins.kube_api``: real HTTP, real REST paths, a tiny operator that runs
 each pod's command as local torchrun processes; no API server can run here), for both CRDs, plus
 EKS-only tests: the object in the cluster is the rendered manifest, one LIST serves every handle,
-refusing a running job dir, attach after a resubmission, a deleted object, and the API's errors.
+refusing a running job dir, attach after a resubmission, a deleted object, the API's errors, and
+2-node jobs (HyperPod, Kubeflow, Kubeflow elastic) that form one gloo process group across their pods
+or fail as a whole when one node fails.
 
 ``tmp_path`` is the shared root: the stand-in's pods see the claim's mount path as the same local path.
 """
@@ -21,9 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from launcher_contract import JOBS, LauncherContract, finish, fixture_job, wait_until
+from launcher_contract import JOBS, LauncherContract, finish, fixture_job, is_alive, recorded_pids, wait_until
 from standins.kube_api import KubeApiStandIn
 
+from tunepod import runtime
 from tunepod.errors import JobError, TransientError, TunepodError
 from tunepod.launch.base import JobHandle, JobSpec, JobState, Launcher, Resources
 from tunepod.launch.hyperpod_eks import HYPERPOD_PLURAL, render_manifest
@@ -193,8 +196,8 @@ def test_object_deleted_outside_tunepod_is_failed_and_says_so(kube: KubeApiStand
 
 def test_an_object_of_another_job_dir_is_never_replaced(kube: KubeApiStandIn, tmp_path: Path) -> None:
     launcher = eks_launcher(kube, tmp_path)
-    # Two job dirs whose jobs share a name share an object name; the stand-in fails 2-node jobs at once.
-    first = eks_job(tmp_path / "study-a" / "trial-0", "succeed.py", resources=Resources(num_nodes=2))
+    # Two job dirs whose jobs share a name share an object name.
+    first = eks_job(tmp_path / "study-a" / "trial-0", "fail.py")
     handle = launcher.submit(first)
     assert finish(handle) is JobState.FAILED
     second = dataclasses.replace(first, job_dir=tmp_path / "study-b" / "trial-0")
@@ -205,11 +208,59 @@ def test_an_object_of_another_job_dir_is_never_replaced(kube: KubeApiStandIn, tm
     assert launcher.attach(handle.job_id, first.job_dir).state() is JobState.FAILED
 
 
-def test_multi_node_job_is_refused_by_the_stand_in(kube: KubeApiStandIn, tmp_path: Path) -> None:
-    launcher = eks_launcher(kube, tmp_path)
-    handle = launcher.submit(eks_job(tmp_path / "job", "succeed.py", resources=Resources(num_nodes=2)))
+# ------------------------------------------------------------------------------------- multi-node
+
+MULTI_NODE = [
+    pytest.param({"crd": "hyperpod"}, id="hyperpod"),
+    pytest.param({"crd": "kubeflow"}, id="kubeflow"),
+    pytest.param({"crd": "kubeflow", "elastic": True}, id="kubeflow-elastic"),
+]
+
+
+def two_node_job(job_dir: Path, script: str, *args: str) -> JobSpec:
+    """A 2-node job (one process per node) running the fixture ``script``."""
+    return eks_job(job_dir, script, *args, resources=Resources(num_nodes=2))
+
+
+@pytest.mark.parametrize("settings", MULTI_NODE)
+def test_a_two_node_job_forms_one_process_group_across_its_pods(
+    kube: KubeApiStandIn, tmp_path: Path, settings: dict[str, Any]
+) -> None:
+    launcher = eks_launcher(kube, tmp_path, **settings)
+    job = two_node_job(tmp_path / "job", "all_reduce.py")
+    handle = launcher.submit(job)
+    assert finish(handle) is JobState.SUCCEEDED, handle.logs()
+    result = runtime.read_result(job.paths.result)
+    assert result is not None
+    assert result.metrics == {"world_size": 2.0, "rank_sum": 3.0}  # ranks 0 and 1 reduced together
+    pods = sorted(pod["metadata"]["name"] for pod in launcher.api.list_pods(handle.ref))
+    assert len(pods) == 2
+    logs = handle.logs()
+    for name in pods:
+        assert f"==> pod {name} <==" in logs
+    assert "rank 0/2 on node" in logs and "rank 1/2 on node" in logs
+    assert handle.describe().count("exit code 0 (Completed)") == 2
+
+
+@pytest.mark.parametrize("settings", MULTI_NODE)
+def test_one_failing_node_fails_the_job_and_the_other_node_is_stopped(
+    kube: KubeApiStandIn, tmp_path: Path, settings: dict[str, Any]
+) -> None:
+    launcher = eks_launcher(kube, tmp_path, **settings)
+    pid_dir = tmp_path / "pids"
+    handle = launcher.submit(two_node_job(tmp_path / "job", "rank_1_fails.py", str(pid_dir)))
     assert finish(handle) is JobState.FAILED
-    assert "StandInSingleNodeOnly" in handle.describe()
+    # The job fails at the first failed pod; the other pod's end follows.
+    wait_until(lambda: handle.describe().count(" exit code ") == 2, "the other pod to be stopped")
+    described = handle.describe()
+    # torchrun exits 1 when a worker fails; the pod that ran rank 0 was killed (128 + SIGKILL).
+    failed = re.search(r"failed: pod (\S+) exited with code 1\b", described)
+    assert failed is not None, described
+    assert f"pod {failed.group(1)} exit code 1 (Error)" in described
+    assert re.search(r"pod (?!" + re.escape(failed.group(1)) + r")\S+ exit code 137", described), described
+    assert "rank 1 fails on purpose" in handle.logs()
+    assert recorded_pids(pid_dir)
+    assert [pid for pid in recorded_pids(pid_dir) if is_alive(pid)] == []
 
 
 def test_forbidden_is_a_job_error_naming_rbac(kube: KubeApiStandIn, tmp_path: Path) -> None:

@@ -2,7 +2,8 @@
 (``tests/standins/sagemaker_api.py``: the real AWS JSON protocol over HTTP, jobs as local torchrun
 processes, FSx as a local folder), plus SageMaker-only tests: the state cache, CloudWatch logs, the exit
 code in ``describe``, an evaluation job finding a trial's checkpoints, checkpoints synced with a real
-moto S3 server when the channel is read-only, and MaxRuntimeExceeded.
+moto S3 server when the channel is read-only, MaxRuntimeExceeded, and 2-instance jobs that form one
+gloo process group across the instances or fail as a whole when one instance fails.
 
 The launcher is built as the factory builds it, ``SageMakerLauncher(spec)``, and finds the stand-in
 through ``AWS_ENDPOINT_URL_SAGEMAKER`` / ``AWS_ENDPOINT_URL_CLOUDWATCH_LOGS``. ``tmp_path`` is the
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 import threading
 from collections.abc import Iterator
@@ -21,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from launcher_contract import JOBS, LauncherContract, finish, fixture_job, wait_until
+from launcher_contract import JOBS, LauncherContract, finish, fixture_job, is_alive, recorded_pids, wait_until
 from moto_server import MotoServer, moto_server
 from standins.sagemaker_api import SageMakerStandIn
 
@@ -255,3 +257,49 @@ def test_max_runtime_exceeded_is_a_failure(standin: SageMakerStandIn, tmp_path: 
     assert handle.status().secondary_status == "MaxRuntimeExceeded"
     assert "Stopped (MaxRuntimeExceeded)" in handle.describe()
     assert not (job.job_dir / "cancelled").exists()
+
+
+# ---------------------------------------------------------------------------------- several instances
+
+
+def two_instance_job(job_dir: Path, script: str, *args: str) -> JobSpec:
+    """A job on 2 CPU instances (one process each) running the fixture ``script``."""
+    return sagemaker_job(job_dir, script, *args, num_nodes=2)
+
+
+def stream_sections(logs: str) -> dict[str, str]:
+    """``logs()`` of a several-instance job, by host (``algo-1``), in the order it shows them."""
+    parts = re.split(r"^==> \S+/(algo-\d+)-\d+ <==$", logs, flags=re.MULTILINE)
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
+
+
+def test_a_two_instance_job_forms_one_process_group(standin: SageMakerStandIn, tmp_path: Path) -> None:
+    launcher = SageMakerLauncher(sagemaker_spec(tmp_path), poll_s=0.05)
+    job = two_instance_job(tmp_path / "job", "all_reduce.py")
+    handle = launcher.submit(job)
+    assert finish(handle) is JobState.SUCCEEDED, handle.logs()
+    result = runtime.read_result(job.paths.result)
+    assert result is not None
+    assert result.metrics == {"world_size": 2.0, "rank_sum": 3.0}  # ranks 0 and 1 reduced together
+    sections = stream_sections(handle.logs())
+    assert list(sections) == ["algo-1", "algo-2"]
+    # The toolkit's node rank is the host's index in SM_HOSTS.
+    assert "rank 0/2 on algo-1: sum 3" in sections["algo-1"]
+    assert "rank 1/2 on algo-2: sum 3" in sections["algo-2"]
+
+
+def test_one_failing_instance_fails_the_job_and_the_other_is_stopped(
+    standin: SageMakerStandIn, tmp_path: Path
+) -> None:
+    launcher = SageMakerLauncher(sagemaker_spec(tmp_path), poll_s=0.05)
+    pid_dir = tmp_path / "pids"
+    handle = launcher.submit(two_instance_job(tmp_path / "job", "rank_1_fails.py", str(pid_dir)))
+    assert finish(handle) is JobState.FAILED
+    # torchrun exits 1 when a worker fails; the FailureReason is algo-2's (node rank 1).
+    described = handle.describe()
+    assert "Failed (exit code 1; Failed: AlgorithmError: ExecuteUserScriptError: ExitCode 1" in described
+    assert "--node_rank 1 rank_1_fails.py" in described
+    sections = stream_sections(handle.logs())
+    assert "rank 1 fails on purpose" in sections["algo-2"]
+    assert recorded_pids(pid_dir)
+    assert [pid for pid in recorded_pids(pid_dir) if is_alive(pid)] == []

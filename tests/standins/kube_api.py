@@ -13,23 +13,44 @@ Emulated, and only this:
   ``deletionTimestamp``, until its pods are gone; Background removes it first);
 - pods: list (``labelSelector``), get, and ``/log`` with ``tailLines``;
 - errors as ``Status`` objects; ``refuse_with`` makes every request answer one error (e.g. 403);
-- a tiny operator: each created job gets its pods (labels from the template, an owner reference to
-  the job), and each pod's container ``command`` runs as a LOCAL process in a new session with the
-  container's env (``$(VAR)`` and ``$$`` expanded as Kubernetes does) and ``workingDir``. ``hyperpodrun``
-  becomes ``sys.executable -m torch.distributed.run --standalone``, the image's python becomes
-  ``sys.executable`` (Kubeflow's torchrun also gets ``--standalone``, in place of the ``PET_*``
-  rendezvous the real operator injects). The claim's mount path is the same local path. Conditions
-  walk Created -> Running (Kubeflow) / PodsRunning (HyperPod) -> Succeeded / Completed or Failed, each
-  with reason, message and lastTransitionTime; pods get ``status.phase`` and
-  ``containerStatuses[].state.terminated.exitCode`` (128 + signal for a killed process, as kubelet
-  reports). stdout and stderr together are the pod log. Deleting a job sends SIGTERM to its pods'
-  processes, then SIGKILL after ``grace_s``; ``crash`` SIGKILLs them like a node failure.
+- a tiny operator: each created job gets all its pods at once (labels from the template, an owner
+  reference to the job), and each pod's container ``command`` runs as a LOCAL process tree in a new
+  session with the container's env (``$(VAR)`` and ``$$`` expanded as Kubernetes does) and
+  ``workingDir``; the image's python becomes ``sys.executable``. The claim's mount path is the same
+  local path. stdout and stderr together are the pod log.
+- rendezvous, all on 127.0.0.1 with a free port per job (every pod shares this machine's network,
+  where a cluster gives each pod its own address and a Service name):
+  - Kubeflow: the training operator v1's env (pkg/controller.v1/pytorch ``setPodEnv``, v1.9) is
+    appended to the container's env: ``PYTHONUNBUFFERED=1``; with a Master, ``MASTER_ADDR`` and
+    ``PET_MASTER_ADDR`` (127.0.0.1 for the Service ``<job>-master-0``), ``MASTER_PORT`` and
+    ``PET_MASTER_PORT``, ``WORLD_SIZE`` (pods x nprocPerNode), ``RANK`` and ``PET_NODE_RANK`` (Master
+    0, Worker i is i + 1) and ``PET_NNODES`` (the pod count); under ``elasticPolicy`` (Workers only)
+    ``PET_RDZV_ENDPOINT`` (127.0.0.1 for ``<job>-worker-0``), ``PET_RDZV_BACKEND`` (default c10d),
+    ``PET_NNODES`` (``min:max``, else the Worker count), ``PET_MAX_RESTARTS`` and ``PET_RDZV_ID`` when
+    set; ``PET_NPROC_PER_NODE`` from ``nprocPerNode``. ``torch.distributed.run`` reads them as the
+    defaults of its flags.
+  - HyperPod: ``hyperpodrun`` becomes ``sys.executable -m torch.distributed.run`` with an explicit
+    c10d rendezvous, ``--rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:PORT --rdzv-id=<job uid>``, in
+    every pod. The real HyperPod elastic agent gets its rendezvous from the training operator instead,
+    which the stand-in does not emulate.
+  - A one-pod job's torchrun (both operators) gets ``--standalone`` in place of all this, so that
+    the contract's many one-node jobs never race for a free port.
+- conditions walk Created -> Running (Kubeflow) / PodsRunning (HyperPod) once every pod runs ->
+  Succeeded (Kubeflow) / Completed (HyperPod) once every pod has succeeded, or Failed as soon as one
+  pod fails, naming it and its exit code; the other pods' processes are then SIGKILLed, as a failed
+  job's workers are torn down. Each condition has reason, message and lastTransitionTime. Pods get
+  ``status.phase`` and ``containerStatuses[].state.terminated.exitCode`` (128 + signal for a killed
+  process, as kubelet reports).
+- deleting a job sends SIGTERM to its pods' processes, then SIGKILL after ``grace_s``; ``crash``
+  SIGKILLs them like a node failure.
 
 Not emulated: authentication, RBAC, watches, resourceVersion semantics, namespaces as objects, other
-resources, multi-node jobs (refused: the job fails with reason ``StandInSingleNodeOnly``), restarts
-(``jobMaxRetryCount``/``backoffLimit``: a failed pod fails the job), ``activeDeadlineSeconds``,
-``ttlSecondsAfterFinished`` (ended jobs stay until deleted), ``cleanPodPolicy`` (pods stay until their
-job is deleted), schema validation of the objects, scheduling and resources.
+resources, Services and DNS (every rendezvous address is 127.0.0.1), restarts
+(``jobMaxRetryCount``/``backoffLimit``/``maxRestarts``: a failed pod fails the job),
+``activeDeadlineSeconds``, ``ttlSecondsAfterFinished`` (ended jobs stay until deleted),
+``cleanPodPolicy`` (ended pods stay until their job is deleted), Kubeflow's success policy (the
+stand-in waits for every pod, where the real operator ends a job with a Master when the Master
+succeeds), schema validation of the objects, scheduling and resources.
 """
 
 from __future__ import annotations
@@ -39,8 +60,10 @@ import copy
 import itertools
 import json
 import os
+import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -77,9 +100,11 @@ def expand(text: str, env: dict[str, str]) -> str:
     return _EXPAND.sub(lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), text)
 
 
-def local_argv(command: list[str]) -> list[str]:
-    """The container command as a command on this machine (see the module docstring)."""
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+def local_argv(command: list[str], torchrun_flags: list[str]) -> list[str]:
+    """The container command as a command on this machine: ``hyperpodrun`` and the image's torchrun
+    become this Python's ``torch.distributed.run`` with ``torchrun_flags`` (the rendezvous the
+    operator would supply; see the module docstring) first."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", *torchrun_flags]
     if command[0] == "hyperpodrun":
         return [*torchrun, *command[1:]]
     if Path(command[0]).name.startswith("python"):
@@ -87,6 +112,56 @@ def local_argv(command: list[str]) -> list[str]:
             return [*torchrun, *command[3:]]
         return [sys.executable, *command[1:]]
     return command
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (a job's rendezvous binds it moments later)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def kubeflow_env(obj: dict[str, Any], replica: str, index: int, port: int) -> dict[str, str]:
+    """What Kubeflow's training operator v1 appends to a pod's env (``setPodEnv``, v1.9), with
+    127.0.0.1 for the Services it names (``<job>-master-0``, ``<job>-worker-0``)."""
+    spec = obj["spec"]
+    replicas = spec["pytorchReplicaSpecs"]
+    total = sum(r.get("replicas", 1) for r in replicas.values())
+    nproc = spec.get("nprocPerNode")
+    env = {"PYTHONUNBUFFERED": "1"}
+    if "Master" in replicas:
+        rank = index + 1 if replica == "worker" else index
+        procs = int(nproc) if str(nproc).isdigit() else 1
+        env |= {"MASTER_PORT": str(port), "PET_MASTER_PORT": str(port)}
+        env |= {"MASTER_ADDR": "127.0.0.1", "PET_MASTER_ADDR": "127.0.0.1"}
+        env |= {"WORLD_SIZE": str(total * procs), "RANK": str(rank), "PET_NODE_RANK": str(rank)}
+    if nproc is not None:
+        env["PET_NPROC_PER_NODE"] = str(nproc)
+    elastic = spec.get("elasticPolicy")
+    if elastic is None:
+        env["PET_NNODES"] = str(total)
+        return env
+    env["PET_RDZV_ENDPOINT"] = f"127.0.0.1:{port}"
+    env["PET_RDZV_BACKEND"] = elastic.get("rdzvBackend", "c10d")
+    if "minReplicas" in elastic or "maxReplicas" in elastic:
+        env["PET_NNODES"] = f"{elastic.get('minReplicas')}:{elastic.get('maxReplicas')}"
+    else:
+        env["PET_NNODES"] = str(replicas["Worker"].get("replicas", 1))
+    if "maxRestarts" in elastic:
+        env["PET_MAX_RESTARTS"] = str(elastic["maxRestarts"])
+    if "rdzvId" in elastic:
+        env["PET_RDZV_ID"] = elastic["rdzvId"]
+    return env
+
+
+def torchrun_flags(obj: dict[str, Any], num_pods: int, port: int) -> list[str]:
+    """Flags put before the command's own torchrun arguments (see the module docstring)."""
+    if num_pods == 1:
+        return ["--standalone"]
+    if obj["kind"] == "PyTorchJob":
+        return []  # the operator's PET_* env does it
+    endpoint = f"127.0.0.1:{port}"
+    return ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={obj['metadata']['uid']}"]
 
 
 def pids_of(token: str) -> list[int]:
@@ -116,10 +191,11 @@ def kill_all(token: str, signum: signal.Signals) -> None:
 class Pod:
     """One pod and the local process running its container."""
 
-    def __init__(self, body: dict[str, Any], job_name: str, log: Path) -> None:
+    def __init__(self, body: dict[str, Any], job_name: str, log: Path, torchrun_flags: list[str]) -> None:
         self.body = body
         self.job_name = job_name
         self.log = log
+        self.torchrun_flags = torchrun_flags
         self.token = body["metadata"]["uid"]
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -128,7 +204,8 @@ class Pod:
         env: dict[str, str] = {}
         for var in container.get("env") or []:
             env[var["name"]] = expand(var.get("value", ""), env)
-        argv = local_argv([expand(part, env) for part in container["command"] + container.get("args", [])])
+        command = [expand(part, env) for part in container["command"] + container.get("args", [])]
+        argv = local_argv(command, self.torchrun_flags)
         with open(self.log, "wb") as log:
             self.process = subprocess.Popen(
                 argv,
@@ -407,35 +484,47 @@ class KubeApiStandIn:
     # -------------------------------------------------------------------------------------- operator
 
     def _operate(self, plural: str, ns: str, name: str) -> None:
-        """Run the job's one pod to its end and walk the job's conditions the way the operator does."""
+        """Run every pod of the job to its end and walk the job's conditions the way the operator
+        does: running once all pods run, done once all succeed, failed at the first failure."""
         with self._lock:
             obj = self._objects.get((plural, ns, name))
             if obj is None or obj["metadata"].get("deletionTimestamp"):
                 return  # deleted before the operator got to it
             replicas = self._replicas(plural, obj)
-            if len(replicas) != 1:
-                self._set_condition(
-                    obj,
-                    "Failed",
-                    f"has {len(replicas)} pods; the stand-in runs single-node jobs only",
-                    reason="StandInSingleNodeOnly",
-                )
-                return
-            pod = self._make_pod(obj, *replicas[0])
-            pod.start()
+            port = free_port()
+            pods = [self._make_pod(obj, *replica, num_pods=len(replicas), port=port) for replica in replicas]
+            for pod in pods:
+                pod.start()
             self._set_condition(
                 obj, "PodsRunning" if plural == "hyperpodpytorchjobs" else "Running", "running"
             )
-        code = pod.process.wait() if pod.process else 1
-        with self._lock:
-            exit_code = pod.finished(code)
-            if self._objects.get((plural, ns, name)) is obj and not obj["metadata"].get("deletionTimestamp"):
-                done = "Completed" if plural == "hyperpodpytorchjobs" else "Succeeded"
-                pod_name = pod.body["metadata"]["name"]
-                if code == 0:
-                    self._set_condition(obj, done, "completed successfully")
-                else:
+        exits: queue.Queue[tuple[Pod, int]] = queue.Queue()
+        for pod in pods:
+            self._spawn(lambda pod=pod: exits.put((pod, pod.process.wait() if pod.process else 1)))
+        failed = False
+        for _ in pods:
+            pod, code = exits.get()
+            with self._lock:
+                exit_code = pod.finished(code)
+                fails_job = code != 0 and not failed and self._is_live(plural, ns, name, obj)
+                if fails_job:
+                    pod_name = pod.body["metadata"]["name"]
                     self._set_condition(obj, "Failed", f"failed: pod {pod_name} exited with code {exit_code}")
+            if fails_job:
+                # The other workers are torn down, as a failed job's are. Outside the lock: killing
+                # waits until every process is gone.
+                failed = True
+                for other in pods:
+                    other.kill()
+        with self._lock:
+            if not failed and self._is_live(plural, ns, name, obj):
+                done = "Completed" if plural == "hyperpodpytorchjobs" else "Succeeded"
+                self._set_condition(obj, done, "completed successfully")
+
+    def _is_live(self, plural: str, ns: str, name: str, obj: dict[str, Any]) -> bool:
+        """Whether ``obj`` is still the object under its name and not being deleted (a deleted job's
+        pods end by the garbage collector's hand, which decides no condition)."""
+        return self._objects.get((plural, ns, name)) is obj and not obj["metadata"].get("deletionTimestamp")
 
     @staticmethod
     def _replicas(plural: str, obj: dict[str, Any]) -> list[tuple[str, int, dict[str, Any]]]:
@@ -449,7 +538,16 @@ class KubeApiStandIn:
             ]
         return [(kind, i, template) for kind, count, template in specs for i in range(count)]
 
-    def _make_pod(self, obj: dict[str, Any], replica: str, index: int, template: dict[str, Any]) -> Pod:
+    def _make_pod(
+        self,
+        obj: dict[str, Any],
+        replica: str,
+        index: int,
+        template: dict[str, Any],
+        *,
+        num_pods: int,
+        port: int,
+    ) -> Pod:
         meta = obj["metadata"]
         labels = dict(template["metadata"].get("labels") or {})
         if obj["kind"] == "PyTorchJob":
@@ -482,9 +580,15 @@ class KubeApiStandIn:
             },
             "status": {"phase": "Pending"},
         }
-        pod = Pod(
-            body, meta["name"], self.state_dir / f"{meta['namespace']}-{name}-{body['metadata']['uid']}.log"
-        )
+        if obj["kind"] == "PyTorchJob":
+            container = body["spec"]["containers"][0]
+            injected = kubeflow_env(obj, replica, index, port)
+            container["env"] = [
+                *(container.get("env") or []),
+                *({"name": k, "value": v} for k, v in injected.items()),
+            ]
+        log = self.state_dir / f"{meta['namespace']}-{name}-{body['metadata']['uid']}.log"
+        pod = Pod(body, meta["name"], log, torchrun_flags(obj, num_pods, port))
         self._pods[(meta["namespace"], name)] = pod
         return pod
 

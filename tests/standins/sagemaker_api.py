@@ -12,30 +12,42 @@ Emulated:
 - the lifecycle: InProgress Starting -> Downloading -> Training -> Uploading -> Completed | Failed
   (FailureReason in the toolkit's words, ``ExitCode N``) | Stopping -> Stopped, and Stopped with
   MaxRuntimeExceeded once ``StoppingCondition.MaxRuntimeInSeconds`` of training has passed;
-- the PyTorch container's sagemaker-training toolkit: ``sagemaker_submit_directory`` is copied to the
-  job's code folder (``/opt/ml/code``) and ``sagemaker_program`` runs from there under
-  ``python -m torch.distributed.run --standalone --nproc-per-node N`` (N: the instance type's GPUs from
-  ``GPUS_PER_INSTANCE``, at most ``max_procs`` since each GPU is a CPU process here; CPU types 1;
-  unknown types ``default_gpus``), with the request's Environment plus ``SM_HPS`` (the decoded
-  hyperparameters but the ``sagemaker_*`` ones), ``SM_CHANNEL_<NAME>``, ``SM_NUM_GPUS``,
-  ``TRAINING_JOB_NAME`` and the argv ``--key value`` per hyperparameter, sorted, as the toolkit builds it;
+- ``InstanceCount`` instances, ``algo-1`` .. ``algo-N``, each a local process tree with a folder of its
+  own standing for its ``/opt/ml`` (``<work_dir>/<job>/algo-<n>``: code, checkpoints, model, output);
+- on each, the PyTorch container's sagemaker-training toolkit: ``sagemaker_submit_directory`` is
+  copied to the instance's code folder (``/opt/ml/code``) and ``sagemaker_program`` runs from there
+  under torchrun with P processes (the instance type's GPUs from ``GPUS_PER_INSTANCE``, at most
+  ``max_procs`` since each GPU is a CPU process here; CPU types 1; unknown types ``default_gpus``).
+  Several instances get the toolkit's command (sagemaker-training-toolkit,
+  ``torch_distributed.py``): ``--nnodes N --nproc_per_node P --master_addr algo-1 --master_port 7777
+  --node_rank <index of the host in SM_HOSTS>``, except that the master is 127.0.0.1 and the port a
+  free one per job, since every instance shares this machine's network; one instance gets
+  ``--standalone --nproc-per-node=P`` instead (the toolkit passes no rendezvous there, and its
+  default port would clash between concurrent jobs here). The environment: the request's Environment
+  plus ``SM_HPS`` (the decoded hyperparameters but the ``sagemaker_*`` ones), ``SM_CHANNEL_<NAME>``,
+  ``SM_NUM_GPUS``, ``SM_HOSTS``, ``SM_CURRENT_HOST``, ``TRAINING_JOB_NAME``; the argv ``--key value``
+  per hyperparameter, sorted, as the toolkit builds it;
 - the mounts, as a path mapping: a FileSystemDataSource channel (file system id + DirectoryPath) is the
   local folder configured in ``file_systems``; env values and hyperparameters that start with
   ``/opt/ml/input/data/<channel>``, ``/opt/ml/checkpoints`` (the LocalPath), ``/opt/ml/code``,
-  ``/opt/ml/model`` or ``/opt/ml/output`` are rewritten to the job's local folders;
-- checkpoints: the job's checkpoint folder is synced with ``CheckpointConfig.S3Uri`` through real S3
-  calls against ``s3_endpoint_url`` (moto): downloaded before the script starts, new or changed files
-  uploaded every ``sync_s`` while it runs and once more at the end;
-- output lines (stdout and stderr together) as events of the stream ``<job>/algo-1-<epoch s>``;
+  ``/opt/ml/model`` or ``/opt/ml/output`` are rewritten to the instance's local folders;
+- checkpoints: each instance's checkpoint folder is synced with ``CheckpointConfig.S3Uri`` through
+  real S3 calls against ``s3_endpoint_url`` (moto): downloaded before the script starts, new or
+  changed files uploaded every ``sync_s`` while it runs and once more at the end;
+- each instance's output lines (stdout and stderr together) as events of its own stream
+  ``<job>/algo-<n>-<epoch s>``;
+- the end: Completed once every instance's script exited 0; Failed as soon as one exits non-zero
+  (FailureReason from that instance's exit code and log), the other instances then SIGKILLed;
 - StopTrainingJob: SIGTERM to the job's processes, SIGKILL after ``stop_grace_s``; ``crash(job)``:
   SIGKILL, ending Failed like an instance failure (no final checkpoint upload). Like an instance going
   away, every process the job left is killed when it ends (found by ``INSTANCE_ENV``).
 
-Not emulated: images (jobs run this machine's Python; TrainingImage is ignored), IAM, VPC, several
-instances (InstanceCount > 1 is refused), S3 channels and ``s3://`` code tarballs, the output upload
-(model.tar.gz), RetryStrategy and spot, SMP (``mp_parameters`` is passed on, not acted on), deleting
-in S3 what the job deleted locally, paging of DescribeLogStreams, server-side request validation
-(botocore validates requests against the real model on the client side).
+Not emulated: images (jobs run this machine's Python; TrainingImage is ignored), IAM, VPC, the
+instances' network (hostnames, EFA: every instance is 127.0.0.1), S3 channels and ``s3://`` code
+tarballs, the output upload (model.tar.gz), RetryStrategy and spot, SMP (``mp_parameters`` is passed
+on, not acted on), deleting in S3 what the job deleted locally, paging of DescribeLogStreams,
+server-side request validation (botocore validates requests against the real model on the client
+side).
 """
 
 from __future__ import annotations
@@ -44,10 +56,12 @@ import contextlib
 import itertools
 import json
 import os
+import queue
 import re
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -88,8 +102,21 @@ class _JobFailed(Exception):
     """The job cannot go on; ``str(exc)`` is its FailureReason."""
 
 
+class Instance:
+    """One instance of a job, ``algo-<n>``: its ``/opt/ml`` folder, its log stream and, through
+    ``instance_id`` in their environment, its processes. The job's lock guards ``events``."""
+
+    def __init__(self, job_name: str, host: str, created: float, job_dir: Path) -> None:
+        self.host = host
+        self.dir = job_dir / host  # the instance's /opt/ml
+        self.stream = f"{job_name}/{host}-{int(created)}"
+        self.instance_id = f"{job_name}-{host}-{secrets.token_hex(4)}"
+        self.events: list[dict[str, Any]] | None = None  # None until the instance starts
+        self.command: list[str] = []
+
+
 class TrainingJob:
-    """One training job: its request, where it stands, its log events and its local folders."""
+    """One training job: its request, where it stands, and its instances."""
 
     def __init__(self, request: dict[str, Any], work_dir: Path) -> None:
         self.name: str = request["TrainingJobName"]
@@ -98,13 +125,12 @@ class TrainingJob:
         self.status, self.secondary, self.failure_reason = "InProgress", "Starting", ""
         self.transitions: list[dict[str, Any]] = [{"Status": "Starting", "StartTime": time.time()}]
         self.created = time.time()
-        self.stream = f"{self.name}/algo-1-{int(self.created)}"
-        self.instance_id = f"{self.name}-{secrets.token_hex(4)}"
-        self.events: list[dict[str, Any]] | None = None  # None until the instance starts
-        self.process: subprocess.Popen[bytes] | None = None
+        count = request["ResourceConfig"]["InstanceCount"]
+        self.instances = [
+            Instance(self.name, f"algo-{n}", self.created, work_dir / self.name) for n in range(1, count + 1)
+        ]
         self.stop_requested, self.crashed, self.max_runtime_exceeded = threading.Event(), False, False
         self.lock = threading.Lock()
-        self.dir = work_dir / self.name  # the instance's /opt/ml
         hps = {key: _decode(value) for key, value in request.get("HyperParameters", {}).items()}
         self.hyperparameters: dict[str, Any] = hps
         self.checkpoint_uri: str | None = request.get("CheckpointConfig", {}).get("S3Uri")
@@ -120,12 +146,21 @@ class TrainingJob:
             self.transitions.append({"Status": secondary, "StartTime": now})
             self.status, self.secondary, self.failure_reason = status, secondary, reason
 
-    def log(self, line: str) -> None:
+    @property
+    def dir(self) -> Path:
+        """algo-1's ``/opt/ml``."""
+        return self.instances[0].dir
+
+    @property
+    def hosts(self) -> list[str]:
+        return [instance.host for instance in self.instances]
+
+    def log(self, instance: Instance, line: str) -> None:
         with self.lock:
-            if self.events is None:
-                self.events = []
+            if instance.events is None:
+                instance.events = []
             stamp = int(time.time() * 1000)
-            self.events.append({"timestamp": stamp, "message": line, "ingestionTime": stamp})
+            instance.events.append({"timestamp": stamp, "message": line, "ingestionTime": stamp})
 
     def describe(self) -> dict[str, Any]:
         fields = ("TrainingJobName", "HyperParameters", "AlgorithmSpecification", "RoleArn", "Environment")
@@ -151,7 +186,7 @@ class SageMakerStandIn:
     """The stand-in server; a context manager that serves on 127.0.0.1 while it is open.
 
     ``file_systems`` maps (FileSystemId, DirectoryPath) to the local folder that stands for it;
-    ``work_dir`` holds each job's ``/opt/ml`` (code, checkpoints, model, output). ``calls`` records
+    ``work_dir`` holds each instance's ``/opt/ml``, ``<work_dir>/<job>/algo-<n>``. ``calls`` records
     every ``(operation, job or stream name)`` received, for tests that count calls. Thread safe.
     """
 
@@ -206,7 +241,7 @@ class SageMakerStandIn:
         """Kill the job's processes as an instance failure would; the job ends Failed."""
         job = self.jobs[name]
         job.crashed = True
-        _kill_instance(job.instance_id, signal.SIGKILL)
+        _kill_instances(job, signal.SIGKILL)
 
     # ---------------------------------------------------------------------------------- the API
 
@@ -232,8 +267,6 @@ class SageMakerStandIn:
         return job
 
     def _create(self, request: dict[str, Any]) -> dict[str, Any]:
-        if request["ResourceConfig"]["InstanceCount"] != 1:
-            raise ApiError("ValidationException", "the stand-in runs single-instance jobs only")
         for channel in request.get("InputDataConfig", []):
             if "FileSystemDataSource" not in channel["DataSource"]:
                 raise ApiError(
@@ -256,29 +289,34 @@ class SageMakerStandIn:
         job.stop_requested.set()
         return {}
 
+    def _started(self) -> list[tuple[TrainingJob, Instance]]:
+        """Every instance that has a log stream (it has started), with its job."""
+        return [(j, i) for j in list(self.jobs.values()) for i in j.instances if i.events is not None]
+
     def _describe_log_streams(self, body: dict[str, Any]) -> dict[str, Any]:
-        streams = [j for j in list(self.jobs.values()) if j.events is not None]
+        streams = self._started()
         if body["logGroupName"] != LOG_GROUP or not streams:
             raise ApiError("ResourceNotFoundException", "The specified log group does not exist.")
         prefix = body.get("logStreamNamePrefix", "")
         return {
             "logStreams": [
                 {
-                    "logStreamName": j.stream,
+                    "logStreamName": i.stream,
                     "creationTime": int(j.created * 1000),
-                    "arn": f"{j.arn}:{j.stream}",
+                    "arn": f"{j.arn}:{i.stream}",
                 }
-                for j in streams
-                if j.stream.startswith(prefix)
+                for j, i in streams
+                if i.stream.startswith(prefix)
             ]
         }
 
     def _get_log_events(self, body: dict[str, Any]) -> dict[str, Any]:
-        job = next((j for j in list(self.jobs.values()) if j.stream == body["logStreamName"]), None)
-        if body["logGroupName"] != LOG_GROUP or job is None or job.events is None:
+        found = next(((j, i) for j, i in self._started() if i.stream == body["logStreamName"]), None)
+        if body["logGroupName"] != LOG_GROUP or found is None:
             raise ApiError("ResourceNotFoundException", "The specified log stream does not exist.")
+        job, instance = found
         with job.lock:
-            events = list(job.events)
+            events = list(instance.events or [])
         limit, token = int(body.get("limit", 10_000)), body.get("nextToken", "")
         if token.startswith("f/") or (not token and body.get("startFromHead")):
             start = int(token[2:]) if token else 0
@@ -301,8 +339,8 @@ class SageMakerStandIn:
             final = ("Failed", "Failed", str(exc))
         except Exception as exc:  # a stand-in bug must end the job visibly, not hang the test
             final = ("Failed", "Failed", f"InternalServerError: stand-in: {type(exc).__name__}: {exc}")
-        # The instance goes away with everything it ran before the job is seen to end.
-        _kill_instance(job.instance_id, signal.SIGKILL)
+        # The instances go away with everything they ran before the job is seen to end.
+        _kill_instances(job, signal.SIGKILL)
         job.set(*final)
 
     def _lifecycle(self, job: TrainingJob) -> tuple[str, str, str]:
@@ -310,34 +348,36 @@ class SageMakerStandIn:
         time.sleep(self.phase_s)
         if not job.stop_requested.is_set():
             job.set("InProgress", "Downloading")
-            command, env = self._prepare(job)
+            port = _free_port()
+            envs = [self._prepare(job, instance, port) for instance in job.instances]
             time.sleep(self.phase_s)
         if not job.stop_requested.is_set():
             job.set("InProgress", "Training")
-            code = self._train(job, command, env)
+            failure = self._train(job, envs)
             if job.crashed:
                 raise _JobFailed(INSTANCE_FAILURE)
             job.set("InProgress", "Uploading")
             self._upload_checkpoints(job)
-            if code != 0 and not job.stop_requested.is_set():
-                raise _JobFailed(_script_error(job, command, code))
+            if failure is not None and not job.stop_requested.is_set():
+                raise _JobFailed(_script_error(job, *failure))
         if job.max_runtime_exceeded:
             return ("Stopped", "MaxRuntimeExceeded", "")
         if job.stop_requested.is_set():
             return ("Stopped", "Stopped", "")
         return ("Completed", "Completed", "")
 
-    def _prepare(self, job: TrainingJob) -> tuple[list[str], dict[str, str]]:
-        """Mount, fetch the code and the checkpoints; the toolkit's command and environment."""
-        mounts = self._mounts(job)
+    def _prepare(self, job: TrainingJob, instance: Instance, port: int) -> dict[str, str]:
+        """Mount, fetch the code and the checkpoints on ``instance``; set its toolkit command
+        (``instance.command``) and return its environment."""
+        mounts = self._mounts(job, instance)
         for folder in ("code", "checkpoints", "model", "output/data"):
-            (job.dir / folder).mkdir(parents=True, exist_ok=True)
+            (instance.dir / folder).mkdir(parents=True, exist_ok=True)
         hps = {key: _map_paths(value, mounts) for key, value in job.hyperparameters.items()}
         source = Path(str(hps["sagemaker_submit_directory"]))
         if not source.is_dir():
             raise _JobFailed(f"ClientError: sagemaker_submit_directory {source} is not a folder here")
-        shutil.copytree(source, job.dir / "code", dirs_exist_ok=True)
-        self._download_checkpoints(job)
+        shutil.copytree(source, instance.dir / "code", dirs_exist_ok=True)
+        self._download_checkpoints(job, instance)
         user = {key: value for key, value in hps.items() if not key.startswith("sagemaker_")}
         gpus = self._gpus(job.request["ResourceConfig"]["InstanceType"])
         env = {name: os.environ[name] for name in ("PATH", "HOME", "LANG", "TMPDIR") if name in os.environ}
@@ -349,22 +389,23 @@ class SageMakerStandIn:
             "SM_HPS": json.dumps(user),
             "SM_CHANNELS": json.dumps(sorted(self._channels(job))),
             "SM_NUM_GPUS": str(gpus),
-            "SM_CURRENT_HOST": "algo-1",
-            "SM_HOSTS": json.dumps(["algo-1"]),
-            "SM_MODEL_DIR": str(job.dir / "model"),
-            "SM_OUTPUT_DATA_DIR": str(job.dir / "output" / "data"),
+            "SM_CURRENT_HOST": instance.host,
+            "SM_HOSTS": json.dumps(job.hosts),
+            "SM_MODEL_DIR": str(instance.dir / "model"),
+            "SM_OUTPUT_DATA_DIR": str(instance.dir / "output" / "data"),
             "TRAINING_JOB_NAME": job.name,
-            INSTANCE_ENV: job.instance_id,
+            INSTANCE_ENV: instance.instance_id,
         }
         procs = min(max(gpus, 1), self.max_procs)
-        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}"]
-        return [*launch, str(hps["sagemaker_program"]), *_cmd_args(user)], env
+        launch = [sys.executable, "-m", "torch.distributed.run", *_torchrun_flags(job, instance, procs, port)]
+        instance.command = [*launch, str(hps["sagemaker_program"]), *_cmd_args(user)]
+        return env
 
-    def _mounts(self, job: TrainingJob) -> dict[str, Path]:
-        """Container path -> local folder, longest first."""
+    def _mounts(self, job: TrainingJob, instance: Instance) -> dict[str, Path]:
+        """Container path -> local folder on ``instance``, longest first."""
         local_path = job.request.get("CheckpointConfig", {}).get("LocalPath", "/opt/ml/checkpoints")
-        mounts = {local_path: job.dir / "checkpoints", "/opt/ml/code": job.dir / "code"}
-        mounts |= {"/opt/ml/model": job.dir / "model", "/opt/ml/output": job.dir / "output"}
+        mounts = {local_path: instance.dir / "checkpoints", "/opt/ml/code": instance.dir / "code"}
+        mounts |= {"/opt/ml/model": instance.dir / "model", "/opt/ml/output": instance.dir / "output"}
         for channel in job.request.get("InputDataConfig", []):
             source = channel["DataSource"]["FileSystemDataSource"]
             key = (source["FileSystemId"], source["DirectoryPath"])
@@ -384,26 +425,68 @@ class SageMakerStandIn:
             return 0
         return GPUS_PER_INSTANCE.get(instance_type, self.default_gpus)
 
-    def _train(self, job: TrainingJob, command: list[str], env: dict[str, str]) -> int:
-        job.log(f"Invoking script with the following command: {' '.join(command)}")
+    def _train(self, job: TrainingJob, envs: list[dict[str, str]]) -> tuple[Instance, int] | None:
+        """Run every instance's command to its end; the first instance to fail and its exit code.
+
+        The first failure stops the other instances (SIGKILL). A stop request or the max runtime
+        stops them all (SIGTERM, then SIGKILL after ``stop_grace_s``). Checkpoints are synced every
+        ``sync_s`` meanwhile.
+        """
+        exits: queue.Queue[tuple[Instance, int]] = queue.Queue()
+        pumps = [
+            self._start(job, instance, env, exits) for instance, env in zip(job.instances, envs, strict=True)
+        ]
+        deadline = time.monotonic() + job.request["StoppingCondition"]["MaxRuntimeInSeconds"]
+        failure: tuple[Instance, int] | None = None
+        for _ in job.instances:
+            instance, code = self._next_exit(job, exits, deadline)
+            if code != 0 and failure is None and not job.stop_requested.is_set() and not job.crashed:
+                failure = (instance, code)
+                _kill_instances(job, signal.SIGKILL)
+        for pump in pumps:
+            pump.join(timeout=10)
+        return failure
+
+    def _start(
+        self,
+        job: TrainingJob,
+        instance: Instance,
+        env: dict[str, str],
+        exits: queue.Queue[tuple[Instance, int]],
+    ) -> threading.Thread:
+        """Start ``instance``'s command and a thread that puts ``(instance, exit code)`` on ``exits``
+        when it exits; the thread that pumps its output into its log stream (which may outlive the
+        command while an orphan holds the pipe, until the instance is killed)."""
+        job.log(instance, f"Invoking script with the following command: {' '.join(instance.command)}")
         process = subprocess.Popen(
-            command, cwd=job.dir / "code", env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            instance.command, cwd=instance.dir / "code", env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             start_new_session=True,  # a container of its own: the test's Ctrl-C does not reach it
         )  # fmt: skip
-        job.process = process
-        pump = threading.Thread(target=_pump, args=(job, process), daemon=True)
+        waiter = threading.Thread(target=lambda: exits.put((instance, process.wait())), daemon=True)
+        waiter.start()
+        pump = threading.Thread(target=_pump, args=(job, instance, process), daemon=True)
         pump.start()
-        deadline = time.monotonic() + job.request["StoppingCondition"]["MaxRuntimeInSeconds"]
-        while process.poll() is None:
-            if job.stop_requested.wait(self.sync_s) or time.monotonic() > deadline:
-                job.max_runtime_exceeded = not job.stop_requested.is_set()
+        return pump
+
+    def _next_exit(
+        self, job: TrainingJob, exits: queue.Queue[tuple[Instance, int]], deadline: float
+    ) -> tuple[Instance, int]:
+        """Wait for the next instance to end, meanwhile syncing checkpoints and acting on a stop
+        request or the max runtime."""
+        while True:
+            try:
+                return exits.get(timeout=self.sync_s)
+            except queue.Empty:
+                pass
+            if not job.stop_requested.is_set() and time.monotonic() > deadline:
+                job.max_runtime_exceeded = True
                 job.set("Stopping", "Stopping")
                 job.stop_requested.set()
-                _terminate(job, process, self.stop_grace_s)
+            if job.stop_requested.is_set():
+                _terminate(job, self.stop_grace_s)  # again until every instance has ended: cheap then
             elif not job.crashed:
                 self._upload_checkpoints(job)
-        pump.join(timeout=10)
-        return process.returncode
 
     # ---------------------------------------------------------------------------------- checkpoint sync
 
@@ -412,13 +495,13 @@ class SageMakerStandIn:
         bucket, _, prefix = job.checkpoint_uri.removeprefix("s3://").partition("/")
         return bucket, prefix.strip("/")
 
-    def _download_checkpoints(self, job: TrainingJob) -> None:
+    def _download_checkpoints(self, job: TrainingJob, instance: Instance) -> None:
         if job.checkpoint_uri is None:
             return
         bucket, prefix = self._bucket_and_prefix(job)
         try:
             for key in _keys(self.s3, bucket, prefix):
-                target = job.dir / "checkpoints" / key[len(prefix) :].lstrip("/")
+                target = instance.dir / "checkpoints" / key[len(prefix) :].lstrip("/")
                 target.parent.mkdir(parents=True, exist_ok=True)
                 self.s3.download_file(bucket, key, str(target))
                 stat = target.stat()
@@ -429,20 +512,38 @@ class SageMakerStandIn:
             ) from exc
 
     def _upload_checkpoints(self, job: TrainingJob) -> None:
+        """Upload what is new or changed in every instance's checkpoint folder."""
         if job.checkpoint_uri is None:
             return
         bucket, prefix = self._bucket_and_prefix(job)
-        root = job.dir / "checkpoints"
-        for path in sorted(root.rglob("*")):
-            try:
-                stat = path.stat()
-                if not path.is_file() or job.synced.get(str(path)) == (stat.st_mtime_ns, stat.st_size):
+        for instance in job.instances:
+            root = instance.dir / "checkpoints"
+            for path in sorted(root.rglob("*")):
+                try:
+                    stat = path.stat()
+                    if not path.is_file() or job.synced.get(str(path)) == (stat.st_mtime_ns, stat.st_size):
+                        continue
+                    key = f"{prefix}/{path.relative_to(root).as_posix()}".lstrip("/")
+                    self.s3.upload_file(str(path), bucket, key)
+                except FileNotFoundError:  # a save in progress renamed it away: the next pass sees it
                     continue
-                key = f"{prefix}/{path.relative_to(root).as_posix()}".lstrip("/")
-                self.s3.upload_file(str(path), bucket, key)
-            except FileNotFoundError:  # a save in progress renamed it away: the next pass sees the result
-                continue
-            job.synced[str(path)] = (stat.st_mtime_ns, stat.st_size)
+                job.synced[str(path)] = (stat.st_mtime_ns, stat.st_size)
+
+
+def _free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the job's rendezvous binds it moments later)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _torchrun_flags(job: TrainingJob, instance: Instance, procs: int, port: int) -> list[str]:
+    """The toolkit's torchrun flags (see the module docstring for where the stand-in differs)."""
+    if len(job.instances) == 1:
+        return ["--standalone", f"--nproc-per-node={procs}"]
+    node = ["--nnodes", str(len(job.instances)), "--nproc_per_node", str(procs)]
+    master = ["--master_addr", "127.0.0.1", "--master_port", str(port)]
+    return [*node, *master, "--node_rank", str(job.hosts.index(instance.host))]
 
 
 def _keys(s3: Any, bucket: str, prefix: str) -> Iterator[str]:
@@ -483,21 +584,22 @@ def _cmd_args(hyperparameters: Mapping[str, Any]) -> list[str]:
     return list(itertools.chain.from_iterable(pairs))
 
 
-def _pump(job: TrainingJob, process: subprocess.Popen[bytes]) -> None:
+def _pump(job: TrainingJob, instance: Instance, process: subprocess.Popen[bytes]) -> None:
     assert process.stdout is not None
     for raw in process.stdout:
-        job.log(raw.decode("utf-8", errors="replace").rstrip("\n"))
+        job.log(instance, raw.decode("utf-8", errors="replace").rstrip("\n"))
 
 
-def _script_error(job: TrainingJob, command: list[str], code: int) -> str:
-    """The toolkit's FailureReason for a script that exited ``code``, with its last error line."""
+def _script_error(job: TrainingJob, instance: Instance, code: int) -> str:
+    """The toolkit's FailureReason for a script that exited ``code`` on ``instance``, with its last
+    error line."""
     with job.lock:
-        lines = [event["message"] for event in job.events or []]
+        lines = [event["message"] for event in instance.events or []]
     errors = [line for line in lines if re.match(r"^\w[\w.]*(Error|Exception): ", line)]
     message = next((line for line in reversed(errors) if "ChildFailedError" not in line), "")
     return (
         f'AlgorithmError: ExecuteUserScriptError:\nExitCode {code}\nErrorMessage "{message}"\n'
-        f'Command "{" ".join(command)}", exit code: {code}'
+        f'Command "{" ".join(instance.command)}", exit code: {code}'
     )
 
 
@@ -512,10 +614,10 @@ def _instance_pids(instance_id: str) -> list[int]:
     return pids
 
 
-def _kill_instance(instance_id: str, sig: signal.Signals) -> None:
-    """Signal every process of the instance; with SIGKILL, until none is left."""
+def _kill_instances(job: TrainingJob, sig: signal.Signals) -> None:
+    """Signal every process of every instance of ``job``; with SIGKILL, until none is left."""
     for _ in range(100):
-        pids = _instance_pids(instance_id)
+        pids = [pid for instance in job.instances for pid in _instance_pids(instance.instance_id)]
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
@@ -524,13 +626,13 @@ def _kill_instance(instance_id: str, sig: signal.Signals) -> None:
         time.sleep(0.02)
 
 
-def _terminate(job: TrainingJob, process: subprocess.Popen[bytes], grace_s: float) -> None:
-    _kill_instance(job.instance_id, signal.SIGTERM)
-    try:
-        process.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        _kill_instance(job.instance_id, signal.SIGKILL)
-        process.wait()
+def _terminate(job: TrainingJob, grace_s: float) -> None:
+    """SIGTERM to every process of the job, SIGKILL to those left after ``grace_s``."""
+    _kill_instances(job, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(_instance_pids(i.instance_id) for i in job.instances):
+        time.sleep(0.05)
+    _kill_instances(job, signal.SIGKILL)
 
 
 class _Handler(BaseHTTPRequestHandler):
