@@ -196,13 +196,7 @@ def sagemaker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SageM
         work_dir=tmp_path / "instances",
         s3_endpoint_url="http://127.0.0.1:9",
     ) as server:
-        for name, value in {
-            "AWS_ENDPOINT_URL_SAGEMAKER": server.endpoint_url,
-            "AWS_ENDPOINT_URL_CLOUDWATCH_LOGS": server.endpoint_url,
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_DEFAULT_REGION": "us-east-1",
-        }.items():
+        for name, value in server.client_environment().items():
             monkeypatch.setenv(name, value)
         yield server
 

@@ -59,13 +59,7 @@ def standin(
     with SageMakerStandIn(
         file_systems={FILE_SYSTEM: tmp_path}, work_dir=instances, s3_endpoint_url=moto.endpoint_url
     ) as server:
-        for name, value in {
-            "AWS_ENDPOINT_URL_SAGEMAKER": server.endpoint_url,
-            "AWS_ENDPOINT_URL_CLOUDWATCH_LOGS": server.endpoint_url,
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_DEFAULT_REGION": "us-east-1",
-        }.items():
+        for name, value in server.client_environment().items():
             monkeypatch.setenv(name, value)
         yield server
 

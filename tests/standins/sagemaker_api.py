@@ -219,6 +219,17 @@ class SageMakerStandIn:
         self._server.standin = self  # type: ignore[attr-defined]
         self.endpoint_url = f"http://127.0.0.1:{self._server.server_address[1]}"
 
+    def client_environment(self) -> dict[str, str]:
+        """What points tunepod's own boto3 clients here: the endpoint variables botocore reads, and
+        credentials (never checked)."""
+        return {
+            "AWS_ENDPOINT_URL_SAGEMAKER": self.endpoint_url,
+            "AWS_ENDPOINT_URL_CLOUDWATCH_LOGS": self.endpoint_url,
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+
     def __enter__(self) -> SageMakerStandIn:
         threading.Thread(target=self._server.serve_forever, args=(0.05,), daemon=True).start()
         return self
