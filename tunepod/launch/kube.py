@@ -27,8 +27,7 @@ when tunepod's cancel marker is in the job dir, else FAILED: someone deleted it 
 Logs and exit codes come from the job's pods, which the renderer keeps after the job ends
 (``cleanPodPolicy: None``) until its TTL or a cancel deletes the job.
 
-Errors: ``ApiException`` 401/403 become ``JobError`` with a hint about the kubeconfig and RBAC; 429 and
-5xx, and connection failures (urllib3), become ``TransientError``; anything else ``JobError``.
+The API calls, their error translation and the state cache are in ``kube_client.py``.
 """
 
 from __future__ import annotations
@@ -36,32 +35,31 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import re
 import threading
-import time
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tunepod.errors import JobError, TransientError, TunepodError
+from tunepod.errors import JobError, TunepodError
 from tunepod.launch.base import JobSpec, JobState
 from tunepod.launch.hyperpod_eks import (
-    HYPERPOD_GROUP,
-    HYPERPOD_KIND,
-    HYPERPOD_PLURAL,
-    HYPERPOD_VERSION,
-    KUBEFLOW_GROUP,
-    KUBEFLOW_KIND,
-    KUBEFLOW_PLURAL,
-    KUBEFLOW_VERSION,
-    MANAGED_BY_LABEL,
-    OBJECT_LABEL,
     ignored_settings,
     render_manifest,
-    state_from_conditions,
+)
+from tunepod.launch.kube_client import (
+    CRDS,
+    Crd,
+    KubeApi,
+    KubeStateCache,
+    ObjectExists,
+    ObjectRef,
+    ObjectStatus,
+    crd_of_kind,
+    kube_api_client,
+    parse_job_id,
+    wait_until_gone,
 )
 from tunepod.launch.paths import JobPaths
 from tunepod.runtime.files import write_bytes_atomic
@@ -69,347 +67,9 @@ from tunepod.spec.models import HyperPodEksLauncherSpec
 
 logger = logging.getLogger(__name__)
 
-INSTALL_HINT = "pip install 'tunepod[eks]'"
 MANIFEST_NAME = "manifest.json"
-MANAGED_SELECTOR = f"{MANAGED_BY_LABEL}=tunepod"
 JOB_DIR_ANNOTATION = "tunepod.io/job-dir"  # set by the renderer: which job dir an object belongs to
-# (connect, read) seconds: a request never hangs a trial thread for long.
-REQUEST_TIMEOUT_S = (10.0, 60.0)
-_POLL_S = 0.2
-_TRANSIENT_STATUSES = frozenset({429, 500, 502, 503, 504})
 _T = TypeVar("_T")
-
-
-@dataclass(frozen=True)
-class Crd:
-    """Where the API serves one kind of job object."""
-
-    group: str
-    version: str
-    plural: str
-    kind: str
-
-    @property
-    def resource(self) -> str:
-        """``plural.group``, as kubectl and RBAC rules name it."""
-        return f"{self.plural}.{self.group}"
-
-
-CRDS: Mapping[str, Crd] = {
-    "hyperpod": Crd(HYPERPOD_GROUP, HYPERPOD_VERSION, HYPERPOD_PLURAL, HYPERPOD_KIND),
-    "kubeflow": Crd(KUBEFLOW_GROUP, KUBEFLOW_VERSION, KUBEFLOW_PLURAL, KUBEFLOW_KIND),
-}
-
-
-def crd_of_kind(kind: str) -> Crd | None:
-    return next((crd for crd in CRDS.values() if crd.kind == kind), None)
-
-
-@dataclass(frozen=True)
-class ObjectRef:
-    """One submission: a job object in the cluster, down to its uid."""
-
-    crd: Crd
-    namespace: str
-    name: str
-    uid: str
-
-    @property
-    def job_id(self) -> str:
-        return f"{self.namespace}/{self.name}/{self.uid}"
-
-    @property
-    def title(self) -> str:
-        return f"{self.crd.kind} {self.namespace}/{self.name}"
-
-    def kubectl(self, verb: str) -> str:
-        return f"kubectl -n {self.namespace} {verb} {self.crd.resource} {self.name}"
-
-
-def parse_job_id(job_id: str) -> tuple[str, str, str]:
-    """``namespace/name/uid`` -> its three parts; ``JobError`` for anything else."""
-    parts = job_id.split("/")
-    if len(parts) != 3 or not all(parts):
-        raise JobError(
-            f"{job_id!r} is not a hyperpod_eks job id (expected namespace/object-name/uid, as submit returns)"
-        )
-    return parts[0], parts[1], parts[2]
-
-
-@dataclass(frozen=True)
-class ObjectStatus:
-    """What the API says about one job object: its uid, conditions, and whether it is being deleted."""
-
-    uid: str
-    conditions: tuple[Mapping[str, Any], ...]
-    deleting: bool = False
-
-    @classmethod
-    def from_object(cls, obj: Mapping[str, Any]) -> ObjectStatus:
-        metadata = obj.get("metadata") or {}
-        conditions = (obj.get("status") or {}).get("conditions") or []
-        return cls(
-            uid=str(metadata.get("uid", "")),
-            conditions=tuple(conditions),
-            deleting=bool(metadata.get("deletionTimestamp")),
-        )
-
-    @property
-    def job_state(self) -> JobState:
-        return state_from_conditions(self.conditions)
-
-    def last_condition(self) -> str:
-        """The newest condition as ``Type (Reason: message)``, or "" when there is none."""
-        if not self.conditions:
-            return ""
-        # Stable sort: conditions without a timestamp keep their order, the API's newest last.
-        newest = sorted(self.conditions, key=lambda c: str(c.get("lastTransitionTime") or ""))[-1]
-        detail = ": ".join(str(newest[k]) for k in ("reason", "message") if newest.get(k))
-        return f"{newest.get('type', '?')} ({detail})" if detail else str(newest.get("type", "?"))
-
-
-# ------------------------------------------------------------------------------------------ client
-
-
-def _import_kubernetes() -> Any:
-    try:
-        import kubernetes  # type: ignore[import-untyped]
-    except ImportError as exc:
-        raise TunepodError(
-            f"the hyperpod_eks launcher needs the kubernetes client; fix: {INSTALL_HINT}"
-        ) from exc
-    return kubernetes
-
-
-def kube_api_client(spec: HyperPodEksLauncherSpec) -> Any:
-    """A ``kubernetes.client.ApiClient`` for ``spec``: its ``kubeconfig``/``context`` when set, else the
-    pod's service account when running in a cluster, else the default kubeconfig."""
-    kubernetes = _import_kubernetes()
-    if spec.kubeconfig is not None and not Path(spec.kubeconfig).expanduser().is_file():
-        raise TunepodError(
-            f"launcher.kubeconfig {spec.kubeconfig!r} does not exist; fix: point kubeconfig at the "
-            "cluster's file (aws eks update-kubeconfig --name CLUSTER --kubeconfig PATH writes one), or "
-            "unset it to use $KUBECONFIG, ~/.kube/config or the pod's service account"
-        )
-    try:
-        if spec.kubeconfig is None and spec.context is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
-            configuration = kubernetes.client.Configuration()
-            kubernetes.config.load_incluster_config(client_configuration=configuration)
-            return kubernetes.client.ApiClient(configuration)
-        # $KUBECONFIG read now, not when the client was imported (it reads it once, at import).
-        config_file = (
-            str(Path(spec.kubeconfig).expanduser()) if spec.kubeconfig else os.environ.get("KUBECONFIG")
-        )
-        return kubernetes.config.new_client_from_config(
-            config_file=config_file, context=spec.context, persist_config=False
-        )
-    except kubernetes.config.ConfigException as exc:
-        where = spec.kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
-        raise TunepodError(
-            f"cannot load the Kubernetes configuration ({where}, context {spec.context or '<current>'}): "
-            f"{exc}; fix: set launcher.kubeconfig (and launcher.context) to a working kubeconfig"
-        ) from exc
-
-
-class KubeApi:
-    """The few API calls the launcher makes, with the client's errors translated into tunepod's.
-
-    Thread safety: the kubernetes ``ApiClient`` sends through a thread-safe urllib3 pool and keeps no
-    per-call state, so every method may be called from several threads at once.
-    """
-
-    def __init__(self, api_client: Any) -> None:
-        kubernetes = _import_kubernetes()
-        self.custom = kubernetes.client.CustomObjectsApi(api_client)
-        self.core = kubernetes.client.CoreV1Api(api_client)
-        self._api_exception: type[Exception] = kubernetes.client.exceptions.ApiException
-
-    def list_objects(self, crd: Crd, namespace: str) -> list[dict[str, Any]]:
-        custom = self.custom.list_namespaced_custom_object
-        doing = f"list {crd.resource} in namespace {namespace}"
-        listed = self._call(
-            doing, custom, crd.group, crd.version, namespace, crd.plural, label_selector=MANAGED_SELECTOR
-        )
-        return list(listed.get("items") or [])
-
-    def get_object(self, crd: Crd, namespace: str, name: str) -> dict[str, Any] | None:
-        """The object, or None when there is none by that name."""
-        get = self.custom.get_namespaced_custom_object
-        doing = f"get {crd.resource} {namespace}/{name}"
-        found: dict[str, Any] | None = self._call(
-            doing, get, crd.group, crd.version, namespace, crd.plural, name, missing_ok=True
-        )
-        return found
-
-    def create_object(self, crd: Crd, namespace: str, body: Mapping[str, Any]) -> dict[str, Any]:
-        """The created object; ``ObjectExists`` when its name is taken."""
-        create = self.custom.create_namespaced_custom_object
-        doing = f"create {crd.resource} {namespace}/{body['metadata']['name']}"
-        created: dict[str, Any] = self._call(
-            doing, create, crd.group, crd.version, namespace, crd.plural, body
-        )
-        return created
-
-    def delete_object(self, ref: ObjectRef) -> None:
-        """Delete ``ref`` and, before it goes, its pods (Foreground). Only this uid is deleted: a later
-        object under the same name answers 409, and that (like a 404) means ``ref`` is already gone."""
-        options = {"propagationPolicy": "Foreground", "preconditions": {"uid": ref.uid}}
-        delete = self.custom.delete_namespaced_custom_object
-        crd = ref.crd
-        doing = f"delete {crd.resource} {ref.namespace}/{ref.name}"
-        args = (crd.group, crd.version, ref.namespace, crd.plural, ref.name)
-        self._call(doing, delete, *args, body=options, missing_ok=True, conflict_ok=True)
-
-    def list_pods(self, ref: ObjectRef) -> list[dict[str, Any]]:
-        """The pods of ``ref``: by the labels the renderer sets, and by owner uid where the operator
-        set an owner reference (pods of an earlier object under the same name are left out)."""
-        selector = f"{MANAGED_SELECTOR},{OBJECT_LABEL}={ref.name}"
-        # Raw JSON rather than the client's models: plain dicts, like the custom objects.
-        doing = f"list the pods of {ref.title}"
-        response = self._call(
-            doing,
-            self.core.list_namespaced_pod,
-            ref.namespace,
-            label_selector=selector,
-            _preload_content=False,
-        )
-        pods = json.loads(response.data).get("items") or []
-        return [pod for pod in pods if _owned_by(pod, ref.uid)]
-
-    def pod_log(self, namespace: str, pod: str, container: str | None, tail: int) -> str:
-        # Raw bytes: the client's own decoding turns a log that happens to be valid JSON into a repr.
-        doing = f"read the log of pod {namespace}/{pod}"
-        read = self.core.read_namespaced_pod_log
-        response = self._call(
-            doing, read, pod, namespace, container=container, tail_lines=tail, _preload_content=False
-        )
-        return bytes(response.data).decode("utf-8", errors="replace")
-
-    def _call(
-        self,
-        doing: str,
-        method: Callable[..., Any],
-        *args: Any,
-        missing_ok: bool = False,
-        conflict_ok: bool = False,
-        **kwargs: Any,
-    ) -> Any:
-        """``method(*args, **kwargs)`` with a timeout; None for a tolerated 404/409; errors translated."""
-        import urllib3
-
-        try:
-            return method(*args, _request_timeout=REQUEST_TIMEOUT_S, **kwargs)
-        except self._api_exception as exc:
-            status = int(getattr(exc, "status", 0) or 0)
-            if (status == 404 and missing_ok) or (status == 409 and conflict_ok):
-                return None
-            raise api_error(exc, doing) from exc
-        except urllib3.exceptions.HTTPError as exc:
-            raise TransientError(f"could not {doing}: the Kubernetes API did not answer ({exc})") from exc
-
-
-class ObjectExists(JobError):
-    """Create answered 409: an object of that name exists already."""
-
-
-def api_error(exc: Exception, doing: str) -> TunepodError:
-    """An ``ApiException`` as a runbook: the call, the status, the API's own message, and the fix."""
-    status = int(getattr(exc, "status", 0) or 0)
-    text = f"could not {doing}: HTTP {status} {getattr(exc, 'reason', '')}: {_status_message(exc)}"
-    if status in (401, 403):
-        return JobError(
-            f"{text}; fix: check the kubeconfig's credentials (launcher.kubeconfig/context; for EKS "
-            "`aws eks update-kubeconfig` and an access entry) and that its user or service account has "
-            "RBAC permission to get, list, create and delete the job objects and to list pods and get "
-            "pods/log in the namespace (kubectl auth can-i --list -n NAMESPACE)"
-        )
-    if status == 409:
-        return ObjectExists(text)
-    if status in _TRANSIENT_STATUSES:
-        return TransientError(text)
-    if status == 404:
-        return JobError(f"{text}; fix: check that the CRD is installed (kubectl get crd) and the namespace")
-    return JobError(text)
-
-
-def _status_message(exc: Exception) -> str:
-    """The ``message`` of the Status object in the error body (the whole body when it is not one)."""
-    body = getattr(exc, "body", None)
-    text = body.decode("utf-8", errors="replace") if isinstance(body, bytes) else str(body or "")
-    try:
-        return str(json.loads(text)["message"])
-    except (TypeError, ValueError, KeyError):
-        return text.strip()[:500]
-
-
-def _owned_by(pod: Mapping[str, Any], uid: str) -> bool:
-    owners = (pod.get("metadata") or {}).get("ownerReferences") or []
-    return not owners or any(owner.get("uid") == uid for owner in owners)
-
-
-# ------------------------------------------------------------------------------------------ state cache
-
-
-@dataclass
-class _Snapshot:
-    fetched_at: float
-    objects: dict[str, ObjectStatus]
-
-
-class KubeStateCache:
-    """The API's view of every job object one launcher follows, one LIST per namespace and CRD at most
-    once per ``max_age_s``. ``status`` returns None for an object that is gone.
-
-    Thread safety: every method may be called from several threads; one lock serializes the API calls,
-    so concurrent callers share one LIST. An ended or gone object's status is kept for good (by uid).
-    A LIST that fails transiently is logged and the last known status served instead, for up to
-    ``stale_limit_s``; after that the ``TransientError`` reaches the caller.
-    """
-
-    def __init__(self, api: KubeApi, max_age_s: float, stale_limit_s: float = 300.0) -> None:
-        self.api = api
-        self.max_age_s = max_age_s
-        self.stale_limit_s = stale_limit_s
-        self._lock = threading.Lock()
-        self._snapshots: dict[tuple[str, str], _Snapshot] = {}
-        self._final: dict[str, ObjectStatus | None] = {}
-
-    def status(self, ref: ObjectRef, *, max_age_s: float | None = None) -> ObjectStatus | None:
-        """The status of ``ref``, at most ``max_age_s`` (default: the cache's) seconds old."""
-        limit = self.max_age_s if max_age_s is None else max_age_s
-        with self._lock:
-            if ref.uid in self._final:
-                return self._final[ref.uid]
-            snapshot = self._snapshot(ref, limit)
-            found = snapshot.objects.get(ref.name)
-            if found is None or found.uid != ref.uid:
-                found = self._look_up(ref)
-                if found is not None:
-                    snapshot.objects[ref.name] = found
-            if found is None or found.job_state.is_terminal:
-                self._final[ref.uid] = found
-            return found
-
-    def _snapshot(self, ref: ObjectRef, max_age_s: float) -> _Snapshot:
-        key = (ref.crd.resource, ref.namespace)
-        snapshot = self._snapshots.get(key)
-        if snapshot is not None and time.monotonic() - snapshot.fetched_at < max_age_s:
-            return snapshot
-        try:
-            objects = self.api.list_objects(ref.crd, ref.namespace)
-        except TransientError as exc:
-            if snapshot is None or time.monotonic() - snapshot.fetched_at > self.stale_limit_s:
-                raise
-            logger.warning("listing %s failed, serving the last known states: %s", ref.crd.resource, exc)
-            return snapshot
-        statuses = {str(obj["metadata"]["name"]): ObjectStatus.from_object(obj) for obj in objects}
-        self._snapshots[key] = _Snapshot(time.monotonic(), statuses)
-        return self._snapshots[key]
-
-    def _look_up(self, ref: ObjectRef) -> ObjectStatus | None:
-        obj = self.api.get_object(ref.crd, ref.namespace, ref.name)
-        status = None if obj is None else ObjectStatus.from_object(obj)
-        return status if status is not None and status.uid == ref.uid else None
 
 
 # ------------------------------------------------------------------------------------------ jobs
@@ -520,28 +180,6 @@ class KubeJob:
             )
         except TunepodError as exc:
             return f"(log unavailable: {exc})"
-
-
-def wait_until_gone(api: KubeApi, ref: ObjectRef, timeout_s: float) -> None:
-    """Block until ``ref`` and its pods are gone; ``JobError`` naming the object after ``timeout_s``.
-
-    Asks the API directly, past the launcher's cache: a long ``poll_cache_s`` must not slow a cancel
-    down, and the cache keeps an ended object's last status for good.
-    """
-    deadline = time.monotonic() + timeout_s
-    while _still_there(api, ref) or api.list_pods(ref):
-        if time.monotonic() > deadline:
-            raise JobError(
-                f"{ref.title} (uid {ref.uid}) or its pods are still there {timeout_s:.0f}s after tunepod "
-                f"deleted it; look for stuck finalizers or nodes: {ref.kubectl('describe')}; "
-                f"kubectl -n {ref.namespace} get pods -l {OBJECT_LABEL}={ref.name}"
-            )
-        time.sleep(_POLL_S)
-
-
-def _still_there(api: KubeApi, ref: ObjectRef) -> bool:
-    obj = api.get_object(ref.crd, ref.namespace, ref.name)
-    return obj is not None and ObjectStatus.from_object(obj).uid == ref.uid
 
 
 def _rank_order(pod: Mapping[str, Any]) -> tuple[bool, int, str]:
