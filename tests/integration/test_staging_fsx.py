@@ -248,6 +248,29 @@ def test_export_and_release_land_the_best_checkpoints_in_s3(
     assert tags["tunepod.save.trial-1.checkpoint_s3"] == expected
 
 
+def test_export_refuses_trials_without_checkpoints_and_a_step_without_completed_trials(
+    fsx: FsxStandIn, in_repo: Path, tmp_path: Path
+) -> None:
+    export = {"file_system_id": FS, "s3_prefix": f"s3://{BUCKET}/checkpoints/", **FAST}
+    run = PipelineRun.start(write_spec(tmp_path, FAST, export))
+    trials = trial_set(run, values={0: 0.5})
+    shutil.rmtree(trials.trials[0].checkpoint_dir)
+    with pytest.raises(JobError, match=r"no checkpoint folder for trial 0 .* fix: call ctx.save_checkpoint"):
+        run.run_step("save", {"search": trials})
+    pruned = trials.model_copy(update={"trials": [trials.trials[0].model_copy(update={"outcome": "PRUNED"})]})
+    with pytest.raises(JobError, match="search has no completed trial, so no checkpoint to export"):
+        run.run_step("save", {"search": pruned})
+    run.finish(ok=False)
+    assert "CreateDataRepositoryAssociation" not in fsx.calls  # refused before anything was linked
+
+
+def test_an_empty_prefix_is_an_error_naming_the_source_and_the_mount(
+    fsx: FsxStandIn, s3: Any, mount: Path
+) -> None:
+    with pytest.raises(TunepodError, match=r"holds no files: the prefix is empty, or the file system is not"):
+        stage_fsx(f"s3://{BUCKET}/nothing-here/", FsxTarget.parse(TARGET), FsxStageSpec(**FAST), mount)
+
+
 def trial_set(run: PipelineRun, values: dict[int, float]) -> TrialSet:
     """Trials of study ``quad`` with one real checkpoint each (step 0), as a tune step leaves them."""
     records = []

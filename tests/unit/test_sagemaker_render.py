@@ -130,6 +130,11 @@ def test_a_read_only_channel_syncs_checkpoints_with_s3_and_leaves_results_to_sag
     assert request["CheckpointConfig"] == {"S3Uri": expected, "LocalPath": "/opt/ml/checkpoints"}
 
 
+def test_without_a_writable_channel_the_checkpoint_prefix_is_required_and_named() -> None:
+    with pytest.raises(ValidationError, match=r"checkpoints sync with S3; fix: set checkpoint_s3_uri"):
+        spec(checkpoint_s3_uri=None, **FSX_READ_ONLY)
+
+
 def test_a_read_write_channel_needs_no_checkpoint_prefix() -> None:
     launcher = spec(checkpoint_s3_uri=None, **FSX)
     assert "CheckpointConfig" not in render_training_job(job(), launcher)

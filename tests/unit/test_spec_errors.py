@@ -180,6 +180,14 @@ CASES = [
         "write the target as fsx://fs-0123456789abcdef0/<path>",
     ),
     Case(
+        "fsx target that names no folder",
+        "with: {source: builtin://digits, target: fsx:///datasets/digits}",
+        "with: {source: s3://b/digits/, target: fsx://fs-0123456789abcdef0/}",
+        "steps.data.with",
+        "target 'fsx://fs-0123456789abcdef0/' names no folder inside the file system",
+        "add a path such as fsx://fs-0123456789abcdef0/datasets/x",
+    ),
+    Case(
         "fsx settings with a target that is not an FSx file system",
         "target: fsx:///datasets/digits}",
         "target: fsx:///datasets/digits, fsx: {preload: true}}",
