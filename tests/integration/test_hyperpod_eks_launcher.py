@@ -273,6 +273,15 @@ def test_forbidden_is_a_job_error_naming_rbac(kube: KubeApiStandIn, tmp_path: Pa
         handle.state()
 
 
+def test_a_missing_crd_is_a_job_error_saying_to_install_it(kube: KubeApiStandIn, tmp_path: Path) -> None:
+    launcher = eks_launcher(kube, tmp_path)
+    kube.refuse_with(404, "NotFound", "the server could not find the requested resource")
+    with pytest.raises(
+        JobError, match=r"HTTP 404 .* fix: check that the CRD is installed \(kubectl get crd\)"
+    ):
+        launcher.submit(eks_job(tmp_path / "job", "succeed.py"))
+
+
 def test_api_down_is_transient(kube: KubeApiStandIn, tmp_path: Path) -> None:
     launcher = eks_launcher(kube, tmp_path)
     kube.stop()  # the API server goes away
