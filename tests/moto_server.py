@@ -6,7 +6,6 @@ attempt, so such a call fails at once.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from ports import free_port
 
 REGION = "us-east-1"
 
@@ -49,16 +49,10 @@ def put_objects(client: Any, bucket: str, prefix: str, objects: Mapping[str, byt
         client.put_object(Bucket=bucket, Key=f"{prefix}{key}", Body=data)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextmanager
 def moto_server() -> Iterator[MotoServer]:
     """Start ``moto.server`` on a free loopback port; stop it on exit."""
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,

@@ -30,6 +30,7 @@ import httpx
 import pytest
 import yaml
 from needs import skip_or_fail
+from ports import free_port
 
 from tunepod.stack.processes import ServiceRecord, group_members, is_alive
 from tunepod.webhook.signatures import standard_headers
@@ -111,14 +112,6 @@ class Stack:
     def records(self) -> list[ServiceRecord]:
         found = [ServiceRecord.read(p) for p in sorted((self.home / "stack").glob("*.json"))]
         return [record for record in found if record is not None]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def write_webhook_config(path: Path, home: Path, tmp: Path) -> None:

@@ -8,7 +8,6 @@ skip with the reason, except under ``CI=true``, where a skip would hide a broken
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import time
 import urllib.error
@@ -20,6 +19,7 @@ from typing import Any
 
 import pytest
 from needs import skip_or_fail
+from ports import free_port
 from test_tuner import PIPELINE, make_tuner, settings
 
 from tunepod.metrics import open_pipeline_metrics
@@ -41,12 +41,6 @@ def require(tool: Path) -> None:
         return
     reason = f"{tool} is missing: install Debian's prometheus with scripts/prometheus-up (make test runs it)"
     skip_or_fail(reason)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def get_json(url: str) -> Any:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
+from ports import free_port
 
 from tunepod.launch.local import read_process_stat
 from tunepod.stack import StackConfig, StackError, up
@@ -37,12 +37,6 @@ from tunepod.stack.processes import (
 REPO = Path(__file__).resolve().parents[2]
 FLOW_RUN_LIMIT_S = 300.0
 WEBHOOK_SECRET = "whsec_" + base64.b64encode(b"tunepod-stack-test-secret-24").decode()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # ------------------------------------------------------------------------------------ process records

@@ -63,7 +63,6 @@ import os
 import queue
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -75,6 +74,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlparse
+
+from ports import free_port
 
 CRDS = {"hyperpodpytorchjobs": "sagemaker.amazonaws.com", "pytorchjobs": "kubeflow.org"}
 TOKEN_ENV = "KUBE_STANDIN_POD_UID"
@@ -112,13 +113,6 @@ def local_argv(command: list[str], torchrun_flags: list[str]) -> list[str]:
             return [*torchrun, *command[3:]]
         return [sys.executable, *command[1:]]
     return command
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (a job's rendezvous binds it moments later)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def kubeflow_env(obj: dict[str, Any], replica: str, index: int, port: int) -> dict[str, str]:

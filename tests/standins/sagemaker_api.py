@@ -61,7 +61,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -72,6 +71,7 @@ from pathlib import Path
 from typing import Any
 
 import boto3
+from ports import free_port
 
 LOG_GROUP = "/aws/sagemaker/TrainingJobs"
 CONTAINER_DATA = "/opt/ml/input/data"
@@ -359,7 +359,7 @@ class SageMakerStandIn:
         time.sleep(self.phase_s)
         if not job.stop_requested.is_set():
             job.set("InProgress", "Downloading")
-            port = _free_port()
+            port = free_port()
             envs = [self._prepare(job, instance, port) for instance in job.instances]
             time.sleep(self.phase_s)
         if not job.stop_requested.is_set():
@@ -539,13 +539,6 @@ class SageMakerStandIn:
                 except FileNotFoundError:  # a save in progress renamed it away: the next pass sees it
                     continue
                 job.synced[str(path)] = (stat.st_mtime_ns, stat.st_size)
-
-
-def _free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the job's rendezvous binds it moments later)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _torchrun_flags(job: TrainingJob, instance: Instance, procs: int, port: int) -> list[str]:
