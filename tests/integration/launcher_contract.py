@@ -8,7 +8,9 @@ A backend's test module subclasses ``LauncherContract`` and provides:
   orchestrator that restarted and lost every handle;
 - ``kill_hard(handle)``: crash the job the way a node failure would (local: SIGKILL every process);
   together with ``resume_after_crash`` (default: wait for the crashed job to end, then submit the
-  same job into the same job dir), which a backend that requeues by itself (Slurm) overrides.
+  same job into the same job dir), which a backend that requeues by itself (Slurm) overrides;
+- ``jobs_named(launcher, name)``: the ids of every job the backend holds under a name, to prove that
+  a lost reply or a crash between create and record never leaves two jobs.
 
 ``leftover_processes`` reads the pids the ``hang.py`` fixture records, so it works for any backend
 whose jobs run on this machine; a remote backend overrides it.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,8 +28,19 @@ from pathlib import Path
 import pytest
 
 from tunepod import runtime
-from tunepod.launch.base import JobHandle, JobSpec, JobState, Launcher, Resources, wait
+from tunepod.errors import JobError, TransientError
+from tunepod.launch.base import (
+    Accepted,
+    JobHandle,
+    JobSpec,
+    JobState,
+    Launcher,
+    LauncherBase,
+    Resources,
+    wait,
+)
 from tunepod.launch.paths import JobPaths
+from tunepod.launch.submission import read_cancel_marker, read_submission, write_submission
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 JOBS = REPO_ROOT / "tests" / "fixtures" / "jobs"
@@ -109,6 +123,9 @@ class LauncherContract:
 
     def leftover_processes(self, handle: JobHandle, pid_dir: Path) -> list[int]:
         return [pid for pid in recorded_pids(pid_dir) if is_alive(pid)]
+
+    def jobs_named(self, launcher: Launcher, name: str) -> list[str]:
+        raise NotImplementedError
 
     def make_job(self, job_dir: Path, script: str, *args: str, procs: int = 1) -> JobSpec:
         """The contract's jobs; a backend that cannot pass an argv (SageMaker) passes ``args`` another way
@@ -196,3 +213,103 @@ class LauncherContract:
         assert result.metrics == {"resumed_from": pause_at + 1, "count": num_steps}
         steps = [report.step for report in runtime.read_reports(job.paths.metrics)]
         assert steps == list(range(num_steps))  # each step reported once: no step redone, none skipped
+
+    # ------------------------------------------------------------------------------ exactly once
+
+    def test_lost_reply_after_create_adopts_the_job(
+        self, launcher: Launcher, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The backend accepts the job, then the reply is lost (an ssh drop, a timed-out API call).
+        Stand-in: the real send runs, then a TransientError is raised in its place, since a dropped
+        reply after acceptance cannot be timed from here. submit must find and adopt the job."""
+        assert isinstance(launcher, LauncherBase)
+        real_send = launcher.send
+
+        def reply_lost(job: JobSpec, rendered: object, intent: object) -> Accepted:
+            real_send(job, rendered, intent)  # type: ignore[arg-type]
+            raise TransientError("connection closed before the reply arrived")
+
+        monkeypatch.setattr(launcher, "send", reply_lost)
+        release = tmp_path / "release"
+        job = self.make_job(tmp_path / "job", "succeed.py", str(release))
+        handle = launcher.submit(job)
+        record = read_submission(job.paths)
+        assert record is not None and record.job_id == handle.job_id
+        assert self.jobs_named(launcher, record.name) == [handle.job_id]
+        release.touch()
+        assert finish(handle) is JobState.SUCCEEDED, handle.logs()
+
+    def test_crash_between_create_and_record_is_resolved_by_name(
+        self, launcher: Launcher, tmp_path: Path
+    ) -> None:
+        """Only the intent reached the job dir (the orchestrator died right after the backend took the
+        job): the job is found by its name and submission id, never created a second time."""
+        assert isinstance(launcher, LauncherBase)
+        release = tmp_path / "release"
+        job = self.make_job(tmp_path / "job", "succeed.py", str(release))
+        submitted = launcher.submit(job)
+        record = read_submission(job.paths)
+        assert record is not None
+        write_submission(job.paths, record.model_copy(update={"job_id": None, "submitted_at": None}))
+
+        restarted = self.restart(launcher)
+        found = restarted.recorded(job.job_dir)  # type: ignore[attr-defined]
+        assert found is not None and found.job_id == submitted.job_id
+        assert (
+            read_submission(job.paths) is not None and read_submission(job.paths).job_id == submitted.job_id
+        )
+        with pytest.raises(JobError, match="has not ended"):
+            restarted.submit(job)
+        assert self.jobs_named(launcher, record.name) == [submitted.job_id]
+        release.touch()
+        assert finish(found) is JobState.SUCCEEDED, found.logs()
+
+    def test_crash_before_create_sends_once_under_the_recorded_name(
+        self, launcher: Launcher, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The intent was written, then the orchestrator died before the backend heard of the job
+        (stand-in: send raises instead of the process dying). The next submit sends that same
+        attempt once, under the recorded name."""
+        assert isinstance(launcher, LauncherBase)
+
+        def died(job: JobSpec, rendered: object, intent: object) -> Accepted:
+            raise KeyboardInterrupt("orchestrator killed before sending")
+
+        job = self.make_job(tmp_path / "job", "succeed.py")
+        with monkeypatch.context() as patch:
+            patch.setattr(launcher, "send", died)
+            with pytest.raises(KeyboardInterrupt):
+                launcher.submit(job)
+        intent = read_submission(job.paths)
+        assert intent is not None and intent.is_intent and intent.attempt == 1
+
+        restarted = self.restart(launcher)
+        assert restarted.recorded(job.job_dir) is None  # type: ignore[attr-defined]
+        handle = restarted.submit(job)
+        record = read_submission(job.paths)
+        assert record is not None
+        assert (record.attempt, record.name, record.submission_id) == (1, intent.name, intent.submission_id)
+        assert finish(handle) is JobState.SUCCEEDED, handle.logs()
+        assert self.jobs_named(launcher, record.name) == [handle.job_id]
+
+    def test_cancel_records_why_before_stopping(self, launcher: Launcher, tmp_path: Path) -> None:
+        pid_dir = tmp_path / "pids"
+        job = self.make_job(tmp_path / "job", "hang.py", str(pid_dir))
+        handle = launcher.submit(job)
+        wait_until(lambda: (pid_dir / "rank-0.json").exists(), "the rank to start")
+        handle.cancel(reason="pruned")
+        marker = read_cancel_marker(job.paths)
+        assert marker is not None and (marker.job_id, marker.reason) == (handle.job_id, "pruned")
+        assert handle.state() is JobState.CANCELLED
+
+    def test_files_holding_the_job_environment_are_private(self, launcher: Launcher, tmp_path: Path) -> None:
+        assert isinstance(launcher, LauncherBase)
+        job = self.make_job(tmp_path / "job", "succeed.py")
+        job = JobSpec(**{**job.__dict__, "env": {**job.env, "SECRET_TOKEN": "s3cr3t"}})
+        handle = launcher.submit(job)
+        assert finish(handle) is JobState.SUCCEEDED, handle.logs()
+        if launcher.private_job_dirs:
+            assert stat.S_IMODE(job.job_dir.stat().st_mode) == 0o700
+        holding = [p for p in job.job_dir.iterdir() if p.is_file() and b"s3cr3t" in p.read_bytes()]
+        for path in [job.paths.submission, *holding]:
+            assert stat.S_IMODE(path.stat().st_mode) == 0o600, path

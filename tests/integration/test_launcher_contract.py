@@ -27,7 +27,9 @@ from launcher_contract import (
 
 from tunepod.errors import JobError
 from tunepod.launch.base import JobHandle, JobSpec, JobState, Launcher, Resources
-from tunepod.launch.local import LocalJob, LocalLauncher, Submission, read_process_stat, torchrun_argv
+from tunepod.launch.local import LocalJob, LocalLauncher, read_exit_code, read_process_stat, torchrun_argv
+from tunepod.launch.local.processes import submission_processes
+from tunepod.launch.submission import Submission, write_submission
 from tunepod.launch.paths import JobPaths
 
 pytestmark = pytest.mark.timeout(180)
@@ -57,6 +59,39 @@ class TestLocalLauncherContract(LauncherContract):
     def leftover_processes(self, handle: JobHandle, pid_dir: Path) -> list[int]:
         assert isinstance(handle, LocalJob)
         return sorted(set(super().leftover_processes(handle, pid_dir)) | set(handle.pids()))
+
+    def jobs_named(self, launcher: Launcher, name: str) -> list[str]:
+        # A local job's name is its id, and its wrapper is the one session leader carrying it: two
+        # wrappers with one id would be two jobs. An ended job has left its exit file instead.
+        submission_id = name.removeprefix("local-")
+        leaders = [pid for pid, stat in submission_processes(submission_id) if stat.pgid == pid]
+        if leaders:
+            return [name] * len(leaders)
+        exit_files = [
+            p
+            for p in launcher_root_job_dirs(launcher)
+            if read_exit_code(JobPaths(p), submission_id) is not None
+        ]
+        return [name] * len(exit_files)
+
+
+def launcher_root_job_dirs(launcher: Launcher) -> list[Path]:
+    """The job dirs of a contract test: ``tmp_path/job`` beside the launcher's root ``tmp_path/shared``."""
+    assert isinstance(launcher, LocalLauncher)
+    return [p for p in launcher.root.parent.iterdir() if p.is_dir()]
+
+
+def record(job_id: str, details: dict[str, object]) -> Submission:
+    """A submission record of a job that ``job_id`` names, as the launcher writes it."""
+    return Submission(
+        backend="local",
+        name=job_id,
+        attempt=1,
+        submission_id=job_id.removeprefix("local-"),
+        job_id=job_id,
+        details=details,
+        intent_at="now",
+    )
 
 
 def _kill(pid: int, signum: signal.Signals) -> None:
@@ -89,7 +124,7 @@ def test_pid_reused_by_a_stranger_is_not_our_job(local_launcher: LocalLauncher, 
     stranger = subprocess.Popen(["sleep", "120"], start_new_session=True)
     try:
         submission = json.loads(job.paths.submission.read_text())
-        submission["pid"] = submission["pgid"] = stranger.pid
+        submission["details"]["pid"] = stranger.pid  # the start time stays our wrapper's
         job.paths.submission.write_text(json.dumps(submission))
         attached = local_launcher.attach(handle.job_id, job.job_dir)
         assert attached.state() is JobState.SUCCEEDED
@@ -109,11 +144,9 @@ def test_zombie_wrapper_counts_as_dead(local_launcher: LocalLauncher, tmp_path: 
         assert stat is not None
         paths = JobPaths(tmp_path / "job")
         paths.job_dir.mkdir()
-        job_id = f"local-{zombie.pid}-{stat.start_ticks}"
-        submission = Submission(
-            job_id, "z", zombie.pid, stat.pgid, stat.start_ticks, "t0ken", ["true"], "now"
-        )
-        paths.submission.write_bytes(submission.to_json())
+        job_id = "local-00000000000000aa"
+        details = {"pid": zombie.pid, "start_ticks": stat.start_ticks}
+        write_submission(paths, record(job_id, details))
         assert local_launcher.attach(job_id, paths.job_dir).state() is JobState.FAILED
     finally:
         zombie.wait()
@@ -160,19 +193,30 @@ def test_submit_refuses_the_job_dir_of_a_running_job(local_launcher: LocalLaunch
     release = tmp_path / "release"
     job = fixture_job(tmp_path / "job", "succeed.py", str(release))
     running = local_launcher.submit(job)
-    with pytest.raises(JobError, match="still running"):
+    with pytest.raises(JobError, match=r"belongs to local job .* which has not ended"):
         local_launcher.submit(job)
     release.touch()
     assert finish(running) is JobState.SUCCEEDED, running.logs()
 
 
-def test_attach_explains_a_missing_submission_and_a_foreign_job_id(
-    local_launcher: LocalLauncher, tmp_path: Path
-) -> None:
-    with pytest.raises(JobError, match=r"submission\.json is missing"):
-        local_launcher.attach("local-1-1", tmp_path / "never submitted")
+def test_attach_explains_a_foreign_job_id(local_launcher: LocalLauncher, tmp_path: Path) -> None:
     with pytest.raises(JobError, match="not a local job id"):
         local_launcher.attach("4412", tmp_path)
+
+
+def test_attach_without_a_record_finds_the_job_by_its_submission_id(
+    local_launcher: LocalLauncher, tmp_path: Path
+) -> None:
+    """The record holds only the wrapper's pid, a shortcut: the processes carry the job's id."""
+    pid_dir = tmp_path / "pids"
+    job = fixture_job(tmp_path / "job", "hang.py", str(pid_dir))
+    submitted = local_launcher.submit(job)
+    wait_until(lambda: (pid_dir / "rank-0.json").exists(), "the rank to start")
+    job.paths.submission.unlink()
+    attached = LocalLauncher(local_launcher.root).attach(submitted.job_id, job.job_dir)
+    assert attached.state() is JobState.RUNNING
+    attached.cancel()
+    assert [pid for pid in recorded_pids(pid_dir) if is_alive(pid)] == []
 
 
 def test_warns_once_per_launcher_about_resources_it_ignores(
@@ -230,8 +274,12 @@ def test_logs_tail_prefers_stderr_then_falls_back_to_stdout(tmp_path: Path) -> N
     paths = JobPaths(tmp_path)
     # A job whose processes are long gone: a pid at pid_max cannot exist.
     pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    launcher = LocalLauncher(tmp_path, cancel_grace_s=1)
     job = LocalJob(
-        Submission("local-0-0", "x", pid_max, pid_max, 0, "t", [], "now"), tmp_path, cancel_grace_s=1
+        launcher,
+        "local-00000000000000bb",
+        tmp_path,
+        record("local-00000000000000bb", {"pid": pid_max, "start_ticks": 0}),
     )
     assert job.logs() == ""
     paths.stdout.write_text("".join(f"out {i}\n" for i in range(100_000)))

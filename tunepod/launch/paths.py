@@ -59,6 +59,21 @@ class JobPaths:
         """Written by the orchestrator before it cancels the job, so a later reader knows why it ended."""
         return self.job_dir / "cancelled"
 
+    @property
+    def lease(self) -> Path:
+        """Written by the orchestrator that drives the job, renewed while it lives (``tunepod.launch.lease``)."""
+        return self.job_dir / "lease.json"
+
+    @property
+    def lease_lock(self) -> Path:
+        """Locked around every read-modify-write of the lease."""
+        return self.job_dir / ".lease.lock"
+
+    @property
+    def tracking(self) -> Path:
+        """Written by the orchestrator: how far the job's MLflow run is brought up to date."""
+        return self.job_dir / "mlflow.json"
+
 
 @dataclass(frozen=True)
 class SharedRoot:
@@ -98,3 +113,9 @@ def tail_lines(path: Path, lines: int) -> str:
         return ""
     text = data.decode("utf-8", errors="replace").rstrip("\n")
     return "\n".join(text.splitlines()[-lines:]) if lines > 0 else ""
+
+
+def file_logs(paths: JobPaths, tail: int) -> str:
+    """The last ``tail`` lines of a job's stderr (where torchrun and workers write tracebacks), else
+    of its stdout: the logs of a backend that writes them into the job dir."""
+    return tail_lines(paths.stderr, tail) or tail_lines(paths.stdout, tail)

@@ -33,16 +33,18 @@ def fsync_file(path: Path) -> None:
         os.fsync(handle.fileno())
 
 
-def write_bytes_atomic(path: Path, data: bytes) -> None:
+def write_bytes_atomic(path: Path, data: bytes, *, mode: int = _FILE_MODE) -> None:
     """Replace ``path`` with ``data`` atomically; creates the parent folder if needed.
 
-    The file ends up ``rw-r--r--``: mkstemp's private 0600 would hide a result or a staged dataset
-    from an orchestrator or a job running as another user on the shared filesystem.
+    The file ends up ``rw-r--r--`` by default: mkstemp's private 0600 would hide a result or a staged
+    dataset from an orchestrator or a job running as another user on the shared filesystem. Files
+    that hold secrets (a job's environment) pass ``mode=0o600``; the mode is set before any byte is
+    written, so the data is never readable by others, not even for a moment.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        os.fchmod(fd, _FILE_MODE)
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from tunepod.launch.base import Resources
+from tunepod.spec.resources import Resources
 
 
 class Strict(BaseModel):

@@ -1,0 +1,16 @@
+"""The local launcher: jobs as ``torchrun`` process trees on this machine."""
+
+from tunepod.launch.local.launcher import LocalJob, LocalLauncher, LocalStatus, parse_job_id, read_exit_code
+from tunepod.launch.local.processes import read_process_stat
+from tunepod.launch.local.render import torchrun_argv, wrapper_argv
+
+__all__ = [
+    "LocalJob",
+    "LocalLauncher",
+    "LocalStatus",
+    "parse_job_id",
+    "read_exit_code",
+    "read_process_stat",
+    "torchrun_argv",
+    "wrapper_argv",
+]

@@ -1,0 +1,280 @@
+"""Run jobs as local ``torchrun`` processes: the launcher for a laptop, CI and a single machine.
+
+Each job is ``/bin/sh -c WRAPPER`` around ``python -m torch.distributed.run --standalone ...``
+(``render.py``), started in a session of its own so that it outlives the orchestrator. A job's id is
+``local-<submission id>``: every process of the job inherits that id (``processes.py``), which is how
+``find`` and ``stop`` reach them all, even after the wrapper is gone. The wrapper's pid and start time,
+recorded at submit, make the common "is it still running" question one ``/proc/<pid>/stat`` read.
+
+``Resources.timeout_min`` is not enforced here: the caller enforces it by cancelling the job
+(``tunepod.launch.drive``), the same way for every backend that has no limit of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from tunepod.errors import JobError
+from tunepod.launch.base import SUBMISSION_ID_ENV, Accepted, Job, JobSpec, JobState, LauncherBase, Rendered
+from tunepod.launch.local.processes import (
+    carries_submission,
+    is_same_process,
+    live_processes,
+    read_process_stat,
+    submission_processes,
+)
+from tunepod.launch.local.render import parse_exit_file, torchrun_argv, wrapper_argv
+from tunepod.launch.paths import JobPaths, file_logs
+from tunepod.launch.status_cache import TrackedJob
+from tunepod.launch.submission import Submission
+
+logger = logging.getLogger(__name__)
+
+JOB_ID_PREFIX = "local-"
+_JOB_ID = re.compile(r"^local-(?P<submission>[0-9a-f]{16})$")
+_POLL_S = 0.05
+# After SIGKILL the kernel only has to tear processes down; a job still there after this long is stuck
+# in uninterruptible sleep (a hung filesystem), which the caller must hear about.
+_AFTER_KILL_WAIT_S = 10.0
+
+
+def parse_job_id(job_id: str) -> str:
+    """``local-<submission id>`` -> the submission id; ``JobError`` for anything else."""
+    match = _JOB_ID.match(job_id)
+    if match is None:
+        raise JobError(f"{job_id!r} is not a local job id (expected local-<16 hex digits>)")
+    return match["submission"]
+
+
+@dataclass(frozen=True)
+class LocalStatus:
+    """What this machine says about a local job."""
+
+    running: bool
+    exit_code: int | None
+    """The command's exit code; None while it runs or when the wrapper itself was killed."""
+
+    @property
+    def job_state(self) -> JobState:
+        if self.running:
+            return JobState.RUNNING
+        return JobState.SUCCEEDED if self.exit_code == 0 else JobState.FAILED
+
+    def describe(self, job_id: str) -> str:
+        if self.running:
+            return f"local job {job_id} (running)"
+        if self.exit_code is None:
+            return f"local job {job_id}: no exit code (the job's wrapper was killed)"
+        return f"local job {job_id}: exit code {self.exit_code}"
+
+
+class LocalJob(Job[LocalStatus]):
+    """A local job; adds what only a local job has: its pids and exit code."""
+
+    launcher: LocalLauncher
+
+    @property
+    def submission_id(self) -> str:
+        return parse_job_id(self.job_id)
+
+    @property
+    def exit_code(self) -> int | None:
+        return read_exit_code(self.paths, self.submission_id)
+
+    def pids(self) -> list[int]:
+        """The live processes of this job: the wrapper, torchrun, its workers and their children."""
+        wrapper = _wrapper(self.record)
+        # The process group only counts while its leader is our wrapper: once the leader is gone, the
+        # group id could name a stranger's group after pid reuse. The submission id never can.
+        pgid = wrapper[0] if wrapper is not None and is_same_process(*wrapper) else None
+        submission_id = self.submission_id
+        return sorted(
+            pid
+            for pid, stat in live_processes()
+            if stat.pgid == pgid or carries_submission(pid, submission_id)
+        )
+
+
+class LocalLauncher(LauncherBase[LocalStatus]):
+    """Starts jobs as ``torchrun --standalone`` process trees on this machine.
+
+    ``root`` stands in for the shared filesystem (``fsx:///x`` resolves to ``root/x``). Resources a
+    single machine cannot honour are logged once per launcher, not per job.
+    """
+
+    kind = "local"
+    stop_hint = "cancel it (kill the processes that carry TUNEPOD_SUBMISSION_ID of {job_id})"
+
+    def __init__(self, root: Path, cancel_grace_s: float = 10.0, python: str = sys.executable) -> None:
+        # No cache: reading /proc is cheaper than any bookkeeping around it.
+        super().__init__(poll_cache_s=0.0, cancel_timeout_s=_AFTER_KILL_WAIT_S, cancel_poll_s=_POLL_S)
+        self.root = root
+        self.cancel_grace_s = cancel_grace_s
+        self.python = python
+        self._children: dict[str, subprocess.Popen[bytes]] = {}
+        self._children_lock = threading.Lock()
+
+    # ------------------------------------------------------------------------------------ hooks
+
+    def render(self, job: JobSpec, attempt: int, variant: int = 0) -> Rendered:
+        submission_id = job.env[SUBMISSION_ID_ENV]
+        argv = wrapper_argv(job.paths, torchrun_argv(job, self.python), submission_id)
+        return Rendered(name=f"{JOB_ID_PREFIX}{submission_id}", payload=argv)
+
+    def send(self, job: JobSpec, rendered: Rendered, intent: Submission) -> Accepted:
+        paths = job.paths
+        with open(paths.stdout, "ab") as stdout, open(paths.stderr, "ab") as stderr:
+            # A session of its own: the job outlives the orchestrator and a terminal's Ctrl-C.
+            process = subprocess.Popen(
+                rendered.payload,
+                stdin=subprocess.DEVNULL,
+                stdout=stdout,
+                stderr=stderr,
+                env={**os.environ, **job.env},
+                start_new_session=True,
+            )
+        job_id = rendered.name
+        with self._children_lock:
+            self._children[job_id] = process
+        # The wrapper is our unreaped child, so its pid cannot be reused while we read its stat.
+        stat = read_process_stat(process.pid)
+        details = {"argv": rendered.payload}
+        if stat is not None:
+            details |= {"pid": process.pid, "start_ticks": stat.start_ticks}
+        return Accepted(job_id, details)
+
+    def find(self, intent: Submission, job_dir: Path) -> Accepted | None:
+        """The job's wrapper (or, with the wrapper gone, any of its processes, or its exit file)."""
+        processes = submission_processes(intent.submission_id)
+        leaders = [(pid, stat) for pid, stat in processes if stat.pgid == pid]
+        if leaders:
+            pid, stat = leaders[0]
+            return Accepted(intent.name, {"pid": pid, "start_ticks": stat.start_ticks})
+        if processes or read_exit_code(JobPaths(job_dir), intent.submission_id) is not None:
+            return Accepted(intent.name)
+        return None
+
+    def poll(self, jobs: Mapping[str, TrackedJob]) -> dict[str, LocalStatus]:
+        self._reap()
+        return {job_id: self._status(job_id, job) for job_id, job in jobs.items()}
+
+    def stop(self, job: Job[LocalStatus]) -> None:
+        """SIGTERM every process of the job, SIGKILL what is left after ``cancel_grace_s``."""
+        assert isinstance(job, LocalJob)
+        _signal_all(job, signal.SIGTERM)
+        if self._wait_until_gone(job, self.cancel_grace_s):
+            return
+        logger.warning("job %s ignored SIGTERM for %.1fs; sending SIGKILL", job.job_id, self.cancel_grace_s)
+        _signal_all(job, signal.SIGKILL)
+        if not self._wait_until_gone(job, _AFTER_KILL_WAIT_S):
+            raise JobError(
+                f"local job {job.job_id} still has processes {job.pids()} {_AFTER_KILL_WAIT_S:.0f}s after "
+                f"SIGKILL (stuck in the kernel, e.g. on a hung filesystem); job dir: {job.job_dir}"
+            )
+
+    def read_logs(self, job: Job[LocalStatus], tail: int) -> str:
+        return file_logs(job.paths, tail)
+
+    def ignored_settings(self, job: JobSpec) -> dict[str, str]:
+        return ignored_resources(job)
+
+    def stale_outcome_files(self, paths: JobPaths) -> list[Path]:
+        return [paths.exit_code, paths.exit_code.with_name(paths.exit_code.name + ".tmp")]
+
+    def check_job_id(self, job_id: str) -> None:
+        parse_job_id(job_id)
+
+    def make_job(self, job_id: str, job_dir: Path, record: Submission | None) -> LocalJob:
+        return LocalJob(self, job_id, job_dir, record)
+
+    # ------------------------------------------------------------------------------------ internals
+
+    def _status(self, job_id: str, job: TrackedJob) -> LocalStatus:
+        submission_id = parse_job_id(job_id)
+        wrapper = _wrapper(job.record)
+        if wrapper is not None and is_same_process(*wrapper):
+            return LocalStatus(running=True, exit_code=None)
+        code = read_exit_code(JobPaths(job.job_dir), submission_id)
+        if code is not None:
+            return LocalStatus(running=False, exit_code=code)
+        # No wrapper, or no exit code (the wrapper was killed): the job lives while any process does.
+        running = bool(submission_processes(submission_id))
+        return LocalStatus(running=running, exit_code=None)
+
+    def _wait_until_gone(self, job: LocalJob, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._reap()
+            if not job.pids():
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(_POLL_S)
+
+    def _reap(self) -> None:
+        # Collect the exit status of wrappers we started, so no zombie of ours lingers.
+        with self._children_lock:
+            for job_id, process in list(self._children.items()):
+                if process.poll() is not None:
+                    del self._children[job_id]
+
+
+def read_exit_code(paths: JobPaths, submission_id: str) -> int | None:
+    """The exit code the wrapper of ``submission_id`` recorded; None if it has not (or another did)."""
+    try:
+        parsed = parse_exit_file(paths.exit_code.read_text())
+    except FileNotFoundError:
+        return None
+    if parsed is None or parsed[1] not in (None, submission_id):
+        return None
+    return parsed[0]
+
+
+def _wrapper(record: Submission | None) -> tuple[int, int] | None:
+    """(pid, start ticks) of the job's wrapper, when the submission recorded them."""
+    if record is None or "pid" not in record.details or "start_ticks" not in record.details:
+        return None
+    return int(record.details["pid"]), int(record.details["start_ticks"])
+
+
+def _signal_all(job: LocalJob, signum: signal.Signals) -> None:
+    for pid in job.pids():
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            continue
+
+
+def ignored_resources(job: JobSpec) -> dict[str, str]:
+    """What a single machine cannot honour in ``job.resources``, keyed by field."""
+    res = job.resources
+    ignored: dict[str, str] = {}
+    if res.num_nodes > 1:
+        ignored["num_nodes"] = (
+            f"resources.num_nodes={res.num_nodes} ignored: every process runs on this machine "
+            f"({res.procs_per_node} in all, torchrun --standalone)"
+        )
+    gpus_here = _count_nvidia_gpus()
+    if res.gpus_per_node > gpus_here:
+        ignored["gpus_per_node"] = (
+            f"resources.gpus_per_node={res.gpus_per_node} but this machine has {gpus_here} NVIDIA GPU(s); "
+            "the job sees only what is here (CPU if none)"
+        )
+    if res.instance_type is not None:
+        ignored["instance_type"] = f"resources.instance_type={res.instance_type!r} ignored: jobs run on this machine"
+    return ignored
+
+
+def _count_nvidia_gpus() -> int:
+    # /dev/nvidiaN exists per GPU when the driver is loaded; cheaper than importing torch to ask CUDA.
+    return sum(1 for dev in Path("/dev").glob("nvidia*") if dev.name[len("nvidia") :].isdigit())

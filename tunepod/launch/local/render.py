@@ -1,0 +1,58 @@
+"""The command a local job runs (pure): ``torchrun --standalone`` inside a shell that records its exit.
+
+The wrapper writes ``<exit code> <submission id>`` to ``JobPaths.exit_code`` (temp file, then rename)
+once the command has exited, so the outcome can be read by anyone later, including an orchestrator
+that restarted and was never the parent of the job; the submission id says which attempt it belongs to.
+"""
+
+from __future__ import annotations
+
+from tunepod.launch.base import JobSpec
+from tunepod.launch.paths import JobPaths
+
+# "$1"/"$2"/"$3" are the exit-code paths and the submission id, the rest is the command: passed as
+# arguments, nothing is quoted. The trap has a handler (not ""), so the shell outlives a cancel's
+# SIGTERM and still records the exit code, while the command itself gets default signal handling back.
+# `command -p` finds mv even if the job's environment replaced PATH.
+_WRAPPER_SCRIPT = """trap : TERM INT
+exit_tmp=$1
+exit_final=$2
+submission=$3
+shift 3
+"$@"
+code=$?
+printf '%s %s\\n' "$code" "$submission" > "$exit_tmp" && command -p mv -f "$exit_tmp" "$exit_final"
+exit "$code"
+"""
+
+
+def torchrun_argv(job: JobSpec, python: str) -> list[str]:
+    """The command that runs ``job`` on this machine: ``procs_per_node`` processes under torchrun."""
+    nproc = str(job.resources.procs_per_node)
+    command = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", nproc]
+    return [*command, str(job.entrypoint), *job.args]
+
+
+def wrapper_argv(paths: JobPaths, command: list[str], submission_id: str) -> list[str]:
+    """``command`` wrapped in the shell that records its exit code under ``paths``."""
+    exit_tmp = paths.exit_code.with_name(paths.exit_code.name + ".tmp")
+    return [
+        "/bin/sh",
+        "-c",
+        _WRAPPER_SCRIPT,
+        "tunepod-job",
+        str(exit_tmp),
+        str(paths.exit_code),
+        submission_id,
+        *command,
+    ]
+
+
+def parse_exit_file(text: str) -> tuple[int, str | None] | None:
+    """``"<code> <submission id>"`` (or an older bare ``"<code>"``) -> (code, id); None if unreadable."""
+    parts = text.split()
+    try:
+        code = int(parts[0])
+    except (IndexError, ValueError):
+        return None
+    return code, parts[1] if len(parts) > 1 else None
