@@ -2,9 +2,11 @@
 STAND-IN Kubernetes API (``standins.kube_api``: real HTTP, real REST paths, a tiny operator that runs
 each pod's command as local torchrun processes; no API server can run here), for both CRDs, plus
 EKS-only tests: the object in the cluster is the rendered manifest, one LIST serves every handle,
-refusing a running job dir, attach after a resubmission, a deleted object, the API's errors, and
-2-node jobs (HyperPod, Kubeflow, Kubeflow elastic) that form one gloo process group across their pods
-or fail as a whole when one node fails.
+refusing a running job dir, attach after a resubmission, a deleted object, the API's errors, exactly
+once through the real client (a lost create reply, a crash between create and record, an earlier
+attempt's object under the same name), secrets that never enter the object, and 2-node jobs
+(HyperPod, Kubeflow, Kubeflow elastic) that form one gloo process group across their pods or fail as
+a whole when one node fails.
 
 ``tmp_path`` is the shared root: the stand-in's pods see the claim's mount path as the same local path.
 """
@@ -28,9 +30,27 @@ from standins.kube_api import KubeApiStandIn
 
 from tunepod import runtime
 from tunepod.errors import JobError, TransientError, TunepodError
-from tunepod.launch.base import JobHandle, JobSpec, JobState, Launcher, Resources
-from tunepod.launch.hyperpod_eks import HYPERPOD_PLURAL, render_manifest
-from tunepod.launch.kube import MANIFEST_NAME, HyperPodEksLauncher, KubeJob
+from tunepod.launch.base import (
+    SUBMISSION_ID_ENV,
+    Accepted,
+    Job,
+    JobHandle,
+    JobSpec,
+    JobState,
+    Launcher,
+    Resources,
+)
+from tunepod.launch.hyperpod_eks import (
+    CRDS,
+    HYPERPOD_PLURAL,
+    MANIFEST_NAME,
+    SUBMISSION_ANNOTATION,
+    HyperPodEksLauncher,
+    ObjectRef,
+    parse_job_id,
+    render_manifest,
+)
+from tunepod.launch.submission import new_submission_id, read_submission, write_submission
 from tunepod.spec.models import HyperPodEksLauncherSpec
 
 pytestmark = pytest.mark.timeout(120)
@@ -72,6 +92,31 @@ def eks_launcher(kube: KubeApiStandIn, tmp_path: Path, **fields: Any) -> HyperPo
     return HyperPodEksLauncher(eks_spec(tmp_path, kubeconfig, **fields), cancel_timeout_s=30)
 
 
+def restarted(launcher: HyperPodEksLauncher) -> HyperPodEksLauncher:
+    """A new launcher for the same cluster: an orchestrator that restarted and lost every handle."""
+    return HyperPodEksLauncher(launcher.spec, cancel_timeout_s=launcher.cancel_timeout_s)
+
+
+def object_ids(launcher: HyperPodEksLauncher, name: str) -> list[str]:
+    """The job ids of every object named ``name`` in the launcher's namespace, of either CRD (whoever
+    made it: a GET by name, not the LIST of tunepod's objects)."""
+    found = ((crd, launcher.api.get_object(crd, launcher.spec.namespace, name)) for crd in CRDS.values())
+    return [ObjectRef.of(crd, obj).job_id for crd, obj in found if obj is not None]
+
+
+def stored_object(launcher: HyperPodEksLauncher, handle: JobHandle) -> dict[str, Any]:
+    """The object of ``handle`` as the API serves it (as kubectl get -o yaml shows it)."""
+    assert isinstance(handle, Job)
+    ref = launcher.object_ref(handle)
+    stored = launcher.api.get_object(ref.crd, ref.namespace, ref.name)
+    assert stored is not None
+    return stored
+
+
+def died(job: JobSpec, rendered: object, intent: object) -> Accepted:
+    raise KeyboardInterrupt("orchestrator killed before sending")
+
+
 class TestHyperPodEksContract(LauncherContract):
     @pytest.fixture(params=["hyperpod", "kubeflow"])
     def launcher(self, request: pytest.FixtureRequest, kube: KubeApiStandIn, tmp_path: Path) -> Launcher:
@@ -80,11 +125,15 @@ class TestHyperPodEksContract(LauncherContract):
 
     def restart(self, launcher: Launcher) -> Launcher:
         assert isinstance(launcher, HyperPodEksLauncher)
-        return HyperPodEksLauncher(launcher.spec)
+        return restarted(launcher)
 
     def kill_hard(self, handle: JobHandle) -> None:
-        assert isinstance(handle, KubeJob)
-        self.kube.crash(handle.ref.namespace, handle.ref.name)
+        namespace, name, _ = parse_job_id(handle.job_id)
+        self.kube.crash(namespace, name)
+
+    def jobs_named(self, launcher: Launcher, name: str) -> list[str]:
+        assert isinstance(launcher, HyperPodEksLauncher)
+        return object_ids(launcher, name)
 
     def make_job(self, job_dir: Path, script: str, *args: str, procs: int = 1) -> JobSpec:
         return eks_job(job_dir, script, *args, procs=procs)
@@ -101,29 +150,33 @@ def test_the_object_in_the_cluster_is_the_rendered_manifest(kube: KubeApiStandIn
     release = tmp_path / "release"
     job = eks_job(tmp_path / "jobs" / "trial-1", "succeed.py", str(release))
     handle = launcher.submit(job)
-    rendered = render_manifest(job, launcher.spec)
+    record = read_submission(job.paths)
+    assert record is not None
+    # The job as the launcher rendered it: carrying its attempt's submission id.
+    rendered = render_manifest(job.with_env({SUBMISSION_ID_ENV: record.submission_id}), launcher.spec)
 
     # Read back through the real client, as kubectl would.
-    stored = launcher.api.get_object(handle.ref.crd, "default", handle.ref.name)
-    assert stored is not None
+    stored = stored_object(launcher, handle)
+    uid = stored["metadata"]["uid"]
     stored.pop("status", None)
     for field in SERVER_FIELDS:
         stored["metadata"].pop(field)
     assert stored == rendered
+    assert rendered["metadata"]["annotations"][SUBMISSION_ANNOTATION] == record.submission_id
     assert json.loads((job.job_dir / MANIFEST_NAME).read_text()) == rendered
-    record = json.loads(job.paths.submission.read_text())
-    assert record["job_id"] == handle.job_id == f"default/{rendered['metadata']['name']}/{handle.ref.uid}"
-    assert (record["kind"], record["object"], record["attempt"]) == ("HyperPodPyTorchJob", handle.ref.name, 1)
+    name = rendered["metadata"]["name"]
+    assert record.job_id == handle.job_id == f"default/{name}/{uid}"
+    assert (record.details["kind"], record.name, record.attempt) == ("HyperPodPyTorchJob", name, 1)
     release.touch()
     assert finish(handle) is JobState.SUCCEEDED, handle.logs()
-    assert handle.describe().startswith(f"HyperPodPyTorchJob default/{handle.ref.name} SUCCEEDED")
+    assert handle.describe().startswith(f"HyperPodPyTorchJob default/{name} SUCCEEDED")
     assert "exit code 0" in handle.describe()
 
 
 def test_one_list_call_serves_every_handle(
     kube: KubeApiStandIn, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="tunepod.launch.kube")
+    caplog.set_level(logging.WARNING, logger="tunepod.launch.base")
     # elastic applies to Kubeflow only: the launcher warns about it once, not once per job.
     launcher = eks_launcher(kube, tmp_path, poll_cache_s=3600, elastic=True)
     release = tmp_path / "release"
@@ -158,18 +211,21 @@ def test_running_job_dir_is_refused_and_a_resubmission_replaces_the_ended_object
     job_dir = tmp_path / "job"
     pid_dir = tmp_path / "pids"
     first = launcher.submit(eks_job(job_dir, "hang.py", str(pid_dir)))
-    with pytest.raises(JobError, match=r"has not ended .*kubectl -n default delete hyperpodpytorchjobs"):
+    with pytest.raises(
+        JobError, match=r"has not ended; delete it \(kubectl -n default delete hyperpodpytorchjobs"
+    ):
         launcher.submit(eks_job(job_dir, "succeed.py"))
     wait_until(lambda: (pid_dir / "rank-0.json").exists(), "the rank to start")
     first.cancel()
     assert first.state() is JobState.CANCELLED
 
     second = launcher.submit(eks_job(job_dir, "succeed.py"))
-    assert second.ref.name == first.ref.name and second.job_id != first.job_id
+    assert launcher.object_ref(second).name == launcher.object_ref(first).name
+    assert second.job_id != first.job_id
     assert not job_dir.joinpath("cancelled").exists()
     assert finish(second) is JobState.SUCCEEDED, second.logs()
     assert json.loads((job_dir / "submission.json").read_text())["attempt"] == 2
-    with pytest.raises(JobError, match=f"names {second.job_id}"):
+    with pytest.raises(JobError, match=f"names job {second.job_id}"):
         launcher.attach(first.job_id, job_dir)
     assert first.state() is JobState.CANCELLED  # the old handle keeps its outcome
 
@@ -188,7 +244,7 @@ def test_object_deleted_outside_tunepod_is_failed_and_says_so(kube: KubeApiStand
     with pytest.raises(TransientError, match=r"HTTP 503.*etcd is busy"):
         handle.state()
     kube.refuse_with(0, "", "")
-    launcher.api.delete_object(handle.ref)  # what `kubectl delete` does
+    launcher.api.delete_object(launcher.object_ref(handle))  # what `kubectl delete` does
     assert finish(handle) is JobState.FAILED
     assert "deleted outside tunepod" in handle.describe()
     assert "no pods" in handle.logs()
@@ -206,6 +262,194 @@ def test_an_object_of_another_job_dir_is_never_replaced(kube: KubeApiStandIn, tm
     ):
         launcher.submit(second)
     assert launcher.attach(handle.job_id, first.job_dir).state() is JobState.FAILED
+
+
+def test_an_unrecorded_live_object_of_the_job_dir_is_refused(kube: KubeApiStandIn, tmp_path: Path) -> None:
+    launcher = eks_launcher(kube, tmp_path)
+    job = eks_job(tmp_path / "job", "succeed.py", str(tmp_path / "release"))
+    handle = launcher.submit(job)
+    job.paths.submission.unlink()  # the record is lost; the object under the name still runs
+    with pytest.raises(JobError, match=r"has not ended .*not in its submission record; stop it \(kubectl"):
+        launcher.submit(job)
+    assert object_ids(launcher, launcher.object_ref(handle).name) == [handle.job_id]
+    handle.cancel()
+
+
+def test_an_object_missing_from_the_list_is_looked_up_by_name(
+    kube: KubeApiStandIn, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    launcher = eks_launcher(kube, tmp_path, poll_cache_s=0)
+    handle = launcher.submit(eks_job(tmp_path / "job", "succeed.py", str(tmp_path / "release")))
+    # A LIST served from a cache that predates the create does not hold the new object.
+    monkeypatch.setattr(launcher.api, "list_objects", lambda crd, namespace: [])
+    gets = kube.calls[f"get {HYPERPOD_PLURAL}"]
+    assert handle.state() in (JobState.PENDING, JobState.RUNNING)
+    assert kube.calls[f"get {HYPERPOD_PLURAL}"] == gets + 1
+    monkeypatch.undo()
+    handle.cancel()
+
+
+# ------------------------------------------------------------------------------------- exactly once
+
+
+def test_a_create_whose_reply_was_lost_adopts_the_object(
+    kube: KubeApiStandIn, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The API server creates the object, then the connection drops before the reply (the real client
+    sees urllib3's ProtocolError, and urllib3 never retries a POST): submit finds the object by its
+    name and submission annotation and adopts it, with one create in all."""
+    caplog.set_level(logging.WARNING, logger="tunepod.launch.base")
+    launcher = eks_launcher(kube, tmp_path)
+    kube.lose_replies(f"create {HYPERPOD_PLURAL}")
+    release = tmp_path / "release"
+    job = eks_job(tmp_path / "job", "succeed.py", str(release))
+    handle = launcher.submit(job)
+    assert f"sending failed, but job {handle.job_id} exists; adopted it" in caplog.text
+    record = read_submission(job.paths)
+    assert record is not None and record.job_id == handle.job_id
+    assert kube.calls[f"create {HYPERPOD_PLURAL}"] == 1
+    assert object_ids(launcher, record.name) == [handle.job_id]
+    assert stored_object(launcher, handle)["metadata"]["annotations"][SUBMISSION_ANNOTATION] == (
+        record.submission_id
+    )
+    release.touch()
+    assert finish(handle) is JobState.SUCCEEDED, handle.logs()
+
+
+def test_a_retried_create_adopts_its_own_object_and_never_touches_anothers(
+    kube: KubeApiStandIn, tmp_path: Path
+) -> None:
+    """A create sent again for the same attempt (its first reply was lost, and the look-up ran before
+    the object showed) meets 409 on the attempt's own object: adopted. A 409 on any other object is
+    an error naming it, and that object stays."""
+    launcher = eks_launcher(kube, tmp_path)
+    job = eks_job(tmp_path / "job", "succeed.py", str(tmp_path / "release"))
+    handle = launcher.submit(job)
+    record = read_submission(job.paths)
+    assert record is not None
+    intent = record.model_copy(update={"job_id": None, "submitted_at": None})
+    ours = launcher.render(job.with_env({SUBMISSION_ID_ENV: intent.submission_id}), intent.attempt)
+    assert launcher.send(job, ours, intent) == Accepted(handle.job_id)
+
+    other_id = new_submission_id()
+    other = intent.model_copy(update={"submission_id": other_id})
+    theirs = launcher.render(job.with_env({SUBMISSION_ID_ENV: other_id}), intent.attempt)
+    with pytest.raises(
+        JobError,
+        match=rf"by submission {intent.submission_id} of job dir .*never deletes what is not its own.*"
+        r"kubectl -n default delete hyperpodpytorchjobs",
+    ):
+        launcher.send(job, theirs, other)
+    assert object_ids(launcher, record.name) == [handle.job_id]
+    assert kube.calls[f"create {HYPERPOD_PLURAL}"] == 3
+    handle.cancel()
+
+
+def test_crash_between_create_and_record_is_resolved_by_name_and_annotation(
+    kube: KubeApiStandIn, tmp_path: Path
+) -> None:
+    """Only the intent reached the job dir: ``recorded`` finds the object under the intent's name
+    whose annotation holds the intent's submission id, completes the record, and creates nothing."""
+    launcher = eks_launcher(kube, tmp_path)
+    release = tmp_path / "release"
+    job = eks_job(tmp_path / "job", "succeed.py", str(release))
+    submitted = launcher.submit(job)
+    record = read_submission(job.paths)
+    assert record is not None
+    intent = record.model_copy(update={"job_id": None, "submitted_at": None})
+
+    # The object under the name is not the job of an intent with another submission id.
+    write_submission(job.paths, intent.model_copy(update={"submission_id": new_submission_id()}))
+    assert restarted(launcher).recorded(job.job_dir) is None
+
+    write_submission(job.paths, intent)
+    found = restarted(launcher).recorded(job.job_dir)
+    assert found is not None and found.job_id == submitted.job_id
+    completed = read_submission(job.paths)
+    assert completed is not None and completed.job_id == submitted.job_id
+    assert completed.details == record.details == {"kind": "HyperPodPyTorchJob", "namespace": "default"}
+    assert kube.calls[f"create {HYPERPOD_PLURAL}"] == 1
+    release.touch()
+    assert finish(found) is JobState.SUCCEEDED, found.logs()
+
+
+def test_an_ended_object_of_an_earlier_attempt_under_the_same_name_is_replaced_not_adopted(
+    kube: KubeApiStandIn, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attempt 1 failed and its object stays (until its TTL); attempt 2's intent was recorded, then
+    the orchestrator died before the create. Attempt 1's object holds the name attempt 2 needs, but
+    not attempt 2's submission id: it is deleted and replaced, never taken for attempt 2's job."""
+    launcher = eks_launcher(kube, tmp_path)
+    job_dir = tmp_path / "job"
+    first = launcher.submit(eks_job(job_dir, "fail.py", "attempt 1 failed"))
+    assert finish(first) is JobState.FAILED
+    job = eks_job(job_dir, "succeed.py")
+    with monkeypatch.context() as patch:
+        patch.setattr(launcher, "send", died)
+        with pytest.raises(KeyboardInterrupt):
+            launcher.submit(job)
+    intent = read_submission(job.paths)
+    assert intent is not None and intent.is_intent and intent.attempt == 2
+
+    resumed = restarted(launcher)
+    assert resumed.recorded(job_dir) is None
+    second = resumed.submit(job)
+    assert second.job_id != first.job_id
+    assert resumed.object_ref(second).name == resumed.object_ref(first).name == intent.name
+    record = read_submission(job.paths)
+    assert record is not None
+    assert (record.job_id, record.attempt, record.submission_id) == (second.job_id, 2, intent.submission_id)
+    assert object_ids(resumed, intent.name) == [second.job_id]
+    assert stored_object(resumed, second)["metadata"]["annotations"][SUBMISSION_ANNOTATION] == (
+        intent.submission_id
+    )
+    assert finish(second) is JobState.SUCCEEDED, second.logs()
+    assert first.state() is JobState.FAILED  # the old handle keeps its outcome
+    with pytest.raises(JobError, match=f"names job {second.job_id}"):
+        resumed.attach(first.job_id, job_dir)  # the job dir now names attempt 2
+
+
+# ------------------------------------------------------------------------------------- secrets
+
+
+ENV_TO_FILE = """import os, sys
+from pathlib import Path
+
+if os.environ.get("RANK", "0") == "0":
+    Path(sys.argv[1]).write_text(os.environ.get(sys.argv[2], "<unset>"))
+"""
+
+
+def test_secret_env_values_never_appear_in_the_created_object(kube: KubeApiStandIn, tmp_path: Path) -> None:
+    """The tracking URI (with its password) reaches the pods from the Secret; the object, which anyone
+    who may list job objects can read, and manifest.json hold only the reference, even though the
+    job's own environment set the variable too."""
+    secret_uri = "https://tunepod:s3cr3t@mlflow.example.com"
+    kube.add_secret("default", "mlflow", {"tracking-uri": secret_uri})
+    secret_env = {"MLFLOW_TRACKING_URI": {"secret": "mlflow", "key": "tracking-uri"}}
+    launcher = eks_launcher(kube, tmp_path, secret_env=secret_env)
+    out = tmp_path / "seen-by-the-job"
+    base = eks_job(tmp_path / "job", "echo_args.py")
+    script = base.entrypoint.with_name("env_to_file.py")
+    script.write_text(ENV_TO_FILE)
+    job = dataclasses.replace(
+        base.with_env({"MLFLOW_TRACKING_URI": "https://tunepod:old-password@mlflow.example.com"}),
+        entrypoint=script,
+        args=(str(out), "MLFLOW_TRACKING_URI"),
+    )
+    handle = launcher.submit(job)
+    stored = stored_object(launcher, handle)
+    manifest = json.loads((job.job_dir / MANIFEST_NAME).read_text())
+    reference = {
+        "name": "MLFLOW_TRACKING_URI",
+        "valueFrom": {"secretKeyRef": {"name": "mlflow", "key": "tracking-uri"}},
+    }
+    for obj in (stored, manifest):
+        assert "s3cr3t" not in json.dumps(obj) and "old-password" not in json.dumps(obj)
+        env = obj["spec"]["replicaSpecs"][0]["template"]["spec"]["containers"][0]["env"]
+        assert [entry for entry in env if entry["name"] == "MLFLOW_TRACKING_URI"] == [reference]
+    assert finish(handle) is JobState.SUCCEEDED, handle.logs()
+    assert out.read_text() == secret_uri
 
 
 # ------------------------------------------------------------------------------------- multi-node
@@ -233,7 +477,7 @@ def test_a_two_node_job_forms_one_process_group_across_its_pods(
     result = runtime.read_result(job.paths.result)
     assert result is not None
     assert result.metrics == {"world_size": 2.0, "rank_sum": 3.0}  # ranks 0 and 1 reduced together
-    pods = sorted(pod["metadata"]["name"] for pod in launcher.api.list_pods(handle.ref))
+    pods = sorted(pod["metadata"]["name"] for pod in launcher.api.list_pods(launcher.object_ref(handle)))
     assert len(pods) == 2
     logs = handle.logs()
     for name in pods:

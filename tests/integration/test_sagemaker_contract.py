@@ -2,8 +2,10 @@
 (``tests/standins/sagemaker_api.py``: the real AWS JSON protocol over HTTP, jobs as local torchrun
 processes, FSx as a local folder), plus SageMaker-only tests: the state cache, CloudWatch logs, the exit
 code in ``describe``, an evaluation job finding a trial's checkpoints, checkpoints synced with a real
-moto S3 server when the channel is read-only, MaxRuntimeExceeded, and 2-instance jobs that form one
-gloo process group across the instances or fail as a whole when one instance fails.
+moto S3 server when the channel is read-only, MaxRuntimeExceeded, exactly-once creation (a create whose
+reply is lost and that botocore retries, a name held by another submission, a crash between create and
+record), and 2-instance jobs that form one gloo process group across the instances or fail as a whole
+when one instance fails.
 
 The launcher is built as the factory builds it, ``SageMakerLauncher(spec)``, and finds the stand-in
 through ``AWS_ENDPOINT_URL_SAGEMAKER`` / ``AWS_ENDPOINT_URL_CLOUDWATCH_LOGS``. ``tmp_path`` is the
@@ -28,8 +30,12 @@ from moto_server import MotoServer, moto_server
 from standins.sagemaker_api import SageMakerStandIn
 
 from tunepod import runtime
-from tunepod.launch.base import JobHandle, JobSpec, JobState, Launcher, Resources
+from tunepod.errors import JobError
+from tunepod.launch import base
+from tunepod.launch.base import SUBMISSION_ID_ENV, JobHandle, JobSpec, JobState, Launcher, Resources
+from tunepod.launch.paths import JobPaths
 from tunepod.launch.sagemaker import SageMakerJob, SageMakerLauncher
+from tunepod.launch.submission import Submission, read_submission
 from tunepod.spec.models import SageMakerLauncherSpec
 
 pytestmark = pytest.mark.timeout(180)
@@ -93,10 +99,8 @@ def sagemaker_job(job_dir: Path, script: str, *args: str, procs: int = 1, **reso
 
 def checkpoint_s3_uri(job: JobSpec) -> str | None:
     """Where the launcher said the job's checkpoints go (``submission.json``), None before submit."""
-    try:
-        return str(json.loads(job.paths.submission.read_text())["checkpoint_s3_uri"])
-    except FileNotFoundError:
-        return None
+    record = read_submission(job.paths)
+    return None if record is None else record.details["checkpoint_s3_uri"]
 
 
 def latest_step_in_s3(s3: Any, uri: str, scratch: Path) -> int | None:
@@ -121,17 +125,27 @@ class TestSageMakerContract(LauncherContract):
     def launcher(self, standin: SageMakerStandIn) -> Launcher:
         self.standin = standin
         root = standin.file_systems[FILE_SYSTEM]
-        return SageMakerLauncher(sagemaker_spec(root), poll_s=0.05)
+        return SageMakerLauncher(sagemaker_spec(root), cancel_poll_s=0.05)
 
     def restart(self, launcher: Launcher) -> Launcher:
         assert isinstance(launcher, SageMakerLauncher)
-        return SageMakerLauncher(launcher.spec, poll_s=launcher.poll_s)
+        return SageMakerLauncher(launcher.spec, cancel_poll_s=launcher.cancel_poll_s)
 
     def kill_hard(self, handle: JobHandle) -> None:
         self.standin.crash(handle.job_id)
 
     def make_job(self, job_dir: Path, script: str, *args: str, procs: int = 1) -> JobSpec:
         return sagemaker_job(job_dir, script, *args, procs=procs)
+
+    def jobs_named(self, launcher: Launcher, name: str) -> list[str]:
+        return jobs_named(self.standin, name)
+
+
+def jobs_named(standin: SageMakerStandIn, name: str) -> list[str]:
+    """Every training job the stand-in holds under ``name`` or a name derived from it (``<name>-r2``,
+    ``<name>-v1``): SageMaker never gives one name twice, so a second job for one submission would
+    stand under a sibling name."""
+    return sorted(job for job in standin.jobs if job == name or job.startswith(f"{name}-"))
 
 
 # ---------------------------------------------------------------------------------- SageMaker only
@@ -147,7 +161,7 @@ def test_launcher_finds_the_endpoints_in_the_environment(standin: SageMakerStand
 def test_one_describe_per_job_per_cache_window_and_a_final_state_for_good(
     standin: SageMakerStandIn, tmp_path: Path
 ) -> None:
-    launcher = SageMakerLauncher(sagemaker_spec(tmp_path, poll_cache_s=3600), poll_s=0.05)
+    launcher = SageMakerLauncher(sagemaker_spec(tmp_path, poll_cache_s=3600), cancel_poll_s=0.05)
     handle = launcher.submit(sagemaker_job(tmp_path / "job", "succeed.py", str(tmp_path / "never")))
     attached = launcher.attach(handle.job_id, handle.job_dir)
     states: list[JobState] = []
@@ -171,10 +185,20 @@ def test_one_describe_per_job_per_cache_window_and_a_final_state_for_good(
     assert standin.count("DescribeTrainingJob", handle.job_id) == described
 
 
+def test_one_refresh_describes_every_followed_job_once(standin: SageMakerStandIn, tmp_path: Path) -> None:
+    launcher = SageMakerLauncher(sagemaker_spec(tmp_path, poll_cache_s=3600), cancel_poll_s=0.05)
+    never = str(tmp_path / "never")
+    handles = [launcher.submit(sagemaker_job(tmp_path / f"job{n}", "succeed.py", never)) for n in range(3)]
+    assert not handles[0].state().is_terminal
+    assert [standin.count("DescribeTrainingJob", handle.job_id) for handle in handles] == [1, 1, 1]
+    assert not any(handle.state().is_terminal for handle in handles[1:])  # answered by that refresh
+    assert standin.count("DescribeTrainingJob") == 3
+
+
 def test_failed_script_shows_its_traceback_from_cloudwatch_and_its_exit_code(
     standin: SageMakerStandIn, tmp_path: Path
 ) -> None:
-    launcher = SageMakerLauncher(sagemaker_spec(tmp_path), poll_s=0.05)
+    launcher = SageMakerLauncher(sagemaker_spec(tmp_path), cancel_poll_s=0.05)
     handle = launcher.submit(sagemaker_job(tmp_path / "job", "fail.py", "boom in the cloud"))
     assert finish(handle) is JobState.FAILED
     logs = handle.logs()
@@ -197,7 +221,7 @@ def test_logs_before_any_stream_exists_say_so_instead_of_failing(
 ) -> None:
     logs = SageMakerLauncher(sagemaker_spec(tmp_path)).attach("early", tmp_path / "early").logs()
     assert "cannot read CloudWatch Logs for early: /aws/sagemaker/TrainingJobs does not exist yet" in logs
-    assert "could not describe the job" in logs
+    assert "(SageMaker knows no training job early in this account and region; fix: " in logs
     assert logs.splitlines()[-1] == (
         "Full logs: CloudWatch Logs group /aws/sagemaker/TrainingJobs, streams early/algo-<n>-<timestamp>"
     )
@@ -206,7 +230,7 @@ def test_logs_before_any_stream_exists_say_so_instead_of_failing(
 def test_evaluation_job_finds_the_trials_checkpoints_on_fsx(
     standin: SageMakerStandIn, tmp_path: Path
 ) -> None:
-    launcher = SageMakerLauncher(sagemaker_spec(tmp_path), poll_s=0.05)
+    launcher = SageMakerLauncher(sagemaker_spec(tmp_path), cancel_poll_s=0.05)
     trial = sagemaker_job(tmp_path / "jobs" / "trial-3", "count.py", "3", "99")  # 3 steps, no pause
     assert finish(launcher.submit(trial)) is JobState.SUCCEEDED
     assert runtime.latest_checkpoint(trial.paths.checkpoints) is not None  # where the orchestrator reads
@@ -224,7 +248,7 @@ def test_without_a_writable_channel_checkpoints_sync_with_s3_and_a_resubmit_resu
     standin: SageMakerStandIn, moto: MotoServer, tmp_path: Path
 ) -> None:
     read_only = {"file_system_id": FILE_SYSTEM[0], "directory_path": FILE_SYSTEM[1], "access_mode": "ro"}
-    launcher = SageMakerLauncher(sagemaker_spec(tmp_path, fsx=read_only), poll_s=0.05)
+    launcher = SageMakerLauncher(sagemaker_spec(tmp_path, fsx=read_only), cancel_poll_s=0.05)
     job = sagemaker_job(tmp_path / "jobs" / "trial-5", "count.py", "4", "1")  # pauses after step 1
     crashed = launcher.submit(job)
     uri = checkpoint_s3_uri(job)
@@ -243,7 +267,7 @@ def test_without_a_writable_channel_checkpoints_sync_with_s3_and_a_resubmit_resu
 
 
 def test_max_runtime_exceeded_is_a_failure(standin: SageMakerStandIn, tmp_path: Path) -> None:
-    launcher = SageMakerLauncher(sagemaker_spec(tmp_path), poll_s=0.05)
+    launcher = SageMakerLauncher(sagemaker_spec(tmp_path), cancel_poll_s=0.05)
     job = sagemaker_job(tmp_path / "job", "hang.py", str(tmp_path / "pids"), timeout_min=1 / 60)
     handle = launcher.submit(job)  # MaxRuntimeInSeconds=1
     assert isinstance(handle, SageMakerJob)
@@ -251,6 +275,88 @@ def test_max_runtime_exceeded_is_a_failure(standin: SageMakerStandIn, tmp_path: 
     assert handle.status().secondary_status == "MaxRuntimeExceeded"
     assert "Stopped (MaxRuntimeExceeded)" in handle.describe()
     assert not (job.job_dir / "cancelled").exists()
+
+
+# ---------------------------------------------------------------------------------- exactly once
+
+
+def test_resource_in_use_of_our_own_create_adopts_the_job(standin: SageMakerStandIn, tmp_path: Path) -> None:
+    """botocore's retry of a create that timed out after SageMaker accepted it meets ResourceInUse on our
+    own job (stand-in: the first CreateTrainingJob is carried out and its reply lost; botocore retries
+    by itself, as against AWS). Exactly one training job exists, and submit returns it."""
+    launcher = SageMakerLauncher(sagemaker_spec(tmp_path), cancel_poll_s=0.05)
+    release = tmp_path / "release"
+    job = sagemaker_job(tmp_path / "job", "succeed.py", str(release))
+    standin.lose_replies("CreateTrainingJob")
+    handle = launcher.submit(job)
+    assert standin.count("CreateTrainingJob") == 2  # the one whose reply was lost, and botocore's retry
+    assert jobs_named(standin, "job") == [handle.job_id] == ["job"]
+    record = read_submission(job.paths)
+    assert record is not None and (record.job_id, record.attempt) == ("job", 1)
+    assert standin.jobs["job"].request["Environment"][SUBMISSION_ID_ENV] == record.submission_id
+    assert record.details["arn"] == standin.jobs["job"].arn
+    release.touch()
+    assert finish(handle) is JobState.SUCCEEDED, handle.logs()
+
+
+def test_a_name_taken_by_another_submission_moves_to_the_next_variant(
+    standin: SageMakerStandIn, tmp_path: Path
+) -> None:
+    """A study deleted and made again under the same name: its job dir starts over at attempt 1, while
+    SageMaker keeps the old study's training job under that name for good. The new job takes the next
+    variant of the name; the old study's job is left alone, never adopted."""
+    job = sagemaker_job(tmp_path / "job", "succeed.py")
+    old = SageMakerLauncher(sagemaker_spec(tmp_path), cancel_poll_s=0.05).submit(job)
+    assert finish(old) is JobState.SUCCEEDED, old.logs()
+    old_record = read_submission(job.paths)
+    shutil.rmtree(job.job_dir)  # the study is deleted, then made again by a new orchestrator
+
+    again = SageMakerLauncher(sagemaker_spec(tmp_path), cancel_poll_s=0.05).submit(job)
+    record = read_submission(job.paths)
+    assert record is not None and old_record is not None
+    assert (again.job_id, record.job_id, record.name, record.attempt) == ("job-v1", "job-v1", "job-v1", 1)
+    assert record.submission_id != old_record.submission_id
+    assert jobs_named(standin, "job") == ["job", "job-v1"]
+    assert standin.jobs["job-v1"].request["Environment"][SUBMISSION_ID_ENV] == record.submission_id
+    assert finish(again) is JobState.SUCCEEDED, again.logs()
+    assert standin.jobs["job"].status == "Completed"
+
+
+def test_crash_between_create_and_record_is_found_by_recorded(
+    standin: SageMakerStandIn, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The orchestrator dies right after SageMaker took the job, before its id reached submission.json
+    (stand-in for the crash: writing the completed record raises). Only the intent is left: a restarted
+    launcher's recorded() finds the job by name and submission id, and a new submit is refused while
+    it runs, so the job dir never gets a second training job."""
+    launcher = SageMakerLauncher(sagemaker_spec(tmp_path), cancel_poll_s=0.05)
+    release = tmp_path / "release"
+    job = sagemaker_job(tmp_path / "job", "succeed.py", str(release))
+    write_submission = base.write_submission
+
+    def die_before_the_job_id_is_written(paths: JobPaths, record: Submission) -> None:
+        if record.job_id is not None:
+            raise KeyboardInterrupt("orchestrator killed between create and record")
+        write_submission(paths, record)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(base, "write_submission", die_before_the_job_id_is_written)
+        with pytest.raises(KeyboardInterrupt):
+            launcher.submit(job)
+    intent = read_submission(job.paths)
+    assert intent is not None and intent.is_intent and intent.name == "job"
+
+    restarted = SageMakerLauncher(sagemaker_spec(tmp_path), cancel_poll_s=0.05)
+    found = restarted.recorded(job.job_dir)
+    assert isinstance(found, SageMakerJob) and found.job_id == "job"
+    assert found.arn == standin.jobs["job"].arn
+    record = read_submission(job.paths)
+    assert record is not None and (record.job_id, record.submission_id) == ("job", intent.submission_id)
+    with pytest.raises(JobError, match="has not ended"):
+        restarted.submit(job)
+    assert jobs_named(standin, "job") == ["job"]
+    release.touch()
+    assert finish(found) is JobState.SUCCEEDED, found.logs()
 
 
 # ---------------------------------------------------------------------------------- several instances
@@ -268,7 +374,7 @@ def stream_sections(logs: str) -> dict[str, str]:
 
 
 def test_a_two_instance_job_forms_one_process_group(standin: SageMakerStandIn, tmp_path: Path) -> None:
-    launcher = SageMakerLauncher(sagemaker_spec(tmp_path), poll_s=0.05)
+    launcher = SageMakerLauncher(sagemaker_spec(tmp_path), cancel_poll_s=0.05)
     job = two_instance_job(tmp_path / "job", "all_reduce.py")
     handle = launcher.submit(job)
     assert finish(handle) is JobState.SUCCEEDED, handle.logs()
@@ -285,7 +391,7 @@ def test_a_two_instance_job_forms_one_process_group(standin: SageMakerStandIn, t
 def test_one_failing_instance_fails_the_job_and_the_other_is_stopped(
     standin: SageMakerStandIn, tmp_path: Path
 ) -> None:
-    launcher = SageMakerLauncher(sagemaker_spec(tmp_path), poll_s=0.05)
+    launcher = SageMakerLauncher(sagemaker_spec(tmp_path), cancel_poll_s=0.05)
     pid_dir = tmp_path / "pids"
     handle = launcher.submit(two_instance_job(tmp_path / "job", "rank_1_fails.py", str(pid_dir)))
     assert finish(handle) is JobState.FAILED

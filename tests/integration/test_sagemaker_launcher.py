@@ -1,7 +1,10 @@
 """``SageMakerLauncher`` against a real moto server (create, describe, attach: moto's jobs complete at
-once) and, for what moto cannot do (StopTrainingJob, jobs in progress, failures), a real botocore
-client driven by Stubber, which still validates every request against the API model. The launcher
-contract itself runs against the SageMaker stand-in in ``test_sagemaker_contract.py``."""
+once) and, for what moto cannot do (StopTrainingJob, jobs in progress, failures, throttling), a real
+botocore client driven by Stubber, which still validates every request against the API model. The
+launcher contract itself, and the exactly-once cases, run against the SageMaker stand-in in
+``test_sagemaker_contract.py``: moto (5.x) drops a request's ``Environment`` (DescribeTrainingJob
+returns none, so no job can be shown to carry its submission id) and silently replaces a training job
+created twice under one name instead of answering ResourceInUse."""
 
 from __future__ import annotations
 
@@ -14,9 +17,10 @@ import pytest
 from botocore.stub import Stubber
 from moto_server import MotoServer
 
-from tunepod.errors import JobError
+from tunepod.errors import JobError, TransientError
 from tunepod.launch.base import JobSpec, JobState, wait
-from tunepod.launch.sagemaker import SageMakerLauncher
+from tunepod.launch.sagemaker import SageMakerLauncher, render_training_job
+from tunepod.launch.submission import Submission, read_submission, write_submission
 from tunepod.spec.models import SageMakerLauncherSpec
 
 
@@ -47,7 +51,7 @@ def a_job(tmp_path: Path, name: str = "digits-trial-1") -> JobSpec:
 def test_submit_describe_attach_and_resubmit_on_moto(moto: MotoServer, tmp_path: Path) -> None:
     client = moto.client("sagemaker")
     launcher = SageMakerLauncher(
-        launcher_spec(tmp_path), client, logs_client=moto.client("logs"), poll_s=0.05
+        launcher_spec(tmp_path), client, logs_client=moto.client("logs"), cancel_poll_s=0.05
     )
     job = a_job(tmp_path)
     handle = launcher.submit(job)
@@ -73,11 +77,20 @@ def test_submit_describe_attach_and_resubmit_on_moto(moto: MotoServer, tmp_path:
         launcher.attach("digits-trial-1", job.job_dir)
 
 
-def test_unknown_job_is_a_job_error(moto: MotoServer, tmp_path: Path) -> None:
+def test_a_job_sagemaker_does_not_know_has_failed_and_says_why(moto: MotoServer, tmp_path: Path) -> None:
     launcher = SageMakerLauncher(launcher_spec(tmp_path), moto.client("sagemaker"))
     handle = launcher.attach("never-submitted", tmp_path / "nowhere")
-    with pytest.raises(JobError, match="never-submitted"):
-        handle.state()
+    assert handle.state() is JobState.FAILED
+    assert handle.describe().startswith(
+        "sagemaker training job never-submitted NotFound (SageMaker knows no training job never-submitted "
+        "in this account and region; fix: check the launcher's region"
+    )
+
+
+def test_attach_refuses_what_cannot_be_a_training_job_name(tmp_path: Path) -> None:
+    client, _ = stubbed()
+    with pytest.raises(JobError, match="not a SageMaker training job name"):
+        SageMakerLauncher(launcher_spec(tmp_path), client).attach("local-00000000000000aa_x", tmp_path)
 
 
 def stubbed(service: str = "sagemaker") -> tuple[Any, Stubber]:
@@ -110,7 +123,9 @@ def test_cancel_stops_and_waits_until_stopped(tmp_path: Path) -> None:
     stub.add_response("describe_training_job", describe("trial-3", "Stopping", "Stopping"), name)
     stub.add_response("describe_training_job", describe("trial-3", "Stopped", "Stopped"), name)
     with stub:
-        handle = SageMakerLauncher(launcher_spec(tmp_path), client, poll_s=0.01).attach("trial-3", tmp_path)
+        handle = SageMakerLauncher(launcher_spec(tmp_path), client, cancel_poll_s=0.01).attach(
+            "trial-3", tmp_path
+        )
         handle.cancel()
         assert handle.state() is JobState.CANCELLED  # the final state is kept: no call more
         stub.assert_no_pending_responses()
@@ -126,7 +141,9 @@ def test_stop_racing_the_end_keeps_the_real_outcome(tmp_path: Path) -> None:
     )
     stub.add_response("describe_training_job", describe("trial-4", "Completed", "Completed"), name)
     with stub:
-        handle = SageMakerLauncher(launcher_spec(tmp_path), client, poll_s=0.01).attach("trial-4", tmp_path)
+        handle = SageMakerLauncher(launcher_spec(tmp_path), client, cancel_poll_s=0.01).attach(
+            "trial-4", tmp_path
+        )
         handle.cancel()
         stub.assert_no_pending_responses()
 
@@ -204,9 +221,55 @@ def test_submit_refuses_a_job_dir_whose_job_still_runs(tmp_path: Path) -> None:
     client, stub = stubbed()
     job = a_job(tmp_path, "trial-6")
     job.job_dir.mkdir(parents=True)
-    (job.job_dir / "submission.json").write_text(json.dumps({"job_id": "trial-6", "attempt": 1}))
+    record = Submission(
+        backend="sagemaker", name="trial-6", attempt=1, submission_id="00000000000000ab", intent_at="then"
+    )
+    write_submission(job.paths, record.accepted("trial-6", {}))
     stub.add_response(
         "describe_training_job", describe("trial-6", "InProgress", "Training"), {"TrainingJobName": "trial-6"}
     )
     with stub, pytest.raises(JobError, match="has not ended"):
         SageMakerLauncher(launcher_spec(tmp_path), client).submit(job)
+
+
+def test_a_throttled_describe_is_transient_never_a_state(tmp_path: Path) -> None:
+    client, stub = stubbed()
+    stub.add_client_error("describe_training_job", "ThrottlingException", "Rate exceeded")
+    with stub:
+        handle = SageMakerLauncher(launcher_spec(tmp_path), client).attach("trial-10", tmp_path)
+        with pytest.raises(TransientError, match="describe sagemaker training job trial-10"):
+            handle.state()
+
+
+def test_a_taken_name_sagemaker_cannot_describe_yet_is_an_unknown_outcome(tmp_path: Path) -> None:
+    """ResourceInUse, then no such job (a lagging read): the job may be ours, so submit fails
+    transiently, leaves the intent for the next try, and creates nothing under another name."""
+    client, stub = stubbed()
+    job = a_job(tmp_path, "trial-11")
+    not_found = ("ValidationException", "Requested resource not found.")
+    stub.add_client_error("create_training_job", "ResourceInUse", "Training job trial-11 already exists")
+    stub.add_client_error(
+        "describe_training_job", *not_found, expected_params={"TrainingJobName": "trial-11"}
+    )
+    stub.add_client_error(
+        "describe_training_job", *not_found, expected_params={"TrainingJobName": "trial-11"}
+    )
+    with stub, pytest.raises(TransientError, match="in use but describes no such job"):
+        SageMakerLauncher(launcher_spec(tmp_path), client).submit(job)
+    stub.assert_no_pending_responses()
+    intent = read_submission(job.paths)
+    assert intent is not None and intent.is_intent and intent.name == "trial-11"
+
+
+def test_the_request_kept_in_the_job_dir_is_what_was_sent_and_owner_only(
+    moto: MotoServer, tmp_path: Path
+) -> None:
+    launcher = SageMakerLauncher(launcher_spec(tmp_path), moto.client("sagemaker"))
+    job = a_job(tmp_path, "trial-12")
+    launcher.submit(job)
+    record = read_submission(job.paths)
+    assert record is not None
+    kept = job.job_dir / "training-job.json"
+    sent = render_training_job(job.with_env({"TUNEPOD_SUBMISSION_ID": record.submission_id}), launcher.spec)
+    assert json.loads(kept.read_text()) == sent
+    assert kept.stat().st_mode & 0o777 == 0o600

@@ -1,6 +1,7 @@
 """The launcher contract against ``SlurmLauncher`` on the real local Slurm cluster (``scripts/slurm-up``),
 plus Slurm-only tests: awkward paths through sbatch, one squeue call for many handles, the state line
-in a failed job's logs, purged job ids, and resubmission into a used job dir.
+in a failed job's logs, purged job ids, and resubmission into a used job dir. Lost sbatch replies and
+crashes between sbatch and the record are in ``test_slurm_exactly_once.py``.
 
 Jobs run on this host as the submitting user, so ``tmp_path`` serves as the shared filesystem.
 """
@@ -25,7 +26,8 @@ from tunepod.errors import JobError
 from tunepod.launch.base import JobHandle, JobSpec, JobState, Launcher, Resources
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.runner import LocalRunner
-from tunepod.launch.slurm import SCRIPT_NAME, SlurmJob, SlurmLauncher
+from tunepod.launch.slurm import SCRIPT_NAME, SlurmLauncher
+from tunepod.launch.submission import read_submission
 from tunepod.spec.models import SlurmLauncherSpec
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
@@ -59,6 +61,34 @@ class SlurmContract(LauncherContract):
     def resume_after_crash(self, launcher: Launcher, job: JobSpec, crashed: JobHandle) -> JobHandle:
         # Slurm requeued the job by itself (--requeue): the same job id runs again in the same job dir.
         return crashed
+
+    def jobs_named(self, launcher: Launcher, name: str) -> list[str]:
+        assert isinstance(launcher, SlurmLauncher)
+        # Every contract test writes its job dirs beside the launcher's root, in the test's tmp_path.
+        return slurm_jobs_named(name, under=Path(launcher.spec.root).parent)
+
+
+def slurm_jobs_named(name: str, *, under: Path) -> list[str]:
+    """The ids of every job the controller knows under the job name ``name`` whose logs go below
+    ``under``: queued, running, and ended ones it still remembers (MinJobAge is an hour on the test
+    cluster, which runs no accounting).
+
+    ``under`` scopes the answer to one test: the cluster is shared, and every contract test names its
+    job after its job dir (``job``). Asked with plain squeue on this host, not through the launcher under
+    test (the ssh tests' head node is this host too). The name is matched here, exactly, because
+    ``--name`` splits at commas; it is the last field because it may hold ``|``.
+    """
+    listing = subprocess.run(
+        ["squeue", "-h", "--states=all", "-O", "JobID:|,StdOut:|,Name:"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    ).stdout
+    rows = (line.split("|", 2) for line in listing.splitlines() if line.count("|") >= 2)
+    prefix = f"{under}/"
+    found = [job_id for job_id, stdout, job_name in rows if job_name == name and stdout.startswith(prefix)]
+    return sorted(found, key=int)
 
 
 class TestSlurmLauncherContract(SlurmContract):
@@ -108,13 +138,14 @@ def test_paths_names_and_args_with_spaces_and_quotes_run_for_real(
     # The logs landed at the literal paths: sbatch expanded no %j and split nothing at a space.
     assert sorted(p.name for p in job.job_dir.iterdir() if p.suffix == ".log") == ["stderr.log", "stdout.log"]
     assert (job.job_dir / SCRIPT_NAME).exists()
-    submission = json.loads(job.paths.submission.read_text())
-    assert submission["job_id"] == handle.job_id
-    assert submission["script"] == str(job.job_dir / SCRIPT_NAME)
+    record = read_submission(job.paths)
+    assert record is not None and record.job_id == handle.job_id
+    assert record.name == job.name
+    assert slurm_jobs_named(job.name, under=tmp_path) == [handle.job_id]
 
 
 def test_one_squeue_call_serves_every_handle(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="tunepod.launch.slurm")
+    caplog.set_level(logging.WARNING, logger="tunepod.launch.base")  # the template warns once
     runner = CountingRunner()
     launcher = SlurmLauncher(slurm_spec(tmp_path / "shared", poll_cache_s=3600), runner)
     release = tmp_path / "release"
@@ -123,6 +154,8 @@ def test_one_squeue_call_serves_every_handle(tmp_path: Path, caplog: pytest.LogC
         launcher.submit(fixture_job(tmp_path / f"job{i}", "succeed.py", str(release), resources=ignored))
         for i in range(3)
     ]
+    # Fresh job dirs: submitting asks Slurm nothing but sbatch, and following starts with no call at all.
+    assert dict(runner.calls) == {"sbatch": 3}
     attached = launcher.attach(handles[0].job_id, handles[0].job_dir)
     states: list[JobState] = []
 
@@ -150,8 +183,8 @@ def test_failed_job_is_described_with_state_reason_and_exit_code(
 ) -> None:
     handle = slurm_launcher.submit(fixture_job(tmp_path / "job", "fail.py", "boom for the runbook"))
     assert finish(handle) is JobState.FAILED
-    assert isinstance(handle, SlurmJob)
-    assert (handle.slurm_state, handle.reason, handle.exit_code) == ("FAILED", "NonZeroExitCode", 1)
+    status = handle.status()
+    assert (status.state, status.reason, status.exit_code) == ("FAILED", "NonZeroExitCode", 1)
     assert handle.describe() == f"slurm job {handle.job_id} FAILED (reason NonZeroExitCode, exit code 1)"
     assert "ValueError: boom for the runbook" in handle.logs()
 
@@ -161,7 +194,7 @@ def test_purged_or_unknown_job_is_failed_with_a_clear_reason(
 ) -> None:
     handle = slurm_launcher.attach(UNKNOWN_JOB_ID, tmp_path / "never submitted")
     assert handle.state() is JobState.FAILED
-    assert f"slurm no longer knows job {UNKNOWN_JOB_ID}" in handle.reason
+    assert f"slurm no longer knows job {UNKNOWN_JOB_ID}" in handle.status().reason
     assert handle.describe().startswith(f"slurm job {UNKNOWN_JOB_ID} FAILED (reason slurm no longer knows")
     handle.cancel()  # nothing to cancel: no error, outcome unchanged
     assert handle.state() is JobState.FAILED
@@ -202,9 +235,9 @@ def test_pending_job_shows_slurms_reason_and_cancels(slurm_launcher: SlurmLaunch
     job = fixture_job(tmp_path / "job", "succeed.py", resources=Resources(num_nodes=2))
     handle = slurm_launcher.submit(job)
     try:
-        wait_until(lambda: handle.reason not in ("", "None"), "a pending reason")
+        wait_until(lambda: handle.status().reason not in ("", "None"), "a pending reason")
         assert handle.state() is JobState.PENDING
-        assert handle.slurm_state == "PENDING"
+        assert handle.status().state == "PENDING"
     finally:
         handle.cancel()
     assert handle.state() is JobState.CANCELLED

@@ -5,7 +5,8 @@ cluster of ``scripts/slurm-up``.
 The "head node" is this host, so the job dirs under ``tmp_path`` are seen at the same paths on both
 sides: the shared filesystem the ssh mode documents as its requirement. The whole launcher contract
 runs, plus how failures surface: a command that fails remotely keeps its stderr, and ssh's own failure
-(nobody listening) is a ``TransientError``.
+(nobody listening) is a ``TransientError``. A connection dropped right after sbatch queued a job is in
+``test_slurm_exactly_once.py``.
 """
 
 from __future__ import annotations

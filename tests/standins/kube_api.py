@@ -13,6 +13,12 @@ Emulated, and only this:
   ``deletionTimestamp``, until its pods are gone; Background removes it first);
 - pods: list (``labelSelector``), get, and ``/log`` with ``tailLines``;
 - errors as ``Status`` objects; ``refuse_with`` makes every request answer one error (e.g. 403);
+- a lost reply: ``lose_replies`` makes the next requests of one kind (``create hyperpodpytorchjobs``)
+  take effect and then close the connection without an answer, as a dropped connection or a
+  timed-out client does after the API server has acted;
+- Secrets, as data only (``add_secret``): a container's ``valueFrom.secretKeyRef`` reads them when its
+  pod starts (a missing Secret or key leaves the variable unset, where the kubelet would hold the pod
+  in CreateContainerConfigError);
 - a tiny operator: each created job gets all its pods at once (labels from the template, an owner
   reference to the job), and each pod's container ``command`` runs as a LOCAL process tree in a new
   session with the container's env (``$(VAR)`` and ``$$`` expanded as Kubernetes does) and
@@ -185,8 +191,16 @@ def kill_all(token: str, signum: signal.Signals) -> None:
 class Pod:
     """One pod and the local process running its container."""
 
-    def __init__(self, body: dict[str, Any], job_name: str, log: Path, torchrun_flags: list[str]) -> None:
+    def __init__(
+        self,
+        body: dict[str, Any],
+        job_name: str,
+        log: Path,
+        torchrun_flags: list[str],
+        secrets: dict[str, dict[str, str]],
+    ) -> None:
         self.body = body
+        self.secrets = secrets
         self.job_name = job_name
         self.log = log
         self.torchrun_flags = torchrun_flags
@@ -197,7 +211,12 @@ class Pod:
         container = self.body["spec"]["containers"][0]
         env: dict[str, str] = {}
         for var in container.get("env") or []:
-            env[var["name"]] = expand(var.get("value", ""), env)
+            if "valueFrom" in var:
+                ref = var["valueFrom"]["secretKeyRef"]
+                if ref["key"] in self.secrets.get(ref["name"], {}):
+                    env[var["name"]] = self.secrets[ref["name"]][ref["key"]]
+            else:
+                env[var["name"]] = expand(var.get("value", ""), env)
         command = [expand(part, env) for part in container["command"] + container.get("args", [])]
         argv = local_argv(command, self.torchrun_flags)
         with open(self.log, "wb") as log:
@@ -253,6 +272,9 @@ class KubeApiStandIn:
         self.calls: Counter[str] = Counter()
         self.refusal: ApiError | None = None
         self._lock = threading.RLock()
+        self._lost_replies: Counter[str] = Counter()
+        self._secrets: dict[tuple[str, str], dict[str, str]] = {}
+        self._request = threading.local()  # the call the handler thread serves
         self._objects: dict[tuple[str, str, str], dict[str, Any]] = {}
         self._pods: dict[tuple[str, str], Pod] = {}
         self._versions = itertools.count(1)
@@ -313,6 +335,17 @@ class KubeApiStandIn:
         """Answer every request with this error until ``refuse_with`` is called again with code 0."""
         self.refusal = ApiError(code, reason, message) if code else None
 
+    def lose_replies(self, call: str, count: int = 1) -> None:
+        """The next ``count`` requests ``call`` (as ``calls`` names them) take effect, then the
+        connection closes without a reply."""
+        with self._lock:
+            self._lost_replies[call] += count
+
+    def add_secret(self, namespace: str, name: str, data: dict[str, str]) -> None:
+        """A Secret whose keys pods read through ``valueFrom.secretKeyRef``."""
+        with self._lock:
+            self._secrets[(namespace, name)] = dict(data)
+
     def crash(self, namespace: str, name: str) -> None:
         """SIGKILL every process of the job's pods, as a node failure would."""
         for pod in self._pods_of(namespace, name):
@@ -325,12 +358,16 @@ class KubeApiStandIn:
         query = {key: values[-1] for key, values in parse_qs(url.query).items()}
         length = int(request.headers.get("Content-Length") or 0)
         body = json.loads(request.rfile.read(length)) if length else {}
+        self._request.call = None
         try:
             if self.refusal is not None:
                 raise self.refusal
             code, answer = self._route(verb, url.path, query, body)
         except ApiError as error:
             code, answer = error.code, self._status(error)
+        if self._reply_lost(self._request.call):
+            request.close_connection = True
+            return
         data = answer.encode() if isinstance(answer, str) else json.dumps(answer).encode()
         request.send_response(code)
         request.send_header("Content-Type", "text/plain" if isinstance(answer, str) else "application/json")
@@ -353,8 +390,16 @@ class KubeApiStandIn:
         raise ApiError(404, "NotFound", f"the stand-in does not emulate {verb} {path}")
 
     def _count(self, call: str) -> None:
+        self._request.call = call
         with self._lock:  # handler threads serve requests concurrently
             self.calls[call] += 1
+
+    def _reply_lost(self, call: str | None) -> bool:
+        with self._lock:
+            if call is None or self._lost_replies[call] <= 0:
+                return False
+            self._lost_replies[call] -= 1
+            return True
 
     @staticmethod
     def _status(error: ApiError) -> dict[str, Any]:
@@ -582,7 +627,8 @@ class KubeApiStandIn:
                 *({"name": k, "value": v} for k, v in injected.items()),
             ]
         log = self.state_dir / f"{meta['namespace']}-{name}-{body['metadata']['uid']}.log"
-        pod = Pod(body, meta["name"], log, torchrun_flags(obj, num_pods, port))
+        secrets = {name: data for (ns, name), data in self._secrets.items() if ns == meta["namespace"]}
+        pod = Pod(body, meta["name"], log, torchrun_flags(obj, num_pods, port), secrets)
         self._pods[(meta["namespace"], name)] = pod
         return pod
 

@@ -40,7 +40,10 @@ Emulated:
   (FailureReason from that instance's exit code and log), the other instances then SIGKILLed;
 - StopTrainingJob: SIGTERM to the job's processes, SIGKILL after ``stop_grace_s``; ``crash(job)``:
   SIGKILL, ending Failed like an instance failure (no final checkpoint upload). Like an instance going
-  away, every process the job left is killed when it ends (found by ``INSTANCE_ENV``).
+  away, every process the job left is killed when it ends (found by ``INSTANCE_ENV``);
+- a reply lost on the network, on demand (``lose_replies``): the request is carried out, then the
+  connection is closed without an answer, as when a reply times out; botocore then retries the call
+  itself, as it does against AWS.
 
 Not emulated: images (jobs run this machine's Python; TrainingImage is ignored), IAM, VPC, the
 instances' network (hostnames, EFA: every instance is 127.0.0.1), S3 channels and ``s3://`` code
@@ -212,6 +215,7 @@ class SageMakerStandIn:
         )  # fmt: skip
         self.jobs: dict[str, TrainingJob] = {}
         self.calls: list[tuple[str, str]] = []
+        self._replies_to_lose: dict[str, int] = {}
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
@@ -247,6 +251,21 @@ class SageMakerStandIn:
     def count(self, operation: str, name: str | None = None) -> int:
         with self._lock:
             return sum(1 for op, on in self.calls if op == operation and name in (None, on))
+
+    def lose_replies(self, operation: str, count: int = 1) -> None:
+        """Carry out the next ``count`` calls of ``operation`` (``CreateTrainingJob``), then close the
+        connection without answering them."""
+        with self._lock:
+            self._replies_to_lose[operation] = count
+
+    def reply_is_lost(self, target: str) -> bool:
+        """Whether the answer to this call of ``target`` is to be lost (counts it down)."""
+        operation = target.split(".")[-1]
+        with self._lock:
+            left = self._replies_to_lose.get(operation, 0)
+            if left:
+                self._replies_to_lose[operation] = left - 1
+            return left > 0
 
     def crash(self, name: str) -> None:
         """Kill the job's processes as an instance failure would; the job ends Failed."""
@@ -645,10 +664,14 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
         standin: SageMakerStandIn = self.server.standin  # type: ignore[attr-defined]
+        target = self.headers.get("X-Amz-Target", "")
         try:
-            status, answer = 200, standin.dispatch(self.headers.get("X-Amz-Target", ""), body)
+            status, answer = 200, standin.dispatch(target, body)
         except ApiError as exc:
             status, answer = 400, {"__type": exc.code, "message": exc.message}
+        if standin.reply_is_lost(target):
+            self.close_connection = True  # no answer at all: the client cannot tell what happened
+            return
         payload = json.dumps(answer).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/x-amz-json-1.1")

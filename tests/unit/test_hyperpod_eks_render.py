@@ -1,6 +1,7 @@
 """``render_manifest`` against stored manifests in ``tests/unit/golden`` (``*.hyperpod.yaml`` for
 ``HyperPodPyTorchJob``, ``*.pytorchjob.yaml`` for Kubeflow), each HyperPod one also validated against
-the CRD's JSON schema in ``../shared/schemas``, plus the pure helpers around them.
+the CRD's JSON schema in ``tests/fixtures/schemas``, plus the pure helpers around them and the mapping of
+what the API says onto ``JobState``.
 
 Regenerate the stored manifests after an intended change with
 ``TUNEPOD_UPDATE_GOLDEN=1 .venv/bin/pytest tests/unit/test_hyperpod_eks_render.py`` and review the diff.
@@ -18,13 +19,16 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
-from needs import skip_or_fail
 from pydantic import TypeAdapter, ValidationError
 
 from tunepod.errors import TunepodError
-from tunepod.launch.base import JobSpec, JobState, Resources
+from tunepod.launch.base import SUBMISSION_ID_ENV, JobSpec, JobState, Resources
 from tunepod.launch.hyperpod_eks import (
+    CRDS,
     MAX_NAME_LENGTH,
+    SUBMISSION_ANNOTATION,
+    ObjectRef,
+    ObjectStatus,
     format_cpu,
     format_memory,
     ignored_settings,
@@ -37,13 +41,11 @@ from tunepod.spec.models import HyperPodEksLauncherSpec, LauncherSpec
 
 GOLDEN = Path(__file__).parent / "golden"
 UPDATE = os.environ.get("TUNEPOD_UPDATE_GOLDEN") == "1"
-SCHEMA_PATH = Path(__file__).parents[3] / "shared" / "schemas" / "hyperpodpytorchjob-spec.schema.json"
+SCHEMA_PATH = Path(__file__).parents[1] / "fixtures" / "schemas" / "hyperpodpytorchjob-spec.schema.json"
 DNS_1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 
 
 def hyperpod_schema() -> dict[str, Any]:
-    if not SCHEMA_PATH.exists():
-        skip_or_fail(f"{SCHEMA_PATH} is missing (the shared schemas folder is not next to this checkout)")
     schema: dict[str, Any] = json.loads(SCHEMA_PATH.read_text())
     return schema
 
@@ -217,6 +219,86 @@ def test_settings_the_chosen_crd_ignores_are_named() -> None:
     assert ignored_settings(spec()) == {}
 
 
+# ------------------------------------------------------------------------------------------ secrets
+
+SECRET_ENV = {
+    "MLFLOW_TRACKING_URI": {"secret": "mlflow", "key": "tracking-uri"},
+    "HF_TOKEN": {"secret": "hugging-face", "key": "token"},
+}
+# A job as the launcher renders it: with its attempt's submission id, and with tracking credentials in
+# its own environment (the tracker hands MLFLOW_TRACKING_URI to every trial).
+LAUNCHED_JOB = job(
+    env={
+        **CONTRACT_ENV,
+        SUBMISSION_ID_ENV: "0123456789abcdef",
+        "MLFLOW_TRACKING_URI": "https://tunepod:s3cr3t@mlflow.example.com",
+    }
+)
+
+
+def pod_env(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    if manifest["kind"] == "HyperPodPyTorchJob":
+        template = manifest["spec"]["replicaSpecs"][0]["template"]
+    else:
+        template = manifest["spec"]["pytorchReplicaSpecs"]["Master"]["template"]
+    env: list[dict[str, Any]] = template["spec"]["containers"][0]["env"]
+    return env
+
+
+def test_secret_env_and_the_submission_annotation_hyperpod() -> None:
+    manifest = render_manifest(LAUNCHED_JOB, spec(secret_env=SECRET_ENV, env={"NCCL_DEBUG": "WARN"}))
+    assert_valid_hyperpod(manifest)
+    assert_matches_golden("secrets.hyperpod.yaml", manifest)
+    assert manifest["metadata"]["annotations"][SUBMISSION_ANNOTATION] == "0123456789abcdef"
+
+
+def test_secret_env_and_the_submission_annotation_kubeflow() -> None:
+    manifest = render_manifest(LAUNCHED_JOB, spec(crd="kubeflow", secret_env=SECRET_ENV))
+    assert_matches_golden("secrets.pytorchjob.yaml", manifest)
+    assert manifest["metadata"]["annotations"][SUBMISSION_ANNOTATION] == "0123456789abcdef"
+
+
+@pytest.mark.parametrize("crd", ["hyperpod", "kubeflow"])
+def test_a_secret_variable_is_never_inline_even_when_the_job_sets_it(crd: str) -> None:
+    manifest = render_manifest(LAUNCHED_JOB, spec(crd=crd, secret_env=SECRET_ENV))
+    assert "s3cr3t" not in json.dumps(manifest)
+    tracking = [entry for entry in pod_env(manifest) if entry["name"] == "MLFLOW_TRACKING_URI"]
+    assert tracking == [
+        {
+            "name": "MLFLOW_TRACKING_URI",
+            "valueFrom": {"secretKeyRef": {"name": "mlflow", "key": "tracking-uri"}},
+        }
+    ]
+
+
+def test_a_job_without_a_submission_id_carries_no_submission_annotation() -> None:
+    # So that a job rendered outside a launcher (and every older golden) renders as before.
+    assert SUBMISSION_ANNOTATION not in render_manifest(job(), spec())["metadata"]["annotations"]
+
+
+def test_a_variable_in_both_env_and_secret_env_is_refused_naming_both() -> None:
+    with pytest.raises(
+        ValidationError, match=r"HF_TOKEN set in both env and secret_env; fix: remove HF_TOKEN from env"
+    ):
+        spec(env={"HF_TOKEN": "hf_abc", "NCCL_DEBUG": "WARN"}, secret_env=SECRET_ENV)
+
+
+def test_secret_env_cannot_replace_the_runtime_contract() -> None:
+    with pytest.raises(ValidationError, match=r"TUNEPOD_RESULT_FILE, which tunepod sets per job"):
+        spec(secret_env={"TUNEPOD_RESULT_FILE": {"secret": "s", "key": "k"}})
+
+
+@pytest.mark.parametrize("ref", [{"secret": "Not_A_Name", "key": "k"}, {"secret": "s", "key": "a/b"}])
+def test_a_secret_reference_kubernetes_rejects_is_refused(ref: dict[str, str]) -> None:
+    with pytest.raises(ValidationError, match="should match pattern"):
+        spec(secret_env={"X": ref})
+
+
+def test_a_secret_variable_name_kubernetes_rejects_is_refused() -> None:
+    with pytest.raises(TunepodError, match=r"'BAD-NAME'.*C identifier"):
+        render_manifest(job(), spec(secret_env={"BAD-NAME": {"secret": "s", "key": "k"}}))
+
+
 # ------------------------------------------------------------------------------------------ helpers
 
 
@@ -305,3 +387,30 @@ def cond(kind: str, status: str = "True") -> dict[str, str]:
 )
 def test_conditions_map_to_job_states(conditions: list[dict[str, str]], expected: JobState) -> None:
     assert state_from_conditions(conditions) is expected
+
+
+def test_a_gone_object_is_failed_and_says_why() -> None:
+    ref = ObjectRef(CRDS["hyperpod"], "ml-team", "trial-7-0123abcd", "uid-1")
+    gone = ObjectStatus.gone(ref, "deleted outside tunepod")
+    assert gone.job_state is JobState.FAILED
+    assert (
+        gone.describe(ref.job_id)
+        == "HyperPodPyTorchJob ml-team/trial-7-0123abcd is gone: deleted outside tunepod"
+    )
+
+
+def test_a_status_names_its_newest_condition_and_a_pending_delete() -> None:
+    running = {
+        "type": "Running",
+        "status": "True",
+        "reason": "Started",
+        "lastTransitionTime": "2025-01-02T00:00:00Z",
+    }
+    created = {"type": "Created", "status": "True", "lastTransitionTime": "2025-01-01T00:00:00Z"}
+    obj = {
+        "metadata": {"name": "n", "namespace": "ml", "uid": "u", "deletionTimestamp": "2025-01-03T00:00:00Z"},
+        "status": {"conditions": [running, created]},
+    }
+    status = ObjectStatus.from_object(CRDS["kubeflow"], obj)
+    assert status.ref == ObjectRef(CRDS["kubeflow"], "ml", "n", "u")
+    assert status.describe() == "PyTorchJob ml/n RUNNING (being deleted), last condition Running (Started)"

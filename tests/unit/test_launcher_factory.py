@@ -8,7 +8,7 @@ import pytest
 
 from tunepod.errors import TunepodError
 from tunepod.launch.factory import make_launcher
-from tunepod.launch.kube import HyperPodEksLauncher
+from tunepod.launch.hyperpod_eks import HyperPodEksLauncher
 from tunepod.launch.local import LocalLauncher
 from tunepod.launch.sagemaker import SageMakerLauncher
 from tunepod.launch.slurm import SlurmLauncher

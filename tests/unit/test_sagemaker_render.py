@@ -21,16 +21,24 @@ from botocore.stub import Stubber
 from pydantic import ValidationError
 
 from tunepod.errors import TunepodError
-from tunepod.launch.base import JobSpec, JobState, Resources
+from tunepod.launch.base import SUBMISSION_ID_ENV, JobSpec, JobState, Resources
 from tunepod.launch.contract import contract_env
 from tunepod.launch.paths import JobPaths
-from tunepod.launch.sagemaker import TrainingJobStatus, exit_code_of, map_training_job_state
-from tunepod.launch.sagemaker_request import checkpoint_s3_uri, render_training_job, training_job_name
+from tunepod.launch.sagemaker import (
+    NOT_FOUND,
+    TrainingJobStatus,
+    checkpoint_s3_uri,
+    exit_code_of,
+    map_training_job_state,
+    render_training_job,
+    training_job_name,
+)
 from tunepod.spec.models import SageMakerLauncherSpec
 
 GOLDEN = Path(__file__).parent / "golden"
 UPDATE = os.environ.get("TUNEPOD_UPDATE_GOLDEN") == "1"
 JOB_DIR = Path("/fsx/tunepod/jobs/digits/trial-7")
+SUBMISSION_ID = "0123456789abcdef"
 
 
 def assert_matches_golden(name: str, request: dict[str, Any]) -> None:
@@ -84,6 +92,7 @@ def job(params: dict[str, object] | None = None, **fields: Any) -> JobSpec:
         tracking_uri="http://mlflow.internal:5000",
         run_id="abc123",
     )
+    env[SUBMISSION_ID_ENV] = SUBMISSION_ID  # as the launcher template hands every job over
     base = JobSpec(
         name="digits-trial-7", entrypoint=Path("/fsx/tunepod/code/train.py"), job_dir=JOB_DIR, env=env
     )
@@ -97,6 +106,8 @@ def test_minimal_request_with_code_in_s3() -> None:
     # Without FSx the orchestrator's paths mean nothing in the job: the runtime's SageMaker defaults rule.
     assert "TUNEPOD_DATA_DIR" not in request["Environment"]
     assert "TUNEPOD_PARAMS" not in request["Environment"]
+    # DescribeTrainingJob returns it: how the launcher tells its own job from another submission's.
+    assert request["Environment"][SUBMISSION_ID_ENV] == SUBMISSION_ID
 
 
 def test_full_request_on_fsx_with_tensor_parallelism() -> None:
@@ -207,6 +218,16 @@ def test_job_names_follow_sagemaker_rules_and_are_stable(name: str, attempt: int
     assert rendered != training_job_name(name, attempt + 1)
 
 
+@pytest.mark.parametrize("name", ["digits-trial-7", "x" * 200, "study_a.trial 3"])
+def test_name_variants_are_valid_and_distinct_from_every_attempt(name: str) -> None:
+    names = {training_job_name(name, attempt, variant) for attempt in (1, 2, 3) for variant in range(6)}
+    assert len(names) == 18
+    assert all(NAME_PATTERN.match(rendered) for rendered in names), names
+    assert training_job_name("digits-trial-7", 2, 1) == "digits-trial-7-r2-v1"
+    request = render_training_job(job(), spec(**FSX), attempt=1, variant=3)
+    assert request["TrainingJobName"] == "digits-trial-7-v3"
+
+
 def test_names_that_clean_to_the_same_text_stay_distinct() -> None:
     assert training_job_name("a_b") != training_job_name("a.b")
     assert training_job_name("x" * 100 + "1") != training_job_name("x" * 100 + "2")
@@ -283,6 +304,7 @@ def test_spec_rejects_inconsistent_settings(fields: dict[str, object]) -> None:
         ("Stopped", "MaxRuntimeExceeded", JobState.FAILED),
         ("Stopped", "MaxWaitTimeExceeded", JobState.FAILED),
         ("Brand-new", "", JobState.RUNNING),
+        (NOT_FOUND, "", JobState.FAILED),
     ],
 )
 def test_state_table(status: str, secondary: str, expected: JobState) -> None:

@@ -17,9 +17,10 @@ from typing import Any
 import pytest
 
 from tunepod.errors import TunepodError
-from tunepod.launch import slurm
-from tunepod.launch.base import JobSpec, Resources
+from tunepod.launch.base import SUBMISSION_ID_ENV, JobSpec, Resources
 from tunepod.launch.slurm import (
+    SCRIPT_NAME,
+    SlurmLauncher,
     detect_hyperpod,
     format_mem,
     format_time_limit,
@@ -28,6 +29,7 @@ from tunepod.launch.slurm import (
     sbatch_value,
     slurm_resources,
 )
+from tunepod.launch.slurm import render as slurm_render
 from tunepod.spec.models import SlurmLauncherSpec
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -76,12 +78,25 @@ def test_every_option_set_on_hyperpod() -> None:
         env={"NCCL_DEBUG": "WARN", "TUNEPOD_TRIAL": "overridden by the job"},
     )
     resources = Resources(num_nodes=4, procs_per_node=8, gpus_per_node=8, timeout_min=90.5)
-    rendered = job(
-        args=("--epochs", "12"),
-        env={"TUNEPOD_TRIAL": "7", "TUNEPOD_PARAMS": '{"lr": 0.01}'},
-        resources=resources,
-    )
+    # As the launcher sends it: with the submission id, which adds the --comment line.
+    env = {"TUNEPOD_TRIAL": "7", "TUNEPOD_PARAMS": '{"lr": 0.01}', SUBMISSION_ID_ENV: "0123456789abcdef"}
+    rendered = job(args=("--epochs", "12"), env=env, resources=resources)
     assert_matches_golden("full_hyperpod", render_sbatch(rendered, full, hyperpod=True))
+
+
+def test_the_submission_id_becomes_the_comment_find_looks_for() -> None:
+    script = render_sbatch(job(env={SUBMISSION_ID_ENV: "0123456789abcdef"}), spec(), hyperpod=False)
+    assert "#SBATCH --comment=tunepod:0123456789abcdef\n" in script
+    assert "--comment" not in render_sbatch(job(), spec(), hyperpod=False)
+
+
+def test_launcher_renders_the_script_under_the_job_name(tmp_path: Path) -> None:
+    launcher = SlurmLauncher(spec(root=str(tmp_path), hyperpod=False))
+    sent = job(env={SUBMISSION_ID_ENV: "0123456789abcdef"})
+    rendered = launcher.render(sent, attempt=3)
+    assert rendered.name == sent.name
+    assert rendered.payload == render_sbatch(sent, launcher.spec, hyperpod=False)
+    assert rendered.files == {SCRIPT_NAME: rendered.payload}
 
 
 def test_awkward_names_paths_and_values() -> None:
@@ -205,7 +220,7 @@ def test_instance_type_is_the_only_ignored_resource() -> None:
 
 def test_hyperpod_is_declared_or_detected(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     marker = tmp_path / "sagemaker_cluster"
-    monkeypatch.setattr(slurm, "HYPERPOD_MARKER", marker)
+    monkeypatch.setattr(slurm_render, "HYPERPOD_MARKER", marker)
     assert detect_hyperpod(spec()) is False
     marker.mkdir()
     assert detect_hyperpod(spec()) is True

@@ -1,5 +1,6 @@
 """Every Slurm job state mapped onto ``JobState``, the parsers of squeue/scontrol/sacct output, the
-state cache's fallback when the controller does not answer, and the command runner underneath.
+launcher's state fallback when the controller does not answer, how ``find`` picks a submission's job
+out of Slurm's listings, and the command runner underneath.
 
 The parsers are fed lines as Slurm 22.05 prints them (copied from the local test cluster).
 """
@@ -10,7 +11,8 @@ import logging
 import shlex
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import pytest
 
@@ -26,15 +28,19 @@ from tunepod.launch.runner import (
 )
 from tunepod.launch.slurm import (
     SLURM_STATES,
-    SlurmStateCache,
+    SlurmLauncher,
     SlurmStatus,
     map_slurm_state,
     parse_exit_code,
     parse_job_id,
+    parse_job_listing,
     parse_sacct,
     parse_scontrol_job,
     parse_squeue,
 )
+from tunepod.launch.slurm.states import ListedJob
+from tunepod.launch.submission import Submission
+from tunepod.spec.models import SlurmLauncherSpec
 
 # Every state in squeue(1) "JOB STATE CODES" (Slurm 22.05), with the JobState it must map to.
 EXPECTED = {
@@ -151,6 +157,18 @@ def test_describe_is_a_runbook_line() -> None:
     )
 
 
+def test_parse_job_listing_keeps_bars_in_names_and_reads_null_as_no_comment() -> None:
+    out = "41|tunepod:00ff|trial 7 | a|b\n42|(null)|trial 7\n\n"
+    assert parse_job_listing(out) == [
+        ListedJob("41", "tunepod:00ff", "trial 7 | a|b"),
+        ListedJob("42", "", "trial 7"),
+    ]
+
+
+def launcher_spec(tmp_path: Path) -> SlurmLauncherSpec:
+    return SlurmLauncherSpec.model_validate({"kind": "slurm", "root": str(tmp_path), "poll_cache_s": 0})
+
+
 class OutageRunner:
     """Slurm's clients as seen during a controller outage: a stand-in, because stopping the shared test
     cluster's slurmctld mid-test would break every other test using it."""
@@ -168,30 +186,136 @@ class OutageRunner:
         return subprocess.CompletedProcess(list(argv), 0, stdout="5|RUNNING|None\n", stderr="")
 
 
-def test_cache_serves_the_last_state_while_the_controller_is_briefly_down() -> None:
+def test_launcher_serves_the_last_state_while_the_controller_is_briefly_down(tmp_path: Path) -> None:
     runner = OutageRunner()
     assert isinstance(runner, CommandRunner)
-    cache = SlurmStateCache(runner, max_age_s=0, stale_limit_s=3600)
-    assert cache.status("5").job_state is JobState.RUNNING
+    handle = SlurmLauncher(launcher_spec(tmp_path), runner, stale_limit_s=3600).attach("5", tmp_path)
+    assert handle.state() is JobState.RUNNING
     runner.down = True
-    assert cache.status("5").job_state is JobState.RUNNING
+    assert handle.state() is JobState.RUNNING
     assert len(runner.calls) == 2  # it did ask again
 
 
-def test_cache_raises_once_the_outage_outlasts_the_stale_limit() -> None:
+def test_launcher_raises_once_the_outage_outlasts_the_stale_limit(tmp_path: Path) -> None:
     runner = OutageRunner()
-    cache = SlurmStateCache(runner, max_age_s=0, stale_limit_s=0)
-    cache.status("5")
+    handle = SlurmLauncher(launcher_spec(tmp_path), runner, stale_limit_s=0).attach("5", tmp_path)
+    handle.state()
     runner.down = True
     with pytest.raises(TransientError, match="Unable to contact slurm controller"):
-        cache.status("5")
+        handle.state()
 
 
-def test_cache_raises_when_there_is_no_last_state() -> None:
+def test_launcher_raises_when_there_is_no_last_state(tmp_path: Path) -> None:
     runner = OutageRunner()
     runner.down = True
     with pytest.raises(TransientError):
-        SlurmStateCache(runner, max_age_s=0).status("5")
+        SlurmLauncher(launcher_spec(tmp_path), runner).attach("5", tmp_path).state()
+
+
+class ScriptedRunner:
+    """Answers each Slurm client (by program name) with fixed output, or a failure, and records argvs."""
+
+    def __init__(self, answers: Mapping[str, str | CommandFailed]) -> None:
+        self.answers = answers
+        self.calls: list[list[str]] = []
+
+    def run(
+        self, argv: Sequence[str], *, input: str | None = None, timeout_s: float = 60
+    ) -> subprocess.CompletedProcess[str]:
+        self.calls.append(list(argv))
+        answer = self.answers.get(argv[0], "")
+        if isinstance(answer, CommandFailed):
+            raise answer
+        return subprocess.CompletedProcess(list(argv), 0, stdout=answer, stderr="")
+
+
+def intent(name: str = "trial-7", submission_id: str = "00000000000000aa") -> Submission:
+    return Submission(
+        backend="slurm",
+        name=name,
+        attempt=2,
+        submission_id=submission_id,
+        intent_at="2026-03-02T10:00:00+00:00",
+    )
+
+
+NO_ACCOUNTING = CommandFailed(["sacct"], 1, "Slurm accounting storage is disabled")
+
+
+def test_find_picks_this_submissions_job_among_jobs_of_the_same_name(tmp_path: Path) -> None:
+    listing = "40|tunepod:00000000000000ff|trial-7\n41|tunepod:00000000000000aa|trial-7\n42|(null)|trial-7\n"
+    runner = ScriptedRunner({"squeue": listing, "sacct": NO_ACCOUNTING})
+    found = SlurmLauncher(launcher_spec(tmp_path), runner).find(intent(), tmp_path)
+    assert found is not None and found.job_id == "41"
+    assert runner.calls == [["squeue", "-h", "--states=all", "--name=trial-7", "-o", "%i|%k|%j"]]
+
+
+def test_find_without_a_match_and_without_accounting_is_none(tmp_path: Path) -> None:
+    runner = ScriptedRunner({"squeue": "40|tunepod:00000000000000ff|trial-7\n", "sacct": NO_ACCOUNTING})
+    assert SlurmLauncher(launcher_spec(tmp_path), runner).find(intent(), tmp_path) is None
+    assert [call[0] for call in runner.calls] == ["squeue", "sacct"]
+
+
+def test_find_falls_back_to_accounting_from_a_day_before_the_intent(tmp_path: Path) -> None:
+    runner = ScriptedRunner({"squeue": "", "sacct": "17|tunepod:00000000000000aa|trial-7\n"})
+    found = SlurmLauncher(launcher_spec(tmp_path), runner).find(intent(), tmp_path)
+    assert found is not None and found.job_id == "17"
+    sacct = runner.calls[1]
+    assert sacct[sacct.index("-S") + 1] == "2026-03-01T10:00:00"
+    assert "--name=trial-7" in sacct
+
+
+def test_find_warns_when_accounting_keeps_no_comments(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    runner = ScriptedRunner({"squeue": "", "sacct": "17||trial-7\n"})
+    assert SlurmLauncher(launcher_spec(tmp_path), runner).find(intent(), tmp_path) is None
+    assert "AccountingStoreFlags=job_comment" in caplog.text
+
+
+def test_find_of_a_name_with_a_comma_lists_the_users_jobs_and_matches_the_name_exactly(
+    tmp_path: Path,
+) -> None:
+    listing = "50|tunepod:00000000000000aa|a\n51|tunepod:00000000000000aa|a, b\n"
+    runner = ScriptedRunner({"squeue": listing, "sacct": NO_ACCOUNTING})
+    found = SlurmLauncher(launcher_spec(tmp_path), runner).find(intent(name="a, b"), tmp_path)
+    assert found is not None and found.job_id == "51"
+    assert "--me" in runner.calls[0]
+    assert not any(arg.startswith("--name") for arg in runner.calls[0])
+
+
+def test_find_follows_the_newest_of_several_jobs_of_one_submission_and_names_the_others(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    listing = "9|tunepod:00000000000000aa|trial-7\n12|tunepod:00000000000000aa|trial-7\n"
+    runner = ScriptedRunner({"squeue": listing})
+    found = SlurmLauncher(launcher_spec(tmp_path), runner).find(intent(), tmp_path)
+    assert found is not None and found.job_id == "12"
+    assert "scancel 9" in caplog.text
+
+
+def test_find_raises_when_slurm_cannot_answer(tmp_path: Path) -> None:
+    down = TransientCommandFailed(["squeue"], 1, "Unable to contact slurm controller")
+    runner = ScriptedRunner({"squeue": down})
+    with pytest.raises(TransientError):
+        SlurmLauncher(launcher_spec(tmp_path), runner).find(intent(), tmp_path)
+
+
+def test_poll_answers_for_every_job_from_one_squeue_then_scontrol_for_the_gone(tmp_path: Path) -> None:
+    runner = ScriptedRunner(
+        {
+            "squeue": "7|RUNNING|None\n",
+            "scontrol": SCONTROL_FAILED,
+        }
+    )
+    launcher = SlurmLauncher(launcher_spec(tmp_path), runner)
+    running, ended = launcher.attach("7", tmp_path), launcher.attach("28", tmp_path)
+    assert running.state() is JobState.RUNNING
+    assert ended.status() == SlurmStatus("FAILED", "NonZeroExitCode", 3, 0)
+    assert runner.calls[:2] == [
+        ["squeue", "-h", "-o", "%i|%T|%r", "-j", "7,28"],
+        ["scontrol", "show", "job", "-o", "28"],
+    ]
 
 
 # ---------------------------------------------------------------------------------------------- runner

@@ -99,6 +99,15 @@ CASES = [
         "use one of: local",
     ),
     Case(
+        "a variable both inline and from a Secret (HyperPod EKS)",
+        "launcher: {kind: local}",
+        "launcher: {kind: hyperpod_eks, image: i, root: /fsx, claim_name: c, env: {HF_TOKEN: hf_x}, "
+        "secret_env: {HF_TOKEN: {secret: hugging-face, key: token}}}",
+        "launcher",
+        "HF_TOKEN set in both env and secret_env",
+        "remove HF_TOKEN from env (secret_env reads the value from its Secret",
+    ),
+    Case(
         "unknown search parameter type",
         "hidden: {type: int,",
         "hidden: {type: integer,",

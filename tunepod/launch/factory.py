@@ -29,7 +29,7 @@ def make_launcher(spec: LauncherSpec) -> Launcher:
 
         return SageMakerLauncher(spec)
     if isinstance(spec, HyperPodEksLauncherSpec):
-        from tunepod.launch.kube import HyperPodEksLauncher
+        from tunepod.launch.hyperpod_eks import HyperPodEksLauncher
 
         return HyperPodEksLauncher(spec)
     assert_never(spec)

@@ -28,6 +28,12 @@ class TrackingSpec(Strict):
         "sqlite:///.tunepod/mlflow.db", description="MLflow tracking URI (sqlite:///..., http://...)."
     )
     experiment: str = Field(..., min_length=1, description="MLflow experiment that holds the pipeline runs.")
+    flush_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="How long a step waits at its end for MLflow to take what jobs reported while it was "
+        "unreachable (jobs never wait for MLflow); a later run brings over what is still missing.",
+    )
 
 
 # ---------------------------------------------------------------------------------------------- launchers
@@ -104,6 +110,19 @@ class LogMonitoringRuleSpec(Strict):
         return self
 
 
+class SecretRef(Strict):
+    """One key of a Kubernetes Secret in the jobs' namespace, read into an environment variable by the
+    kubelet (``valueFrom.secretKeyRef``): the value never enters the job object."""
+
+    secret: str = Field(
+        ...,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        max_length=253,
+        description="Name of the Secret (kubectl -n NAMESPACE create secret generic NAME ...).",
+    )
+    key: str = Field(..., pattern=r"^[-._a-zA-Z0-9]+$", description="Key in the Secret's data.")
+
+
 class HyperPodEksLauncherSpec(Strict):
     """Run every job as a ``HyperPodPyTorchJob`` (or a Kubeflow ``PyTorchJob``) on an EKS cluster.
 
@@ -132,6 +151,12 @@ class HyperPodEksLauncherSpec(Strict):
     python: str = Field("python", description="Python in the image (the Kubeflow command runs torchrun).")
     working_dir: str | None = Field(None, description="Container working directory for relative paths.")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for every job.")
+    secret_env: dict[str, SecretRef] = Field(
+        default_factory=dict,
+        description="Variables read from Secrets (valueFrom.secretKeyRef), for credentials: their values "
+        "never enter the job object or manifest.json. A variable named here is never set inline, even "
+        "when the job's own environment sets it (e.g. MLFLOW_TRACKING_URI with a password in it).",
+    )
     node_selector: dict[str, str] = Field(default_factory=dict, description="Extra pod nodeSelector.")
     service_account: str | None = Field(None, description="Service account of the pods.")
     max_retries: int = Field(0, ge=0, description="Times the operator restarts a failed job.")
@@ -161,6 +186,23 @@ class HyperPodEksLauncherSpec(Strict):
         if self.max_full_job_restarts is not None and self.restart_eval_period_s is None:
             raise ValueError(
                 "max_full_job_restarts needs a window; fix: set restart_eval_period_s (e.g. 3600)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_secret_env(self) -> HyperPodEksLauncherSpec:
+        both = [name for name in self.secret_env if name in self.env]
+        if both:
+            names = ", ".join(both)
+            raise ValueError(
+                f"{names} set in both env and secret_env; fix: remove {names} from env (secret_env "
+                "reads the value from its Secret, where env would write it into the job object)"
+            )
+        reserved = [name for name in self.secret_env if name.startswith("TUNEPOD_")]
+        if reserved:
+            raise ValueError(
+                f"secret_env sets {', '.join(reserved)}, which tunepod sets per job (the runtime "
+                f"contract); fix: remove {', '.join(reserved)} from secret_env"
             )
         return self
 
@@ -266,9 +308,10 @@ class TrainJob(Strict):
     )
     resources: Resources = Field(default_factory=Resources)
     max_restarts: int = Field(
-        0,
+        1,
         ge=0,
-        description="Times a failed job is started again in place, resuming from its last checkpoint.",
+        description="Times a failed job (a killed process, a lost node) is started again in place, "
+        "resuming from its last checkpoint; 0 fails the trial at the first failure.",
     )
 
 

@@ -1,11 +1,6 @@
-"""Run jobs on a SageMaker HyperPod EKS cluster as ``HyperPodPyTorchJob`` objects (or Kubeflow
-``PyTorchJob`` objects, ``crd: kubeflow``).
-
-Render, then execute: ``render_manifest`` is a pure function from a ``JobSpec`` to the custom object
-(golden-tested, and validated against the HyperPod CRD's JSON schema in the tests), and
-``state_from_conditions`` maps an object's ``status.conditions`` to a ``JobState``. This module stays
-pure (it never imports ``kubernetes``); ``tunepod.launch.kube.HyperPodEksLauncher`` creates, follows,
-and deletes the objects through the Kubernetes API.
+"""The custom object a HyperPod EKS job runs as (pure): a ``HyperPodPyTorchJob``, or a Kubeflow
+``PyTorchJob`` with ``crd: kubeflow``. Golden-tested, and validated against the HyperPod CRD's JSON
+schema in the tests; this module never imports ``kubernetes``.
 
 How the workers start differs per operator, and the manifest follows each one's convention:
 
@@ -20,24 +15,24 @@ How the workers start differs per operator, and the manifest follows each one's 
 Every pod mounts the shared filesystem's PersistentVolumeClaim at ``spec.root``, so the job dir,
 checkpoints and result file of a job live on FSx where the orchestrator reads them. The job's output
 goes to the pod log (HyperPod's hang detection reads it there), not to files under the job dir.
+
+The variables of ``spec.secret_env`` are rendered as ``secretKeyRef``: their values stay in the
+Kubernetes Secret and never enter the object (which anyone who may read the job objects can read),
+nor ``manifest.json``.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import logging
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import PurePosixPath
 from typing import Any
 
 from tunepod.errors import TunepodError
-from tunepod.launch.base import JobSpec, JobState, Resources
+from tunepod.launch.base import SUBMISSION_ID_ENV, JobSpec, Resources
 from tunepod.spec.models import HyperPodEksLauncherSpec
-
-logger = logging.getLogger(__name__)
 
 HYPERPOD_GROUP = "sagemaker.amazonaws.com"
 HYPERPOD_VERSION = "v1"
@@ -56,6 +51,11 @@ PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
 OBJECT_LABEL = "tunepod.io/object"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
+JOB_NAME_ANNOTATION = "tunepod.io/job-name"
+JOB_DIR_ANNOTATION = "tunepod.io/job-dir"
+SUBMISSION_ANNOTATION = "tunepod.io/submission"
+"""The submission id of the attempt that created the object: how ``find`` tells it from an object an
+earlier attempt left under the same name."""
 
 # Room left under the 63-character DNS label limit for what the operators append to make pod and
 # service names (``-worker-12``, ``-pod-12``).
@@ -82,7 +82,7 @@ def object_name(job_name: str) -> str:
     return f"{stem}-{digest}"
 
 
-# ------------------------------------------------------------------------------------------ escaping
+# ------------------------------------------------------------------------------------------ env
 
 
 def literal(text: str) -> str:
@@ -94,16 +94,23 @@ def literal(text: str) -> str:
     return text.replace("$", "$$")
 
 
-def container_env(job: JobSpec, spec: HyperPodEksLauncherSpec) -> list[dict[str, str]]:
-    """The launcher's ``env``, then the job's training contract (which wins), as EnvVar entries."""
-    merged = {**spec.env, **job.env}
-    for name in merged:
+def container_env(job: JobSpec, spec: HyperPodEksLauncherSpec) -> list[dict[str, Any]]:
+    """The launcher's ``env``, then the job's training contract (which wins), as inline EnvVar entries;
+    then ``spec.secret_env`` as ``secretKeyRef`` entries, which win over both: a variable named there
+    is never inline, even when the job's own environment sets it (tracking credentials in
+    ``MLFLOW_TRACKING_URI``, say)."""
+    inline = {name: value for name, value in {**spec.env, **job.env}.items() if name not in spec.secret_env}
+    for name in [*inline, *spec.secret_env]:
         if not _ENV_NAME.fullmatch(name):
             raise TunepodError(
                 f"environment variable name {name!r} of job {job.name!r} is not a C identifier, which "
                 "Kubernetes requires; fix: rename it"
             )
-    return [{"name": name, "value": literal(value)} for name, value in merged.items()]
+    from_secrets = [
+        {"name": name, "valueFrom": {"secretKeyRef": {"name": ref.secret, "key": ref.key}}}
+        for name, ref in spec.secret_env.items()
+    ]
+    return [*({"name": name, "value": literal(value)} for name, value in inline.items()), *from_secrets]
 
 
 # ------------------------------------------------------------------------------------------ resources
@@ -254,14 +261,22 @@ def object_labels(job: JobSpec, spec: HyperPodEksLauncherSpec) -> dict[str, str]
     return labels
 
 
+def object_annotations(job: JobSpec) -> dict[str, str]:
+    """The full job name and job dir, unabridged: a restarted orchestrator matches objects to job dirs
+    by these, and an operator reading ``kubectl describe`` sees where the files are. Plus the attempt's
+    submission id when the job carries one (a job rendered outside a launcher has none)."""
+    annotations = {JOB_NAME_ANNOTATION: job.name, JOB_DIR_ANNOTATION: job.job_dir.as_posix()}
+    if SUBMISSION_ID_ENV in job.env:
+        annotations[SUBMISSION_ANNOTATION] = job.env[SUBMISSION_ID_ENV]
+    return annotations
+
+
 def _metadata(job: JobSpec, spec: HyperPodEksLauncherSpec) -> dict[str, Any]:
     return {
         "name": object_name(job.name),
         "namespace": spec.namespace,
         "labels": object_labels(job, spec),
-        # The full job name and job dir, unabridged: a restarted orchestrator matches objects to trials
-        # by these, and an operator reading `kubectl describe` sees where the files are.
-        "annotations": {"tunepod.io/job-name": job.name, "tunepod.io/job-dir": job.job_dir.as_posix()},
+        "annotations": object_annotations(job),
     }
 
 
@@ -377,40 +392,3 @@ def render_manifest(job: JobSpec, spec: HyperPodEksLauncherSpec) -> dict[str, An
     job the pods could not run (a job dir outside the shared root, an invalid variable name)."""
     _check_under_root(job, spec)
     return render_hyperpod(job, spec) if spec.crd == "hyperpod" else render_kubeflow(job, spec)
-
-
-# ------------------------------------------------------------------------------------------ states
-
-# Condition types both operators set in ``status.conditions`` (Kubeflow's JobConditionType; the HyperPod
-# operator follows it and reports "Completed" as well). A terminal condition that is "True" decides;
-# otherwise the job runs once a running condition is "True", and waits before that.
-TERMINAL_CONDITIONS: Mapping[str, JobState] = {
-    "Succeeded": JobState.SUCCEEDED,
-    "Completed": JobState.SUCCEEDED,
-    "Failed": JobState.FAILED,
-}
-RUNNING_CONDITIONS = frozenset({"Running", "Restarting", "PodsRunning"})
-# Created: accepted, pods not all started; Suspended: held by Kueue (or by hand) until admitted.
-PENDING_CONDITIONS = frozenset({"Created", "Suspended", "Queued", "Pending"})
-
-
-def state_from_conditions(conditions: Sequence[Mapping[str, Any]]) -> JobState:
-    """The ``JobState`` of a job object from its ``status.conditions`` (empty: not seen yet, PENDING).
-
-    An unknown condition type is logged once and ignored, so a newer operator cannot crash the
-    orchestrator. Cancellation is not a condition: the launcher deletes the object and knows why.
-    """
-    active = [str(c.get("type", "")) for c in conditions if str(c.get("status", "")).lower() == "true"]
-    for kind in active:
-        if kind in TERMINAL_CONDITIONS:
-            return TERMINAL_CONDITIONS[kind]
-    for kind in active:
-        if kind not in RUNNING_CONDITIONS | PENDING_CONDITIONS:
-            _warn_unknown_condition(kind)
-    return JobState.RUNNING if RUNNING_CONDITIONS.intersection(active) else JobState.PENDING
-
-
-@functools.cache
-def _warn_unknown_condition(kind: str) -> None:
-    # Cached: a job polled every second would otherwise repeat the warning every second.
-    logger.warning("unknown job condition %r ignored when mapping the job's state", kind)

@@ -1,8 +1,8 @@
-"""The ``CreateTrainingJob`` request for a tunepod job (pure functions; the launcher is ``sagemaker.py``).
+"""The ``CreateTrainingJob`` request for a tunepod job (pure functions; the launcher is ``launcher.py``).
 
 Render, then execute: ``render_training_job`` is a pure function from a ``JobSpec`` to the
 ``CreateTrainingJob`` request (golden-tested, and checked by botocore's Stubber against the real API
-model); ``SageMakerLauncher.submit`` sends it with boto3. We render the request ourselves rather than
+model); ``SageMakerLauncher.send`` sends it with boto3. We render the request ourselves rather than
 going through ``sagemaker.train.ModelTrainer``: the request is then a plain dict that botocore
 validates, and the launcher needs only boto3 (the ``sagemaker`` SDK stays in the ``aws`` extra, for
 users' own code).
@@ -30,7 +30,11 @@ orchestrator cannot read such checkpoints (nor, with a read-only channel, result
 jobs, not whole pipelines, and the launcher says so once.
 
 Names: a training job name is unique in an account and region for good, so attempt N > 1 of one
-tunepod job is ``<name>-rN``; the attempt is counted in ``<job_dir>/submission.json``.
+tunepod job is ``<name>-rN`` (the attempt is counted in ``<job_dir>/submission.json``), and a name
+that another submission already holds (a job dir deleted and made again, two tunepod names that clean
+to one) gets a variant suffix ``-vK``. The request's ``Environment`` carries the job's whole
+environment, ``TUNEPOD_SUBMISSION_ID`` included: DescribeTrainingJob returns it, which is how the
+launcher tells its own job from another submission's under one name.
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ CHANNEL = "train"
 CHANNEL_MOUNT = PurePosixPath("/opt/ml/input/data") / CHANNEL
 CHECKPOINT_LOCAL_PATH = "/opt/ml/checkpoints"
 MAX_NAME_LENGTH = 63
+REQUEST_FILE = "training-job.json"
+"""The rendered request, kept in the job dir for people to read (owner-only: it holds the environment)."""
 
 # Hyperparameter names the PyTorch containers' toolkit reads (sagemaker-python-sdk,
 # src/sagemaker/pytorch/estimator.py: LAUNCH_TORCH_DISTRIBUTED_ENV_NAME, INSTANCE_TYPE_ENV_NAME;
@@ -72,14 +78,15 @@ _PATH_ENVS = (runtime.DATA_DIR_ENV, runtime.RESULT_FILE_ENV, runtime.METRICS_FIL
 _WRITTEN_PATH_ENVS = (runtime.RESULT_FILE_ENV, runtime.METRICS_FILE_ENV)
 
 
-def training_job_name(name: str, attempt: int = 1) -> str:
-    """A valid, stable training job name for attempt ``attempt`` of tunepod job ``name``.
+def training_job_name(name: str, attempt: int = 1, variant: int = 0) -> str:
+    """A valid, stable training job name for attempt ``attempt`` of tunepod job ``name``; ``variant`` > 0
+    when the names before it are held by other submissions.
 
     SageMaker allows 63 characters of ``[a-zA-Z0-9-]``, starting and ending alphanumeric. Other
     characters become ``-``; when that loses information (``a_b`` and ``a.b`` would clash) or the name
     is too long, an 8-character hash of the original name keeps distinct jobs distinct.
     """
-    suffix = f"-r{attempt}" if attempt > 1 else ""
+    suffix = (f"-r{attempt}" if attempt > 1 else "") + (f"-v{variant}" if variant > 0 else "")
     cleaned = re.sub(r"-{2,}", "-", re.sub(r"[^a-zA-Z0-9-]", "-", name)).strip("-") or "tunepod-job"
     if cleaned == name and len(cleaned) + len(suffix) <= MAX_NAME_LENGTH:
         return cleaned + suffix
@@ -268,14 +275,16 @@ def fsx_channel(spec: SageMakerLauncherSpec) -> list[dict[str, Any]]:
     return [{"ChannelName": CHANNEL, "DataSource": {"FileSystemDataSource": source}, "InputMode": "File"}]
 
 
-def render_training_job(job: JobSpec, spec: SageMakerLauncherSpec, *, attempt: int = 1) -> dict[str, Any]:
-    """The ``CreateTrainingJob`` request for attempt ``attempt`` of ``job`` (pure).
+def render_training_job(
+    job: JobSpec, spec: SageMakerLauncherSpec, *, attempt: int = 1, variant: int = 0
+) -> dict[str, Any]:
+    """The ``CreateTrainingJob`` request for attempt ``attempt`` (name variant ``variant``) of ``job`` (pure).
 
     Raises ``TunepodError`` for what a training job cannot express (argv, paths SageMaker cannot see,
     no instance type, inconsistent parallelism).
     """
     request: dict[str, Any] = {
-        "TrainingJobName": training_job_name(job.name, attempt),
+        "TrainingJobName": training_job_name(job.name, attempt, variant),
         "RoleArn": spec.role_arn,
         "AlgorithmSpecification": {"TrainingImage": spec.image_uri, "TrainingInputMode": spec.input_mode},
         "HyperParameters": hyperparameters(job, spec),

@@ -1,20 +1,17 @@
-"""The Kubernetes side of the hyperpod_eks launcher: the few API calls it makes, their errors, and the
-state cache that answers every job's state from one LIST.
+"""The Kubernetes side of the hyperpod_eks launcher: where the job objects live (``Crd``, ``ObjectRef``)
+and the few API calls the launcher makes, with their errors translated.
 
 ``KubeApi`` wraps the official ``kubernetes`` client (``CustomObjectsApi`` for the job objects,
-``CoreV1Api`` for their pods and logs) and translates its errors: ``ApiException`` 401/403 become
-``JobError`` with a hint about the kubeconfig and RBAC; 429 and 5xx, and connection failures (urllib3),
-become ``TransientError``; anything else ``JobError``. ``KubeStateCache`` follows every job object of a
-launcher with one LIST per namespace and CRD at most once per period. The launcher itself, which
-decides what to create, replace and delete, is ``kube.py``.
+``CoreV1Api`` for their pods and logs): ``ApiException`` 401/403 become ``JobError`` with a hint about
+the kubeconfig and RBAC; 429 and 5xx, and connection failures (urllib3), become ``TransientError`` (the
+call may or may not have taken effect); 409 on create becomes ``ObjectExists``; anything else
+``JobError``.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -22,8 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from tunepod.errors import JobError, TransientError, TunepodError
-from tunepod.launch.base import JobState
-from tunepod.launch.hyperpod_eks import (
+from tunepod.launch.hyperpod_eks.render import (
     HYPERPOD_GROUP,
     HYPERPOD_KIND,
     HYPERPOD_PLURAL,
@@ -34,17 +30,14 @@ from tunepod.launch.hyperpod_eks import (
     KUBEFLOW_VERSION,
     MANAGED_BY_LABEL,
     OBJECT_LABEL,
-    state_from_conditions,
 )
 from tunepod.spec.models import HyperPodEksLauncherSpec
-
-logger = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install 'tunepod[eks]'"
 MANAGED_SELECTOR = f"{MANAGED_BY_LABEL}=tunepod"
 # (connect, read) seconds: a request never hangs a trial thread for long.
 REQUEST_TIMEOUT_S = (10.0, 60.0)
-_POLL_S = 0.2
+_GONE_POLL_S = 0.2
 _TRANSIENT_STATUSES = frozenset({429, 500, 502, 503, 504})
 
 
@@ -93,6 +86,14 @@ class ObjectRef:
     def kubectl(self, verb: str) -> str:
         return f"kubectl -n {self.namespace} {verb} {self.crd.resource} {self.name}"
 
+    @classmethod
+    def of(cls, crd: Crd, obj: Mapping[str, Any]) -> ObjectRef:
+        """The reference to ``obj``, an object as the API returns it."""
+        metadata = obj.get("metadata") or {}
+        return cls(
+            crd, str(metadata.get("namespace", "")), str(metadata["name"]), str(metadata.get("uid", ""))
+        )
+
 
 def parse_job_id(job_id: str) -> tuple[str, str, str]:
     """``namespace/name/uid`` -> its three parts; ``JobError`` for anything else."""
@@ -104,36 +105,11 @@ def parse_job_id(job_id: str) -> tuple[str, str, str]:
     return parts[0], parts[1], parts[2]
 
 
-@dataclass(frozen=True)
-class ObjectStatus:
-    """What the API says about one job object: its uid, conditions, and whether it is being deleted."""
-
-    uid: str
-    conditions: tuple[Mapping[str, Any], ...]
-    deleting: bool = False
-
-    @classmethod
-    def from_object(cls, obj: Mapping[str, Any]) -> ObjectStatus:
-        metadata = obj.get("metadata") or {}
-        conditions = (obj.get("status") or {}).get("conditions") or []
-        return cls(
-            uid=str(metadata.get("uid", "")),
-            conditions=tuple(conditions),
-            deleting=bool(metadata.get("deletionTimestamp")),
-        )
-
-    @property
-    def job_state(self) -> JobState:
-        return state_from_conditions(self.conditions)
-
-    def last_condition(self) -> str:
-        """The newest condition as ``Type (Reason: message)``, or "" when there is none."""
-        if not self.conditions:
-            return ""
-        # Stable sort: conditions without a timestamp keep their order, the API's newest last.
-        newest = sorted(self.conditions, key=lambda c: str(c.get("lastTransitionTime") or ""))[-1]
-        detail = ": ".join(str(newest[k]) for k in ("reason", "message") if newest.get(k))
-        return f"{newest.get('type', '?')} ({detail})" if detail else str(newest.get("type", "?"))
+def annotation(obj: Mapping[str, Any], key: str) -> str | None:
+    """The value of annotation ``key`` on ``obj``; None when it has none."""
+    annotations = (obj.get("metadata") or {}).get("annotations") or {}
+    value = annotations.get(key)
+    return None if value is None else str(value)
 
 
 # ------------------------------------------------------------------------------------------ client
@@ -193,6 +169,7 @@ class KubeApi:
         self._api_exception: type[Exception] = kubernetes.client.exceptions.ApiException
 
     def list_objects(self, crd: Crd, namespace: str) -> list[dict[str, Any]]:
+        """Every object of ``crd`` in ``namespace`` that tunepod manages (by label)."""
         custom = self.custom.list_namespaced_custom_object
         doing = f"list {crd.resource} in namespace {namespace}"
         listed = self._call(
@@ -210,7 +187,8 @@ class KubeApi:
         return found
 
     def create_object(self, crd: Crd, namespace: str, body: Mapping[str, Any]) -> dict[str, Any]:
-        """The created object; ``ObjectExists`` when its name is taken."""
+        """The created object; ``ObjectExists`` when its name is taken; ``TransientError`` when the
+        outcome is unknown (the object may exist)."""
         create = self.custom.create_namespaced_custom_object
         doing = f"create {crd.resource} {namespace}/{body['metadata']['name']}"
         created: dict[str, Any] = self._call(
@@ -252,6 +230,11 @@ class KubeApi:
             doing, read, pod, namespace, container=container, tail_lines=tail, _preload_content=False
         )
         return bytes(response.data).decode("utf-8", errors="replace")
+
+    def get_referenced(self, ref: ObjectRef) -> dict[str, Any] | None:
+        """The object ``ref`` names (this uid, not a later one under the name); None when it is gone."""
+        obj = self.get_object(ref.crd, ref.namespace, ref.name)
+        return obj if obj is not None and ObjectRef.of(ref.crd, obj).uid == ref.uid else None
 
     def _call(
         self,
@@ -315,88 +298,20 @@ def _owned_by(pod: Mapping[str, Any], uid: str) -> bool:
     return not owners or any(owner.get("uid") == uid for owner in owners)
 
 
-# ------------------------------------------------------------------------------------------ state cache
+def delete_and_wait(api: KubeApi, ref: ObjectRef, timeout_s: float) -> None:
+    """Delete ``ref`` (pods first) and block until it and its pods are gone; ``JobError`` naming the
+    object and the commands to look at it after ``timeout_s``.
 
-
-@dataclass
-class _Snapshot:
-    fetched_at: float
-    objects: dict[str, ObjectStatus]
-
-
-class KubeStateCache:
-    """The API's view of every job object one launcher follows, one LIST per namespace and CRD at most
-    once per ``max_age_s``. ``status`` returns None for an object that is gone.
-
-    Thread safety: every method may be called from several threads; one lock serializes the API calls,
-    so concurrent callers share one LIST. An ended or gone object's status is kept for good (by uid).
-    A LIST that fails transiently is logged and the last known status served instead, for up to
-    ``stale_limit_s``; after that the ``TransientError`` reaches the caller.
+    Asks the API directly, past the launcher's status cache: a long ``poll_cache_s`` must not slow a
+    cancel down.
     """
-
-    def __init__(self, api: KubeApi, max_age_s: float, stale_limit_s: float = 300.0) -> None:
-        self.api = api
-        self.max_age_s = max_age_s
-        self.stale_limit_s = stale_limit_s
-        self._lock = threading.Lock()
-        self._snapshots: dict[tuple[str, str], _Snapshot] = {}
-        self._final: dict[str, ObjectStatus | None] = {}
-
-    def status(self, ref: ObjectRef, *, max_age_s: float | None = None) -> ObjectStatus | None:
-        """The status of ``ref``, at most ``max_age_s`` (default: the cache's) seconds old."""
-        limit = self.max_age_s if max_age_s is None else max_age_s
-        with self._lock:
-            if ref.uid in self._final:
-                return self._final[ref.uid]
-            snapshot = self._snapshot(ref, limit)
-            found = snapshot.objects.get(ref.name)
-            if found is None or found.uid != ref.uid:
-                found = self._look_up(ref)
-                if found is not None:
-                    snapshot.objects[ref.name] = found
-            if found is None or found.job_state.is_terminal:
-                self._final[ref.uid] = found
-            return found
-
-    def _snapshot(self, ref: ObjectRef, max_age_s: float) -> _Snapshot:
-        key = (ref.crd.resource, ref.namespace)
-        snapshot = self._snapshots.get(key)
-        if snapshot is not None and time.monotonic() - snapshot.fetched_at < max_age_s:
-            return snapshot
-        try:
-            objects = self.api.list_objects(ref.crd, ref.namespace)
-        except TransientError as exc:
-            if snapshot is None or time.monotonic() - snapshot.fetched_at > self.stale_limit_s:
-                raise
-            logger.warning("listing %s failed, serving the last known states: %s", ref.crd.resource, exc)
-            return snapshot
-        statuses = {str(obj["metadata"]["name"]): ObjectStatus.from_object(obj) for obj in objects}
-        self._snapshots[key] = _Snapshot(time.monotonic(), statuses)
-        return self._snapshots[key]
-
-    def _look_up(self, ref: ObjectRef) -> ObjectStatus | None:
-        obj = self.api.get_object(ref.crd, ref.namespace, ref.name)
-        status = None if obj is None else ObjectStatus.from_object(obj)
-        return status if status is not None and status.uid == ref.uid else None
-
-
-def wait_until_gone(api: KubeApi, ref: ObjectRef, timeout_s: float) -> None:
-    """Block until ``ref`` and its pods are gone; ``JobError`` naming the object after ``timeout_s``.
-
-    Asks the API directly, past the launcher's cache: a long ``poll_cache_s`` must not slow a cancel
-    down, and the cache keeps an ended object's last status for good.
-    """
+    api.delete_object(ref)
     deadline = time.monotonic() + timeout_s
-    while _still_there(api, ref) or api.list_pods(ref):
+    while api.get_referenced(ref) is not None or api.list_pods(ref):
         if time.monotonic() > deadline:
             raise JobError(
                 f"{ref.title} (uid {ref.uid}) or its pods are still there {timeout_s:.0f}s after tunepod "
                 f"deleted it; look for stuck finalizers or nodes: {ref.kubectl('describe')}; "
                 f"kubectl -n {ref.namespace} get pods -l {OBJECT_LABEL}={ref.name}"
             )
-        time.sleep(_POLL_S)
-
-
-def _still_there(api: KubeApi, ref: ObjectRef) -> bool:
-    obj = api.get_object(ref.crd, ref.namespace, ref.name)
-    return obj is not None and ObjectStatus.from_object(obj).uid == ref.uid
+        time.sleep(_GONE_POLL_S)

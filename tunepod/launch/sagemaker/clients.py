@@ -1,0 +1,86 @@
+"""boto3 clients, and their failures as tunepod errors.
+
+botocore stays an optional dependency (the ``aws`` extra): its exceptions are recognised by shape
+(``response["Error"]["Code"]``) and by class name, never imported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from tunepod.errors import JobError, TransientError, TunepodError
+
+INSTALL_HINT = "pip install 'tunepod[aws]'"
+
+# Error codes a later call may not meet: throttling, and AWS's own faults (which, for a create, leave
+# the outcome unknown: the job may exist).
+_TRANSIENT_CODES = frozenset(
+    {
+        "ThrottlingException",
+        "Throttling",
+        "ServiceUnavailable",
+        "InternalFailure",
+        "InternalServerError",
+        "RequestTimeout",
+        "RequestTimeoutException",
+    }
+)
+# botocore's network failures (its ConnectionError and HTTPClientError families), once its own
+# retries are spent: the request may or may not have reached AWS.
+_TRANSIENT_CLASSES = frozenset(
+    {
+        "HTTPClientError",
+        "ConnectionError",
+        "EndpointConnectionError",
+        "ConnectTimeoutError",
+        "ReadTimeoutError",
+    }
+)
+
+
+def sagemaker_client(region: str | None) -> Any:
+    """A boto3 SageMaker client; raises ``TunepodError`` naming the extra when boto3 is missing."""
+    return aws_client("sagemaker", region)
+
+
+def aws_client(service: str, region: str | None) -> Any:
+    """A boto3 client for ``service``; raises ``TunepodError`` naming the extra when boto3 is missing.
+
+    boto3 applies its usual configuration, ``AWS_ENDPOINT_URL_<SERVICE>`` variables included.
+    """
+    try:
+        import boto3  # type: ignore[import-untyped]
+    except ImportError as exc:
+        raise TunepodError(f"the sagemaker launcher needs boto3; fix: {INSTALL_HINT}") from exc
+    return boto3.session.Session().client(service, region_name=region)
+
+
+def error_code(exc: BaseException) -> str | None:
+    """The AWS error code of a botocore ``ClientError``, or None for any other exception."""
+    error = _error(exc)
+    return str(error.get("Code", "")) or None
+
+
+def is_not_found(exc: BaseException) -> bool:
+    """Whether a Describe call failed because the resource does not exist. SageMaker answers
+    ``ValidationException: Requested resource not found.`` (moto: ``Could not find ...``)."""
+    code = error_code(exc)
+    if code in ("ResourceNotFound", "ResourceNotFoundException"):
+        return True
+    message = str(_error(exc).get("Message", "")).lower()
+    return code == "ValidationException" and ("not found" in message or "could not find" in message)
+
+
+def aws_error(exc: Exception, doing: str) -> TunepodError:
+    """A boto3 failure as a tunepod error: ``TransientError`` when a retry may help, else ``JobError``."""
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    if error_code(exc) in _TRANSIENT_CODES or names & _TRANSIENT_CLASSES:
+        return TransientError(f"could not {doing}: {exc}")
+    return JobError(f"could not {doing}: {exc}")
+
+
+def _error(exc: BaseException) -> Mapping[str, Any]:
+    response = getattr(exc, "response", None)
+    error = response.get("Error") if isinstance(response, Mapping) else None
+    return error if isinstance(error, Mapping) else {}

@@ -1,0 +1,162 @@
+"""Run jobs as sbatch jobs on a Slurm cluster (SageMaker HyperPod's Slurm orchestrator included).
+
+``SlurmLauncher`` fills in the hooks of ``LauncherBase``, which keeps every piece of bookkeeping (the
+write-ahead submission record, refuse-if-running, the cancel marker, warn-once, the status cache):
+
+- ``render``: the batch script (``render.py``, pure), kept in the job dir as ``job.sbatch``;
+- ``send``: ``sbatch --parsable`` through a ``CommandRunner``, here or on the head node over ssh;
+- ``find``: the job of a submission whose reply never arrived, by its job name AND its comment
+  ``tunepod:<submission id>`` (every attempt in a job dir has the same name);
+- ``poll``: ONE ``squeue`` call for every open job, then ``scontrol`` (or ``sacct``) once for each job
+  that left the queue, for its final state and exit code; K trials polling every half second cost
+  one squeue call per ``spec.poll_cache_s``, not K.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from datetime import datetime
+from pathlib import Path
+
+from tunepod.errors import JobError
+from tunepod.launch.base import Accepted, Job, JobSpec, LauncherBase, Rendered
+from tunepod.launch.paths import file_logs
+from tunepod.launch.runner import CommandRunner, LocalRunner, SshRunner
+from tunepod.launch.slurm.commands import SlurmCommands
+from tunepod.launch.slurm.render import (
+    SCRIPT_NAME,
+    detect_hyperpod,
+    ignored_resources,
+    render_sbatch,
+    submission_comment,
+)
+from tunepod.launch.slurm.states import ListedJob, SlurmStatus, purged_status
+from tunepod.launch.status_cache import TrackedJob
+from tunepod.launch.submission import Submission
+from tunepod.spec.models import SlurmLauncherSpec
+
+logger = logging.getLogger(__name__)
+
+_CANCEL_POLL_S = 0.2
+
+
+class SlurmLauncher(LauncherBase[SlurmStatus]):
+    """Submits jobs with sbatch (here, or on ``spec.ssh`` over ssh) and follows them with one cache.
+
+    ``spec.root`` must be the same path here and on the compute nodes: the orchestrator reads the
+    logs, metrics and results the jobs write there. Thread safety: as ``LauncherBase``; the hooks keep
+    no state of their own.
+
+    Without accounting (no slurmdbd), Slurm forgets an ended job MinJobAge after it ended: an intent
+    whose job ended longer ago than that (an orchestrator down for hours right after sbatch) is then
+    read as never sent, and the attempt runs again.
+    """
+
+    kind = "slurm"
+    stop_hint = "cancel it (scancel {job_id})"
+
+    def __init__(
+        self,
+        spec: SlurmLauncherSpec,
+        runner: CommandRunner | None = None,
+        *,
+        cancel_timeout_s: float = 120.0,
+        stale_limit_s: float = 300.0,
+    ) -> None:
+        super().__init__(
+            poll_cache_s=spec.poll_cache_s,
+            cancel_timeout_s=cancel_timeout_s,
+            cancel_poll_s=_CANCEL_POLL_S,
+            stale_limit_s=stale_limit_s,
+        )
+        self.spec = spec
+        self.runner = runner or (SshRunner(spec.ssh, spec.ssh_options) if spec.ssh else LocalRunner())
+        self.hyperpod = detect_hyperpod(spec)
+        self.slurm = SlurmCommands(self.runner)
+
+    # ------------------------------------------------------------------------------------ hooks
+
+    def render(self, job: JobSpec, attempt: int, variant: int = 0) -> Rendered:
+        # Slurm never reserves a name, so there is no variant to render: the comment tells jobs apart.
+        script = render_sbatch(job, self.spec, hyperpod=self.hyperpod)
+        return Rendered(name=job.name, payload=script, files={SCRIPT_NAME: script})
+
+    def send(self, job: JobSpec, rendered: Rendered, intent: Submission) -> Accepted:
+        # Over ssh the head node may not see the script we just wrote yet (attribute caching on the
+        # shared filesystem); stdin does not depend on it.
+        script_path = None if self.spec.ssh else job.job_dir / SCRIPT_NAME
+        return Accepted(self.slurm.sbatch(rendered.payload, script_path))
+
+    def find(self, intent: Submission, job_dir: Path) -> Accepted | None:
+        """The job named ``intent.name`` whose comment names ``intent.submission_id``: first among the
+        jobs the controller knows (queued, running, recently ended), then in the accounting database."""
+        comment = submission_comment(intent.submission_id)
+        mine = [job for job in self.slurm.named(intent.name) if job.comment == comment]
+        if not mine:
+            since = datetime.fromisoformat(intent.intent_at)
+            accounted = self.slurm.accounted_named(intent.name, since)
+            mine = [job for job in accounted if job.comment == comment]
+            _warn_if_comments_missing(intent, accounted, mine)
+        if not mine:
+            return None
+        newest, *others = sorted(mine, key=lambda job: int(job.job_id), reverse=True)
+        if others:
+            extra = " ".join(job.job_id for job in others)
+            logger.warning(
+                "%s: Slurm holds several jobs of submission %s (%s); following %s, the newest. If the "
+                "others still run, cancel them: scancel %s",
+                job_dir,
+                intent.submission_id,
+                intent.name,
+                newest.job_id,
+                extra,
+            )
+        return Accepted(newest.job_id)
+
+    def poll(self, jobs: Mapping[str, TrackedJob]) -> dict[str, SlurmStatus]:
+        open_ids = sorted(jobs, key=int)
+        queued = self.slurm.queued(open_ids)
+        return {job_id: self._current_status(job_id, queued.get(job_id)) for job_id in open_ids}
+
+    def stop(self, job: Job[SlurmStatus]) -> None:
+        self.slurm.scancel(job.job_id)
+
+    def read_logs(self, job: Job[SlurmStatus], tail: int) -> str:
+        return file_logs(job.paths, tail)
+
+    def describe_status(self, job: Job[SlurmStatus], status: SlurmStatus) -> str:
+        # Slurm's state, reason and exit code explain a TIMEOUT or OUT_OF_MEMORY that the log cannot.
+        return status.describe(job.job_id)
+
+    def ignored_settings(self, job: JobSpec) -> dict[str, str]:
+        return ignored_resources(job.resources)
+
+    def check_job_id(self, job_id: str) -> None:
+        if not job_id.isdigit():
+            raise JobError(f"{job_id!r} is not a slurm job id (expected digits, as sbatch --parsable prints)")
+
+    # ------------------------------------------------------------------------------------ internals
+
+    def _current_status(self, job_id: str, queued: SlurmStatus | None) -> SlurmStatus:
+        if queued is not None and not queued.job_state.is_terminal:
+            return queued
+        # Gone from the queue (or ended): scontrol has the exit code while Slurm remembers the job
+        # (MinJobAge); sacct, where accounting runs, after that.
+        return (
+            self.slurm.remembered(job_id) or queued or self.slurm.accounted(job_id) or purged_status(job_id)
+        )
+
+
+def _warn_if_comments_missing(intent: Submission, accounted: list[ListedJob], mine: list[ListedJob]) -> None:
+    """Say why an intent may be sent again when accounting lists its name without any comments."""
+    if mine or not accounted or any(job.comment for job in accounted):
+        return
+    logger.warning(
+        "sacct lists jobs named %r but stores no comments, so tunepod cannot tell whether one of them is "
+        "submission %s; set AccountingStoreFlags=job_comment in slurm.conf. Check `sacct --name=%s` "
+        "and cancel a duplicate if one appears",
+        intent.name,
+        intent.submission_id,
+        intent.name,
+    )

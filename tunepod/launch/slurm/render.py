@@ -1,0 +1,180 @@
+"""The batch script of a Slurm job (pure, golden-tested in ``tests/unit/golden/*.sbatch``).
+
+The script runs one task per node, and that task is ``torchrun`` with ``procs_per_node`` workers and
+a c10d rendezvous on the first node of the allocation. Jobs are submitted with ``--requeue`` and
+``--open-mode=append``: a requeued (or HyperPod auto-resumed) job starts again in the same job dir,
+appends to the same logs and resumes from its own checkpoints.
+
+A job whose environment carries ``SUBMISSION_ID_ENV`` (every job the launcher sends) also carries
+``--comment=tunepod:<submission id>``: the job name is the same for every attempt in a job dir, and
+the comment is how ``find`` tells this attempt's job from an earlier one's.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from tunepod.errors import TunepodError
+from tunepod.launch.base import SUBMISSION_ID_ENV, JobSpec, Resources
+from tunepod.launch.paths import JobPaths
+from tunepod.spec.models import SlurmLauncherSpec
+
+HYPERPOD_MARKER = Path("/opt/sagemaker_cluster")
+"""Present on the nodes of a SageMaker HyperPod cluster; its srun then understands --auto-resume."""
+SCRIPT_NAME = "job.sbatch"
+COMMENT_PREFIX = "tunepod:"
+RDZV_BASE_PORT = 20000
+RDZV_PORT_RANGE = 20000
+
+
+def submission_comment(submission_id: str) -> str:
+    """The ``--comment`` that marks the job of one submission."""
+    return f"{COMMENT_PREFIX}{submission_id}"
+
+
+def detect_hyperpod(spec: SlurmLauncherSpec) -> bool:
+    """``spec.hyperpod`` when set, else whether this machine is a HyperPod node."""
+    return spec.hyperpod if spec.hyperpod is not None else HYPERPOD_MARKER.exists()
+
+
+@dataclass(frozen=True)
+class SlurmResources:
+    """``Resources`` in Slurm's terms."""
+
+    nodes: int
+    procs_per_node: int
+    gpus_per_node: int
+    time_limit_min: float | None
+
+
+def slurm_resources(resources: Resources, spec: SlurmLauncherSpec) -> SlurmResources:
+    """Map the generic resources; ``instance_type`` has no Slurm meaning (see ``ignored_resources``)."""
+    return SlurmResources(
+        nodes=resources.num_nodes,
+        procs_per_node=resources.procs_per_node,
+        gpus_per_node=resources.gpus_per_node,
+        time_limit_min=resources.timeout_min if resources.timeout_min is not None else spec.time_limit_min,
+    )
+
+
+def ignored_resources(resources: Resources) -> dict[str, str]:
+    """What Slurm cannot honour in ``resources``, keyed by field."""
+    if resources.instance_type is None:
+        return {}
+    return {
+        "instance_type": f"resources.instance_type={resources.instance_type!r} ignored: Slurm picks nodes "
+        "by partition; set the launcher's partition instead"
+    }
+
+
+def format_time_limit(minutes: float) -> str:
+    """``--time`` value: ``[D-]HH:MM:00``, rounded up to whole minutes (Slurm's resolution)."""
+    total = max(1, math.ceil(minutes))
+    days, rest = divmod(total, 24 * 60)
+    hours, mins = divmod(rest, 60)
+    clock = f"{hours:02d}:{mins:02d}:00"
+    return f"{days}-{clock}" if days else clock
+
+
+def format_mem(mem_gb: float) -> str:
+    """``--mem`` value: whole gigabytes as ``NG``, anything else rounded up to megabytes."""
+    return f"{int(mem_gb)}G" if float(mem_gb).is_integer() else f"{math.ceil(mem_gb * 1024)}M"
+
+
+def sbatch_value(field: str, value: str) -> str:
+    """``value`` as one argument of an ``#SBATCH`` line.
+
+    sbatch reads these lines itself, not the shell: it groups characters in double quotes and takes
+    the character after a backslash literally, so a value is double-quoted with ``\\`` and ``"``
+    escaped. A newline cannot be written at all, so it is refused, naming ``field``.
+    """
+    if "\n" in value or "\r" in value:
+        raise TunepodError(f"{field} {value!r} contains a line break, which an #SBATCH line cannot hold")
+    if re.fullmatch(r"[A-Za-z0-9_./:=@+,-]+", value):
+        return value
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def sbatch_path(field: str, path: Path) -> str:
+    """A path for ``--output``/``--error``, where sbatch expands ``%j``-style patterns: ``%`` is escaped."""
+    return sbatch_value(field, str(path).replace("%", "%%"))
+
+
+def sbatch_directives(job: JobSpec, spec: SlurmLauncherSpec) -> list[str]:
+    """The ``#SBATCH`` options for ``job`` (without the ``#SBATCH`` prefix)."""
+    res = slurm_resources(job.resources, spec)
+    paths = JobPaths(job.job_dir)
+    options = [f"--job-name={sbatch_value('job name', job.name)}"]
+    if SUBMISSION_ID_ENV in job.env:
+        comment = submission_comment(job.env[SUBMISSION_ID_ENV])
+        options.append(f"--comment={sbatch_value('submission id', comment)}")
+    options += [f"--nodes={res.nodes}", "--ntasks-per-node=1"]
+    if spec.cpus_per_node is not None:
+        options.append(f"--cpus-per-task={spec.cpus_per_node}")
+    if res.gpus_per_node > 0:
+        options.append(f"--gpus-per-node={res.gpus_per_node}")
+    if spec.mem_gb is not None:
+        options.append(f"--mem={format_mem(spec.mem_gb)}")
+    if res.time_limit_min is not None:
+        options.append(f"--time={format_time_limit(res.time_limit_min)}")
+    for flag, value in (("partition", spec.partition), ("account", spec.account), ("qos", spec.qos)):
+        if value is not None:
+            options.append(f"--{flag}={sbatch_value(flag, value)}")
+    if spec.exclusive:
+        options.append("--exclusive")
+    options += [
+        "--requeue",
+        "--open-mode=append",
+        f"--output={sbatch_path('job dir', paths.stdout)}",
+        f"--error={sbatch_path('job dir', paths.stderr)}",
+    ]
+    return options
+
+
+def job_environment(job: JobSpec, spec: SlurmLauncherSpec) -> dict[str, str]:
+    """The variables the script exports: the launcher's ``env``, then the job's (which wins)."""
+    env = {**spec.env, **job.env}
+    for name in env:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise TunepodError(f"environment variable name {name!r} is not a valid shell name")
+    return env
+
+
+def torchrun_command(job: JobSpec, spec: SlurmLauncherSpec, *, hyperpod: bool) -> str:
+    """The ``srun ... torchrun`` command (continued over lines): one torchrun per node, rendezvous on
+    the first node."""
+    res = slurm_resources(job.resources, spec)
+    srun = ["srun", "--auto-resume=1"] if hyperpod else ["srun"]
+    if spec.cpus_per_node is not None:
+        # Slurm 22.05's srun no longer inherits --cpus-per-task from the batch job: without this the
+        # torchrun task, and every worker it starts, would be bound to a single CPU.
+        srun.append(f"--cpus-per-task={spec.cpus_per_node}")
+    lines = [
+        " ".join(srun),
+        f"{shlex.quote(spec.python)} -m torch.distributed.run",
+        f'--nnodes "$SLURM_NNODES" --nproc-per-node {res.procs_per_node}',
+        '--rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d --rdzv-endpoint "$head_node:$rdzv_port"',
+        shlex.join([str(job.entrypoint), *job.args]),
+    ]
+    return " \\\n  ".join(lines)
+
+
+def render_sbatch(job: JobSpec, spec: SlurmLauncherSpec, *, hyperpod: bool) -> str:
+    """The batch script that runs ``job`` (pure). Raises ``TunepodError`` for what it cannot express."""
+    header = ["#!/bin/bash", *(f"#SBATCH {option}" for option in sbatch_directives(job, spec))]
+    exports = [f"export {name}={shlex.quote(value)}" for name, value in job_environment(job, spec).items()]
+    launch = [
+        "# torchrun's c10d rendezvous is served from the first node; the port follows the job id so",
+        "# that jobs sharing a node do not collide. No `| head -n 1`: under pipefail, a long node list",
+        "# would kill scontrol with SIGPIPE, and the script with it.",
+        'nodes=$(scontrol show hostnames "$SLURM_JOB_NODELIST")',
+        "head_node=${nodes%%$'\\n'*}",
+        f"rdzv_port=$(({RDZV_BASE_PORT} + SLURM_JOB_ID % {RDZV_PORT_RANGE}))",
+        torchrun_command(job, spec, hyperpod=hyperpod),
+    ]
+    blocks = [header, ["set -euo pipefail"], exports, list(spec.setup), launch]
+    return "\n\n".join("\n".join(block) for block in blocks if block) + "\n"
