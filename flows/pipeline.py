@@ -13,7 +13,7 @@ from prefect.artifacts import create_link_artifact, create_table_artifact
 from prefect.futures import PrefectFuture
 from prefect.runtime import flow_run
 
-from tasks.steps import run_step
+from tasks.steps import run_step, step_retries
 from tunepod.outputs import StepOutput
 from tunepod.pipeline import PipelineRun, PipelineSummary
 
@@ -29,10 +29,10 @@ def pipeline(spec_path: str, overrides: list[str] | None = None) -> PipelineSumm
     futures: dict[str, PrefectFuture[StepOutput]] = {}
     try:
         for name in run.dag.order:
-            needs = run.spec.steps[name].needs
-            inputs = {need: futures[need] for need in needs}
+            step = run.spec.steps[name]
+            inputs = {need: futures[need] for need in step.needs}
             futures[name] = run_step.with_options(
-                name=name, task_run_name=name, tags=[run.spec.steps[name].uses]
+                name=name, task_run_name=name, tags=[step.uses], retries=step_retries(step.uses)
             ).submit(run, name, inputs)  # type: ignore[arg-type]  # Prefect resolves the futures
         outputs = {name: future.result() for name, future in futures.items()}
     except BaseException:

@@ -13,11 +13,19 @@ from tasks.retry import transient_only
 from tunepod.hpo.tuner import Tuner
 from tunepod.outputs import StepOutput, TrialRecord
 from tunepod.pipeline import PipelineRun
+from tunepod.steps import STEP_KINDS
+
+RETRIES = 2
 
 
-@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5, retry_condition_fn=transient_only)
+@task(cache_policy=NO_CACHE, retries=RETRIES, retry_delay_seconds=5, retry_condition_fn=transient_only)
 def run_step(run: PipelineRun, name: str, inputs: Mapping[str, StepOutput]) -> StepOutput:
     return run.run_step(name, inputs, submit_trial=submit_trial)
+
+
+def step_retries(uses: str) -> int:
+    """Retries for a step of kind ``uses``: only a kind that is idempotent may run twice."""
+    return RETRIES if STEP_KINDS[uses].idempotent else 0
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5, retry_condition_fn=transient_only)

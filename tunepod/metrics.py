@@ -31,6 +31,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 
 from tunepod.launch.base import JobHandle, JobState
 from tunepod.launch.paths import JobPaths
+from tunepod.launch.submission import CancelReason
 from tunepod.runtime.checkpoints import saved_checkpoint, step_folders
 
 if TYPE_CHECKING:
@@ -211,8 +212,8 @@ class ObservedJob:
             self._observe_new_checkpoints()
         return state
 
-    def cancel(self) -> None:
-        self.handle.cancel()
+    def cancel(self, reason: CancelReason = "cancelled") -> None:
+        self.handle.cancel(reason=reason)
 
     def logs(self, tail: int = 50) -> str:
         return self.handle.logs(tail)

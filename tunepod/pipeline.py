@@ -27,6 +27,8 @@ from tunepod.spec.loader import dump_spec, load_spec, spec_hash
 from tunepod.spec.models import PipelineSpec
 from tunepod.steps import run_step
 from tunepod.tracking import MlflowTracker
+from tunepod.tracking import tags as tag_names
+from tunepod.tracking.outbox import TrackingOutbox
 
 if TYPE_CHECKING:
     from tunepod.hpo.tuner import TrialSubmitter
@@ -46,6 +48,8 @@ class PipelineRun:
     launcher: Launcher
     shared: SharedRoot
     tracker: MlflowTracker
+    outbox: TrackingOutbox
+    """Where jobs' records wait for MLflow (see ``tunepod.tracking.outbox``); closed by finish."""
     run_id: str
     metrics: PipelineMetrics | None = None
     """The run's Prometheus side (the /metrics endpoint when the spec asks for one); closed by finish."""
@@ -65,18 +69,19 @@ class PipelineRun:
         run_id = tracker.start_run(
             spec.name,
             tags={
-                "tunepod.pipeline": spec.name,
-                "tunepod.spec": str(spec_path),
-                "tunepod.spec_hash": spec_hash(spec),
-                "tunepod.overrides": " ".join(overrides or []),
-                "tunepod.git_sha": _git_sha(),
+                tag_names.PIPELINE: spec.name,
+                tag_names.SPEC: str(spec_path),
+                tag_names.SPEC_HASH: spec_hash(spec),
+                tag_names.OVERRIDES: " ".join(overrides or []),
+                tag_names.GIT_SHA: _git_sha(),
                 **(tags or {}),
             },
         )
         tracker.log_text(run_id, dump_spec(spec), "spec.yaml")
         shared = SharedRoot(Path(spec.launcher.root))
         metrics = open_pipeline_metrics(spec.metrics, pipeline=spec.name, run_id=run_id)
-        return cls(spec, str(spec_path), dag, make_launcher(spec.launcher), shared, tracker, run_id, metrics)
+        launcher = make_launcher(spec.launcher)
+        return cls(spec, str(spec_path), dag, launcher, shared, tracker, TrackingOutbox(), run_id, metrics)
 
     def run_step(
         self, name: str, inputs: Mapping[str, StepOutput], *, submit_trial: TrialSubmitter | None = None
@@ -85,14 +90,20 @@ class PipelineRun:
         log.info("step %s (%s) starting", name, self.spec.steps[name].uses)
         return run_step(self, name, inputs, submit_trial=submit_trial)
 
-    def jobs_dir(self, *parts: str) -> Path:
-        """A folder for this run's own jobs (evaluation, a train step): fresh for every run."""
-        return self.shared.jobs_dir(self.spec.name).joinpath(self.run_id, *parts)
+    def job_dir(self, step: str, key: str) -> Path:
+        """The job dir of one job of ``step`` (an evaluation, a train run): keyed by what the job is,
+        so that a retry or a rerun of the step finds the job again (``tunepod.steps.jobs``)."""
+        return self.shared.jobs_dir(self.spec.name) / step / key
 
     def finish(self, ok: bool) -> None:
-        self.tracker.end_run(self.run_id, "FINISHED" if ok else "FAILED")
-        if self.metrics is not None:
-            self.metrics.close()
+        """End the pipeline run: what jobs reported reaches MLflow first (bounded), then the run ends."""
+        try:
+            self.outbox.flush(self.spec.tracking.flush_timeout_s)
+            self.tracker.end_run(self.run_id, "FINISHED" if ok else "FAILED")
+        finally:
+            self.outbox.close()
+            if self.metrics is not None:
+                self.metrics.close()
 
     def summary(self, outputs: Mapping[str, StepOutput]) -> PipelineSummary:
         return PipelineSummary.of(self, outputs)

@@ -29,8 +29,8 @@ from tunepod.errors import JobError
 from tunepod.launch.base import JobHandle, JobSpec, JobState, Launcher, Resources
 from tunepod.launch.local import LocalJob, LocalLauncher, read_exit_code, read_process_stat, torchrun_argv
 from tunepod.launch.local.processes import submission_processes
-from tunepod.launch.submission import Submission, write_submission
 from tunepod.launch.paths import JobPaths
+from tunepod.launch.submission import Submission, write_submission
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -23,11 +23,14 @@ from tunepod.hpo.study import make_storage
 from tunepod.hpo.tuner import ATTR_JOB_ID, TuneContext, Tuner, require_completed
 from tunepod.launch.base import Launcher
 from tunepod.launch.local import LocalLauncher
+from tunepod.launch.paths import JobPaths
 from tunepod.launch.slurm import SlurmLauncher
+from tunepod.launch.submission import read_submission
 from tunepod.outputs import Dataset, TrialRecord, TrialSet
 from tunepod.runtime import Report, latest_checkpoint, read_reports
 from tunepod.spec.models import SlurmLauncherSpec, TuneSettings
 from tunepod.tracking import MlflowTracker
+from tunepod.tracking.outbox import TrackingOutbox
 
 PIPELINE = "tuner-tests"
 TRAINER = Path(__file__).resolve().parents[1] / "fixtures" / "trainers" / "quadratic.py"
@@ -70,6 +73,7 @@ def make_tuner(tmp_path: Path, tune: TuneSettings, launcher: str = "local") -> T
             dataset=dataset,
             jobs_dir=tmp_path / "shared" / "jobs" / tune.study.name,
             tracker=tracker,
+            outbox=TrackingOutbox(),
             parent_run_id=parent,
             pipeline=PIPELINE,
         )
@@ -297,7 +301,8 @@ def test_a_killed_trial_job_restarts_and_resumes_from_its_last_checkpoint(tmp_pa
     # It may have checkpointed once more between our look and the kill, never less.
     assert resumed[0].step in (killed_after + 1, killed_after + 2)
     assert resumed[-1].step == 5
-    assert tuner.study.trials[0].user_attrs["tunepod_restarts"] == 1
+    record = read_submission(JobPaths(Path(trial.job_dir)))
+    assert record is not None and record.attempt == 2  # one restart, counted in the job dir
 
 
 @pytest.mark.slurm

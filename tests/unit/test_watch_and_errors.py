@@ -8,7 +8,7 @@ import sqlite3
 import pytest
 
 from tunepod.errors import JobError, SpecError, TransientError, is_transient
-from tunepod.launch.watch import worker_error
+from tunepod.launch.drive import worker_error
 
 WORKER = """\
 Traceback (most recent call last):

@@ -1,9 +1,15 @@
 """The tuning loop: keep ``num_parallel`` training jobs in flight, prune the bad ones, tell Optuna.
 
-Trial identity is stable: study + trial number -> one job name, one job directory (with its
-checkpoints), one MLflow child run. The backend job id, the job directory and the run id are kept in
-the Optuna trial's user attrs, so any later process can find the job again. Optuna's heartbeat does
-not work with ask/tell, so a rerun reconciles every RUNNING trial against its real job instead.
+Trial identity is stable: study + trial number -> one job dir (``<jobs>/<study>/trial-<n>``, with its
+checkpoints), one MLflow child run. Optuna holds each trial's outcome; the job dir holds the truth
+about its job (``tunepod.launch.drive``); MLflow mirrors both, through the outbox, and never decides
+anything.
+
+Several orchestrators may run one study at once (``tunepod run`` twice, a Prefect retry of the tune
+step while its first attempt's trials still run). Each trial is driven by whoever holds its job dir's
+lease (``tunepod.launch.lease``); the others follow it until it finishes or its lease expires. Asking
+for new trials happens under a study-wide file lock, so the study ends with exactly ``num_trials``
+finished trials however many orchestrators share it.
 """
 
 from __future__ import annotations
@@ -11,26 +17,32 @@ from __future__ import annotations
 import logging
 import math
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
-import optuna
-from optuna.trial import FrozenTrial, TrialState
+from optuna.trial import FrozenTrial, Trial, TrialState
 
 from tunepod.errors import JobError, TunepodError
 from tunepod.hpo.study import distributions, open_study
-from tunepod.launch.base import JobHandle, JobSpec, JobState, Launcher
+from tunepod.hpo.trials import FINISHED, StudyTrials, retried
+from tunepod.launch.base import JobHandle, JobSpec, Launcher
 from tunepod.launch.contract import contract_env
+from tunepod.launch.drive import DriveResult, DriveSettings, JobDriver, LeaseLost, Outcome
+from tunepod.launch.lease import Lease, Leases, locked
 from tunepod.launch.paths import JobPaths
-from tunepod.launch.watch import failure_message, watch
+from tunepod.launch.submission import read_submission
 from tunepod.metrics import default_metrics
 from tunepod.outputs import Dataset, TrialOutcome, TrialRecord, TrialSet
-from tunepod.runtime import Report, latest_checkpoint, read_result, valid_checkpoints
+from tunepod.runtime import Report, latest_checkpoint, read_reports, valid_checkpoints
 from tunepod.spec.models import TuneSettings
-from tunepod.tracking import MlflowTracker
+from tunepod.tracking import MlflowTracker, tags
+from tunepod.tracking.mirror import Final, FinalMetric, ModelPlan, RunMirror, RunPlan, read_mirror_state
+from tunepod.tracking.mlflow_tracker import RunStatus
+from tunepod.tracking.outbox import TrackingOutbox
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +51,22 @@ ATTR_JOB_DIR = "tunepod_job_dir"
 ATTR_JOB_ID = "tunepod_job_id"
 ATTR_RUN_ID = "tunepod_mlflow_run_id"
 ATTR_ERROR = "tunepod_error"
-ATTR_MODEL_ID = "tunepod_model_id"
-ATTR_RESTARTS = "tunepod_restarts"
 
-FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
-OUTCOME = {TrialState.COMPLETE: "COMPLETE", TrialState.PRUNED: "PRUNED", TrialState.FAIL: "FAIL"}
+OUTCOME: dict[TrialState, TrialOutcome] = {
+    TrialState.COMPLETE: "COMPLETE",
+    TrialState.PRUNED: "PRUNED",
+    TrialState.FAIL: "FAIL",
+}
+RUN_STATUS: dict[TrialState, RunStatus] = {
+    TrialState.COMPLETE: "FINISHED",
+    TrialState.PRUNED: "KILLED",
+    TrialState.FAIL: "FAILED",
+}
+# How long a trial's job waits for its MLflow run to exist (MLFLOW_RUN_ID in its environment) before
+# it starts without one: a slow or absent tracking server must not hold training back.
+RUN_ID_WAIT_S = 5.0
+# How often the loop looks at trials that other orchestrators drive.
+FOLLOW_POLL_S = 1.0
 
 # Runs one trial to its end, somewhere (a thread, a Prefect task run), and hands back a future.
 TrialSubmitter = Callable[["Tuner", int], "Future[TrialRecord]"]
@@ -59,8 +82,14 @@ class TuneContext:
     dataset: Dataset
     jobs_dir: Path
     tracker: MlflowTracker
+    outbox: TrackingOutbox
     parent_run_id: str
     pipeline: str
+    flush_timeout_s: float = 600.0
+
+
+class TrialDrivenElsewhere(JobError):
+    """Another live orchestrator holds the trial's lease; this one follows it instead."""
 
 
 class Tuner:
@@ -70,168 +99,216 @@ class Tuner:
         self.ctx = ctx
         self.settings = ctx.settings
         self.study = open_study(ctx.settings)
+        self.trials = StudyTrials(self.study)
+        self.leases = Leases(private_job_dirs=ctx.launcher.private_job_dirs)
         self._distributions = distributions(ctx.settings.space)
         self._metrics = default_metrics().trial_observer(
             pipeline=ctx.pipeline, study=ctx.settings.study.name, step=ctx.step
         )
+        self._held: dict[int, Lease] = {}
+        self._abandoned: dict[int, str] = {}
+        self._following: frozenset[int] = frozenset()
+        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------------------------ the loop
 
     def run(self, submit: TrialSubmitter | None = None) -> TrialSet:
         """Bring the study to ``num_trials`` finished trials, ``num_parallel`` at a time."""
-        finished = len(self.study.get_trials(deepcopy=False, states=FINISHED))
-        orphans = [t.number for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))]
-        to_ask = max(0, self.settings.num_trials - finished - len(orphans))
+        self._catch_up_tracking()
         self._metrics.count_trials(self.study)
-        if orphans:
-            log.warning("study %s: re-attaching to unfinished trials %s", self.settings.study.name, orphans)
-        with ThreadPoolExecutor(self.settings.num_parallel + len(orphans), "trial") as pool:
+        workers = self.settings.num_parallel + len(self._running()) + 16
+        with ThreadPoolExecutor(workers, "trial") as pool:
             submit = submit or (lambda tuner, number: pool.submit(tuner.run_trial, number))
-            in_flight = {submit(self, number): number for number in orphans}
-            while in_flight or to_ask:
-                while to_ask and len(in_flight) < self.settings.num_parallel:
-                    number = self._ask()
-                    in_flight[submit(self, number)] = number
-                    to_ask -= 1
-                done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
+            in_flight: dict[Future[TrialRecord], int] = {}
+            while True:
+                started, following, room = self._schedule(set(in_flight.values()))
+                in_flight |= {submit(self, number): number for number in started}
+                if not in_flight and not following and room <= 0:
+                    break
+                if not in_flight:
+                    time.sleep(FOLLOW_POLL_S)
+                    continue
+                timeout = FOLLOW_POLL_S if following or room > 0 else None
+                done, _ = wait(in_flight, timeout=timeout, return_when=FIRST_COMPLETED)
                 for future in done:
-                    number = in_flight.pop(future)
-                    if (exc := future.exception()) is not None:
-                        self._abandon(number, exc)
+                    self._settled(in_flight.pop(future), future)
+        self.ctx.outbox.flush(self.ctx.flush_timeout_s)
+        if self._abandoned:
+            listed = "\n".join(f"trial {n}: {why}" for n, why in sorted(self._abandoned.items()))
+            raise TunepodError(
+                f"study {self.settings.study.name}: the orchestrator failed while driving "
+                f"{len(self._abandoned)} trial(s); their jobs were left running and the trials unfinished. "
+                f"Run the pipeline again to re-attach to them.\n{listed}"
+            )
         return self.trial_set()
 
+    def _schedule(self, mine: set[int]) -> tuple[list[int], list[int], int]:
+        """Under the study lock: claim unfinished trials nobody drives, ask new ones while there is
+        room. Returns (trials to start driving, trials others drive, trials still to ask for)."""
+        self.ctx.jobs_dir.mkdir(parents=True, exist_ok=True)
+        with locked(self.ctx.jobs_dir / ".study.lock"):
+            trials = self.trials.all()
+            running = [t for t in trials if t.state is TrialState.RUNNING]
+            claimed, following = [], []
+            for trial in running:
+                if trial.number in mine or trial.number in self._abandoned:
+                    continue
+                lease = self.leases.acquire(self._job_dir(trial))
+                if lease is None:
+                    following.append(trial.number)
+                    continue
+                self._hold(trial.number, lease)
+                claimed.append(trial.number)
+            if claimed:
+                log.warning(
+                    "study %s: re-attaching to unfinished trials %s", self.settings.study.name, claimed
+                )
+            self._announce_following(following)
+            room = self.settings.num_trials - sum(t.state in FINISHED for t in trials) - len(running)
+            capacity = self.settings.num_parallel - len(mine) - len(claimed)
+            asked = [self._ask() for _ in range(max(0, min(room, capacity)))]
+        return claimed + asked, following, room - len(asked)
+
     def _ask(self) -> int:
-        trial = self.study.ask(self._distributions)
+        trial = retried(lambda: self.study.ask(self._distributions))
         job_dir = self.ctx.jobs_dir / f"trial-{trial.number}"
         _set_aside_stale(job_dir)
-        trial.set_user_attr(ATTR_JOB_DIR, str(job_dir))
+        self.trials.set_attr(trial.number, ATTR_JOB_DIR, str(job_dir))
+        lease = self.leases.acquire(job_dir)
+        assert lease is not None, f"the new trial's job dir {job_dir} is leased already"
+        self._hold(trial.number, lease)
         self._metrics.count_trials(self.study)
         return trial.number
 
-    def _abandon(self, number: int, exc: BaseException) -> None:
-        """The trial's driver crashed (not the job): stop its job and record the trial as failed."""
-        log.error("trial %d: orchestration failed: %s", number, exc)
-        frozen = self._frozen(number)
-        job_id = frozen.user_attrs.get(ATTR_JOB_ID)
-        if job_id:
-            try:
-                self.ctx.launcher.attach(job_id, Path(frozen.user_attrs[ATTR_JOB_DIR])).cancel()
-            except TunepodError as cancel_error:
-                log.warning("trial %d: could not cancel job %s: %s", number, job_id, cancel_error)
-        message = f"trial {number}: the orchestrator failed while driving it: {exc!r}"
-        self._fail(number, frozen.user_attrs.get(ATTR_RUN_ID), message)
+    def _hold(self, number: int, lease: Lease) -> None:
+        with self._lock:
+            self._held[number] = lease
+
+    def _settled(self, number: int, future: Future[TrialRecord]) -> None:
+        exc = future.exception()
+        if exc is None:
+            return
+        if isinstance(exc, TrialDrivenElsewhere | LeaseLost):
+            log.warning("trial %d: %s", number, exc)
+            return
+        self._abandoned[number] = f"{type(exc).__name__}: {exc}"
+        log.error(
+            "trial %d: the orchestrator failed while driving it (%r); its job is left running and the "
+            "trial unfinished, so a later run re-attaches to it",
+            number,
+            exc,
+        )
+
+    def _announce_following(self, following: list[int]) -> None:
+        if frozenset(following) != self._following and following:
+            log.warning(
+                "study %s: trials %s are driven by another orchestrator; following them",
+                self.settings.study.name,
+                following,
+            )
+        self._following = frozenset(following)
 
     # ------------------------------------------------------------------------------------ one trial
 
     def run_trial(self, number: int) -> TrialRecord:
         """Drive trial ``number`` to a final state and return its record. Idempotent: a retry
-        re-attaches to the job it started instead of starting another one."""
-        frozen = self._frozen(number)
-        if frozen.state in FINISHED:
-            return self._record(frozen)
-        params = {**self.settings.train.args, **frozen.params}
-        run_id = self._trial_run(frozen, params)
-        handle = self._job(frozen, params, run_id)
-        optuna_trial = optuna.trial.Trial(self.study, frozen._trial_id)
+        re-attaches to the job it started, and a finished trial is only read back."""
+        lease = self._lease(number)
+        try:
+            frozen = self.trials.frozen(number)
+            if frozen.state in FINISHED:
+                return self._record(frozen)
+            params = {**self.settings.train.args, **frozen.params}
+            mirror = self._mirror(frozen, params)
+            driver = JobDriver(
+                self.ctx.launcher,
+                self._job_spec(number, params, mirror),
+                DriveSettings(
+                    poll_s=self.settings.poll_s,
+                    timeout_s=_timeout_s(self.settings.train.resources.timeout_min),
+                    max_restarts=self.settings.train.max_restarts,
+                ),
+                what=f"Trial {number} of study {self.settings.study.name}",
+                on_reports=self._report_handler(frozen, mirror),
+                observe=self._observer(number, mirror),
+                leases=self.leases,
+            )
+            self._conclude(number, driver.run(lease), mirror)
+            return self._record(self.trials.frozen(number))
+        finally:
+            lease.release()
+
+    def _lease(self, number: int) -> Lease:
+        with self._lock:
+            held = self._held.pop(number, None)
+        if held is not None and not held.lost:
+            return held
+        job_dir = self._job_dir(self.trials.frozen(number))
+        lease = self.leases.acquire(job_dir)
+        if lease is None:
+            holder = self.leases.holder(job_dir)
+            who = holder.describe() if holder is not None else "another orchestrator"
+            raise TrialDrivenElsewhere(f"{job_dir} is driven by {who}")
+        return lease
+
+    def _report_handler(self, frozen: FrozenTrial, mirror: RunMirror) -> Callable[[list[Report]], bool]:
+        """Reports -> Optuna (steps it has not seen) and the outbox; True when the pruner says stop."""
+        live = self.trials.live(frozen.number)
         metric = self.settings.study.metric
+        last = max(frozen.intermediate_values, default=-1)
+        prunes = self.settings.pruner.kind != "none"
 
         def on_reports(reports: list[Report]) -> bool:
-            self.ctx.tracker.log_reports(run_id, reports)
-            for report in reports:
-                value = report.metrics.get(metric)
-                if value is not None:
-                    optuna_trial.report(value, report.step)
-            return self.settings.pruner.kind != "none" and optuna_trial.should_prune()
+            nonlocal last
+            self.ctx.outbox.add(mirror)
+            fresh = [r for r in reports if r.step > last and metric in r.metrics]
+            for report in fresh:
+                _report(live, report.metrics[metric], report.step)
+            if not fresh:
+                return False
+            last = max(r.step for r in fresh)
+            return prunes and retried(live.should_prune)
 
-        last = max(frozen.intermediate_values, default=None)
-        while True:
-            result = watch(
-                handle,
-                poll_s=self.settings.poll_s,
-                on_reports=on_reports,
-                after_step=last,
-                timeout_s=_timeout_s(self.settings.train.resources.timeout_min),
-            )
-            last = result.last_step
-            if result.state is not JobState.FAILED or result.timed_out or not self._may_restart(number):
-                break
-            # The job died (a killed process, a lost node): start it again in the same job dir, where
-            # the training script resumes from its last checkpoint.
-            handle = self._resubmit(number, params, run_id)
-        if result.stopped:
-            return self._prune(number, run_id, result.last_step, handle.job_dir)
-        if result.state is JobState.SUCCEEDED:
-            return self._complete(number, run_id, handle, params)
-        what = f"Trial {number} of study {self.settings.study.name}"
-        if result.timed_out:
-            what += f" (timed out after {self.settings.train.resources.timeout_min} min)"
-        return self._fail(
-            number, run_id, failure_message(what, handle, result.state, kind=self.ctx.launcher.kind)
-        )
+        return on_reports
 
-    def _may_restart(self, number: int) -> bool:
-        """Count one restart of the trial's job against ``train.max_restarts``; False when used up."""
-        frozen = self._frozen(number)
-        restarts = int(frozen.user_attrs.get(ATTR_RESTARTS, 0))
-        if restarts >= self.settings.train.max_restarts:
-            return False
-        self.study._storage.set_trial_user_attr(frozen._trial_id, ATTR_RESTARTS, restarts + 1)
-        log.warning(
-            "trial %d: job failed; restart %d of %d", number, restarts + 1, self.settings.train.max_restarts
-        )
-        return True
+    def _observer(self, number: int, mirror: RunMirror) -> Callable[[JobHandle, bool], JobHandle]:
+        def observe(handle: JobHandle, submitted: bool) -> JobHandle:
+            self.trials.set_attr(number, ATTR_JOB_ID, handle.job_id)
+            self.ctx.outbox.add(mirror)
+            return self._metrics.submitted(handle) if submitted else self._metrics.attached(handle)
 
-    def _resubmit(self, number: int, params: dict[str, object], run_id: str) -> JobHandle:
-        frozen = self._frozen(number)
-        job_dir = Path(frozen.user_attrs[ATTR_JOB_DIR])
-        job = self._job_spec(number, job_dir, params, run_id)
-        handle = self._metrics.submitted(self.ctx.launcher.submit(job))
-        self.study._storage.set_trial_user_attr(frozen._trial_id, ATTR_JOB_ID, handle.job_id)
-        self.ctx.tracker.set_tags(
-            run_id,
-            {"tunepod.job_id": handle.job_id, "tunepod.restarts": frozen.user_attrs.get(ATTR_RESTARTS, 0)},
-        )
-        return handle
+        return observe
 
-    def _trial_run(self, frozen: FrozenTrial, params: dict[str, object]) -> str:
-        run_id = frozen.user_attrs.get(ATTR_RUN_ID)
-        if run_id:
-            return str(run_id)
-        run_id = self.ctx.tracker.start_run(
-            f"trial-{frozen.number}",
+    def _mirror(self, frozen: FrozenTrial, params: dict[str, object]) -> RunMirror:
+        """The trial's MLflow run, found or created by the outbox (never by this thread)."""
+        number = frozen.number
+        plan = RunPlan(
+            key=f"{self.settings.study.name}/trial-{number}",
+            name=f"trial-{number}",
             parent_run_id=self.ctx.parent_run_id,
-            params=params,
             tags={
-                "tunepod.trial": str(frozen.number),
-                "tunepod.study": self.settings.study.name,
-                "tunepod.step": self.ctx.step,
-                "tunepod.state": "RUNNING",
-                "tunepod.launcher": self.ctx.launcher.kind,
+                tags.TRIAL: str(number),
+                tags.STUDY: self.settings.study.name,
+                tags.STEP: self.ctx.step,
+                tags.STATE: "RUNNING",
+                tags.LAUNCHER: self.ctx.launcher.kind,
             },
+            params=params,
         )
-        self.study._storage.set_trial_user_attr(frozen._trial_id, ATTR_RUN_ID, run_id)
-        return run_id
+        recorded = frozen.user_attrs.get(ATTR_RUN_ID)
+        mirror = RunMirror(
+            self.ctx.tracker, self._job_dir(frozen), plan=plan, run_id=str(recorded) if recorded else None
+        )
+        self.ctx.outbox.add(mirror)
+        return mirror
 
-    def _job(self, frozen: FrozenTrial, params: dict[str, object], run_id: str) -> JobHandle:
-        """The trial's job: the one already running (after a restart or a retry), or a new one that
-        resumes from the trial's checkpoints when an earlier job of it vanished."""
-        job_dir = Path(frozen.user_attrs[ATTR_JOB_DIR])
-        job_id = frozen.user_attrs.get(ATTR_JOB_ID)
-        if job_id:
-            try:
-                handle = self._metrics.attached(self.ctx.launcher.attach(str(job_id), job_dir))
-                if handle.state() in (JobState.PENDING, JobState.RUNNING, JobState.SUCCEEDED):
-                    return handle
-                log.warning("trial %d: job %s ended while nobody watched; resuming it", frozen.number, job_id)
-            except TunepodError as exc:
-                log.warning("trial %d: job %s is gone (%s); resuming it", frozen.number, job_id, exc)
-        self.ctx.tracker.set_tags(run_id, {"tunepod.job_dir": str(job_dir)})
-        return self._resubmit(frozen.number, params, run_id)
-
-    def _job_spec(self, number: int, job_dir: Path, params: dict[str, object], run_id: str) -> JobSpec:
-        paths = JobPaths(job_dir)
+    def _job_spec(self, number: int, params: dict[str, object], mirror: RunMirror) -> JobSpec:
+        job_dir = self._job_dir(self.trials.frozen(number))
+        run_id = mirror.wait_for_run(RUN_ID_WAIT_S)
+        if run_id is not None:
+            self.trials.set_attr(number, ATTR_RUN_ID, run_id)
         env = contract_env(
-            paths,
+            JobPaths(job_dir),
             params=params,
             data_dir=self.ctx.dataset.path,
             trial=str(number),
@@ -248,99 +325,118 @@ class Tuner:
 
     # ------------------------------------------------------------------------------------ outcomes
 
-    def _complete(
-        self, number: int, run_id: str, handle: JobHandle, params: dict[str, object]
-    ) -> TrialRecord:
+    def _conclude(self, number: int, driven: DriveResult, mirror: RunMirror) -> None:
+        """Tell Optuna the outcome (the truth), then hand the final record to the outbox."""
+        frozen = self.trials.frozen(number)
         metric = self.settings.study.metric
-        value = _final_value(handle, metric, self._frozen(number))
-        if value is None:
-            message = (
-                f"Trial {number} finished without reporting {metric!r}; fix: report it with ctx.report(step, "
-                f"{metric}=...) or ctx.finish({metric}=...) in {self.settings.train.entrypoint}"
-            )
-            return self._fail(number, run_id, message)
-        # At the trial's last step, so the metric's history has no stray point at step 0.
-        last_step = max(self._frozen(number).intermediate_values, default=None)
-        self.ctx.tracker.log_metric(run_id, metric, value, step=last_step)
-        model_id = self._log_final_checkpoint(number, run_id, handle.job_dir, params)
-        if model_id:
-            self.study._storage.set_trial_user_attr(self._frozen(number)._trial_id, ATTR_MODEL_ID, model_id)
-        self._tell(number, TrialState.COMPLETE, value)
-        self._end(run_id, "COMPLETE", "FINISHED", {"tunepod.model_id": model_id or ""}, handle.job_dir)
-        return self._record(self._frozen(number))
-
-    def _log_final_checkpoint(
-        self, number: int, run_id: str, job_dir: Path, params: dict[str, object]
-    ) -> str | None:
-        checkpoint = latest_checkpoint(JobPaths(job_dir).checkpoints)
-        if checkpoint is None:
-            return None
-        return self.ctx.tracker.log_checkpoint_model(
-            run_id,
-            checkpoint.path,
-            name=f"{self.settings.study.name}-trial-{number}",
-            step=checkpoint.step,
-            params=params,
-        )
-
-    def _prune(self, number: int, run_id: str, step: int | None, job_dir: Path) -> TrialRecord:
-        log.info("trial %d pruned at step %s", number, step)
-        self._tell(number, TrialState.PRUNED)
-        self._end(run_id, "PRUNED", "KILLED", {"tunepod.pruned_at_step": step}, job_dir)
-        return self._record(self._frozen(number))
-
-    def _fail(self, number: int, run_id: str | None, message: str) -> TrialRecord:
-        log.error("%s", message)
-        trial_id = self._frozen(number)._trial_id
-        self.study._storage.set_trial_user_attr(trial_id, ATTR_ERROR, message[-4000:])
-        self._tell(number, TrialState.FAIL)
-        if run_id:
-            self.ctx.tracker.log_text(run_id, message, "error.txt")
-            self._end(run_id, "FAIL", "FAILED", {})
-        return self._record(self._frozen(number))
-
-    def _tell(self, number: int, state: TrialState, value: float | None = None) -> None:
-        self.study.tell(number, value, state=state, skip_if_finished=True)
-        frozen = self._frozen(number)
-        job_dir = frozen.user_attrs.get(ATTR_JOB_DIR, self.ctx.jobs_dir / f"trial-{number}")
-        self._metrics.finished(Path(job_dir), OUTCOME[state])
+        if driven.outcome is Outcome.COMPLETED:
+            value = _objective(driven, metric, frozen)
+            if value is not None:
+                self.trials.tell(number, TrialState.COMPLETE, value)
+            else:
+                self._fail(
+                    number,
+                    f"Trial {number} finished without reporting {metric!r}; fix: report it with "
+                    f"ctx.report(step, {metric}=...) or ctx.finish({metric}=...) in "
+                    f"{self.settings.train.entrypoint}",
+                )
+        elif driven.outcome is Outcome.PRUNED:
+            log.info("trial %d pruned at step %s", number, max(frozen.intermediate_values, default=None))
+            self.trials.tell(number, TrialState.PRUNED)
+        else:
+            self._fail(number, driven.message)
+        finished = self.trials.frozen(number)
+        mirror.finish(self._final(finished))
+        self.ctx.outbox.add(mirror)
+        self._metrics.finished(self._job_dir(finished), OUTCOME[finished.state])
         self._metrics.count_trials(self.study)
 
-    def _end(
-        self, run_id: str, state: str, status: str, tags: dict[str, object], job_dir: Path | None = None
-    ) -> None:
-        if job_dir is not None:
-            # The checkpoints stay on the shared filesystem; the run points at them.
-            found = valid_checkpoints(JobPaths(job_dir).checkpoints)
-            tags = {**tags, "tunepod.checkpoints": " ".join(c.path.as_uri() for c in found)}
-        self.ctx.tracker.set_tags(run_id, {"tunepod.state": state, **tags})
-        self.ctx.tracker.end_run(run_id, status)  # type: ignore[arg-type]
+    def _fail(self, number: int, message: str) -> None:
+        log.error("%s", message)
+        self.trials.set_attr(number, ATTR_ERROR, message[-4000:])
+        self.trials.tell(number, TrialState.FAIL)
+
+    def _final(self, frozen: FrozenTrial) -> Final:
+        """The MLflow record of a finished trial, from Optuna and its job dir alone (so a later run can
+        write it again after a crash)."""
+        state = OUTCOME[frozen.state]
+        status = RUN_STATUS[frozen.state]
+        paths = JobPaths(self._job_dir(frozen))
+        last_step = max(frozen.intermediate_values, default=None)
+        if frozen.state is TrialState.FAIL:
+            error = frozen.user_attrs.get(ATTR_ERROR)
+            return Final(tags={tags.STATE: state}, status="FAILED", error=str(error) if error else None)
+        checkpoints = tuple(c.path for c in valid_checkpoints(paths.checkpoints))
+        if frozen.state is TrialState.PRUNED:
+            return Final(
+                tags={tags.STATE: state, tags.PRUNED_AT_STEP: last_step},
+                status="KILLED",
+                checkpoints=checkpoints,
+            )
+        assert frozen.value is not None and frozen.datetime_complete is not None
+        metric = self.settings.study.metric
+        # The objective at the trial's last step (no stray point at step 0), unless the job's own last
+        # report already is that very point: every epoch's metric appears once.
+        reported = {(r.step, r.metrics.get(metric)) for r in read_reports(paths.metrics)}
+        objective = FinalMetric(
+            metric, frozen.value, last_step, timestamp_ms=int(frozen.datetime_complete.timestamp() * 1000)
+        )
+        metrics = () if (last_step, frozen.value) in reported else (objective,)
+        latest = latest_checkpoint(paths.checkpoints)
+        model = None
+        if latest is not None:
+            params = {**self.settings.train.args, **frozen.params}
+            name = f"{self.settings.study.name}-trial-{frozen.number}"
+            model = ModelPlan(latest.path, name=name, step=latest.step, params=params)
+        return Final(
+            tags={tags.STATE: state},
+            status=status,
+            metrics=metrics,
+            model=model,
+            checkpoints=checkpoints,
+        )
+
+    def _catch_up_tracking(self) -> None:
+        """Finished trials whose MLflow record a crash or an outage left unwritten get it now."""
+        for frozen in self.trials.all():
+            if frozen.state not in FINISHED:
+                continue
+            job_dir = self._job_dir(frozen)
+            if not JobPaths(job_dir).tracking.exists() or read_mirror_state(job_dir).finalized:
+                continue
+            params = {**self.settings.train.args, **frozen.params}
+            mirror = self._mirror(frozen, params)
+            mirror.finish(self._final(frozen))
+            self.ctx.outbox.add(mirror)
 
     # ------------------------------------------------------------------------------------ reading
 
-    def _frozen(self, number: int) -> FrozenTrial:
-        trial_id = self.study._storage.get_trial_id_from_study_id_trial_number(self.study._study_id, number)
-        return self.study._storage.get_trial(trial_id)
+    def _running(self) -> list[FrozenTrial]:
+        return [t for t in self.trials.all() if t.state is TrialState.RUNNING]
+
+    def _job_dir(self, frozen: FrozenTrial) -> Path:
+        return Path(frozen.user_attrs.get(ATTR_JOB_DIR, self.ctx.jobs_dir / f"trial-{frozen.number}"))
 
     def _record(self, frozen: FrozenTrial) -> TrialRecord:
-        job_dir = Path(frozen.user_attrs.get(ATTR_JOB_DIR, self.ctx.jobs_dir / f"trial-{frozen.number}"))
-        value = frozen.value if frozen.state is TrialState.COMPLETE else None
+        job_dir = self._job_dir(frozen)
+        mirrored = read_mirror_state(job_dir)
+        submission = read_submission(JobPaths(job_dir)) if job_dir.exists() else None
         return TrialRecord(
             number=frozen.number,
-            outcome=_outcome(frozen.state),
+            outcome=OUTCOME.get(frozen.state, "FAIL"),
             params={**self.settings.train.args, **frozen.params},
-            value=value,
+            value=frozen.value if frozen.state is TrialState.COMPLETE else None,
             last_step=max(frozen.intermediate_values, default=None),
-            run_id=frozen.user_attrs.get(ATTR_RUN_ID),
-            job_id=frozen.user_attrs.get(ATTR_JOB_ID),
+            run_id=mirrored.run_id or frozen.user_attrs.get(ATTR_RUN_ID),
+            job_id=(submission.job_id if submission else None) or frozen.user_attrs.get(ATTR_JOB_ID),
             job_dir=str(job_dir),
             checkpoint_dir=str(JobPaths(job_dir).checkpoints),
-            model_id=frozen.user_attrs.get(ATTR_MODEL_ID),
+            model_id=mirrored.model_id,
             error=frozen.user_attrs.get(ATTR_ERROR),
         )
 
     def trial_set(self) -> TrialSet:
-        trials = self.study.get_trials(deepcopy=False, states=FINISHED)
+        trials = [t for t in self.trials.all() if t.state in FINISHED]
         return TrialSet(
             step=self.ctx.step,
             study=self.settings.study.name,
@@ -351,19 +447,18 @@ class Tuner:
         )
 
 
-def _final_value(handle: JobHandle, metric: str, frozen: FrozenTrial) -> float | None:
+def _report(live: Trial, value: float, step: int) -> None:
+    retried(lambda: live.report(value, step))
+
+
+def _objective(driven: DriveResult, metric: str, frozen: FrozenTrial) -> float | None:
     """The objective: the metric the job passed to ``finish``, else the last one it reported."""
-    result = read_result(JobPaths(handle.job_dir).result)
-    if result is not None and metric in result.metrics:
-        value = float(result.metrics[metric])
+    if driven.result is not None and metric in driven.result.metrics:
+        value = float(driven.result.metrics[metric])
         return value if math.isfinite(value) else None
     if frozen.intermediate_values:
         return float(frozen.intermediate_values[max(frozen.intermediate_values)])
     return None
-
-
-def _outcome(state: TrialState) -> TrialOutcome:
-    return "COMPLETE" if state is TrialState.COMPLETE else "PRUNED" if state is TrialState.PRUNED else "FAIL"
 
 
 def _timeout_s(timeout_min: float | None) -> float | None:

@@ -119,7 +119,15 @@ class JobHandle(Protocol):
 class Launcher(Protocol):
     """Starts jobs on one backend and finds them again after the orchestrator restarts."""
 
-    kind: str
+    @property
+    def kind(self) -> str:
+        """The spec's ``launcher.kind`` of this backend."""
+        ...
+
+    @property
+    def private_job_dirs(self) -> bool:
+        """Whether job dirs are created owner-only (jobs run as the submitting user)."""
+        ...
 
     def submit(self, job: JobSpec) -> JobHandle:
         """Start ``job``; returns as soon as the backend has accepted it."""
@@ -240,6 +248,10 @@ class LauncherBase(ABC, Generic[S]):
     def read_logs(self, job: Job[S], tail: int) -> str:
         """The last ``tail`` lines of the job's output, or a line saying where they are."""
 
+    def stop_command(self, job_id: str, record: Submission | None) -> str:
+        """How a person stops the job by hand, for error messages; default: ``stop_hint``."""
+        return self.stop_hint.format(job_id=job_id)
+
     def describe_status(self, job: Job[S], status: S) -> str:
         """One line on the job's state for an error message; default: the status's own ``describe``."""
         describe = getattr(status, "describe", None)
@@ -345,7 +357,9 @@ class LauncherBase(ABC, Generic[S]):
         write_submission(paths, completed)
         return self._track(found.job_id, paths.job_dir, completed)
 
-    def _send_recorded(self, job: JobSpec, rendered: Rendered, intent: Submission) -> tuple[Accepted, Submission]:
+    def _send_recorded(
+        self, job: JobSpec, rendered: Rendered, intent: Submission
+    ) -> tuple[Accepted, Submission]:
         """Record ``intent``, write the rendered files, send; on an unknown outcome, find before failing."""
         paths = job.paths
         for variant in range(1, _NAME_VARIANTS + 1):
@@ -363,7 +377,9 @@ class LauncherBase(ABC, Generic[S]):
                 found = self.find(intent, paths.job_dir)
                 if found is None:
                     raise
-                logger.warning("%s: sending failed, but job %s exists; adopted it", paths.job_dir, found.job_id)
+                logger.warning(
+                    "%s: sending failed, but job %s exists; adopted it", paths.job_dir, found.job_id
+                )
                 return found, intent
         raise JobError(f"{_NAME_VARIANTS} names for {job.name} (attempt {intent.attempt}) are all taken")
 
@@ -374,8 +390,8 @@ class LauncherBase(ABC, Generic[S]):
     def _refusal(self, current: Job[S]) -> str:
         return (
             f"job dir {current.job_dir} belongs to {current.describe()}, which has not ended; "
-            f"{self.stop_hint.format(job_id=current.job_id)} or wait for it before submitting again into "
-            "the same job dir"
+            f"{self.stop_command(current.job_id, current.record)} or wait for it before submitting again "
+            "into the same job dir"
         )
 
     def _warn_ignored(self, job: JobSpec) -> None:
@@ -394,7 +410,9 @@ class Job(Generic[S]):
     serialized and all return once the job has ended.
     """
 
-    def __init__(self, launcher: LauncherBase[S], job_id: str, job_dir: Path, record: Submission | None) -> None:
+    def __init__(
+        self, launcher: LauncherBase[S], job_id: str, job_dir: Path, record: Submission | None
+    ) -> None:
         self.launcher = launcher
         self.job_id = job_id
         self.job_dir = job_dir
@@ -452,7 +470,7 @@ class Job(Generic[S]):
             if time.monotonic() > deadline:
                 raise JobError(
                     f"{self.launcher.describe_status(self, status)} {self.launcher.cancel_timeout_s:.0f}s "
-                    f"after tunepod stopped it; {self.launcher.stop_hint.format(job_id=self.job_id)} by hand "
-                    f"and check its nodes; job dir: {self.job_dir}"
+                    f"after tunepod stopped it; {self.launcher.stop_command(self.job_id, self.record)} "
+                    f"by hand and check its nodes; job dir: {self.job_dir}"
                 )
             time.sleep(self.launcher.cancel_poll_s)

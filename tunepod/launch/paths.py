@@ -61,7 +61,7 @@ class JobPaths:
 
     @property
     def lease(self) -> Path:
-        """Written by the orchestrator that drives the job, renewed while it lives (``tunepod.launch.lease``)."""
+        """Written by the orchestrator that drives the job, renewed while it lives (see ``lease.py``)."""
         return self.job_dir / "lease.json"
 
     @property

@@ -52,7 +52,9 @@ class Submission(BaseModel):
 
     backend: str = Field(description="Launcher kind that wrote the record.")
     name: str = Field(description="Name the backend creates the job under; stable per job and attempt.")
-    attempt: int = Field(ge=1, description="1 for the first submission into the job dir, +1 per resubmission.")
+    attempt: int = Field(
+        ge=1, description="1 for the first submission into the job dir, +1 per resubmission."
+    )
     submission_id: str = Field(description="Random id of this attempt, carried by the job itself.")
     job_id: str | None = Field(None, description="The backend's id; None while only the intent is known.")
     details: dict[str, Any] = Field(default_factory=dict, description="Backend-owned facts about the job.")

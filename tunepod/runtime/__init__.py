@@ -36,7 +36,7 @@ from tunepod.runtime.contract import (
     TRIAL_ENV,
     WORLD_SIZE_ENV,
 )
-from tunepod.runtime.metrics import Report, Result, read_reports, read_result
+from tunepod.runtime.metrics import Report, ReportTail, Result, read_reports, read_result
 
 __all__ = [
     "CHECKPOINT_DIR_ENV",
@@ -55,6 +55,7 @@ __all__ = [
     "Checkpoint",
     "CheckpointInfo",
     "Report",
+    "ReportTail",
     "Result",
     "TrainingContext",
     "init",

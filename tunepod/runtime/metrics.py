@@ -116,6 +116,45 @@ def read_reports(path: Path) -> list[Report]:
     return reports
 
 
+class ReportTail:
+    """Reads the reports appended to a metrics file since the last call, from where it stopped.
+
+    Cost per call grows with what was appended, not with the file: a job that reports for days is
+    not re-read from the top every poll. Only whole (newline-terminated) lines are consumed; a line
+    still being written is read on a later call. A file that shrank (replaced) is read from the top.
+    One reader per instance; not thread safe.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.offset = 0
+        self._line = 0
+
+    def read_new(self) -> list[Report]:
+        try:
+            with open(self.path, "rb") as handle:
+                if handle.seek(0, 2) < self.offset:
+                    self.offset, self._line = 0, 0
+                handle.seek(self.offset)
+                data = handle.read()
+        except FileNotFoundError:
+            return []
+        complete = data[: data.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        reports = []
+        for line in complete.decode("utf-8", errors="replace").splitlines():
+            self._line += 1
+            if not line.strip():
+                continue
+            report = _parse_report(line)
+            if report is not None:
+                reports.append(report)
+            elif (str(self.path), self._line) not in _warned_lines:
+                _warned_lines.add((str(self.path), self._line))
+                log.warning("skipping malformed line %d of %s: %.200s", self._line, self.path, line)
+        return reports
+
+
 def _parse_report(line: str) -> Report | None:
     try:
         raw = json.loads(line)

@@ -1,60 +1,56 @@
-"""Step kinds: what each ``uses:`` does. A kind is one function registered in ``STEP_KINDS``."""
+"""Step kinds: what each ``uses:`` does, and whether a retry of it is safe.
+
+A kind is one function registered in ``STEP_KINDS``. Each kind says whether it is idempotent: a
+Prefect retry (or a rerun of the pipeline) of an idempotent step re-attaches to, or finds, what its
+first attempt made, instead of making it again. Only idempotent kinds are retried.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from tunepod.outputs import StepOutput
+from tunepod.steps import evaluate, export, register, stage, train, tune
+from tunepod.steps.context import StepContext
+from tunepod.steps.inputs import only_input, optional_input
 
 if TYPE_CHECKING:
     from tunepod.hpo.tuner import TrialSubmitter
-    from tunepod.pipeline import PipelineRun
 
 StepRunner = Callable[..., StepOutput]
-T = TypeVar("T")
+
+__all__ = ["STEP_KINDS", "StepContext", "StepKind", "only_input", "optional_input", "run_step"]
 
 
-def _registry() -> dict[str, StepRunner]:
-    # Imported here: the step modules import this package's helpers.
-    import tunepod.steps.evaluate
-    import tunepod.steps.export
-    import tunepod.steps.register
-    import tunepod.steps.stage
-    import tunepod.steps.train
-    import tunepod.steps.tune
+@dataclass(frozen=True)
+class StepKind:
+    run: StepRunner
+    idempotent: bool
+    """How: stage copies what changed; tune, train and evaluate re-attach to their jobs through stable
+    job dirs; register looks up the version of a logged model before creating one; export's tasks
+    export what changed."""
 
-    return {
-        "stage": tunepod.steps.stage.run,
-        "tune": tunepod.steps.tune.run,
-        "train": tunepod.steps.train.run,
-        "evaluate": tunepod.steps.evaluate.run,
-        "register": tunepod.steps.register.run,
-        "export": tunepod.steps.export.run,
-    }
+
+STEP_KINDS: Mapping[str, StepKind] = {
+    "stage": StepKind(stage.run, idempotent=True),
+    "tune": StepKind(tune.run, idempotent=True),
+    "train": StepKind(train.run, idempotent=True),
+    "evaluate": StepKind(evaluate.run, idempotent=True),
+    "register": StepKind(register.run, idempotent=True),
+    "export": StepKind(export.run, idempotent=True),
+}
 
 
 def run_step(
-    run: PipelineRun,
+    run: StepContext,
     name: str,
     inputs: Mapping[str, StepOutput],
     *,
     submit_trial: TrialSubmitter | None = None,
 ) -> StepOutput:
     step = run.spec.steps[name]
-    runner = _registry()[step.uses]
+    kind = STEP_KINDS[step.uses]
     extra: dict[str, Any] = {"submit_trial": submit_trial} if step.uses == "tune" else {}
-    return runner(run, name, step.with_, inputs, **extra)
-
-
-def only_input(inputs: Mapping[str, StepOutput], kind: type[T], step: str) -> T:
-    """The single input of type ``kind``; the DAG check guarantees there is exactly one."""
-    found = [value for value in inputs.values() if isinstance(value, kind)]
-    if len(found) != 1:
-        raise TypeError(f"step {step} expected one {kind.__name__} input, got {len(found)}")
-    return found[0]
-
-
-def optional_input(inputs: Mapping[str, StepOutput], kind: type[T]) -> T | None:
-    found = [value for value in inputs.values() if isinstance(value, kind)]
-    return found[0] if found else None
+    return kind.run(run, name, step.with_, inputs, **extra)

@@ -12,22 +12,22 @@ import math
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from tunepod.errors import JobError
 from tunepod.outputs import Candidate, Evaluation, StepOutput, TrialRecord, TrialSet
+from tunepod.runtime import latest_checkpoint
 from tunepod.spec.models import EvaluateSettings
-from tunepod.steps import only_input
-from tunepod.steps.jobs import run_job
-
-if TYPE_CHECKING:
-    from tunepod.pipeline import PipelineRun
+from tunepod.steps.context import StepContext
+from tunepod.steps.inputs import only_input
+from tunepod.steps.jobs import finish_mirror, job_key, prepared, run_job
+from tunepod.tracking import tags
+from tunepod.tracking.mirror import Final, FinalMetric, RunMirror
 
 log = logging.getLogger(__name__)
 
 
 def run(
-    run: PipelineRun, name: str, settings: EvaluateSettings, inputs: Mapping[str, StepOutput]
+    run: StepContext, name: str, settings: EvaluateSettings, inputs: Mapping[str, StepOutput]
 ) -> Evaluation:
     trials = only_input(inputs, TrialSet, name)
     chosen = trials.best(settings.top_k)
@@ -41,6 +41,7 @@ def run(
             failures.append(f"trial {trial.number}: {exc}")
         else:
             scored.append(future.result())
+    run.outbox.flush(run.spec.tracking.flush_timeout_s)
     if not scored:
         raise JobError(f"step {name}: every evaluation failed.\n" + "\n\n".join(failures))
     for failure in failures:
@@ -51,27 +52,39 @@ def run(
     run.tracker.log_metric(
         run.run_id, f"{name}.best_{settings.metric}", best.value, model_id=best.trial.model_id
     )
-    run.tracker.set_tags(run.run_id, {f"tunepod.{name}.best_trial": best.trial.number})
+    run.tracker.set_tags(run.run_id, {tags.step_tag(name, "best_trial"): best.trial.number})
     return Evaluation(step=name, metric=settings.metric, direction=settings.direction, candidates=scored)
 
 
 def _evaluate(
-    run: PipelineRun, name: str, settings: EvaluateSettings, trials: TrialSet, trial: TrialRecord
+    run: StepContext, name: str, settings: EvaluateSettings, trials: TrialSet, trial: TrialRecord
 ) -> Candidate:
-    job_dir = run.jobs_dir(name, f"trial-{trial.number}")
-    run_id = trial.run_id or run.run_id
+    checkpoint = latest_checkpoint(Path(trial.checkpoint_dir))
+    params = {**trial.params, **settings.args}
+    key = job_key(
+        settings.entrypoint,
+        params=params,
+        checkpoint=str(checkpoint.path) if checkpoint else trial.checkpoint_dir,
+        data=trials.dataset.path,
+        resources=settings.resources.model_dump(),
+    )
+    job_dir = prepared(run, run.job_dir(name, f"trial-{trial.number}-{key}"))
+    # The evaluation writes into its trial's run, under its own tag prefix: the trial's own
+    # tunepod.job_id names its training job.
+    mirror = RunMirror(
+        run.tracker, job_dir, run_id=trial.run_id or run.run_id, tag_prefix=tags.step_tag(name, "")
+    )
     result = run_job(
         run,
         what=f"Evaluation of trial {trial.number} (step {name})",
         name=f"{run.spec.name}-{name}-trial-{trial.number}",
         entrypoint=settings.entrypoint,
         job_dir=job_dir,
-        params={**trial.params, **settings.args},
+        params=params,
         data_dir=trials.dataset.path,
         resources=settings.resources,
-        run_id=run_id,
+        mirror=mirror,
         checkpoint_dir=Path(trial.checkpoint_dir),
-        tag_prefix=f"tunepod.{name}.",  # the trial's own tunepod.job_id names its training job
     )
     value = result.metrics.get(settings.metric)
     if value is None or not math.isfinite(value):
@@ -79,5 +92,6 @@ def _evaluate(
             f"{settings.entrypoint} finished without a finite {settings.metric!r} "
             f"(it gave {result.metrics}); fix: call ctx.finish({settings.metric}=...)"
         )
-    run.tracker.log_metric(run_id, settings.metric, value, model_id=trial.model_id)
+    score = FinalMetric(settings.metric, value, None, int(result.time * 1000), model_id=trial.model_id)
+    finish_mirror(run, mirror, Final(tags={}, status=None, metrics=(score,)))
     return Candidate(trial=trial, value=value, eval_job_dir=str(job_dir))

@@ -10,20 +10,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from tunepod.errors import JobError
 from tunepod.outputs import Export, ExportedCheckpoint, StepOutput, TrialRecord, TrialSet
 from tunepod.spec.models import ExportSettings
 from tunepod.staging.fsx_stage import export_folders
 from tunepod.staging.s3 import parse_s3_uri
-from tunepod.steps import only_input
+from tunepod.steps.context import StepContext
+from tunepod.steps.inputs import only_input
+from tunepod.tracking import tags as tag_names
 
-if TYPE_CHECKING:
-    from tunepod.pipeline import PipelineRun
 
-
-def run(run: PipelineRun, name: str, settings: ExportSettings, inputs: Mapping[str, StepOutput]) -> Export:
+def run(run: StepContext, name: str, settings: ExportSettings, inputs: Mapping[str, StepOutput]) -> Export:
     trials = only_input(inputs, TrialSet, name)
     chosen = _chosen(name, settings, trials)
     jobs_root = run.shared.root.resolve() / "jobs"
@@ -80,16 +78,16 @@ def _chosen(name: str, settings: ExportSettings, trials: TrialSet) -> list[Trial
     return chosen
 
 
-def _track(run: PipelineRun, name: str, output: Export) -> None:
-    tags: dict[str, object] = {
-        f"tunepod.{name}.fsx_association": output.association_id,
-        f"tunepod.{name}.export_tasks": " ".join(output.export_task_ids),
+def _track(run: StepContext, name: str, output: Export) -> None:
+    run_tags: dict[str, object] = {
+        tag_names.step_tag(name, "fsx_association"): output.association_id,
+        tag_names.step_tag(name, "export_tasks"): " ".join(output.export_task_ids),
     }
     for checkpoint in output.checkpoints:
-        tags[f"tunepod.{name}.trial-{checkpoint.trial}.checkpoint_s3"] = checkpoint.s3_uri
+        run_tags[tag_names.step_tag(name, f"trial-{checkpoint.trial}.checkpoint_s3")] = checkpoint.s3_uri
         if checkpoint.run_id is not None:
-            run.tracker.set_tags(checkpoint.run_id, {"tunepod.checkpoint_s3": checkpoint.s3_uri})
-    run.tracker.set_tags(run.run_id, tags)
+            run.tracker.set_tags(checkpoint.run_id, {tag_names.CHECKPOINT_S3: checkpoint.s3_uri})
+    run.tracker.set_tags(run.run_id, run_tags)
     run.tracker.log_metric(run.run_id, f"{name}.exported_files", float(output.num_exported_files))
     if output.num_released_files is not None:
         run.tracker.log_metric(run.run_id, f"{name}.released_files", float(output.num_released_files))

@@ -1,25 +1,43 @@
-"""Running one job for a step (a train run, an evaluation) and mirroring it into an MLflow run."""
+"""Running one job for a step (a train run, an evaluation, a preload) and mirroring it into MLflow.
+
+Job dirs are keyed by what the job is (``job_key``): the same step with the same script, inputs and
+parameters gets the same job dir, in a Prefect retry of the step and in a later run of the pipeline.
+So a retry re-attaches to the job still running, and a rerun reuses a finished job's result instead
+of training again (``tunepod.launch.drive``). Change anything the key covers and the job runs anew.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from tunepod.errors import JobError
-from tunepod.launch.base import JobSpec, JobState, Resources
+from tunepod.launch.base import JobHandle, JobSpec
 from tunepod.launch.contract import contract_env
+from tunepod.launch.drive import DriveSettings, JobDriver, Outcome
+from tunepod.launch.lease import Leases
 from tunepod.launch.paths import JobPaths
-from tunepod.launch.watch import failure_message, watch
-from tunepod.runtime import Report, Result, read_result
-
-if TYPE_CHECKING:
-    from tunepod.pipeline import PipelineRun
+from tunepod.launch.submission import make_job_dir
+from tunepod.runtime import Report, Result
+from tunepod.spec.resources import Resources
+from tunepod.steps.context import StepContext
+from tunepod.tracking.mirror import Final, RunMirror
 
 POLL_S = 0.5
+# How long a job waits for its MLflow run to exist before it starts without MLFLOW_RUN_ID.
+RUN_ID_WAIT_S = 5.0
+
+
+def job_key(entrypoint: str, **inputs: object) -> str:
+    """A short digest of the script's content and every input of a job (JSON, sorted keys)."""
+    digest = hashlib.sha256(Path(entrypoint).read_bytes())
+    digest.update(json.dumps(inputs, sort_keys=True, default=str).encode())
+    return digest.hexdigest()[:12]
 
 
 def run_job(
-    run: PipelineRun,
+    ctx: StepContext,
     *,
     what: str,
     name: str,
@@ -28,52 +46,70 @@ def run_job(
     params: dict[str, object],
     data_dir: str,
     resources: Resources,
-    run_id: str,
+    mirror: RunMirror,
     checkpoint_dir: Path | None = None,
     max_restarts: int = 0,
-    tag_prefix: str = "tunepod.",
 ) -> Result:
-    """Run one job to its end, its reports mirrored into ``run_id``; its result, or a ``JobError``.
+    """Drive one job to its end, mirrored through ``mirror``; its result, or a ``JobError`` runbook.
 
-    A job that fails is started again in place up to ``max_restarts`` times (it resumes from its
-    checkpoints). The job's id and dir are tagged on ``run_id`` as ``<tag_prefix>job_id`` and
-    ``<tag_prefix>job_dir``: a job that runs in another job's run (an evaluation in its trial's run)
-    passes its own prefix, so that the tags of the job that made the run are kept."""
-    paths = JobPaths(job_dir)
-    paths.result.unlink(missing_ok=True)  # a result left by an earlier attempt must not count
+    A failed job starts again in place up to ``max_restarts`` times (it resumes from its checkpoints).
+    The caller records the outcome on the mirror (``mirror.finish``): it alone knows what it means.
+    """
+    ctx.outbox.add(mirror)
     env = contract_env(
-        paths,
+        JobPaths(job_dir),
         params=params,
         data_dir=data_dir,
         trial=name,
         checkpoint_dir=checkpoint_dir,
-        tracking_uri=run.tracker.tracking_uri,
-        run_id=run_id,
+        tracking_uri=ctx.tracker.tracking_uri,
+        run_id=mirror.wait_for_run(RUN_ID_WAIT_S),
     )
     job = JobSpec(
         name=name, entrypoint=Path(entrypoint).resolve(), job_dir=job_dir, env=env, resources=resources
     )
-    handle = run.launcher.submit(job)
-    run.tracker.set_tags(run_id, {f"{tag_prefix}job_id": handle.job_id, f"{tag_prefix}job_dir": str(job_dir)})
+    settings = DriveSettings(
+        poll_s=POLL_S,
+        timeout_s=None if resources.timeout_min is None else resources.timeout_min * 60,
+        max_restarts=max_restarts,
+    )
 
-    def mirror(reports: list[Report]) -> bool:
-        run.tracker.log_reports(run_id, reports)
+    def mirror_reports(_: list[Report]) -> bool:
+        ctx.outbox.add(mirror)
         return False
 
-    timeout_s = None if resources.timeout_min is None else resources.timeout_min * 60
-    outcome = watch(handle, poll_s=POLL_S, on_reports=mirror, timeout_s=timeout_s)
-    for _ in range(max_restarts):
-        if outcome.state is not JobState.FAILED or outcome.timed_out:
-            break
-        handle = run.launcher.submit(job)
-        run.tracker.set_tags(run_id, {f"{tag_prefix}job_id": handle.job_id})
-        outcome = watch(
-            handle, poll_s=POLL_S, on_reports=mirror, after_step=outcome.last_step, timeout_s=timeout_s
+    driver = JobDriver(
+        ctx.launcher,
+        job,
+        settings,
+        what=what,
+        on_reports=mirror_reports,
+        observe=lambda handle, _new: _mirrored(ctx, mirror, handle),
+        leases=Leases(private_job_dirs=ctx.launcher.private_job_dirs),
+    )
+    driven = driver.run()
+    if driven.outcome is Outcome.COMPLETED and driven.result is not None:
+        return driven.result
+    if driven.outcome is Outcome.COMPLETED:
+        raise JobError(
+            f"{what} exited 0 without a result file ({job.paths.result}); fix: call ctx.finish(...) at the "
+            f"end of {entrypoint}"
         )
-    result = read_result(paths.result)
-    if outcome.state is JobState.SUCCEEDED and result is not None:
-        return result
-    message = failure_message(what, handle, outcome.state, kind=run.launcher.kind)
-    if outcome.state is JobState.SUCCEEDED:
-        message += "\nIt exited 0 without a result file; fix: call ctx.finish(...) at the end of the script."
-    raise JobError(message)
+    raise JobError(driven.message)
+
+
+def prepared(ctx: StepContext, job_dir: Path) -> Path:
+    """``job_dir``, created the way the launcher creates job dirs (before anything is written there)."""
+    make_job_dir(job_dir, private=ctx.launcher.private_job_dirs)
+    return job_dir
+
+
+def finish_mirror(ctx: StepContext, mirror: RunMirror, final: Final) -> None:
+    """Record ``final`` on the mirror and hand it to the outbox (never waits for MLflow)."""
+    mirror.finish(final)
+    ctx.outbox.add(mirror)
+
+
+def _mirrored(ctx: StepContext, mirror: RunMirror, handle: JobHandle) -> JobHandle:
+    ctx.outbox.add(mirror)  # the new job id and attempt go onto the run
+    return handle

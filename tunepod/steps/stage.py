@@ -6,29 +6,28 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import tunepod.staging.preload_job
-from tunepod.launch.base import Resources
 from tunepod.metrics import default_metrics
 from tunepod.outputs import Dataset, FsxImport, StepOutput
 from tunepod.spec.models import FsxStageSpec, StageSettings, fsx_target_id
+from tunepod.spec.resources import Resources
 from tunepod.staging import stage
 from tunepod.staging.fsx_stage import FsxStageReport, FsxTarget, stage_fsx
-from tunepod.steps.jobs import run_job
-
-if TYPE_CHECKING:
-    from tunepod.pipeline import PipelineRun
+from tunepod.steps.context import StepContext
+from tunepod.steps.jobs import job_key, prepared, run_job
+from tunepod.tracking import tags
+from tunepod.tracking.mirror import RunMirror
 
 PRELOAD_ENTRYPOINT = Path(tunepod.staging.preload_job.__file__)
 
 
-def run(run: PipelineRun, name: str, settings: StageSettings, inputs: Mapping[str, StepOutput]) -> Dataset:
+def run(run: StepContext, name: str, settings: StageSettings, inputs: Mapping[str, StepOutput]) -> Dataset:
     if fsx_target_id(settings.target) is not None:
         return _run_fsx(run, name, settings, settings.fsx or FsxStageSpec())
     target = run.shared.resolve(settings.target)
     report = stage(settings.source, target, cache_dir=run.shared.root.resolve() / ".cache")
-    run.tracker.set_tags(run.run_id, {f"tunepod.{name}.path": str(target)})
+    run.tracker.set_tags(run.run_id, {tags.step_tag(name, "path"): str(target)})
     for key in ("num_files", "num_bytes", "copied_files", "copied_bytes", "seconds"):
         run.tracker.log_metric(run.run_id, f"{name}.{key}", float(getattr(report, key)))
     default_metrics().observe_staging(
@@ -44,11 +43,11 @@ def run(run: PipelineRun, name: str, settings: StageSettings, inputs: Mapping[st
     )
 
 
-def _run_fsx(run: PipelineRun, name: str, settings: StageSettings, fsx: FsxStageSpec) -> Dataset:
+def _run_fsx(run: StepContext, name: str, settings: StageSettings, fsx: FsxStageSpec) -> Dataset:
     target = FsxTarget.parse(settings.target)
     mount = Path(fsx.mount) if fsx.mount is not None else run.shared.root
     report = stage_fsx(settings.source, target, fsx, mount)
-    num_preloaded = _preload(run, name, report.target, fsx) if fsx.preload else None
+    num_preloaded = _preload(run, name, report, fsx) if fsx.preload else None
     imported = FsxImport(
         file_system_id=target.file_system_id,
         file_system_path=target.path,
@@ -72,30 +71,37 @@ def _run_fsx(run: PipelineRun, name: str, settings: StageSettings, fsx: FsxStage
     )
 
 
-def _preload(run: PipelineRun, name: str, folder: Path, fsx: FsxStageSpec) -> int:
-    """Run the preload job on the launcher; the number of files it restored."""
+def _preload(run: StepContext, name: str, report: FsxStageReport, fsx: FsxStageSpec) -> int:
+    """Run the preload job on the launcher; the number of files it restored. One job per import: a
+    retried step re-attaches to it, a later stage run (a new import) preloads again."""
+    params: dict[str, object] = {"num_files_per_batch": fsx.num_files_per_batch}
+    entrypoint = str(PRELOAD_ENTRYPOINT)
+    key = job_key(entrypoint, params=params, folder=str(report.target), task=report.import_task.task_id)
+    job_dir = prepared(run, run.job_dir(name, f"preload-{key}"))
     result = run_job(
         run,
-        what=f"Preload of {folder} (step {name})",
+        what=f"Preload of {report.target} (step {name})",
         name=f"{run.spec.name}-{name}-preload",
-        entrypoint=str(PRELOAD_ENTRYPOINT),
-        job_dir=run.jobs_dir(name, "preload"),
-        params={"num_files_per_batch": fsx.num_files_per_batch},
-        data_dir=str(folder),
+        entrypoint=entrypoint,
+        job_dir=job_dir,
+        params=params,
+        data_dir=str(report.target),
         resources=Resources(num_nodes=1, procs_per_node=1),
-        run_id=run.run_id,
+        mirror=RunMirror(
+            run.tracker, job_dir, run_id=run.run_id, tag_prefix=tags.step_tag(name, ""), mirror_reports=False
+        ),
     )
     return int(result.metrics.get("num_files", 0))
 
 
-def _track_fsx(run: PipelineRun, name: str, report: FsxStageReport, imported: FsxImport) -> None:
+def _track_fsx(run: StepContext, name: str, report: FsxStageReport, imported: FsxImport) -> None:
     """Tags, metrics and a JSON report on the pipeline run, as the folder stager logs its own."""
     run.tracker.set_tags(
         run.run_id,
         {
-            f"tunepod.{name}.path": str(report.target),
-            f"tunepod.{name}.fsx_association": imported.association_id,
-            f"tunepod.{name}.fsx_import_task": imported.import_task_id,
+            tags.step_tag(name, "path"): str(report.target),
+            tags.step_tag(name, "fsx_association"): imported.association_id,
+            tags.step_tag(name, "fsx_import_task"): imported.import_task_id,
         },
     )
     metrics = {

@@ -3,76 +3,104 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from pathlib import Path
 
 from tunepod.errors import JobError
 from tunepod.launch.paths import JobPaths
 from tunepod.outputs import Dataset, StepOutput, TrialRecord, TrialSet
-from tunepod.runtime import latest_checkpoint
+from tunepod.runtime import Result, latest_checkpoint, valid_checkpoints
 from tunepod.spec.models import TrainSettings
-from tunepod.steps import only_input, optional_input
-from tunepod.steps.jobs import run_job
+from tunepod.steps.context import StepContext
+from tunepod.steps.inputs import only_input, optional_input
+from tunepod.steps.jobs import finish_mirror, job_key, prepared, run_job
+from tunepod.tracking import tags
+from tunepod.tracking.mirror import Final, FinalMetric, ModelPlan, RunMirror, RunPlan
 
-if TYPE_CHECKING:
-    from tunepod.pipeline import PipelineRun
 
-
-def run(run: PipelineRun, name: str, settings: TrainSettings, inputs: Mapping[str, StepOutput]) -> TrialSet:
+def run(ctx: StepContext, name: str, settings: TrainSettings, inputs: Mapping[str, StepOutput]) -> TrialSet:
     dataset = only_input(inputs, Dataset, name)
     tuned = optional_input(inputs, TrialSet)
     best = tuned.best(1) if tuned else []
     params = {**(best[0].params if best else {}), **settings.train.args, **settings.params}
-    job_dir = run.jobs_dir(name)
-    run_id = run.tracker.start_run(
-        name,
-        parent_run_id=run.run_id,
+    key = job_key(
+        settings.train.entrypoint,
         params=params,
-        tags={"tunepod.step": name, "tunepod.state": "RUNNING", "tunepod.launcher": run.launcher.kind},
+        data=dataset.path,
+        resources=settings.train.resources.model_dump(),
+    )
+    job_dir = ctx.job_dir(name, key)
+    mirror = RunMirror(
+        ctx.tracker,
+        prepared(ctx, job_dir),
+        plan=RunPlan(
+            key=f"{ctx.spec.name}/{name}/{key}",
+            name=name,
+            parent_run_id=ctx.run_id,
+            tags={tags.STEP: name, tags.STATE: "RUNNING", tags.LAUNCHER: ctx.launcher.kind},
+            params=params,
+        ),
     )
     try:
         result = run_job(
-            run,
+            ctx,
             what=f"Train step {name}",
-            name=f"{run.spec.name}-{name}",
+            name=f"{ctx.spec.name}-{name}",
             entrypoint=settings.train.entrypoint,
             job_dir=job_dir,
             params=params,
             data_dir=dataset.path,
             resources=settings.train.resources,
-            run_id=run_id,
+            mirror=mirror,
             max_restarts=settings.train.max_restarts,
         )
     except JobError as exc:
-        run.tracker.log_text(run_id, str(exc), "error.txt")
-        run.tracker.set_tags(run_id, {"tunepod.state": "FAIL"})
-        run.tracker.end_run(run_id, "FAILED")
+        finish_mirror(ctx, mirror, Final(tags={tags.STATE: "FAIL"}, status="FAILED", error=str(exc)))
         raise
-    value = result.metrics.get(settings.metric) if settings.metric else None
-    checkpoint = latest_checkpoint(JobPaths(job_dir).checkpoints)
-    model_id = None
-    if checkpoint is not None:
-        model_id = run.tracker.log_checkpoint_model(
-            run_id, checkpoint.path, name=f"{run.spec.name}-{name}", step=checkpoint.step, params=params
-        )
-    run.tracker.set_tags(run_id, {"tunepod.state": "COMPLETE", "tunepod.model_id": model_id or ""})
-    run.tracker.end_run(run_id, "FINISHED")
+    finish_mirror(ctx, mirror, _completed(ctx, name, settings, job_dir, params, result))
+    ctx.outbox.flush(ctx.spec.tracking.flush_timeout_s)
     record = TrialRecord(
         number=0,
         outcome="COMPLETE",
         params=params,
-        value=value,
+        value=result.metrics.get(settings.metric) if settings.metric else None,
         last_step=result.step,
-        run_id=run_id,
+        run_id=mirror.run_id,
         job_dir=str(job_dir),
         checkpoint_dir=str(JobPaths(job_dir).checkpoints),
-        model_id=model_id,
+        model_id=mirror.model_id,
     )
-    direction = tuned.direction if tuned else "maximize"
     return TrialSet(
         step=name,
         study=None,
         metric=settings.metric or "",
-        direction=direction,
+        direction=tuned.direction if tuned else "maximize",
         dataset=dataset,
         trials=[record],
+    )
+
+
+def _completed(
+    ctx: StepContext,
+    name: str,
+    settings: TrainSettings,
+    job_dir: Path,
+    params: dict[str, object],
+    result: Result,
+) -> Final:
+    paths = JobPaths(job_dir)
+    latest = latest_checkpoint(paths.checkpoints)
+    model = None
+    if latest is not None:
+        model = ModelPlan(latest.path, name=f"{ctx.spec.name}-{name}", step=latest.step, params=params)
+    metrics: tuple[FinalMetric, ...] = ()
+    value = result.metrics.get(settings.metric) if settings.metric else None
+    if settings.metric and value is not None:
+        metrics = (FinalMetric(settings.metric, value, result.step, timestamp_ms=int(result.time * 1000)),)
+    checkpoints = tuple(c.path for c in valid_checkpoints(paths.checkpoints))
+    return Final(
+        tags={tags.STATE: "COMPLETE"},
+        status="FINISHED",
+        metrics=metrics,
+        model=model,
+        checkpoints=checkpoints,
     )

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from tunepod.errors import TunepodError
 from tunepod.runtime import Report
+from tunepod.tracking import tags as tag_names
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -18,8 +19,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
-PARENT_TAG = "mlflow.parentRunId"
-TAG_PREFIX = "tunepod."
 # MLflow caps a param value at 6000 characters; longer values are cut rather than rejected.
 MAX_PARAM_CHARS = 6000
 
@@ -76,7 +75,7 @@ class MlflowTracker:
     ) -> str:
         all_tags = dict(tags or {})
         if parent_run_id:
-            all_tags[PARENT_TAG] = parent_run_id
+            all_tags[tag_names.PARENT_RUN] = parent_run_id
         run = self.client.create_run(self.experiment_id, run_name=name, tags=all_tags)
         run_id = str(run.info.run_id)
         if params:
@@ -108,9 +107,18 @@ class MlflowTracker:
             self.client.log_batch(run_id, metrics=points[start : start + 1000])
 
     def log_metric(
-        self, run_id: str, key: str, value: float, *, step: int | None = None, model_id: str | None = None
+        self,
+        run_id: str,
+        key: str,
+        value: float,
+        *,
+        step: int | None = None,
+        model_id: str | None = None,
+        timestamp_ms: int | None = None,
     ) -> None:
-        timestamp = int(time.time() * 1000)
+        """Log one point. A retried call with the same ``timestamp_ms`` writes the same point again,
+        which MLflow stores once."""
+        timestamp = timestamp_ms if timestamp_ms is not None else int(time.time() * 1000)
         self.client.log_metric(run_id, key, value, timestamp=timestamp, step=step, model_id=model_id)
 
     def log_text(self, run_id: str, text: str, artifact_file: str) -> None:
@@ -121,6 +129,11 @@ class MlflowTracker:
 
     def find_runs(self, filter_string: str) -> list[Any]:
         return list(self.client.search_runs([self.experiment_id], filter_string=filter_string))
+
+    def find_run(self, key: str) -> str | None:
+        """The run tagged ``tunepod.key = key`` in this experiment (the oldest, should there be two)."""
+        runs = self.find_runs(f"tags.`{tag_names.KEY}` = '{_quoted(key)}'")
+        return str(min(runs, key=lambda run: run.info.start_time).info.run_id) if runs else None
 
     def run_url(self, run_id: str, ui_url: str) -> str:
         return f"{ui_url.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{run_id}"
@@ -135,7 +148,7 @@ class MlflowTracker:
             self.experiment_id,
             name=name,
             source_run_id=run_id,
-            tags={f"{TAG_PREFIX}step": str(step), f"{TAG_PREFIX}checkpoint": str(checkpoint)},
+            tags={tag_names.MODEL_STEP: str(step), tag_names.MODEL_CHECKPOINT: str(checkpoint)},
             params={str(k): str(v)[:MAX_PARAM_CHARS] for k, v in params.items()},
         )
         try:
@@ -146,13 +159,41 @@ class MlflowTracker:
         self.client.finalize_logged_model(model.model_id, "READY")
         return str(model.model_id)
 
+    def find_logged_model(self, run_id: str, name: str) -> str | None:
+        """The READY logged model ``name`` of ``run_id``, if one was logged already."""
+        found = self.client.search_logged_models(
+            [self.experiment_id],
+            filter_string=f"source_run_id = '{_quoted(run_id)}' AND name = '{_quoted(name)}'",
+        )
+        ready = [model for model in found if str(model.status).endswith("READY")]
+        return str(ready[0].model_id) if ready else None
+
     def register(self, model_id: str, name: str, tags: Mapping[str, str]) -> str:
-        """Create a new version of registered model ``name`` from a logged model; returns the version."""
+        """The version of registered model ``name`` made from logged model ``model_id``: the existing
+        one when this model was registered before (a retried or rerun step), else a new one."""
         import mlflow
 
+        existing = self.version_of(name, model_id)
+        if existing is not None:
+            return existing
         mlflow.set_tracking_uri(self.tracking_uri)
-        version = mlflow.register_model(f"models:/{model_id}", name, tags=dict(tags))
+        version = mlflow.register_model(
+            f"models:/{model_id}", name, tags={**tags, tag_names.SOURCE_MODEL: model_id}
+        )
         return str(version.version)
+
+    def version_of(self, name: str, model_id: str) -> str | None:
+        """The version of registered model ``name`` registered from ``model_id``, if any."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            versions = self.client.search_model_versions(f"name = '{_quoted(name)}'")
+        except MlflowException as exc:
+            if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "NOT_FOUND"):
+                return None
+            raise
+        mine = [v for v in versions if v.model_id == model_id or v.source == f"models:/{model_id}"]
+        return str(min(int(v.version) for v in mine)) if mine else None
 
     def alias_holder(self, name: str, alias: str) -> tuple[str, dict[str, str]] | None:
         """The version the alias points at and its tags, or None if there is no such alias (or model)."""
@@ -168,3 +209,8 @@ class MlflowTracker:
 
     def set_alias(self, name: str, alias: str, version: str) -> None:
         self.client.set_registered_model_alias(name, alias, version)
+
+
+def _quoted(value: str) -> str:
+    """``value`` inside a single-quoted MLflow filter string."""
+    return value.replace("'", "\\'")

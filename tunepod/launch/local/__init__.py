@@ -1,8 +1,8 @@
 """The local launcher: jobs as ``torchrun`` process trees on this machine."""
 
 from tunepod.launch.local.launcher import LocalJob, LocalLauncher, LocalStatus, parse_job_id, read_exit_code
-from tunepod.launch.local.processes import read_process_stat
 from tunepod.launch.local.render import torchrun_argv, wrapper_argv
+from tunepod.launch.procfs import read_process_stat
 
 __all__ = [
     "LocalJob",

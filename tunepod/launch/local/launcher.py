@@ -26,15 +26,10 @@ from pathlib import Path
 
 from tunepod.errors import JobError
 from tunepod.launch.base import SUBMISSION_ID_ENV, Accepted, Job, JobSpec, JobState, LauncherBase, Rendered
-from tunepod.launch.local.processes import (
-    carries_submission,
-    is_same_process,
-    live_processes,
-    read_process_stat,
-    submission_processes,
-)
+from tunepod.launch.local.processes import carries_submission, live_processes, submission_processes
 from tunepod.launch.local.render import parse_exit_file, torchrun_argv, wrapper_argv
 from tunepod.launch.paths import JobPaths, file_logs
+from tunepod.launch.procfs import is_same_process, read_process_stat
 from tunepod.launch.status_cache import TrackedJob
 from tunepod.launch.submission import Submission
 
@@ -271,7 +266,9 @@ def ignored_resources(job: JobSpec) -> dict[str, str]:
             "the job sees only what is here (CPU if none)"
         )
     if res.instance_type is not None:
-        ignored["instance_type"] = f"resources.instance_type={res.instance_type!r} ignored: jobs run on this machine"
+        ignored["instance_type"] = (
+            f"resources.instance_type={res.instance_type!r} ignored: jobs run on this machine"
+        )
     return ignored
 
 

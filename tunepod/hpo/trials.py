@@ -1,0 +1,79 @@
+"""The one seam between tunepod and Optuna's storage internals.
+
+ask/tell drivers need two things ``optuna.Study`` does not offer publicly: a trial by its number (to
+report intermediate values and ask ``should_prune`` from any thread or process), and user attributes
+set on a trial by number. Both go through ``study._storage`` and ``_trial_id`` here, and nowhere else.
+
+Optuna holds the outcome of every trial; its storage is the source of truth. A storage that fails in
+a way a retry can fix (a locked SQLite or journal file) is retried here with a short backoff.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from tunepod.errors import is_transient
+
+logger = logging.getLogger(__name__)
+
+FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+_RETRIES = 8
+_FIRST_DELAY_S = 0.2
+T = TypeVar("T")
+
+
+class StudyTrials:
+    """Trials of one study, by number. Thread safe as far as the Optuna storage is."""
+
+    def __init__(self, study: optuna.Study) -> None:
+        self.study = study
+
+    def all(self) -> list[FrozenTrial]:
+        return retried(lambda: self.study.get_trials(deepcopy=False))
+
+    def frozen(self, number: int) -> FrozenTrial:
+        storage = self.study._storage
+        return retried(lambda: storage.get_trial(self._trial_id(number)))
+
+    def live(self, number: int) -> optuna.trial.Trial:
+        """The trial as ``optuna.trial.Trial`` (for ``report`` and ``should_prune``)."""
+        return optuna.trial.Trial(self.study, self._trial_id(number))
+
+    def set_attr(self, number: int, key: str, value: object) -> None:
+        """Set a user attribute of a RUNNING trial; a finished trial's are never rewritten."""
+        frozen = self.frozen(number)
+        if frozen.state in FINISHED:
+            logger.debug("trial %d is finished; user attr %s stays as it is", number, key)
+            return
+        storage = self.study._storage
+        retried(lambda: storage.set_trial_user_attr(frozen._trial_id, key, value))
+
+    def tell(self, number: int, state: TrialState, value: float | None = None) -> None:
+        """Record a trial's outcome once (a finished trial keeps the outcome it has)."""
+        retried(lambda: self.study.tell(number, value, state=state, skip_if_finished=True))
+
+    def _trial_id(self, number: int) -> int:
+        storage = self.study._storage
+        study_id = self.study._study_id
+        return retried(lambda: storage.get_trial_id_from_study_id_trial_number(study_id, number))
+
+
+def retried(call: Callable[[], T]) -> T:
+    """``call()``, retried with backoff while it fails in a way a retry can fix (``is_transient``)."""
+    delay = _FIRST_DELAY_S
+    for attempt in range(_RETRIES):
+        try:
+            return call()
+        except Exception as exc:
+            if not is_transient(exc) or attempt == _RETRIES - 1:
+                raise
+            logger.warning("study storage busy (%s); retrying in %.1fs", exc, delay)
+            time.sleep(delay)
+            delay *= 2
+    raise AssertionError("unreachable")

@@ -1,0 +1,287 @@
+"""Driving one job dir to its outcome: the one loop the tuner and the train/evaluate steps share.
+
+The job dir is the truth, on every (re)start:
+
+- a result file means the job completed: it is never submitted again;
+- a cancel marker means tunepod stopped the job, and says why (pruned, timed out): that is its
+  outcome, and a stop that a crash interrupted is finished first;
+- the submission record names the job to re-attach to (an intent is resolved by name on the backend);
+- only a job that is really over without a result is started again, as a new attempt that resumes
+  from its checkpoints, and only while ``max_restarts`` allows.
+
+A transient backend error is waited out (logged), never read as "the job is gone", and never cancels
+anything. One driver per job dir: the driver holds the job dir's lease (``tunepod.launch.lease``)
+while it drives; a driver that finds the lease held by another live driver follows the job dir
+read-only until that driver lets go, then carries on from what the job dir says.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+
+from tunepod.errors import JobError, TransientError
+from tunepod.launch.base import JobHandle, JobSpec, JobState, Launcher
+from tunepod.launch.lease import Lease, Leases
+from tunepod.launch.paths import JobPaths
+from tunepod.launch.submission import CancelMarker, CancelReason, read_cancel_marker, read_submission
+from tunepod.runtime import Report, ReportTail, Result, read_result
+
+logger = logging.getLogger(__name__)
+
+# Called with the reports that appeared since the last call; returns True to stop the job (pruned).
+ReportHandler = Callable[[list[Report]], bool]
+# Called with each job handle the driver follows (True when it was just submitted); may wrap it.
+JobObserver = Callable[[JobHandle, bool], JobHandle]
+
+LOG_TAIL_LINES = 20
+LOG_SCAN_LINES = 400
+# How often a transient outage is logged while it lasts.
+_OUTAGE_LOG_S = 60.0
+# torchrun's agent prints its own traceback (ending in ChildFailedError) after the worker's; the
+# worker's traceback above it is what the user needs to see.
+TORCHRUN_SUMMARY = re.compile(
+    r"^.*torch/distributed/elastic/multiprocessing/api\.py.*failed \(exitcode", re.MULTILINE
+)
+
+
+class Outcome(StrEnum):
+    COMPLETED = "COMPLETED"
+    """A result file exists (or the job exited 0 without one: see ``DriveResult.result``)."""
+    PRUNED = "PRUNED"
+    TIMED_OUT = "TIMED_OUT"
+    FAILED = "FAILED"
+
+
+@dataclass(frozen=True)
+class DriveSettings:
+    poll_s: float
+    timeout_s: float | None = None
+    max_restarts: int = 0
+
+
+@dataclass(frozen=True)
+class DriveResult:
+    outcome: Outcome
+    result: Result | None
+    """The job's result file, when it wrote one."""
+    handle: JobHandle | None
+    message: str = ""
+    """For FAILED and TIMED_OUT: a runbook (job id, state, log tail, where the logs are)."""
+
+
+class LeaseLost(JobError):
+    """Another driver took this job dir's lease (this one stalled past its TTL); it drives it now."""
+
+
+class JobDriver:
+    """Drives one job dir; see the module docstring. One instance per job dir and call of ``run``."""
+
+    def __init__(
+        self,
+        launcher: Launcher,
+        job: JobSpec,
+        settings: DriveSettings,
+        *,
+        what: str,
+        on_reports: ReportHandler | None = None,
+        observe: JobObserver | None = None,
+        leases: Leases | None = None,
+    ) -> None:
+        self.launcher = launcher
+        self.job = job
+        self.settings = settings
+        self.what = what
+        self.paths = JobPaths(job.job_dir)
+        self._on_reports = on_reports
+        self._observe = observe or (lambda handle, _new: handle)
+        self._leases = leases or Leases(private_job_dirs=launcher.private_job_dirs)
+        self._reports = ReportTail(self.paths.metrics)
+        self._outage_logged_at = -_OUTAGE_LOG_S
+
+    def run(self, lease: Lease | None = None) -> DriveResult:
+        """Drive the job dir to an outcome, holding ``lease`` (taken here when not given)."""
+        lease = lease or self._take_lease()
+        try:
+            return self._drive(lease)
+        finally:
+            lease.release()
+
+    # ------------------------------------------------------------------------------------ the loop
+
+    def _drive(self, lease: Lease) -> DriveResult:
+        handle = self._waiting(self._current_job)
+        if handle is None:
+            result = read_result(self.paths.result)
+            if result is not None:  # finished, and its record is gone: never run it again
+                return DriveResult(Outcome.COMPLETED, result, None)
+            handle = self._submit()
+        deadline = None if self.settings.timeout_s is None else time.monotonic() + self.settings.timeout_s
+        stopping: CancelReason | None = self._marker_reason(handle)
+        while True:
+            if lease.lost:
+                raise LeaseLost(f"{self.what}: {self.paths.job_dir} is driven by another orchestrator now")
+            state = self._state(handle)
+            if state is not None and state.is_terminal:
+                self._feed_reports()
+                settled = self._settle(handle, state, stopping)
+                if settled is not None:
+                    return settled
+                handle = self._submit()  # a restart: the new attempt resumes from the checkpoints
+                continue
+            if stopping is None and self._feed_reports():
+                stopping = "pruned"
+            if stopping is None and deadline is not None and time.monotonic() > deadline:
+                stopping = "timed_out"
+            if stopping is not None and state is not None:
+                self._stop(handle, stopping)
+                continue
+            time.sleep(self.settings.poll_s)
+
+    def _settle(
+        self, handle: JobHandle, state: JobState, stopping: CancelReason | None
+    ) -> DriveResult | None:
+        """The outcome of a job that ended; None when it is to be started again. ``stopping`` is a
+        stop this driver decided on, which the job may have beaten to the end."""
+        result = read_result(self.paths.result)
+        if result is not None:
+            return DriveResult(Outcome.COMPLETED, result, handle)
+        marker = self._marker(handle)
+        reason = marker.reason if marker is not None else stopping
+        kind = self.launcher.kind
+        if reason == "pruned":
+            return DriveResult(Outcome.PRUNED, None, handle)
+        if reason == "timed_out":
+            limit = self.job.resources.timeout_min
+            what = f"{self.what} (timed out after {limit} min)" if limit else f"{self.what} (timed out)"
+            return DriveResult(
+                Outcome.TIMED_OUT, None, handle, failure_message(what, handle, state, kind=kind)
+            )
+        if state is JobState.SUCCEEDED:
+            return DriveResult(Outcome.COMPLETED, None, handle)
+        if state is JobState.FAILED and reason is None and self._may_restart(handle):
+            return None
+        return DriveResult(Outcome.FAILED, None, handle, failure_message(self.what, handle, state, kind=kind))
+
+    def _may_restart(self, handle: JobHandle) -> bool:
+        record = read_submission(self.paths)
+        restarts = (record.attempt - 1) if record is not None else 0
+        if restarts >= self.settings.max_restarts:
+            return False
+        logger.warning(
+            "%s: job %s failed; restart %d of %d, resuming from its checkpoints",
+            self.what,
+            handle.job_id,
+            restarts + 1,
+            self.settings.max_restarts,
+        )
+        return True
+
+    # ------------------------------------------------------------------------------------ helpers
+
+    def _take_lease(self) -> Lease:
+        """The job dir's lease; while another live driver holds it, follow read-only and wait."""
+        announced = False
+        while (lease := self._leases.acquire(self.paths.job_dir)) is None:
+            holder = self._leases.holder(self.paths.job_dir)
+            if not announced and holder is not None:
+                logger.warning(
+                    "%s: %s is driven by %s; following it", self.what, self.paths.job_dir, holder.describe()
+                )
+                announced = True
+            time.sleep(max(self.settings.poll_s, 0.2))
+        return lease
+
+    def _current_job(self) -> JobHandle | None:
+        handle = self.launcher.recorded(self.paths.job_dir)
+        return None if handle is None else self._observe(handle, False)
+
+    def _submit(self) -> JobHandle:
+        handle = self._waiting(lambda: self.launcher.submit(self.job))
+        assert handle is not None
+        return self._observe(handle, True)
+
+    def _state(self, handle: JobHandle) -> JobState | None:
+        """The job's state; None while the backend does not answer (logged once a minute)."""
+        try:
+            return handle.state()
+        except TransientError as exc:
+            self._log_outage(handle, exc)
+            time.sleep(self.settings.poll_s)
+            return None
+
+    def _stop(self, handle: JobHandle, reason: CancelReason) -> None:
+        try:
+            handle.cancel(reason=reason)
+        except TransientError as exc:
+            # The marker is written: the next round sends the stop again.
+            self._log_outage(handle, exc)
+            time.sleep(self.settings.poll_s)
+
+    def _waiting(self, call: Callable[[], JobHandle | None]) -> JobHandle | None:
+        """``call()``, retried for as long as it fails transiently (never read as "no job")."""
+        while True:
+            try:
+                return call()
+            except TransientError as exc:
+                self._log_outage(None, exc)
+                time.sleep(max(self.settings.poll_s, 1.0))
+
+    def _feed_reports(self) -> bool:
+        """Hand new reports to the handler; True when it asks to stop the job."""
+        reports = self._reports.read_new()
+        return bool(reports) and self._on_reports is not None and self._on_reports(reports)
+
+    def _marker(self, handle: JobHandle) -> CancelMarker | None:
+        marker = read_cancel_marker(self.paths)
+        return marker if marker is not None and marker.job_id in (handle.job_id, "") else None
+
+    def _marker_reason(self, handle: JobHandle) -> CancelReason | None:
+        """A stop decided before a restart of the orchestrator is carried out, not forgotten."""
+        marker = self._marker(handle)
+        return None if marker is None else marker.reason
+
+    def _log_outage(self, handle: JobHandle | None, exc: Exception) -> None:
+        now = time.monotonic()
+        if now - self._outage_logged_at < _OUTAGE_LOG_S:
+            return
+        self._outage_logged_at = now
+        job = f"job {handle.job_id}" if handle is not None else str(self.paths.job_dir)
+        logger.warning(
+            "%s: the %s backend did not answer about %s (%s); waiting",
+            self.what,
+            self.launcher.kind,
+            job,
+            exc,
+        )
+
+
+def failure_message(what: str, handle: JobHandle, state: JobState, *, kind: str) -> str:
+    """A runbook for a job that ended badly: which job, what state, the log tail, where the logs are."""
+    paths = JobPaths(handle.job_dir)
+    try:
+        log = handle.logs(LOG_SCAN_LINES)
+        described = handle.describe()
+    except TransientError as exc:
+        log, described = "", f"(the backend did not answer: {exc})"
+    tail = worker_error(log, LOG_TAIL_LINES) or "(no output)"
+    message = (
+        f"{what} ({kind} job {handle.job_id}) ended {state}: {described}.\n"
+        f"Last {LOG_TAIL_LINES} lines of its log:\n{tail}"
+    )
+    # Backends whose output is elsewhere (pod logs, CloudWatch) say where in their logs() text.
+    if paths.stderr.exists() or paths.stdout.exists():
+        message += f"\nFull logs: {paths.stderr} and {paths.stdout}"
+    return message
+
+
+def worker_error(log: str, lines: int) -> str:
+    """The last ``lines`` lines of ``log`` before torchrun's own failure summary (the worker's
+    traceback), or of the whole log when there is no such summary."""
+    starts = [match.start() for match in TORCHRUN_SUMMARY.finditer(log)]
+    relevant = log[: starts[-1]] if starts and log[: starts[-1]].strip() else log
+    return "\n".join(relevant.rstrip().splitlines()[-lines:])

@@ -1,0 +1,240 @@
+"""Mirroring one job dir into one MLflow run: every step's reports, the job's tags, the final record.
+
+A mirror never runs on a thread that drives a job: the ``TrackingOutbox`` calls ``sync`` from its own
+thread, and again, later, for as long as MLflow does not answer. So ``sync`` is idempotent, and what it
+has already brought over is kept in the job dir (``<job_dir>/mlflow.json``): the run id, the last
+report step mirrored, the logged model, whether the final record was written. A restarted
+orchestrator carries on from there instead of logging anything twice.
+
+The job's reports wait in its metrics file, which the job appends durably: the metrics file IS the
+outbox, and an MLflow outage costs nothing but delay.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import BaseModel, ValidationError
+
+from tunepod.launch.paths import JobPaths
+from tunepod.launch.submission import read_submission
+from tunepod.runtime import Report, ReportTail
+from tunepod.runtime.files import write_bytes_atomic
+from tunepod.tracking import tags
+from tunepod.tracking.mlflow_tracker import MlflowTracker, RunStatus
+
+logger = logging.getLogger(__name__)
+
+
+class MirrorState(BaseModel):
+    """``<job_dir>/mlflow.json``: how far the job's run is up to date."""
+
+    run_id: str | None = None
+    synced_step: int = -1
+    model_id: str | None = None
+    finalized: bool = False
+
+
+def read_mirror_state(job_dir: Path) -> MirrorState:
+    try:
+        return MirrorState.model_validate_json(JobPaths(job_dir).tracking.read_bytes())
+    except (FileNotFoundError, ValidationError):
+        return MirrorState()
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """How to find, or else create, the run a job writes into."""
+
+    key: str
+    """Unique in the experiment (the ``tunepod.key`` tag): looked up before a run is created."""
+    name: str
+    parent_run_id: str | None
+    tags: Mapping[str, str]
+    params: Mapping[str, object]
+
+
+@dataclass(frozen=True)
+class FinalMetric:
+    key: str
+    value: float
+    step: int | None
+    timestamp_ms: int
+    """Fixed by the caller, so a retried write is the same point, not a second one."""
+    model_id: str | None = None
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """A checkpoint folder to log as the run's MLflow logged model."""
+
+    checkpoint: Path
+    name: str
+    step: int
+    params: Mapping[str, object]
+
+
+@dataclass(frozen=True)
+class Final:
+    """What the run records once the job's outcome is known."""
+
+    tags: Mapping[str, object]
+    status: RunStatus | None
+    """How the run ends; None leaves it open (an evaluation writes into its trial's run)."""
+    metrics: tuple[FinalMetric, ...] = ()
+    error: str | None = None
+    model: ModelPlan | None = None
+    checkpoints: tuple[Path, ...] = field(default_factory=tuple)
+
+
+class RunMirror:
+    """Brings one MLflow run up to date with one job dir. See the module docstring.
+
+    ``plan`` finds or creates the run (a trial, a train step); ``run_id`` names an existing run to
+    write into instead (an evaluation's trial run). Job tags go under ``tag_prefix``.
+    Thread safety: ``finish`` may be called from any thread; ``sync`` from one thread at a time.
+    """
+
+    def __init__(
+        self,
+        tracker: MlflowTracker,
+        job_dir: Path,
+        *,
+        plan: RunPlan | None = None,
+        run_id: str | None = None,
+        tag_prefix: str = tags.PREFIX,
+        mirror_reports: bool = True,
+    ) -> None:
+        if plan is None and run_id is None:
+            raise ValueError("a mirror needs a plan for its run, or the id of an existing run")
+        self.tracker = tracker
+        self.job_dir = job_dir
+        self.plan = plan
+        self.tag_prefix = tag_prefix
+        self.mirror_reports = mirror_reports
+        self._state = read_mirror_state(job_dir)
+        if run_id is not None and self._state.run_id is None:
+            self._state = self._state.model_copy(update={"run_id": run_id})
+        self._tail = ReportTail(JobPaths(job_dir).metrics)
+        self._pending: list[Report] = []
+        self._tagged: tuple[str, int] | None = None
+        self._final: Final | None = None
+        self._lock = threading.Lock()
+        self._run_known = threading.Event()
+        if self._state.run_id is not None:
+            self._run_known.set()
+        # Written at once: a job dir with this file is one whose run must be brought up to date, even
+        # when MLflow never answered while the job ran.
+        self._save()
+
+    @property
+    def run_id(self) -> str | None:
+        return self._state.run_id
+
+    @property
+    def model_id(self) -> str | None:
+        return self._state.model_id
+
+    @property
+    def is_done(self) -> bool:
+        """True once the final record is written (nothing left to bring over)."""
+        return self._state.finalized
+
+    def wait_for_run(self, timeout_s: float) -> str | None:
+        """The run's id once known, waiting up to ``timeout_s`` for the outbox to create it."""
+        self._run_known.wait(timeout_s)
+        return self._state.run_id
+
+    def finish(self, final: Final) -> None:
+        """The job's outcome is known: write ``final`` at the next sync (once)."""
+        with self._lock:
+            self._final = final
+
+    def sync(self) -> None:
+        """Bring the run up to date. Raises whatever MLflow raises; calling again later is safe."""
+        run_id = self._ensure_run()
+        self._sync_job_tags(run_id)
+        if self.mirror_reports:
+            self._sync_reports(run_id)
+        with self._lock:
+            final = self._final
+        if final is not None and not self._state.finalized:
+            self._finalize(run_id, final)
+
+    # ------------------------------------------------------------------------------------ steps
+
+    def _ensure_run(self) -> str:
+        if self._state.run_id is not None:
+            return self._state.run_id
+        assert self.plan is not None
+        plan = self.plan
+        run_id = self.tracker.find_run(plan.key) or self.tracker.start_run(
+            plan.name,
+            parent_run_id=plan.parent_run_id,
+            tags={**plan.tags, tags.KEY: plan.key},
+            params=plan.params,
+        )
+        self._save(run_id=run_id)
+        return run_id
+
+    def _sync_job_tags(self, run_id: str) -> None:
+        record = read_submission(JobPaths(self.job_dir))
+        if record is None or record.job_id is None or self._tagged == (record.job_id, record.attempt):
+            return
+        job_id, job_dir, attempt = tags.job_tags(self.tag_prefix)
+        self.tracker.set_tags(
+            run_id, {job_id: record.job_id, job_dir: str(self.job_dir), attempt: record.attempt}
+        )
+        self._tagged = (record.job_id, record.attempt)
+
+    def _sync_reports(self, run_id: str) -> None:
+        self._pending += [r for r in self._tail.read_new() if r.step > self._state.synced_step]
+        if not self._pending:
+            return
+        self.tracker.log_reports(run_id, self._pending)
+        synced = max(r.step for r in self._pending)
+        self._pending = []
+        self._save(synced_step=synced)
+
+    def _finalize(self, run_id: str, final: Final) -> None:
+        model_id = self._state.model_id
+        if final.model is not None and model_id is None:
+            model_id = self._log_model(run_id, final.model)
+        for metric in final.metrics:
+            self.tracker.log_metric(
+                run_id,
+                metric.key,
+                metric.value,
+                step=metric.step,
+                timestamp_ms=metric.timestamp_ms,
+                model_id=metric.model_id,
+            )
+        final_tags = dict(final.tags)
+        if final.model is not None:
+            final_tags[tags.MODEL_ID] = model_id or ""
+        if final.checkpoints:
+            final_tags[tags.CHECKPOINTS] = " ".join(path.as_uri() for path in final.checkpoints)
+        self.tracker.set_tags(run_id, final_tags)
+        if final.error:
+            self.tracker.log_text(run_id, final.error, "error.txt")
+        if final.status is not None:
+            self.tracker.end_run(run_id, final.status)
+        self._save(finalized=True)
+
+    def _log_model(self, run_id: str, model: ModelPlan) -> str:
+        # Looked up first: a reply lost after the model was logged must not log it twice.
+        model_id = self.tracker.find_logged_model(run_id, model.name) or self.tracker.log_checkpoint_model(
+            run_id, model.checkpoint, name=model.name, step=model.step, params=model.params
+        )
+        self._save(model_id=model_id)
+        return model_id
+
+    def _save(self, **update: object) -> None:
+        self._state = self._state.model_copy(update=update)
+        write_bytes_atomic(JobPaths(self.job_dir).tracking, self._state.model_dump_json().encode())
+        if self._state.run_id is not None:
+            self._run_known.set()

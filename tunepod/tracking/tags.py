@@ -1,0 +1,55 @@
+"""Every MLflow tag name tunepod writes, defined once. Tests and other tools read them by these names."""
+
+from __future__ import annotations
+
+PREFIX = "tunepod."
+PARENT_RUN = "mlflow.parentRunId"
+
+# The pipeline run.
+PIPELINE = "tunepod.pipeline"
+SPEC = "tunepod.spec"
+SPEC_HASH = "tunepod.spec_hash"
+OVERRIDES = "tunepod.overrides"
+GIT_SHA = "tunepod.git_sha"
+
+# A trial's run, or a train step's run.
+KEY = "tunepod.key"
+"""Identity of the run (``<study>/trial-<n>``, ``<pipeline>/<step>/<job key>``): looked up before a
+run is created, so a lost reply from MLflow never leaves two runs for one trial."""
+TRIAL = "tunepod.trial"
+STUDY = "tunepod.study"
+STEP = "tunepod.step"
+STATE = "tunepod.state"
+"""RUNNING, then COMPLETE, PRUNED or FAIL."""
+LAUNCHER = "tunepod.launcher"
+JOB_ID = "job_id"
+JOB_DIR = "job_dir"
+ATTEMPT = "attempt"
+"""Suffixes of the job tags, under ``tunepod.`` for the run's own job, under ``tunepod.<step>.`` for a
+job that runs in another job's run (an evaluation in its trial's run)."""
+MODEL_ID = "tunepod.model_id"
+CHECKPOINTS = "tunepod.checkpoints"
+PRUNED_AT_STEP = "tunepod.pruned_at_step"
+CHECKPOINT_S3 = "tunepod.checkpoint_s3"
+
+# Logged models (a checkpoint folder).
+MODEL_STEP = "tunepod.step"
+MODEL_CHECKPOINT = "tunepod.checkpoint"
+
+# Registered model versions.
+METRIC = "tunepod.metric"
+VALUE = "tunepod.value"
+DIRECTION = "tunepod.direction"
+PIPELINE_RUN = "tunepod.pipeline_run"
+TRIAL_RUN = "tunepod.trial_run"
+SOURCE_MODEL = "tunepod.source_model_id"
+
+
+def job_tags(prefix: str) -> tuple[str, str, str]:
+    """The job id, job dir and attempt tags under ``prefix`` (``tunepod.`` or ``tunepod.<step>.``)."""
+    return f"{prefix}{JOB_ID}", f"{prefix}{JOB_DIR}", f"{prefix}{ATTEMPT}"
+
+
+def step_tag(step: str, name: str) -> str:
+    """A tag of the pipeline run about one of its steps: ``tunepod.<step>.<name>``."""
+    return f"{PREFIX}{step}.{name}"
