@@ -33,6 +33,8 @@ from tunepod.launch.local import LocalLauncher
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.status_cache import TrackedJob
 from tunepod.launch.submission import read_cancel_marker, read_submission
+from tunepod.outputs import TrialSet
+from tunepod.pipeline import PipelineRun
 
 TESTS = Path(__file__).resolve().parents[1]
 TRIAL_ARGS = {"epochs": 6, "sleep_s": 0.4}
@@ -213,3 +215,43 @@ def test_two_orchestrators_on_one_study_drive_each_trial_once(tmp_path: Path) ->
     for run in runs:
         steps = [m.step for m in client.get_metric_history(run.info.run_id, "score")]
         assert sorted(steps) == [0, 1, 2, 3], run.data.tags["tunepod.trial"]
+
+
+def train_job_dir(tmp_path: Path) -> Path:
+    (job,) = (tmp_path / "shared" / "jobs" / "independent" / "left").iterdir()
+    return job
+
+
+def test_a_retried_train_step_reattaches_and_a_rerun_reuses_its_finished_job(
+    in_repo: Path, isolated_overrides: list[str], tmp_path: Path
+) -> None:
+    """Finding 7: a retry of a train step while its first attempt still drives the job (Prefect runs a
+    retry as a second call into the step; here the two calls overlap on purpose), then a later run of
+    the pipeline. One job dir, one job, trained once, one MLflow run."""
+    spec = "tests/fixtures/specs/independent_steps.yaml"
+    run = PipelineRun.start(spec, isolated_overrides)
+    data = run.run_step("data", {})
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(run.run_step, "left", {"data": data})
+        wait_for(lambda: any((tmp_path / "shared" / "jobs").glob("independent/left/*/starts.log")), "the job")
+        retry = pool.submit(run.run_step, "left", {"data": data})
+        outputs = [first.result(timeout=120), retry.result(timeout=120)]
+    run.finish(ok=True)
+
+    records = [output.trials[0] for output in outputs if isinstance(output, TrialSet)]
+    assert len(records) == 2 and records[0] == records[1]
+    assert starts(records[0].job_dir) == 1
+    assert records[0].model_id is not None
+
+    later = PipelineRun.start(spec, isolated_overrides)
+    again = later.run_step("left", {"data": later.run_step("data", {})})
+    later.finish(ok=True)
+
+    assert isinstance(again, TrialSet)
+    assert again.trials[0] == records[0]
+    assert starts(records[0].job_dir) == 1
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    experiment = client.get_experiment_by_name("independent")
+    train_runs = client.search_runs([experiment.experiment_id], "tags.`tunepod.step` = 'left'")
+    assert [r.info.run_id for r in train_runs] == [records[0].run_id]
+    assert sorted(m.step for m in client.get_metric_history(records[0].run_id or "", "score")) == [0, 1, 2, 3]

@@ -83,3 +83,17 @@ def test_a_trial_without_checkpoint_cannot_be_registered(run: PipelineRun, tmp_p
     found.candidates[0].trial.model_id = None
     with pytest.raises(JobError, match=r"left no checkpoint .* fix: call ctx.save_checkpoint"):
         register.run(run, "promote", RegisterSettings(model="digits-mlp"), {"check": found})
+
+
+def test_registering_the_same_model_again_makes_no_new_version(run: PipelineRun, tmp_path: Path) -> None:
+    """Finding 8: Prefect retries a step that already registered (or a rerun repeats it): the version
+    made from that logged model is found again, and the alias stays where the first attempt put it."""
+    settings = RegisterSettings(model="digits-mlp")
+    scored = {"check": evaluation(run, tmp_path, 0.90)}
+    first = register.run(run, "promote", settings, scored)
+    retried = register.run(run, "promote", settings, scored)
+
+    assert (first.version, retried.version) == ("1", "1")
+    assert retried.alias_moved and champion(run) == "1"
+    versions = MlflowClient(run.tracker.tracking_uri).search_model_versions("name = 'digits-mlp'")
+    assert [str(v.version) for v in versions] == ["1"]

@@ -37,7 +37,7 @@ from tunepod.launch.paths import JobPaths
 from tunepod.launch.submission import read_submission
 from tunepod.metrics import default_metrics
 from tunepod.outputs import Dataset, TrialOutcome, TrialRecord, TrialSet
-from tunepod.runtime import Report, latest_checkpoint, read_reports, valid_checkpoints
+from tunepod.runtime import Report, latest_checkpoint, valid_checkpoints
 from tunepod.spec.models import TuneSettings
 from tunepod.tracking import MlflowTracker, tags
 from tunepod.tracking.mirror import Final, FinalMetric, ModelPlan, RunMirror, RunPlan, read_mirror_state
@@ -374,14 +374,14 @@ class Tuner:
                 checkpoints=checkpoints,
             )
         assert frozen.value is not None and frozen.datetime_complete is not None
-        metric = self.settings.study.metric
-        # The objective at the trial's last step (no stray point at step 0), unless the job's own last
-        # report already is that very point: every epoch's metric appears once.
-        reported = {(r.step, r.metrics.get(metric)) for r in read_reports(paths.metrics)}
+        # At the trial's last step, so the metric's history has no stray point at step 0 (the mirror
+        # skips it when the job's own report of that step is that very point).
         objective = FinalMetric(
-            metric, frozen.value, last_step, timestamp_ms=int(frozen.datetime_complete.timestamp() * 1000)
+            self.settings.study.metric,
+            frozen.value,
+            last_step,
+            timestamp_ms=int(frozen.datetime_complete.timestamp() * 1000),
         )
-        metrics = () if (last_step, frozen.value) in reported else (objective,)
         latest = latest_checkpoint(paths.checkpoints)
         model = None
         if latest is not None:
@@ -391,7 +391,7 @@ class Tuner:
         return Final(
             tags={tags.STATE: state},
             status=status,
-            metrics=metrics,
+            metrics=(objective,),
             model=model,
             checkpoints=checkpoints,
         )

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 
 from tunepod.errors import JobError, TransientError
 from tunepod.launch.base import JobHandle, JobSpec, JobState, Launcher
@@ -184,17 +185,9 @@ class JobDriver:
     # ------------------------------------------------------------------------------------ helpers
 
     def _take_lease(self) -> Lease:
-        """The job dir's lease; while another live driver holds it, follow read-only and wait."""
-        announced = False
-        while (lease := self._leases.acquire(self.paths.job_dir)) is None:
-            holder = self._leases.holder(self.paths.job_dir)
-            if not announced and holder is not None:
-                logger.warning(
-                    "%s: %s is driven by %s; following it", self.what, self.paths.job_dir, holder.describe()
-                )
-                announced = True
-            time.sleep(max(self.settings.poll_s, 0.2))
-        return lease
+        return acquire_or_follow(
+            self._leases, self.paths.job_dir, what=self.what, poll_s=self.settings.poll_s
+        )
 
     def _current_job(self) -> JobHandle | None:
         handle = self.launcher.recorded(self.paths.job_dir)
@@ -258,6 +251,18 @@ class JobDriver:
             job,
             exc,
         )
+
+
+def acquire_or_follow(leases: Leases, job_dir: Path, *, what: str, poll_s: float) -> Lease:
+    """The lease of ``job_dir``; while another live driver holds it, wait (saying once who drives it)."""
+    announced = False
+    while (lease := leases.acquire(job_dir)) is None:
+        holder = leases.holder(job_dir)
+        if not announced and holder is not None:
+            logger.warning("%s: %s is driven by %s; following it", what, job_dir, holder.describe())
+            announced = True
+        time.sleep(max(poll_s, 0.2))
+    return lease
 
 
 def failure_message(what: str, handle: JobHandle, state: JobState, *, kind: str) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 from tunepod.errors import JobError
 from tunepod.launch.base import JobHandle, JobSpec
 from tunepod.launch.contract import contract_env
-from tunepod.launch.drive import DriveSettings, JobDriver, Outcome
+from tunepod.launch.drive import DriveSettings, JobDriver, Outcome, acquire_or_follow
 from tunepod.launch.lease import Leases
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.submission import make_job_dir
@@ -54,7 +54,11 @@ def run_job(
 
     A failed job starts again in place up to ``max_restarts`` times (it resumes from its checkpoints).
     The caller records the outcome on the mirror (``mirror.finish``): it alone knows what it means.
+    While another driver (an earlier attempt of the step still running) holds the job dir, this one
+    waits for it, then carries on from what the job dir says.
     """
+    leases = Leases(private_job_dirs=ctx.launcher.private_job_dirs)
+    lease = acquire_or_follow(leases, job_dir, what=what, poll_s=POLL_S)
     ctx.outbox.add(mirror)
     env = contract_env(
         JobPaths(job_dir),
@@ -85,9 +89,9 @@ def run_job(
         what=what,
         on_reports=mirror_reports,
         observe=lambda handle, _new: _mirrored(ctx, mirror, handle),
-        leases=Leases(private_job_dirs=ctx.launcher.private_job_dirs),
+        leases=leases,
     )
-    driven = driver.run()
+    driven = driver.run(lease)
     if driven.outcome is Outcome.COMPLETED and driven.result is not None:
         return driven.result
     if driven.outcome is Outcome.COMPLETED:

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.submission import read_submission
-from tunepod.runtime import Report, ReportTail
+from tunepod.runtime import Report, ReportTail, read_reports
 from tunepod.runtime.files import write_bytes_atomic
 from tunepod.tracking import tags
 from tunepod.tracking.mlflow_tracker import MlflowTracker, RunStatus
@@ -127,9 +127,10 @@ class RunMirror:
         self._run_known = threading.Event()
         if self._state.run_id is not None:
             self._run_known.set()
-        # Written at once: a job dir with this file is one whose run must be brought up to date, even
-        # when MLflow never answered while the job ran.
-        self._save()
+        if not JobPaths(job_dir).tracking.exists():
+            # Written at once: a job dir with this file is one whose run must be brought up to date,
+            # even when MLflow never answered while the job ran.
+            self._save()
 
     @property
     def run_id(self) -> str | None:
@@ -156,6 +157,7 @@ class RunMirror:
 
     def sync(self) -> None:
         """Bring the run up to date. Raises whatever MLflow raises; calling again later is safe."""
+        self._catch_up_with_disk()
         run_id = self._ensure_run()
         self._sync_job_tags(run_id)
         if self.mirror_reports:
@@ -166,6 +168,20 @@ class RunMirror:
             self._finalize(run_id, final)
 
     # ------------------------------------------------------------------------------------ steps
+
+    def _catch_up_with_disk(self) -> None:
+        """Take what an earlier driver of the job dir (a previous attempt of the step, a previous run)
+        already brought over, so it is not written twice."""
+        disk = read_mirror_state(self.job_dir)
+        mine = self._state
+        self._state = MirrorState(
+            run_id=mine.run_id or disk.run_id,
+            synced_step=max(mine.synced_step, disk.synced_step),
+            model_id=mine.model_id or disk.model_id,
+            finalized=mine.finalized or disk.finalized,
+        )
+        if self._state.run_id is not None:
+            self._run_known.set()
 
     def _ensure_run(self) -> str:
         if self._state.run_id is not None:
@@ -204,7 +220,14 @@ class RunMirror:
         model_id = self._state.model_id
         if final.model is not None and model_id is None:
             model_id = self._log_model(run_id, final.model)
+        reported = {
+            (report.step, key, value)
+            for report in read_reports(JobPaths(self.job_dir).metrics)
+            for key, value in report.metrics.items()
+        }
         for metric in final.metrics:
+            if self.mirror_reports and (metric.step, metric.key, metric.value) in reported:
+                continue  # the job's own report of that step is this very point: log it once
             self.tracker.log_metric(
                 run_id,
                 metric.key,

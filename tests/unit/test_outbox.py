@@ -1,0 +1,77 @@
+"""The tracking outbox: a failing sync never reaches the caller, is retried with backoff, and
+``flush`` waits (bounded) until everything caught up.
+
+The mirrors here are test doubles of ``RunMirror``'s one method the outbox calls (``sync``): the
+outbox's own retry logic is what is under test. Against a real MLflow server that is killed and
+restarted, see ``tests/e2e/test_faults.py``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any, cast
+
+from tunepod.tracking.mirror import RunMirror
+from tunepod.tracking.outbox import TrackingOutbox
+
+
+class FlakyMirror:
+    """Fails its first ``failures`` syncs (as MLflow does while it is down), then succeeds."""
+
+    def __init__(self, failures: int) -> None:
+        self.job_dir = Path("/jobs/flaky")
+        self.failures = failures
+        self.calls = 0
+        self.lock = threading.Lock()
+
+    def sync(self) -> None:
+        with self.lock:
+            self.calls += 1
+            if self.calls <= self.failures:
+                raise ConnectionError("MLflow is not there")
+
+
+def as_mirror(double: Any) -> RunMirror:
+    return cast(RunMirror, double)
+
+
+def test_a_failing_sync_is_retried_until_it_works_and_never_raises_to_the_caller() -> None:
+    outbox = TrackingOutbox(max_backoff_s=0.05)
+    try:
+        mirror = FlakyMirror(failures=3)
+        outbox.add(as_mirror(mirror))  # returns at once, whatever MLflow does
+        assert outbox.flush(timeout_s=30)
+        assert mirror.calls == 4
+        assert outbox.num_waiting == 0
+    finally:
+        outbox.close()
+
+
+def test_flush_gives_up_after_its_timeout_and_keeps_the_work() -> None:
+    outbox = TrackingOutbox(max_backoff_s=0.05)
+    try:
+        mirror = FlakyMirror(failures=10**9)
+        outbox.add(as_mirror(mirror))
+        started = time.monotonic()
+        assert not outbox.flush(timeout_s=0.5)
+        assert time.monotonic() - started < 10
+        assert outbox.num_waiting == 1
+    finally:
+        outbox.close()
+
+
+def test_one_failing_run_does_not_hold_back_the_others() -> None:
+    outbox = TrackingOutbox(max_backoff_s=0.05)
+    try:
+        stuck, healthy = FlakyMirror(failures=10**9), FlakyMirror(failures=0)
+        outbox.add(as_mirror(stuck))
+        outbox.add(as_mirror(healthy))
+        deadline = time.monotonic() + 10
+        while healthy.calls == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert healthy.calls >= 1
+        assert outbox.num_waiting == 1
+    finally:
+        outbox.close()
