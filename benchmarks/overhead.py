@@ -318,11 +318,19 @@ def tunepod_jobs(study_dir: Path) -> list[JobSpan]:
                 trial=int(job_dir.name.removeprefix("trial-")),
                 start=(job_dir / "submission.json").stat().st_mtime,
                 end=end_file.stat().st_mtime,
-                exit_code=int(exit_file.read_text()) if exit_file.exists() else None,
+                exit_code=exit_code_of(exit_file),
                 has_result=(job_dir / "result.json").exists(),
             )
         )
     return jobs
+
+
+def exit_code_of(exit_file: Path) -> int | None:
+    """The code in a local job's exit file (``<code> <submission id>``), None when it has none."""
+    from tunepod.launch.local.render import parse_exit_file
+
+    parsed = parse_exit_file(exit_file.read_text()) if exit_file.exists() else None
+    return parsed[0] if parsed else None
 
 
 # Prefect's console lines start with the local time of day: "05:59:31.586 | INFO    | prefect - ...".

@@ -105,6 +105,9 @@ def run(spec: SpecArgument, set_: SetOption = None, home: HomeOption = Path(DEFA
     """
     _load(spec, set_)  # every spec error before Prefect's start-up cost
     _use_running_stack(home)
+    # The temporary server's telemetry heartbeat races the flow's first writes to its SQLite file and
+    # prints a "database is locked" traceback; nothing could be sent from a closed network anyway.
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from flows.pipeline import pipeline  # Prefect is imported here only: it costs seconds
 
     state = pipeline(str(spec), list(set_ or []), return_state=True)
