@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
+import threading
 from pathlib import Path
 
 import optuna
@@ -12,7 +15,10 @@ from optuna.distributions import (
     IntDistribution,
 )
 from optuna.storages import BaseStorage, RDBStorage
-from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock, JournalStorage
+from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+# Optuna's journal backend takes any lock of this base; it is only importable from its module.
+from optuna.storages.journal._file import BaseJournalFileLock
 
 from tunepod.errors import TunepodError
 from tunepod.spec.models import (
@@ -45,10 +51,7 @@ def make_storage(uri: str) -> BaseStorage:
     if uri.startswith(JOURNAL_SCHEME):
         path = Path(uri[len(JOURNAL_SCHEME) :]).expanduser()
         path.parent.mkdir(parents=True, exist_ok=True)
-        # The open()-based lock works on filesystems without symlink support (some network mounts);
-        # the journal is written from one orchestrator, so its cost does not matter.
-        lock = JournalFileOpenLock(str(path))
-        return JournalStorage(JournalFileBackend(str(path), lock_obj=lock))
+        return JournalStorage(JournalFileBackend(str(path), lock_obj=FlockJournalLock(path)))
     if uri.startswith("sqlite:///"):
         Path(uri[len("sqlite:///") :]).expanduser().parent.mkdir(parents=True, exist_ok=True)
         # Trials report from several threads at once; wait for SQLite's lock instead of failing.
@@ -56,11 +59,48 @@ def make_storage(uri: str) -> BaseStorage:
     return RDBStorage(uri)
 
 
-def make_sampler(settings: TuneSettings) -> optuna.samplers.BaseSampler:
+class FlockJournalLock(BaseJournalFileLock):
+    """The journal's write lock as an ``flock`` of ``<journal>.flock``.
+
+    Several orchestrators append to one journal (``tunepod run`` twice on a study). Optuna's own file
+    locks are files that a SIGKILLed writer leaves behind: every other writer then waits out a grace
+    period and forces the lock, which may break a live holder's. The kernel drops an ``flock`` when
+    its holder dies. One descriptor per acquire, so threads of one process exclude each other too.
+    """
+
+    def __init__(self, journal: Path) -> None:
+        self._path = journal.with_name(journal.name + ".flock")
+        self._held = threading.local()
+
+    def acquire(self) -> bool:
+        fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._held.fd = fd
+        return True
+
+    def release(self) -> None:
+        os.close(self._held.fd)
+
+
+def make_sampler(settings: TuneSettings, *, seed: int | None = None) -> optuna.samplers.BaseSampler:
+    """The study's sampler; ``seed`` (default: the spec's) seeds its random numbers."""
+    seed = settings.seed if seed is None else seed
     if settings.sampler == "random":
-        return optuna.samplers.RandomSampler(seed=settings.seed)
+        return optuna.samplers.RandomSampler(seed=seed)
     # Multivariate TPE with the constant liar, so trials in flight are not suggested twice.
-    return optuna.samplers.TPESampler(seed=settings.seed, multivariate=True, constant_liar=True)
+    return optuna.samplers.TPESampler(seed=seed, multivariate=True, constant_liar=True)
+
+
+def reseed_for_next_trial(study: optuna.Study, settings: TuneSettings, num_trials: int) -> None:
+    """With a seed, make the sampler of the next ask depend on the seed AND on how many trials the
+    study holds: a rerun, or a second orchestrator on the study, then continues the sequence instead
+    of suggesting the first trials' parameters again, and one orchestrator stays reproducible."""
+    if settings.seed is not None:
+        study.sampler = make_sampler(settings, seed=settings.seed + num_trials)
 
 
 def make_pruner(spec: PrunerSpec) -> optuna.pruners.BasePruner:

@@ -27,14 +27,15 @@ from pathlib import Path
 from optuna.trial import FrozenTrial, Trial, TrialState
 
 from tunepod.errors import JobError, TunepodError
-from tunepod.hpo.study import distributions, open_study
+from tunepod.hpo.study import distributions, open_study, reseed_for_next_trial
 from tunepod.hpo.trials import FINISHED, StudyTrials, retried
 from tunepod.launch.base import JobHandle, JobSpec, Launcher
 from tunepod.launch.contract import contract_env
 from tunepod.launch.drive import DriveResult, DriveSettings, JobDriver, LeaseLost, Outcome
-from tunepod.launch.lease import Lease, Leases, locked
+from tunepod.launch.lease import Lease, Leases
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.submission import read_submission
+from tunepod.locks import locked
 from tunepod.metrics import default_metrics
 from tunepod.outputs import Dataset, TrialOutcome, TrialRecord, TrialSet
 from tunepod.runtime import Report, latest_checkpoint, valid_checkpoints
@@ -166,10 +167,12 @@ class Tuner:
             self._announce_following(following)
             room = self.settings.num_trials - sum(t.state in FINISHED for t in trials) - len(running)
             capacity = self.settings.num_parallel - len(mine) - len(claimed)
-            asked = [self._ask() for _ in range(max(0, min(room, capacity)))]
+            asked = [self._ask(len(trials) + i) for i in range(max(0, min(room, capacity)))]
         return claimed + asked, following, room - len(asked)
 
-    def _ask(self) -> int:
+    def _ask(self, num_trials: int) -> int:
+        """A new trial (under the study lock); the study holds ``num_trials`` trials before it."""
+        reseed_for_next_trial(self.study, self.settings, num_trials)
         trial = retried(lambda: self.study.ask(self._distributions))
         job_dir = self.ctx.jobs_dir / f"trial-{trial.number}"
         _set_aside_stale(job_dir)

@@ -18,14 +18,12 @@ then turns True, and its driver stops driving that job without touching it.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -33,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.procfs import is_same_process, read_process_stat
 from tunepod.launch.submission import make_job_dir
+from tunepod.locks import locked
 from tunepod.runtime.files import write_bytes_atomic
 
 logger = logging.getLogger(__name__)
@@ -159,18 +158,6 @@ def read_lease(paths: JobPaths) -> LeaseRecord | None:
 
 def _write(paths: JobPaths, record: LeaseRecord) -> None:
     write_bytes_atomic(paths.lease, record.model_dump_json().encode())
-
-
-@contextlib.contextmanager
-def locked(path: Path) -> Iterator[None]:
-    """Hold an exclusive ``flock`` of ``path`` (created if missing) for the ``with`` block."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # closing the descriptor releases the lock
 
 
 def _locked(paths: JobPaths) -> contextlib.AbstractContextManager[None]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from tunepod.errors import TunepodError
+from tunepod.locks import locked
 from tunepod.runtime import Report
 from tunepod.tracking import tags as tag_names
 
@@ -45,11 +47,12 @@ class MlflowTracker:
         from mlflow import MlflowClient
 
         tracking_uri = absolute_tracking_uri(tracking_uri)
-        if tracking_uri.startswith("sqlite:///"):
-            Path(tracking_uri[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)
         self.tracking_uri = tracking_uri
-        self.client: MlflowClient = MlflowClient(tracking_uri)
-        self.experiment_id = self._experiment_id(experiment)
+        with _first_open_lock(tracking_uri):
+            # Opening a SQLite store creates (or migrates) its tables: two pipelines starting at once
+            # on a new store would both run the migration and leave it broken for good.
+            self.client: MlflowClient = MlflowClient(tracking_uri)
+            self.experiment_id = self._experiment_id(experiment)
 
     def _experiment_id(self, name: str) -> str:
         found = self.client.get_experiment_by_name(name)
@@ -60,8 +63,19 @@ class MlflowTracker:
                     f"(mlflow experiments restore) or choose another tracking.experiment"
                 )
             return str(found.experiment_id)
+        from mlflow.exceptions import MlflowException
+
         artifact_root = artifact_root_for(self.tracking_uri, name)
-        return str(self.client.create_experiment(name, artifact_location=artifact_root))
+        try:
+            return str(self.client.create_experiment(name, artifact_location=artifact_root))
+        except MlflowException as exc:
+            if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+            # Another pipeline created it between our look and our create.
+            created = self.client.get_experiment_by_name(name)
+            if created is None:
+                raise
+            return str(created.experiment_id)
 
     # ------------------------------------------------------------------------------------------ runs
 
@@ -209,6 +223,15 @@ class MlflowTracker:
 
     def set_alias(self, name: str, alias: str, version: str) -> None:
         self.client.set_registered_model_alias(name, alias, version)
+
+
+def _first_open_lock(tracking_uri: str) -> contextlib.AbstractContextManager[None]:
+    """A lock beside a SQLite store (``<db>.lock``); nothing for a tracking server, which serializes
+    its own schema work."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return contextlib.nullcontext()
+    db = Path(tracking_uri[len("sqlite:///") :])
+    return locked(db.with_name(db.name + ".lock"))
 
 
 def _quoted(value: str) -> str:
