@@ -1,0 +1,201 @@
+"""Real faults injected into `tunepod run`, run as a user runs it: the CLI as a process of its own, a real
+Prefect server, real torchrun jobs (local processes or the real one-node Slurm cluster), a real Optuna
+journal and a real MLflow store (SQLite, or a real `mlflow server` that the test kills).
+
+Every test drives the same small pipeline (``faults_support.FaultStudy``: stage a folder, then a study
+of 4 trials, 2 at a time, of the quadratic trainer, which appends a line to its job dir's starts.log at
+each start) and proves exactly-once behaviour after the fault: exactly num_trials finished trials, each
+trained once, one MLflow run per trial with each epoch's metric once, and no job left running.
+
+The `tunepod run` processes share the session's Prefect server (``prefect_api``) through
+PREFECT_API_URL: a temporary server per run would cost ~20 s of each run's two-core budget (a fault-free
+run measured 55 s with its own server against ~30 s without), and several orchestrators sharing one
+server is what a user with `tunepod up` has anyway. A SIGKILLed run leaves its flow run RUNNING there,
+which no later run depends on.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from faults_support import (
+    FaultStudy,
+    Tunepod,
+    assert_nothing_left,
+    assert_study_complete,
+    assert_tracked_once,
+    assert_trained_once,
+    queued,
+    reported_steps,
+    result,
+    sqlite_tracking,
+    starts,
+    study_job_ids,
+    study_processes,
+    submission,
+    wait_for,
+)
+from mlflow_server import mlflow_server
+
+pytestmark = pytest.mark.slow
+
+LAUNCHERS = ["local", pytest.param("slurm", marks=pytest.mark.slurm)]
+#: How long the MLflow server stays down: well past a request's budget (no retries, 3 s timeout).
+MLFLOW_OUTAGE_S = 12.0
+MLFLOW_CLIENT_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "3"}
+
+MakeRuns = Callable[..., Tunepod]
+
+
+@pytest.fixture
+def runs(prefect_api: None) -> Iterator[MakeRuns]:
+    """``runs(study, **env)``: writes the study's spec and starts `tunepod run`s on it against the
+    session's Prefect server. At teardown, kills whatever the test left running (orchestrators, jobs)."""
+    from prefect.settings import PREFECT_API_URL
+
+    base = {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value()), "COLUMNS": "200"}
+    made: list[Tunepod] = []
+
+    def make(study: FaultStudy, **env: str) -> Tunepod:
+        tunepod = Tunepod(study.write(), {**base, **env})
+        made.append(tunepod)
+        return tunepod
+
+    yield make
+    for tunepod in made:
+        tunepod.close()
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_sigkill_of_the_orchestrator_group_mid_study_then_rerun(
+    runs: MakeRuns, tmp_path: Path, launcher: str
+) -> None:
+    """Fault: SIGKILL of the whole `tunepod run` process group (CLI, Prefect, tuner threads, heartbeat)
+    while two trials' jobs train, then the same command again.
+
+    Proves: the jobs survive the orchestrator and the rerun re-attaches to them (same job id, first
+    attempt, one start each: no trial trained twice), the study ends with exactly num_trials trials,
+    MLflow holds one run per trial with every epoch once, and nothing of the study runs afterwards.
+    Epochs of 2 s keep the first jobs running while the rerun starts up (~12 s here), so the rerun
+    re-attaches to live jobs (test_a_job_that_finished_while_nobody_watched... covers finished ones).
+    """
+    study = FaultStudy(tmp_path, launcher, sqlite_tracking(tmp_path), sleep_s=2.0)
+    tunepod = runs(study)
+    first = tunepod.start("killed")
+    wait_for(lambda: len(study.started()) >= 2, "two trials' jobs to start training", running=first)
+    first.kill()
+    # (A job whose id the killed orchestrator had not recorded yet is adopted by name on the rerun.)
+    in_flight = {n: job for n, d in study.started().items() if (job := submission(d).job_id)}
+
+    rerun = tunepod.run("rerun")
+
+    trials = assert_study_complete(study)
+    assert_trained_once(study)
+    for number, job_id in in_flight.items():
+        assert submission(study.job_dir(number)).job_id == job_id, f"trial {number} got a new job"
+    assert "re-attaching to unfinished trials" in rerun.output(), rerun.tail()
+    assert_tracked_once(study, trials)
+    assert_nothing_left(study)
+
+
+def test_mlflow_server_killed_mid_study_longer_than_the_retry_budget(runs: MakeRuns, tmp_path: Path) -> None:
+    """Fault: the MLflow tracking server's process group is SIGKILLed while trials report, stays down for
+    12 s (the client's budget is one 3 s attempt), and comes back on the same port and store.
+
+    Proves: the run exits 0 with every trial COMPLETE (an outage never fails, stops or restarts a
+    trial), tunepod says so with a warning and no traceback, and once MLflow answers again every trial
+    has one run holding each epoch's metric once (reports made during the outage included).
+    """
+    with mlflow_server(tmp_path / "mlflow-server") as server:
+        study = FaultStudy(tmp_path, "local", server.url)
+        tunepod = runs(study, **MLFLOW_CLIENT_ENV)
+        run = tunepod.start("outage")
+        wait_for(lambda: reported_steps(study) > 0, "a trial to report", running=run)
+
+        server.kill()
+        before = reported_steps(study)
+        down_until = time.monotonic() + MLFLOW_OUTAGE_S
+        wait_for(lambda: time.monotonic() > down_until, "the outage to last its time", running=run)
+        during = reported_steps(study) - before
+        server.start()
+
+        code = run.wait()
+        assert code == 0, f"`tunepod run` exited {code} after the MLflow outage\n{run.tail()}"
+        assert during > 0, "no trial reported while MLflow was down: the fault missed the study"
+        output = run.output()
+        assert "MLflow did not take the records of" in output, run.tail()
+        assert "MLflow answers again" in output, run.tail()
+        assert "Traceback" not in output, run.tail()
+
+        trials = assert_study_complete(study)
+        assert_trained_once(study)
+        assert_tracked_once(study, trials)
+        assert_nothing_left(study)
+
+
+def test_two_tunepod_runs_on_one_study_at_once(runs: MakeRuns, tmp_path: Path) -> None:
+    """Fault: two `tunepod run` processes on the same spec (same study, journal, MLflow store and shared
+    root) started together, as two users, or a cron job and a person, would.
+
+    Proves: both exit 0, the study ends with exactly num_trials trials (not one batch per
+    orchestrator), each trial was driven and trained once (one start each), and MLflow holds one run
+    per trial with every epoch once.
+    """
+    study = FaultStudy(tmp_path, "local", sqlite_tracking(tmp_path))
+    tunepod = runs(study)
+    both = [tunepod.start("a"), tunepod.start("b")]
+
+    codes = {o.name: o.wait() for o in both}
+
+    assert codes == {"a": 0, "b": 0}, "\n".join(o.tail() for o in both)
+    trials = assert_study_complete(study)
+    assert_trained_once(study)
+    assert_tracked_once(study, trials)
+    assert_nothing_left(study)
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_a_job_that_finished_while_nobody_watched_is_not_trained_again(
+    runs: MakeRuns, tmp_path: Path, launcher: str
+) -> None:
+    """Fault: SIGKILL of the `tunepod run` process group while trials train; their jobs then finish with
+    no orchestrator watching (result.json written, processes gone, the Slurm job out of the queue), and
+    only then the same command runs again.
+
+    Proves: the rerun exits 0 and takes those trials as COMPLETE with the value their result.json
+    holds, without training them again (one start each) or submitting them again (attempt 1).
+    """
+    study = FaultStudy(tmp_path, launcher, sqlite_tracking(tmp_path))
+    tunepod = runs(study)
+    first = tunepod.start("killed")
+    wait_for(lambda: len(study.started()) >= 2, "two trials' jobs to start training", running=first)
+    first.kill()
+    unwatched = study.started()
+    job_ids = {n: job for n, d in unwatched.items() if (job := submission(d).job_id)}
+
+    wait_for(
+        lambda: all((d / "result.json").exists() for d in unwatched.values()),
+        f"trials {sorted(unwatched)} to finish on their own",
+    )
+    wait_for(lambda: not study_processes(study), "the finished jobs' processes to exit")
+    if launcher == "slurm":
+        wait_for(lambda: not queued(list(job_ids.values())), f"Slurm jobs {job_ids} to leave the queue")
+    written = {n: result(d) for n, d in unwatched.items()}
+
+    tunepod.run("rerun")
+
+    trials = assert_study_complete(study)
+    recorded = study_job_ids(study)
+    for number, job_dir in unwatched.items():
+        assert trials[number].value == pytest.approx(written[number].metrics["score"]), number
+        assert starts(job_dir) == 1, f"trial {number} was trained again"
+        assert submission(job_dir).attempt == 1, f"trial {number} was submitted again"
+        if number in job_ids:
+            assert recorded[number] == job_ids[number], f"trial {number} got a new job"
+    assert_trained_once(study)
+    assert_tracked_once(study, trials)
+    assert_nothing_left(study)
