@@ -26,6 +26,7 @@ import optuna
 import pytest
 from integration.test_tuner import child_runs, make_tuner, settings, starts
 from mlflow import MlflowClient
+from sshd import require_sshd
 
 from tunepod.errors import TransientError
 from tunepod.hpo.study import make_storage
@@ -37,6 +38,7 @@ from tunepod.outputs import TrialSet
 from tunepod.pipeline import PipelineRun
 
 TESTS = Path(__file__).resolve().parents[1]
+REPO = TESTS.parent
 TRIAL_ARGS = {"epochs": 6, "sleep_s": 0.4}
 
 # The orchestrator: the tuner on the local launcher, with an optional patch applied first.
@@ -48,14 +50,20 @@ ORCHESTRATOR = textwrap.dedent(
     from integration.test_tuner import make_tuner, settings
     {patch}
     tmp = Path({tmp!r})
-    make_tuner(tmp, settings(tmp, **{overrides!r})).run()
+    make_tuner(tmp, settings(tmp, **{overrides!r}), {launcher!r}).run()
     """
 )
 
 
-def orchestrate(tmp_path: Path, overrides: Mapping[str, Any], patch: str = "") -> subprocess.Popen[bytes]:
+def orchestrate(
+    tmp_path: Path, overrides: Mapping[str, Any], patch: str = "", launcher: str = "local"
+) -> subprocess.Popen[bytes]:
     script = ORCHESTRATOR.format(
-        tests=str(TESTS), tmp=str(tmp_path), overrides=dict(overrides), patch=textwrap.dedent(patch)
+        tests=str(TESTS),
+        tmp=str(tmp_path),
+        overrides=dict(overrides),
+        patch=textwrap.dedent(patch),
+        launcher=launcher,
     )
     return subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
 
@@ -255,3 +263,39 @@ def test_a_retried_train_step_reattaches_and_a_rerun_reuses_its_finished_job(
     train_runs = client.search_runs([experiment.experiment_id], "tags.`tunepod.step` = 'left'")
     assert [r.info.run_id for r in train_runs] == [records[0].run_id]
     assert sorted(m.step for m in client.get_metric_history(records[0].run_id or "", "score")) == [0, 1, 2, 3]
+
+
+@pytest.mark.slurm
+def test_the_head_node_unreachable_when_the_orchestrator_restarts_cancels_nothing(tmp_path: Path) -> None:
+    """Finding 3, with the real fault: Slurm driven over ssh; the orchestrator is SIGKILLed, then the
+    head node's sshd is stopped, and the rerun starts while no Slurm command can reach the cluster.
+    Its first polls fail (ssh exit 255, a TransientError); once sshd is back, the rerun follows the
+    jobs to the end. No job is cancelled, none is submitted again."""
+    require_sshd()
+    overrides = {"num_trials": 2, "num_parallel": 2, "train": {"args": TRIAL_ARGS}}
+    orchestrator = orchestrate(tmp_path, overrides, launcher="slurm-ssh")
+    wait_for(
+        lambda: all((job_dir(tmp_path, n) / "starts.log").exists() for n in (0, 1)), "both trials to start"
+    )
+    os.killpg(orchestrator.pid, signal.SIGKILL)
+    orchestrator.wait()
+    job_ids = [read_submission(JobPaths(job_dir(tmp_path, n))) for n in (0, 1)]
+
+    subprocess.run([str(REPO / "scripts" / "sshd-down")], check=True, capture_output=True)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            rerun = pool.submit(make_tuner(tmp_path, settings(tmp_path, **overrides), "slurm-ssh").run)
+            time.sleep(5)  # the outage the rerun meets; the assertions below do not depend on its length
+            assert not rerun.done(), rerun.exception()
+            subprocess.run([str(REPO / "scripts" / "sshd-up")], check=True, capture_output=True)
+            trials = rerun.result(timeout=180)
+    finally:
+        subprocess.run([str(REPO / "scripts" / "sshd-up")], check=False, capture_output=True)
+
+    assert [t.outcome for t in trials.trials] == ["COMPLETE", "COMPLETE"]
+    for trial, recorded in zip(trials.trials, job_ids, strict=True):
+        assert recorded is not None and trial.job_id == recorded.job_id
+        assert starts(trial.job_dir) == 1
+        assert read_cancel_marker(JobPaths(Path(trial.job_dir))) is None
+        record = read_submission(JobPaths(Path(trial.job_dir)))
+        assert record is not None and record.attempt == 1

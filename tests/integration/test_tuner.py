@@ -17,6 +17,7 @@ from typing import Any
 import optuna
 import pytest
 from mlflow import MlflowClient
+from sshd import TARGET, ssh_options
 
 from tunepod.errors import JobError
 from tunepod.hpo.study import make_storage
@@ -53,8 +54,12 @@ def settings(tmp_path: Path, **overrides: Any) -> TuneSettings:
 
 
 def make_launcher(kind: str, root: Path) -> Launcher:
-    if kind == "slurm":
-        spec = SlurmLauncherSpec(kind="slurm", root=str(root), python=sys.executable, poll_cache_s=0.2)
+    """``local``, ``slurm`` (the local cluster), or ``slurm-ssh`` (the same, every command over ssh)."""
+    if kind.startswith("slurm"):
+        over_ssh = {"ssh": TARGET, "ssh_options": ssh_options()} if kind == "slurm-ssh" else {}
+        spec = SlurmLauncherSpec.model_validate(
+            {"kind": "slurm", "root": str(root), "python": sys.executable, "poll_cache_s": 0.2, **over_ssh}
+        )
         return SlurmLauncher(spec)
     return LocalLauncher(root, cancel_grace_s=5)
 

@@ -548,7 +548,7 @@ class SageMakerStandIn:
         bucket, prefix = self._bucket_and_prefix(job)
         for instance in job.instances:
             root = instance.dir / "checkpoints"
-            for path in sorted(root.rglob("*")):
+            for path in _files_under(root):
                 try:
                     stat = path.stat()
                     if not path.is_file() or job.synced.get(str(path)) == (stat.st_mtime_ns, stat.st_size):
@@ -558,6 +558,12 @@ class SageMakerStandIn:
                 except FileNotFoundError:  # a save in progress renamed it away: the next pass sees it
                     continue
                 job.synced[str(path)] = (stat.st_mtime_ns, stat.st_size)
+
+
+def _files_under(root: Path) -> list[Path]:
+    """Every file below ``root``. os.walk skips a folder that vanishes while it walks (a checkpoint
+    save renames its temp folder away), where Path.rglob raises FileNotFoundError."""
+    return sorted(Path(folder, name) for folder, _, names in os.walk(root) for name in names)
 
 
 def _torchrun_flags(job: TrainingJob, instance: Instance, procs: int, port: int) -> list[str]:

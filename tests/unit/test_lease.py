@@ -23,9 +23,11 @@ def test_a_held_lease_is_refused_to_another_driver_until_released(tmp_path: Path
     assert second.acquire(tmp_path / "job") is None
     holder = second.holder(tmp_path / "job")
     assert holder is not None and holder.owner == first.owner
-    assert first.acquire(tmp_path / "job") is not None  # the holder may take it again
+    assert first.acquire(tmp_path / "job") is lease  # the holder may take it again: the same lease
     lease.release()
-    assert second.acquire(tmp_path / "job") is not None
+    taken = second.acquire(tmp_path / "job")
+    assert taken is not None
+    taken.release()
 
 
 def test_the_lease_of_a_sigkilled_driver_on_this_host_is_free_at_once(tmp_path: Path) -> None:
@@ -51,7 +53,9 @@ def test_the_lease_of_a_sigkilled_driver_on_this_host_is_free_at_once(tmp_path: 
     assert Leases(private_job_dirs=True).acquire(tmp_path / "job") is None
     holder.send_signal(signal.SIGKILL)
     holder.wait()
-    assert Leases(private_job_dirs=True).acquire(tmp_path / "job") is not None
+    lease = Leases(private_job_dirs=True).acquire(tmp_path / "job")
+    assert lease is not None
+    lease.release()
 
 
 def test_a_remote_holder_keeps_the_lease_until_it_stops_renewing_for_its_ttl(tmp_path: Path) -> None:
@@ -69,9 +73,11 @@ def test_a_remote_holder_keeps_the_lease_until_it_stops_renewing_for_its_ttl(tmp
     assert Leases(private_job_dirs=True).acquire(paths.job_dir) is None
     remote(renewed_s_ago=120)
     taker = Leases(private_job_dirs=True)
-    assert taker.acquire(paths.job_dir) is not None
+    lease = taker.acquire(paths.job_dir)
+    assert lease is not None
     taken = read_lease(paths)
     assert taken is not None and taken.owner == taker.owner
+    lease.release()
 
 
 def test_a_holder_that_finds_its_lease_taken_knows_it_lost_it(tmp_path: Path) -> None:

@@ -1,6 +1,23 @@
-"""Launchers: run a training command on a backend and follow it (see ``base`` for the contract)."""
+"""Launchers: run a training command on a backend and follow it.
 
-from tunepod.launch.base import JobHandle, JobSpec, JobState, Launcher, Resources, wait
+``base`` holds the contract (``Launcher``, ``JobHandle``) and the template every backend fills in
+(``LauncherBase``: the submission record written ahead of sending, find-by-name, refuse-if-running,
+the cancel marker, warn-once, one batched status cache). ``drive`` is the one loop that drives a job
+dir to its outcome, for the tuner and the steps alike; ``lease`` keeps it to one driver per job dir.
+Backends: ``local``, ``slurm``, ``sagemaker``, ``hyperpod_eks`` (see ``factory.make_launcher``).
+"""
+
+from tunepod.launch.base import JobHandle, JobSpec, JobState, Launcher, LauncherBase, Resources, wait
 from tunepod.launch.paths import JobPaths, SharedRoot
 
-__all__ = ["JobHandle", "JobPaths", "JobSpec", "JobState", "Launcher", "Resources", "SharedRoot", "wait"]
+__all__ = [
+    "JobHandle",
+    "JobPaths",
+    "JobSpec",
+    "JobState",
+    "Launcher",
+    "LauncherBase",
+    "Resources",
+    "SharedRoot",
+    "wait",
+]

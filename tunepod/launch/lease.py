@@ -89,10 +89,16 @@ class Leases:
         self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.private_job_dirs = private_job_dirs
         self.ttl_s = ttl_s
+        self._held: dict[Path, Lease] = {}
+        self._lock = threading.Lock()
 
     def acquire(self, job_dir: Path) -> Lease | None:
-        """Take (or renew, when this owner holds it already) the lease of ``job_dir``; None when
-        another live driver holds it."""
+        """Take the lease of ``job_dir`` (the same ``Lease`` again when this owner holds it already);
+        None when another live driver holds it."""
+        with self._lock:
+            held = self._held.get(job_dir)
+        if held is not None and not held.lost:
+            return held
         make_job_dir(job_dir, private=self.private_job_dirs)
         paths = JobPaths(job_dir)
         with _locked(paths):
@@ -103,6 +109,8 @@ class Leases:
                 logger.warning("%s: taking over the expired lease of %s", job_dir, current.describe())
             _write(paths, self._record())
         lease = Lease(self, job_dir)
+        with self._lock:
+            self._held[job_dir] = lease
         _heartbeat().add(lease)
         return lease
 
@@ -128,6 +136,9 @@ class Leases:
 
     def release(self, lease: Lease) -> None:
         _heartbeat().discard(lease)
+        with self._lock:
+            if self._held.get(lease.job_dir) is lease:
+                del self._held[lease.job_dir]
         if lease.lost:
             return
         paths = JobPaths(lease.job_dir)
