@@ -52,13 +52,14 @@ _POLL_S = 0.2
 
 @dataclass(frozen=True)
 class FaultStudy:
-    """One test's pipeline: stage a small folder, then tune the quadratic trainer (4 trials, 2 at a
-    time, random sampler with a fixed seed, no pruner), every store under ``tmp``."""
+    """One test's pipeline: stage a small folder, then tune the quadratic trainer (3 trials, 2 at a
+    time: a second wave runs after the fault; random sampler with a fixed seed, no pruner), every
+    store under ``tmp``."""
 
     tmp: Path
     launcher: str
     tracking_uri: str
-    num_trials: int = 4
+    num_trials: int = 3
     num_parallel: int = 2
     epochs: int = 6
     sleep_s: float = 0.5

@@ -3,7 +3,7 @@ Prefect server, real torchrun jobs (local processes or the real one-node Slurm c
 journal and a real MLflow store (SQLite, or a real `mlflow server` that the test kills).
 
 Every test drives the same small pipeline (``faults_support.FaultStudy``: stage a folder, then a study
-of 4 trials, 2 at a time, of the quadratic trainer, which appends a line to its job dir's starts.log at
+of 3 trials, 2 at a time, of the quadratic trainer, which appends a line to its job dir's starts.log at
 each start) and proves exactly-once behaviour after the fault: exactly num_trials finished trials, each
 trained once, one MLflow run per trial with each epoch's metric once, and no job left running.
 
@@ -169,7 +169,8 @@ def test_a_job_that_finished_while_nobody_watched_is_not_trained_again(
     Proves: the rerun exits 0 and takes those trials as COMPLETE with the value their result.json
     holds, without training them again (one start each) or submitting them again (attempt 1).
     """
-    study = FaultStudy(tmp_path, launcher, sqlite_tracking(tmp_path))
+    # Two trials, both unwatched when they finish: nothing else is left for the rerun to train.
+    study = FaultStudy(tmp_path, launcher, sqlite_tracking(tmp_path), num_trials=2)
     tunepod = runs(study)
     first = tunepod.start("killed")
     wait_for(lambda: len(study.started()) >= 2, "two trials' jobs to start training", running=first)

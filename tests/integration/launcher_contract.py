@@ -143,6 +143,7 @@ class LauncherContract:
     def test_submit_runs_then_succeeds_with_result(self, launcher: Launcher, tmp_path: Path) -> None:
         release = tmp_path / "release"
         job = self.make_job(tmp_path / "job", "succeed.py", str(release), procs=2)
+        job = JobSpec(**{**job.__dict__, "env": {**job.env, "SECRET_TOKEN": "s3cr3t"}})
         handle = launcher.submit(job)
         assert handle.state() in (JobState.PENDING, JobState.RUNNING)
         assert handle.state() in (JobState.PENDING, JobState.RUNNING)  # still: it waits for the release
@@ -151,6 +152,16 @@ class LauncherContract:
         result = runtime.read_result(job.paths.result)
         assert result is not None
         assert result.metrics == {"world_size": 2.0}
+        self.assert_environment_files_private(launcher, job)
+
+    def assert_environment_files_private(self, launcher: Launcher, job: JobSpec) -> None:
+        """The files that hold the job's environment are owner-only, and so is the job dir where the
+        jobs run as the submitting user."""
+        if launcher.private_job_dirs:
+            assert stat.S_IMODE(job.job_dir.stat().st_mode) == 0o700
+        holding = [p for p in job.job_dir.iterdir() if p.is_file() and b"s3cr3t" in p.read_bytes()]
+        for path in [job.paths.submission, *holding]:
+            assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
 
     def test_failing_job_is_failed_with_traceback_in_logs(self, launcher: Launcher, tmp_path: Path) -> None:
         handle = launcher.submit(self.make_job(tmp_path / "job", "fail.py", "boom from the contract test"))
@@ -163,8 +174,10 @@ class LauncherContract:
         job = self.make_job(tmp_path / "job", "hang.py", str(pid_dir), procs=2)
         handle = launcher.submit(job)
         wait_until(lambda: len(list(pid_dir.glob("rank-*.json"))) == 2, "both ranks to start")
-        handle.cancel()
+        handle.cancel(reason="pruned")
         assert handle.state() is JobState.CANCELLED
+        marker = read_cancel_marker(job.paths)  # written, with the reason, before the stop was sent
+        assert marker is not None and (marker.job_id, marker.reason) == (handle.job_id, "pruned")
         assert self.leftover_processes(handle, pid_dir) == []
         handle.cancel()  # idempotent
         assert handle.state() is JobState.CANCELLED
@@ -291,25 +304,3 @@ class LauncherContract:
         assert (record.attempt, record.name, record.submission_id) == (1, intent.name, intent.submission_id)
         assert finish(handle) is JobState.SUCCEEDED, handle.logs()
         assert self.jobs_named(launcher, record.name) == [handle.job_id]
-
-    def test_cancel_records_why_before_stopping(self, launcher: Launcher, tmp_path: Path) -> None:
-        pid_dir = tmp_path / "pids"
-        job = self.make_job(tmp_path / "job", "hang.py", str(pid_dir))
-        handle = launcher.submit(job)
-        wait_until(lambda: (pid_dir / "rank-0.json").exists(), "the rank to start")
-        handle.cancel(reason="pruned")
-        marker = read_cancel_marker(job.paths)
-        assert marker is not None and (marker.job_id, marker.reason) == (handle.job_id, "pruned")
-        assert handle.state() is JobState.CANCELLED
-
-    def test_files_holding_the_job_environment_are_private(self, launcher: Launcher, tmp_path: Path) -> None:
-        assert isinstance(launcher, LauncherBase)
-        job = self.make_job(tmp_path / "job", "succeed.py")
-        job = JobSpec(**{**job.__dict__, "env": {**job.env, "SECRET_TOKEN": "s3cr3t"}})
-        handle = launcher.submit(job)
-        assert finish(handle) is JobState.SUCCEEDED, handle.logs()
-        if launcher.private_job_dirs:
-            assert stat.S_IMODE(job.job_dir.stat().st_mode) == 0o700
-        holding = [p for p in job.job_dir.iterdir() if p.is_file() and b"s3cr3t" in p.read_bytes()]
-        for path in [job.paths.submission, *holding]:
-            assert stat.S_IMODE(path.stat().st_mode) == 0o600, path

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -20,7 +19,6 @@ from mlflow import MlflowClient
 from sshd import TARGET, ssh_options
 
 from tunepod.errors import JobError
-from tunepod.hpo.study import make_storage
 from tunepod.hpo.tuner import ATTR_JOB_ID, TuneContext, Tuner, require_completed
 from tunepod.launch.base import Launcher
 from tunepod.launch.local import LocalLauncher
@@ -158,8 +156,8 @@ def test_rerun_resumes_the_study_and_runs_nothing_twice(tmp_path: Path) -> None:
 def test_bad_trials_are_pruned_and_their_jobs_cancelled(tmp_path: Path, launcher: str) -> None:
     tune = settings(
         tmp_path,
-        train={"args": {"epochs": 8, "sleep_s": 0.4}},
-        num_trials=6,
+        train={"args": {"epochs": 6, "sleep_s": 0.4}},
+        num_trials=4,
         num_parallel=2,
         pruner={"kind": "median", "warmup_steps": 1},
         space={"x": {"type": "categorical", "choices": [0.3, 3.0]}},
@@ -167,8 +165,8 @@ def test_bad_trials_are_pruned_and_their_jobs_cancelled(tmp_path: Path, launcher
         seed=3,
     )
     tuner = make_tuner(tmp_path, tune, launcher)
-    tuner.study.enqueue_trial({"x": 0.3})
-    tuner.study.enqueue_trial({"x": 0.3})
+    for x in (0.3, 0.3, 3.0, 3.0):  # two good trials set the median the bad ones fall below
+        tuner.study.enqueue_trial({"x": x})
     trials = tuner.run()
 
     pruned = [t for t in trials.trials if t.outcome == "PRUNED"]
@@ -177,7 +175,7 @@ def test_bad_trials_are_pruned_and_their_jobs_cancelled(tmp_path: Path, launcher
         assert trial.params["x"] == 3.0
         assert Path(trial.job_dir, "cancelled").exists()
         assert not Path(trial.job_dir, "result.json").exists()
-        assert (trial.last_step or 0) < 7
+        assert (trial.last_step or 0) < 5
     runs = {r.data.tags["tunepod.trial"]: r for r in child_runs(tmp_path, tuner.ctx.parent_run_id)}
     for trial in pruned:
         assert runs[str(trial.number)].data.tags["tunepod.state"] == "PRUNED"
@@ -189,7 +187,10 @@ def test_bad_trials_are_pruned_and_their_jobs_cancelled(tmp_path: Path, launcher
 
 def test_a_failing_trial_is_recorded_with_its_log_tail(tmp_path: Path) -> None:
     tune = settings(
-        tmp_path, num_trials=3, train={"args": {"epochs": 2, "fail_if_x_above": 0.5}}, sampler="random"
+        tmp_path,
+        num_trials=3,
+        train={"args": {"epochs": 2, "fail_if_x_above": 0.5}, "max_restarts": 0},
+        sampler="random",
     )
     tuner = make_tuner(tmp_path, tune)
     tuner.study.enqueue_trial({"x": 0.9})
@@ -206,7 +207,7 @@ def test_a_failing_trial_is_recorded_with_its_log_tail(tmp_path: Path) -> None:
 
 
 def test_no_completed_trial_fails_the_step_with_the_first_error(tmp_path: Path) -> None:
-    tune = settings(tmp_path, num_trials=2, train={"args": {"fail_if_x_above": -1.0}})
+    tune = settings(tmp_path, num_trials=2, train={"args": {"fail_if_x_above": -1.0}, "max_restarts": 0})
     trials = make_tuner(tmp_path, tune).run()
     with pytest.raises(JobError, match="none of 2 trials completed") as raised:
         require_completed(trials)
@@ -218,55 +219,6 @@ def test_sqlite_storage_works_too(tmp_path: Path) -> None:
     trials = make_tuner(tmp_path, tune).run()
     assert [t.outcome for t in trials.trials] == ["COMPLETE", "COMPLETE"]
     assert optuna.load_study(study_name="quad", storage=f"sqlite:///{tmp_path}/optuna.db").best_trial
-
-
-ORCHESTRATOR = textwrap.dedent(
-    """
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, {tests!r})
-    from integration.test_tuner import make_tuner, settings
-    tmp = Path({tmp!r})
-    tune = settings(tmp, num_trials=3, train={{"args": {{"epochs": 6, "sleep_s": 0.5}}}})
-    make_tuner(tmp, tune, {launcher!r}).run()
-    """
-)
-
-
-@pytest.mark.parametrize("launcher", ["local", pytest.param("slurm", marks=pytest.mark.slurm)])
-def test_orchestrator_killed_mid_study_reattaches_on_rerun(tmp_path: Path, launcher: str) -> None:
-    """SIGKILL the process running the study while trials run; the rerun re-attaches to the running
-    jobs (no second launch), and the study ends with exactly num_trials finished trials."""
-    script = ORCHESTRATOR.format(
-        tests=str(Path(__file__).resolve().parents[1]), tmp=str(tmp_path), launcher=launcher
-    )
-    orchestrator = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
-    journal = tmp_path / "optuna.log"
-    study = None
-    for _ in range(600):
-        if journal.exists():
-            study = optuna.load_study(study_name="quad", storage=make_storage(f"journal://{journal}"))
-            running = [t for t in study.get_trials() if ATTR_JOB_ID in t.user_attrs]
-            if len(running) >= 2:
-                break
-        subprocess.run(["sleep", "0.1"], check=True)
-    os.killpg(orchestrator.pid, signal.SIGKILL)  # the orchestrator only: the jobs have sessions of their own
-    orchestrator.wait()
-    assert study is not None
-    in_flight = {
-        t.number: t.user_attrs[ATTR_JOB_ID] for t in study.get_trials() if ATTR_JOB_ID in t.user_attrs
-    }
-
-    tune = settings(tmp_path, num_trials=3, train={"args": {"epochs": 6, "sleep_s": 0.5}})
-    trials = make_tuner(tmp_path, tune, launcher).run()
-
-    assert len(trials.trials) == 3
-    assert all(t.outcome == "COMPLETE" for t in trials.trials)
-    for trial in trials.trials:
-        assert starts(trial.job_dir) == 1, f"trial {trial.number} was launched twice"
-        if trial.number in in_flight:
-            assert trial.job_id == in_flight[trial.number]
-    assert_no_job_left(trials.trials, launcher)
 
 
 def assert_no_job_left(trials: list[TrialRecord], launcher: str) -> None:

@@ -1,8 +1,8 @@
 """The tracking outbox: a failing sync never reaches the caller, is retried with backoff, and
 ``flush`` waits (bounded) until everything caught up.
 
-The mirrors here are test doubles of ``RunMirror``'s one method the outbox calls (``sync``): the
-outbox's own retry logic is what is under test. Against a real MLflow server that is killed and
+The mirrors here are test doubles of what the outbox uses of a ``RunMirror`` (``sync``, ``run_id``,
+``job_dir``): the outbox's own retry logic is what is under test. Against a real MLflow server that is killed and
 restarted, see ``tests/e2e/test_faults.py``.
 """
 
@@ -22,6 +22,7 @@ class FlakyMirror:
 
     def __init__(self, failures: int) -> None:
         self.job_dir = Path("/jobs/flaky")
+        self.run_id = "run"
         self.failures = failures
         self.calls = 0
         self.lock = threading.Lock()

@@ -89,12 +89,15 @@ class TrackingOutbox:
             self._synced(mirror, version)
 
     def _next(self) -> tuple[RunMirror, int] | None:
+        """The next mirror to sync: one whose run does not exist yet first (a job may be waiting
+        for its MLFLOW_RUN_ID), else the one waiting longest."""
         with self._cond:
             while not self._waiting and not self._closed:
                 self._cond.wait()
             if self._closed:
                 return None
-            return next(iter(self._waiting.values()))
+            waiting = list(self._waiting.values())
+            return next((entry for entry in waiting if entry[0].run_id is None), waiting[0])
 
     def _synced(self, mirror: RunMirror, version: int) -> None:
         with self._cond:
