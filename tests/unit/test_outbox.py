@@ -1,9 +1,9 @@
 """The tracking outbox: a failing sync never reaches the caller, is retried with backoff, and
 ``flush`` waits (bounded) until everything caught up.
 
-The mirrors here are test doubles of what the outbox uses of a ``RunMirror`` (``sync``, ``run_id``,
-``job_dir``): the outbox's own retry logic is what is under test. Against a real MLflow server that is killed and
-restarted, see ``tests/e2e/test_faults.py``.
+The mirrors here are test doubles of what the outbox uses of a ``RunMirror`` (``sync``,
+``run_id``, ``job_dir``): the outbox's own retry logic is what is under test. Against a real
+MLflow server that is killed and restarted, see ``tests/e2e/test_faults.py``.
 """
 
 from __future__ import annotations

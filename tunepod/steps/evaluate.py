@@ -19,7 +19,7 @@ from tunepod.runtime import latest_checkpoint
 from tunepod.spec.models import EvaluateSettings
 from tunepod.steps.context import StepContext
 from tunepod.steps.inputs import only_input
-from tunepod.steps.jobs import finish_mirror, job_key, prepared, run_job
+from tunepod.steps.jobs import StepJob, finish_mirror, job_key, prepared, run_job
 from tunepod.tracking import tags
 from tunepod.tracking.mirror import Final, FinalMetric, RunMirror
 
@@ -76,15 +76,17 @@ def _evaluate(
     )
     result = run_job(
         run,
-        what=f"Evaluation of trial {trial.number} (step {name})",
-        name=f"{run.spec.name}-{name}-trial-{trial.number}",
-        entrypoint=settings.entrypoint,
-        job_dir=job_dir,
-        params=params,
-        data_dir=trials.dataset.path,
-        resources=settings.resources,
-        mirror=mirror,
-        checkpoint_dir=Path(trial.checkpoint_dir),
+        StepJob(
+            what=f"Evaluation of trial {trial.number} (step {name})",
+            name=f"{run.spec.name}-{name}-trial-{trial.number}",
+            entrypoint=settings.entrypoint,
+            job_dir=job_dir,
+            params=params,
+            data_dir=trials.dataset.path,
+            resources=settings.resources,
+            checkpoint_dir=Path(trial.checkpoint_dir),
+        ),
+        mirror,
     )
     value = result.metrics.get(settings.metric)
     if value is None or not math.isfinite(value):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from tunepod.errors import JobError
@@ -36,20 +37,24 @@ def job_key(entrypoint: str, **inputs: object) -> str:
     return digest.hexdigest()[:12]
 
 
-def run_job(
-    ctx: StepContext,
-    *,
-    what: str,
-    name: str,
-    entrypoint: str,
-    job_dir: Path,
-    params: dict[str, object],
-    data_dir: str,
-    resources: Resources,
-    mirror: RunMirror,
-    checkpoint_dir: Path | None = None,
-    max_restarts: int = 0,
-) -> Result:
+@dataclass(frozen=True)
+class StepJob:
+    """One job a step runs: a train run, an evaluation, a preload."""
+
+    what: str
+    """How error messages name it (``Train step final``)."""
+    name: str
+    entrypoint: str
+    job_dir: Path
+    params: dict[str, object]
+    data_dir: str
+    resources: Resources
+    checkpoint_dir: Path | None = None
+    """Where its checkpoints are (an evaluation reads its trial's); default: its own job dir's."""
+    max_restarts: int = 0
+
+
+def run_job(ctx: StepContext, job: StepJob, mirror: RunMirror) -> Result:
     """Drive one job to its end, mirrored through ``mirror``; its result, or a ``JobError`` runbook.
 
     A failed job starts again in place up to ``max_restarts`` times (it resumes from its checkpoints).
@@ -58,48 +63,60 @@ def run_job(
     waits for it, then carries on from what the job dir says.
     """
     leases = Leases(private_job_dirs=ctx.launcher.private_job_dirs)
-    lease = acquire_or_follow(leases, job_dir, what=what, poll_s=POLL_S)
+    lease = acquire_or_follow(leases, job.job_dir, what=job.what, poll_s=POLL_S)
+    try:
+        driven = _driver(ctx, job, mirror, leases).run(lease)
+    finally:
+        lease.release()
+    if driven.outcome is Outcome.COMPLETED and driven.result is not None:
+        return driven.result
+    if driven.outcome is Outcome.COMPLETED:
+        raise JobError(
+            f"{job.what} exited 0 without a result file ({JobPaths(job.job_dir).result}); fix: call "
+            f"ctx.finish(...) at the end of {job.entrypoint}"
+        )
+    raise JobError(driven.message)
+
+
+def _driver(ctx: StepContext, job: StepJob, mirror: RunMirror, leases: Leases) -> JobDriver:
+    """The driver of one step job, its environment pointing at the job's MLflow run when it exists."""
     ctx.outbox.add(mirror)
     env = contract_env(
-        JobPaths(job_dir),
-        params=params,
-        data_dir=data_dir,
-        trial=name,
-        checkpoint_dir=checkpoint_dir,
+        JobPaths(job.job_dir),
+        params=job.params,
+        data_dir=job.data_dir,
+        trial=job.name,
+        checkpoint_dir=job.checkpoint_dir,
         tracking_uri=ctx.tracker.tracking_uri,
         run_id=mirror.wait_for_run(RUN_ID_WAIT_S),
     )
-    job = JobSpec(
-        name=name, entrypoint=Path(entrypoint).resolve(), job_dir=job_dir, env=env, resources=resources
+    spec = JobSpec(
+        name=job.name,
+        entrypoint=Path(job.entrypoint).resolve(),
+        job_dir=job.job_dir,
+        env=env,
+        resources=job.resources,
     )
+    timeout_min = job.resources.timeout_min
     settings = DriveSettings(
         poll_s=POLL_S,
-        timeout_s=None if resources.timeout_min is None else resources.timeout_min * 60,
-        max_restarts=max_restarts,
+        timeout_s=None if timeout_min is None else timeout_min * 60,
+        max_restarts=job.max_restarts,
     )
 
     def mirror_reports(_: list[Report]) -> bool:
         ctx.outbox.add(mirror)
         return False
 
-    driver = JobDriver(
+    return JobDriver(
         ctx.launcher,
-        job,
+        spec,
         settings,
-        what=what,
+        what=job.what,
         on_reports=mirror_reports,
         observe=lambda handle, _new: _mirrored(ctx, mirror, handle),
         leases=leases,
     )
-    driven = driver.run(lease)
-    if driven.outcome is Outcome.COMPLETED and driven.result is not None:
-        return driven.result
-    if driven.outcome is Outcome.COMPLETED:
-        raise JobError(
-            f"{what} exited 0 without a result file ({job.paths.result}); fix: call ctx.finish(...) at the "
-            f"end of {entrypoint}"
-        )
-    raise JobError(driven.message)
 
 
 def prepared(ctx: StepContext, job_dir: Path) -> Path:

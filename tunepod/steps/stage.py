@@ -15,7 +15,7 @@ from tunepod.spec.resources import Resources
 from tunepod.staging import stage
 from tunepod.staging.fsx_stage import FsxStageReport, FsxTarget, stage_fsx
 from tunepod.steps.context import StepContext
-from tunepod.steps.jobs import job_key, prepared, run_job
+from tunepod.steps.jobs import StepJob, job_key, prepared, run_job
 from tunepod.tracking import tags
 from tunepod.tracking.mirror import RunMirror
 
@@ -80,14 +80,16 @@ def _preload(run: StepContext, name: str, report: FsxStageReport, fsx: FsxStageS
     job_dir = prepared(run, run.job_dir(name, f"preload-{key}"))
     result = run_job(
         run,
-        what=f"Preload of {report.target} (step {name})",
-        name=f"{run.spec.name}-{name}-preload",
-        entrypoint=entrypoint,
-        job_dir=job_dir,
-        params=params,
-        data_dir=str(report.target),
-        resources=Resources(num_nodes=1, procs_per_node=1),
-        mirror=RunMirror(
+        StepJob(
+            what=f"Preload of {report.target} (step {name})",
+            name=f"{run.spec.name}-{name}-preload",
+            entrypoint=entrypoint,
+            job_dir=job_dir,
+            params=params,
+            data_dir=str(report.target),
+            resources=Resources(num_nodes=1, procs_per_node=1),
+        ),
+        RunMirror(
             run.tracker, job_dir, run_id=run.run_id, tag_prefix=tags.step_tag(name, ""), mirror_reports=False
         ),
     )

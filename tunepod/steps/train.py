@@ -12,7 +12,7 @@ from tunepod.runtime import Result, latest_checkpoint, valid_checkpoints
 from tunepod.spec.models import TrainSettings
 from tunepod.steps.context import StepContext
 from tunepod.steps.inputs import only_input, optional_input
-from tunepod.steps.jobs import finish_mirror, job_key, prepared, run_job
+from tunepod.steps.jobs import StepJob, finish_mirror, job_key, prepared, run_job
 from tunepod.tracking import tags
 from tunepod.tracking.mirror import Final, FinalMetric, ModelPlan, RunMirror, RunPlan
 
@@ -43,15 +43,17 @@ def run(ctx: StepContext, name: str, settings: TrainSettings, inputs: Mapping[st
     try:
         result = run_job(
             ctx,
-            what=f"Train step {name}",
-            name=f"{ctx.spec.name}-{name}",
-            entrypoint=settings.train.entrypoint,
-            job_dir=job_dir,
-            params=params,
-            data_dir=dataset.path,
-            resources=settings.train.resources,
-            mirror=mirror,
-            max_restarts=settings.train.max_restarts,
+            StepJob(
+                what=f"Train step {name}",
+                name=f"{ctx.spec.name}-{name}",
+                entrypoint=settings.train.entrypoint,
+                job_dir=job_dir,
+                params=params,
+                data_dir=dataset.path,
+                resources=settings.train.resources,
+                max_restarts=settings.train.max_restarts,
+            ),
+            mirror,
         )
     except JobError as exc:
         finish_mirror(ctx, mirror, Final(tags={tags.STATE: "FAIL"}, status="FAILED", error=str(exc)))
