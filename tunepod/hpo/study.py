@@ -103,9 +103,31 @@ def reseed_for_next_trial(study: optuna.Study, settings: TuneSettings, num_trial
         study.sampler = make_sampler(settings, seed=settings.seed + num_trials)
 
 
+class ThreadSafeHyperbandPruner(optuna.pruners.HyperbandPruner):
+    """Optuna's Hyperband pruner, safe to ask from every trial's driver thread at once.
+
+    It builds its brackets on first use; two threads doing that together double its budgets and then
+    fail with "This line should be unreachable". One re-entrant lock covers ``prune`` and the bracket
+    lookup Optuna's samplers also call (``optuna.pruners._filter_study``), so nobody sees the brackets
+    half built. A subclass, not a wrapper: Optuna gives the samplers bracket-filtered trials only when
+    ``study.pruner`` is a ``HyperbandPruner``."""
+
+    def __init__(self, *, min_resource: int, reduction_factor: int) -> None:
+        super().__init__(min_resource=min_resource, reduction_factor=reduction_factor)
+        self._lock = threading.RLock()
+
+    def prune(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> bool:
+        with self._lock:
+            return super().prune(study, trial)
+
+    def _get_bracket_id(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> int:
+        with self._lock:
+            return super()._get_bracket_id(study, trial)
+
+
 def make_pruner(spec: PrunerSpec) -> optuna.pruners.BasePruner:
     if spec.kind == "hyperband":
-        return optuna.pruners.HyperbandPruner(
+        return ThreadSafeHyperbandPruner(
             min_resource=spec.min_resource, reduction_factor=spec.reduction_factor
         )
     if spec.kind == "median":
