@@ -3,38 +3,22 @@
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
-import textwrap
 import threading
 from pathlib import Path
 
-from tunepod.hpo.study import FlockJournalLock
+from holder import hold
 
-REPO = Path(__file__).resolve().parents[2]
+from tunepod.hpo.study import FlockJournalLock
 
 
 def test_a_sigkilled_holder_releases_the_journal_lock(tmp_path: Path) -> None:
     journal = tmp_path / "optuna.log"
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            textwrap.dedent(
-                f"""
-                import sys, time
-                sys.path.insert(0, {str(REPO)!r})
-                from pathlib import Path
-                from tunepod.hpo.study import FlockJournalLock
-                FlockJournalLock(Path({str(journal)!r})).acquire()
-                print("held", flush=True)
-                time.sleep(600)
-                """
-            ),
-        ],
-        stdout=subprocess.PIPE,
+    holder = hold(
+        f"""
+        from tunepod.hpo.study import FlockJournalLock
+        FlockJournalLock(Path({str(journal)!r})).acquire()
+        """
     )
-    assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
     waiter_done = threading.Event()
 
     def wait_for_lock() -> None:

@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
+
+from holder import hold
 
 from tunepod.launch.lease import LeaseRecord, Leases, read_lease
 from tunepod.launch.paths import JobPaths
 from tunepod.runtime.files import write_bytes_atomic
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_a_held_lease_is_refused_to_another_driver_until_released(tmp_path: Path) -> None:
@@ -31,25 +28,12 @@ def test_a_held_lease_is_refused_to_another_driver_until_released(tmp_path: Path
 
 
 def test_the_lease_of_a_sigkilled_driver_on_this_host_is_free_at_once(tmp_path: Path) -> None:
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            textwrap.dedent(
-                f"""
-                import sys, time
-                sys.path.insert(0, {str(REPO)!r})
-                from pathlib import Path
-                from tunepod.launch.lease import Leases
-                assert Leases(private_job_dirs=True, ttl_s=3600).acquire(Path({str(tmp_path / "job")!r}))
-                print("held", flush=True)
-                time.sleep(600)
-                """
-            ),
-        ],
-        stdout=subprocess.PIPE,
+    holder = hold(
+        f"""
+        from tunepod.launch.lease import Leases
+        assert Leases(private_job_dirs=True, ttl_s=3600).acquire(Path({str(tmp_path / "job")!r}))
+        """
     )
-    assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
     assert Leases(private_job_dirs=True).acquire(tmp_path / "job") is None
     holder.send_signal(signal.SIGKILL)
     holder.wait()
