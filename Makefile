@@ -3,6 +3,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 SPEC ?= examples/digits/pipeline.yaml
+# Two pytest workers: most tests wait on subprocesses and servers, so two overlap well even on two cores.
+TEST_WORKERS ?= 2
 
 .PHONY: venv demo test lint bench-overhead clean slurm-up slurm-down
 
@@ -31,7 +33,7 @@ test: lint
 	scripts/prometheus-up || echo "warning: no prometheus; its test will skip (fail under CI=true)" >&2
 	scripts/browser-up || echo "warning: no chromium; the UI tests will skip (fail under CI=true)" >&2
 	scripts/sshd-up || echo "warning: no test sshd; the slurm-over-ssh tests will skip (fail under CI=true)" >&2
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadgroup
 
 # The local one-node Slurm cluster the slurm-marked tests use (root; installs Debian packages if missing).
 slurm-up:

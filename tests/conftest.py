@@ -53,3 +53,24 @@ def isolated_overrides(tmp_path: Path) -> list[str]:
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     apply_slurm_marker(item)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Groups for ``pytest -n N --dist loadgroup`` (what `make test` runs): a module's tests stay on one
+    worker, so a module-scoped server (the UI stack, moto) starts once; every Slurm test shares one
+    group, so tests never queue behind each other on the one-node cluster, nor see its sshd stopped
+    by the head-node-unreachable test."""
+    for item in items:
+        group = "slurm" if item.get_closest_marker("slurm") else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # pytest 9.2 keeps node ids where pytest-xdist 3.8 cannot add the group to them: loadgroup would
+    # silently scatter a module's tests (and the Slurm tests) over both workers.
+    if config.getoption("dist", "no") == "loadgroup" and pytest.version_tuple[:2] >= (9, 2):
+        raise pytest.UsageError(
+            f"--dist loadgroup does not group tests with pytest {pytest.__version__}: install the "
+            "pytest pyproject.toml names (`make test` does), or run the tests without -n"
+        )
