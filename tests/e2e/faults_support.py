@@ -63,6 +63,11 @@ class FaultStudy:
     num_parallel: int = 2
     epochs: int = 6
     sleep_s: float = 0.5
+    trainer: Path = TRAINER
+    args: Mapping[str, Any] = field(default_factory=dict)
+    """More trainer parameters, besides epochs and sleep_s."""
+    train: Mapping[str, Any] = field(default_factory=dict)
+    """More of the spec's ``train`` section (resources, max_restarts, hang_timeout_s)."""
 
     @property
     def spec(self) -> Path:
@@ -97,8 +102,9 @@ class FaultStudy:
                     "needs": ["data"],
                     "with": {
                         "train": {
-                            "entrypoint": str(TRAINER),
-                            "args": {"epochs": self.epochs, "sleep_s": self.sleep_s},
+                            "entrypoint": str(self.trainer),
+                            "args": {"epochs": self.epochs, "sleep_s": self.sleep_s, **self.args},
+                            **self.train,
                         },
                         "study": {"name": STUDY, "storage": f"journal://{self.journal}", "metric": METRIC},
                         "space": {"x": {"type": "float", "low": 0.0, "high": 1.0}},

@@ -16,7 +16,9 @@ which no later run depends on.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -40,6 +42,11 @@ from faults_support import (
     wait_for,
 )
 from mlflow_server import mlflow_server
+from optuna.trial import TrialState
+
+from tunepod.launch.paths import JobPaths
+from tunepod.runtime import read_reports
+from tunepod.runtime.progress import read_progress
 
 pytestmark = pytest.mark.slow
 
@@ -49,6 +56,24 @@ MLFLOW_OUTAGE_S = 12.0
 MLFLOW_CLIENT_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "3"}
 
 MakeRuns = Callable[..., Tunepod]
+
+COLLECTIVE_TRAINER = Path(__file__).resolve().parents[1] / "fixtures" / "trainers" / "collective.py"
+#: Heartbeats every 0.5 s, and a loop idle for 4 s counts as hung: the hang is seen within seconds.
+HANG_ENV = {"TUNEPOD_HEARTBEAT_S": "0.5"}
+HANG_TIMEOUT_S = 4
+
+
+def hanging_study(tmp_path: Path, max_restarts: int) -> FaultStudy:
+    """One trial of the two-rank gloo trainer whose first start hangs in an all-reduce at epoch 2."""
+    return FaultStudy(
+        tmp_path, "local", sqlite_tracking(tmp_path), num_trials=1, num_parallel=1, epochs=4, sleep_s=0.2,
+        trainer=COLLECTIVE_TRAINER, args={"hang_at_epoch": 2},
+        train={
+            "resources": {"procs_per_node": 2},
+            "hang_timeout_s": HANG_TIMEOUT_S,
+            "max_restarts": max_restarts,
+        },
+    )  # fmt: skip
 
 
 @pytest.fixture
@@ -199,4 +224,83 @@ def test_a_job_that_finished_while_nobody_watched_is_not_trained_again(
             assert recorded[number] == job_ids[number], f"trial {number} got a new job"
     assert_trained_once(study)
     assert_tracked_once(study, trials)
+    assert_nothing_left(study)
+
+
+def test_a_hung_collective_is_stopped_and_the_trial_resumes_from_its_checkpoint(
+    runs: MakeRuns, tmp_path: Path
+) -> None:
+    """Fault: a real hang. Rank 1 of a two-rank gloo job stops joining all-reduces at epoch 2 while
+    rank 0 waits in one: both processes live, neither loop advances (``collective.py``).
+
+    Proves: after ``hang_timeout_s`` without progress tunepod says the job is hung, naming both ranks
+    as alive but stuck, stops it and starts attempt 2, which resumes from the epoch-1 checkpoint (each
+    epoch reported once, the script started twice), and the trial completes, counted once.
+    """
+    study = hanging_study(tmp_path, max_restarts=1)
+    run = runs(study, **HANG_ENV).run("hang")
+
+    trials = assert_study_complete(study)
+    assert len(trials) == 1
+    job_dir = study.job_dir(0)
+    assert starts(job_dir) == 2
+    assert submission(job_dir).attempt == 2
+    assert [report.step for report in read_reports(JobPaths(job_dir).metrics)] == [0, 1, 2, 3]
+    output = run.output()
+    assert "is hung, stopping it: no progress for" in output, run.tail()
+    assert "(last step 1)" in output and "rank 0 on" in output and "rank 1 on" in output, run.tail()
+    assert "alive (stuck in a collective" in output, run.tail()
+    assert "hung; restart 1 of 1, resuming from its checkpoints" in output, run.tail()
+    assert_nothing_left(study)
+
+
+def test_a_hung_job_with_no_restart_left_fails_its_trial_with_a_runbook(
+    runs: MakeRuns, tmp_path: Path
+) -> None:
+    """Fault: the same real hang, with ``max_restarts: 0``.
+
+    Proves: the job is stopped (nothing is left running), the trial FAILs, and `tunepod run` exits 1
+    with a message that says the trial hung, its last step, which ranks stopped, and the job's logs.
+    """
+    study = hanging_study(tmp_path, max_restarts=0)
+    run = runs(study, **HANG_ENV).start("hang")
+    assert run.wait() == 1, run.tail()
+
+    [trial] = study.trials()
+    assert trial.state is TrialState.FAIL
+    assert starts(study.job_dir(0)) == 1
+    output = run.output()
+    assert "hung: no progress for" in output and "(last step 1)" in output, run.tail()
+    assert "rank 1 on" in output and "Last 20 lines of its log" in output, run.tail()
+    assert_nothing_left(study)
+
+
+def test_a_killed_rank_fails_the_job_in_bounded_time_and_the_trial_resumes(
+    runs: MakeRuns, tmp_path: Path
+) -> None:
+    """Fault: SIGKILL of one rank (rank 1, found through its heartbeat file) of a two-rank gloo job
+    while rank 0 trains on.
+
+    Proves: the surviving rank does not wait forever (torchrun or, failing that, hang detection ends
+    the job), the job is restarted once from its checkpoint and the trial completes, counted once,
+    with every epoch reported; nothing is left running.
+    """
+    study = hanging_study(tmp_path, max_restarts=1)
+    study = dataclasses.replace(study, epochs=6, sleep_s=1.0, args={"hang_at_epoch": -1})
+    run = runs(study, **HANG_ENV).start("lost-rank")
+    paths = JobPaths(study.job_dir(0))
+    wait_for(lambda: reported_steps(study) >= 2, "two epochs reported", running=run)
+    rank_1 = next(beat for beat in read_progress(paths.progress) if beat.rank == 1)
+    os.kill(rank_1.pid, signal.SIGKILL)
+    assert run.wait() == 0, run.tail()
+
+    assert_study_complete(study)
+    assert starts(paths.job_dir) == 2
+    assert submission(paths.job_dir).attempt == 2
+    steps = [report.step for report in read_reports(paths.metrics)]
+    assert sorted(set(steps)) == list(range(study.epochs)), steps
+    second_start = float((paths.job_dir / "starts.log").read_text().splitlines()[1])
+    resumed = [r.step for r in read_reports(paths.metrics) if r.time > second_start]
+    assert resumed and resumed[0] > 0, f"attempt 2 started from scratch: {steps}"
+    assert "restart 1 of 1, resuming from its checkpoints" in run.output(), run.tail()
     assert_nothing_left(study)

@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from tunepod.launch.local import LocalLauncher
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.status_cache import TrackedJob
 from tunepod.launch.submission import read_cancel_marker, read_submission
+from tunepod.launch.watchdog import RunningSince
 from tunepod.outputs import TrialSet
 from tunepod.pipeline import PipelineRun
 
@@ -300,3 +302,35 @@ def test_the_head_node_unreachable_when_the_orchestrator_restarts_cancels_nothin
         assert read_cancel_marker(JobPaths(Path(trial.job_dir))) is None
         record = read_submission(JobPaths(Path(trial.job_dir)))
         assert record is not None and record.attempt == 1
+
+
+def test_a_timeout_counts_run_time_and_a_restarted_orchestrator_keeps_the_clock(tmp_path: Path) -> None:
+    """Issue 10, "timeouts mean run time": the orchestrator is SIGKILLed 3 s into a trial whose run
+    time limit is 6 s; the rerun starts later and must stop the job 6 s after it STARTED running, not
+    6 s after the rerun re-attached (a hung job would otherwise get a fresh budget on each restart)."""
+    limit_s = 6.0
+    overrides = {
+        "num_trials": 1,
+        "num_parallel": 1,
+        "train": {"args": {"epochs": 100, "sleep_s": 1.0}, "resources": {"timeout_min": limit_s / 60}},
+    }
+    orchestrator = orchestrate(tmp_path, overrides)
+    paths = JobPaths(job_dir(tmp_path, 0))
+    wait_for(paths.running.exists, "the orchestrator to see the trial's job running")
+    time.sleep(3.0)
+    os.killpg(orchestrator.pid, signal.SIGKILL)
+    orchestrator.wait(timeout=30)
+    started = RunningSince.model_validate_json(paths.running.read_bytes()).since
+    rerun_at = time.time()
+
+    trials = make_tuner(tmp_path, settings(tmp_path, **overrides)).run()
+
+    (trial,) = trials.trials
+    assert trial.outcome == "FAIL" and "timed out after 0.1 min" in (trial.error or ""), trial
+    marker = read_cancel_marker(paths)
+    assert marker is not None and marker.reason == "timed_out"
+    stopped_at = datetime.fromisoformat(marker.at).timestamp()
+    assert stopped_at - started >= limit_s, "stopped before its run time was up"
+    assert stopped_at < rerun_at + limit_s, "the rerun gave the job a fresh budget"
+    assert starts(trial.job_dir) == 1
+    assert no_process_left(tmp_path, [0])

@@ -195,12 +195,13 @@ def test_rank_zero_appends_one_json_line_per_report(tmp_path: Path) -> None:
     assert all(isinstance(r.time, float) and r.time > 0 for r in reports)
 
 
-def test_other_ranks_write_nothing(tmp_path: Path) -> None:
+def test_other_ranks_write_nothing_but_their_heartbeat(tmp_path: Path) -> None:
     ctx = context(tmp_path, rank=1)
     ctx.report(0, val_accuracy=0.5)
     assert ctx.save_checkpoint({"w": torch.ones(2)}, 0) is None
     ctx.finish(val_accuracy=0.5)
-    assert sorted(tmp_path.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["progress"]
+    assert sorted(p.name for p in (tmp_path / "progress").iterdir()) == ["rank-1.json"]
 
 
 @pytest.mark.parametrize(
@@ -267,7 +268,8 @@ def test_finish_writes_the_result_with_the_last_reported_step(tmp_path: Path) ->
     result = runtime.read_result(tmp_path / "result.json")
     assert result is not None
     assert (result.metrics, result.step) == ({"val_accuracy": 0.6}, 1)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "result.json"]  # no temp file left
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert written == ["metrics.jsonl", "progress", "result.json"]  # no temp file left
 
 
 def test_finish_after_a_resume_takes_the_step_from_the_metrics_file(tmp_path: Path) -> None:
@@ -291,7 +293,7 @@ def test_a_rejected_result_leaves_the_previous_one_whole(tmp_path: Path) -> None
     with pytest.raises(ValueError):
         ctx.finish(val_accuracy=math.nan)
     assert (tmp_path / "result.json").read_bytes() == before
-    assert [p.name for p in tmp_path.iterdir()] == ["result.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["progress", "result.json"]
 
 
 def test_the_result_file_replaces_the_old_one_by_rename(tmp_path: Path) -> None:

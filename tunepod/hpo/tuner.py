@@ -35,6 +35,7 @@ from tunepod.launch.drive import DriveResult, DriveSettings, JobDriver, LeaseLos
 from tunepod.launch.lease import Lease, Leases
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.submission import read_submission
+from tunepod.launch.watchdog import Limits
 from tunepod.locks import locked
 from tunepod.metrics import default_metrics
 from tunepod.outputs import Dataset, TrialOutcome, TrialRecord, TrialSet
@@ -228,7 +229,7 @@ class Tuner:
                 self._job_spec(number, params, mirror),
                 DriveSettings(
                     poll_s=self.settings.poll_s,
-                    timeout_s=_timeout_s(self.settings.train.resources.timeout_min),
+                    limits=Limits.of(self.settings.train.resources, self.settings.train),
                     max_restarts=self.settings.train.max_restarts,
                 ),
                 what=f"Trial {number} of study {self.settings.study.name}",
@@ -462,10 +463,6 @@ def _objective(driven: DriveResult, metric: str, frozen: FrozenTrial) -> float |
     if frozen.intermediate_values:
         return float(frozen.intermediate_values[max(frozen.intermediate_values)])
     return None
-
-
-def _timeout_s(timeout_min: float | None) -> float | None:
-    return None if timeout_min is None else timeout_min * 60
 
 
 def _set_aside_stale(job_dir: Path) -> None:

@@ -23,6 +23,7 @@ A backend supplies the hooks: ``render`` (pure, golden-tested), ``send``, ``find
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -129,6 +130,12 @@ class Launcher(Protocol):
         """Whether job dirs are created owner-only (jobs run as the submitting user)."""
         ...
 
+    @property
+    def job_writes_job_dir(self) -> bool:
+        """Whether what a job writes (reports, heartbeats, results) lands in the job dir this
+        machine reads; False when it goes where only the backend keeps it."""
+        ...
+
     def submit(self, job: JobSpec) -> JobHandle:
         """Start ``job``; returns as soon as the backend has accepted it."""
         ...
@@ -200,6 +207,7 @@ class LauncherBase(ABC, Generic[S]):
     kind: ClassVar[str]
     private_job_dirs: ClassVar[bool] = True
     """Create job dirs owner-only (jobs run as the submitting user); False for container backends."""
+    job_writes_job_dir: bool = True
     stop_hint: ClassVar[str] = "cancel it"
 
     def __init__(
@@ -297,8 +305,9 @@ class LauncherBase(ABC, Generic[S]):
         rendered = self.render(job, attempt)  # refuses bad input before anything is written
         make_job_dir(paths.job_dir, private=self.private_job_dirs)
         self.prepare(job, previous)
-        for stale in (paths.cancelled, *self.stale_outcome_files(paths)):
+        for stale in (paths.cancelled, paths.running, *self.stale_outcome_files(paths)):
             stale.unlink(missing_ok=True)
+        shutil.rmtree(paths.progress, ignore_errors=True)  # the earlier attempt's heartbeats
         intent = Submission(
             backend=self.kind,
             name=rendered.name,

@@ -7,7 +7,9 @@ The job dir is the truth, on every (re)start:
   outcome, and a stop that a crash interrupted is finished first;
 - the submission record names the job to re-attach to (an intent is resolved by name on the backend);
 - only a job that is really over without a result is started again, as a new attempt that resumes
-  from its checkpoints, and only while ``max_restarts`` allows.
+  from its checkpoints, and only while ``max_restarts`` allows;
+- a running job past its run time is stopped as timed out, and one whose ranks stopped advancing is
+  stopped as hung, then restarted like a failed job (``tunepod.launch.watchdog`` keeps both clocks).
 
 A transient backend error is waited out (logged), never read as "the job is gone", and never cancels
 anything. One driver per job dir: the driver holds the job dir's lease (``tunepod.launch.lease``)
@@ -21,7 +23,7 @@ import logging
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
@@ -30,6 +32,7 @@ from tunepod.launch.base import JobHandle, JobSpec, JobState, Launcher
 from tunepod.launch.lease import Lease, Leases
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.submission import CancelMarker, CancelReason, read_cancel_marker, read_submission
+from tunepod.launch.watchdog import Limits, Watchdog
 from tunepod.runtime import Report, ReportTail, Result, read_result
 
 logger = logging.getLogger(__name__)
@@ -61,7 +64,7 @@ class Outcome(StrEnum):
 @dataclass(frozen=True)
 class DriveSettings:
     poll_s: float
-    timeout_s: float | None = None
+    limits: Limits = field(default_factory=Limits)
     max_restarts: int = 0
 
 
@@ -102,6 +105,9 @@ class JobDriver:
         self._observe = observe or (lambda handle, _new: handle)
         self._leases = leases or Leases(private_job_dirs=launcher.private_job_dirs)
         self._reports = ReportTail(self.paths.metrics)
+        # Without the job's heartbeats (SageMaker without a read-write FSx) nothing can tell a hang.
+        limits = settings.limits if launcher.job_writes_job_dir else settings.limits.run_time_only()
+        self._watchdog = Watchdog(self.paths, limits)
         self._outage_logged_at = -_OUTAGE_LOG_S
 
     def run(self, lease: Lease | None = None) -> DriveResult:
@@ -121,7 +127,6 @@ class JobDriver:
             if result is not None:  # finished, and its record is gone: never run it again
                 return DriveResult(Outcome.COMPLETED, result, None)
             handle = self._submit()
-        deadline = None if self.settings.timeout_s is None else time.monotonic() + self.settings.timeout_s
         stopping: CancelReason | None = self._marker_reason(handle)
         while True:
             if lease.lost:
@@ -133,11 +138,12 @@ class JobDriver:
                 if settled is not None:
                     return settled
                 handle = self._submit()  # a restart: the new attempt resumes from the checkpoints
+                stopping = None
                 continue
             if stopping is None and self._feed_reports():
                 stopping = "pruned"
-            if stopping is None and deadline is not None and time.monotonic() > deadline:
-                stopping = "timed_out"
+            if stopping is None and state is JobState.RUNNING:
+                stopping = self._overdue(handle)
             if stopping is not None and state is not None:
                 self._stop(handle, stopping)
                 continue
@@ -156,6 +162,13 @@ class JobDriver:
         kind = self.launcher.kind
         if reason == "pruned":
             return DriveResult(Outcome.PRUNED, None, handle)
+        if reason == "hung":
+            if self._may_restart(handle, "hung"):
+                return None
+            now = time.time()
+            stall = self._watchdog.stall(handle.job_id, now)
+            hung = f"{self.what} hung: {stall.describe(now) if stall else 'it stopped progressing'}"
+            return DriveResult(Outcome.FAILED, None, handle, failure_message(hung, handle, state, kind=kind))
         if reason == "timed_out":
             limit = self.job.resources.timeout_min
             what = f"{self.what} (timed out after {limit} min)" if limit else f"{self.what} (timed out)"
@@ -164,23 +177,35 @@ class JobDriver:
             )
         if state is JobState.SUCCEEDED:
             return DriveResult(Outcome.COMPLETED, None, handle)
-        if state is JobState.FAILED and reason is None and self._may_restart(handle):
+        if state is JobState.FAILED and reason is None and self._may_restart(handle, "failed"):
             return None
         return DriveResult(Outcome.FAILED, None, handle, failure_message(self.what, handle, state, kind=kind))
 
-    def _may_restart(self, handle: JobHandle) -> bool:
+    def _may_restart(self, handle: JobHandle, why: str) -> bool:
         record = read_submission(self.paths)
         restarts = (record.attempt - 1) if record is not None else 0
         if restarts >= self.settings.max_restarts:
             return False
         logger.warning(
-            "%s: job %s failed; restart %d of %d, resuming from its checkpoints",
+            "%s: job %s %s; restart %d of %d, resuming from its checkpoints",
             self.what,
             handle.job_id,
+            why,
             restarts + 1,
             self.settings.max_restarts,
         )
         return True
+
+    def _overdue(self, handle: JobHandle) -> CancelReason | None:
+        """A reason to stop the running job: its run time is up, or it stopped progressing."""
+        now = time.time()
+        if self._watchdog.timed_out(handle.job_id, now):
+            return "timed_out"
+        stall = self._watchdog.stall(handle.job_id, now)
+        if stall is None:
+            return None
+        logger.warning("%s: job %s is hung, stopping it: %s", self.what, handle.job_id, stall.describe(now))
+        return "hung"
 
     # ------------------------------------------------------------------------------------ helpers
 

@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from tunepod.runtime.progress import PROGRESS_DIR_NAME
+
 SHARED_SCHEME = "fsx://"
 
 
@@ -43,6 +45,16 @@ class JobPaths:
     def result(self) -> Path:
         """Written once, atomically, by rank 0 when the job finishes well."""
         return self.job_dir / "result.json"
+
+    @property
+    def progress(self) -> Path:
+        """Written by every rank of the job: ``rank-N.json`` heartbeats (``tunepod.runtime.progress``)."""
+        return self.job_dir / PROGRESS_DIR_NAME
+
+    @property
+    def running(self) -> Path:
+        """Written by the driver holding the job dir's lease: when the current job started running."""
+        return self.job_dir / "running.json"
 
     @property
     def submission(self) -> Path:

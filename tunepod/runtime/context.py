@@ -14,6 +14,7 @@ from typing import Any
 
 from tunepod.runtime import checkpoints, metrics
 from tunepod.runtime.contract import Contract, Source, read_contract
+from tunepod.runtime.progress import Heartbeat, heartbeat_interval_s, progress_dir
 
 
 class TrainingContext:
@@ -22,7 +23,7 @@ class TrainingContext:
     Built by ``init()``; attributes are plain values, set once.
     """
 
-    def __init__(self, contract: Contract) -> None:
+    def __init__(self, contract: Contract, heartbeat: Heartbeat | None = None) -> None:
         self.source: Source = contract.source
         self.params: dict[str, Any] = dict(contract.params)
         self.data_dir: Path = contract.data_dir
@@ -37,6 +38,7 @@ class TrainingContext:
         self.mlflow_tracking_uri: str | None = contract.mlflow_tracking_uri
         self.mlflow_run_id: str | None = contract.mlflow_run_id
         self._last_reported_step: int | None = None
+        self._heartbeat = heartbeat
 
     @property
     def is_main(self) -> bool:
@@ -57,23 +59,39 @@ class TrainingContext:
         pass metrics that are already global (reduced across ranks) if they differ between ranks.
         Raises ``TypeError``/``ValueError`` on rank 0 for a non-numeric or non-finite value.
         """
+        self.heartbeat(step)
         if not self.is_main:
             return
         report = metrics.append_report(self.metrics_file, step, values)
         self._last_reported_step = report.step
+
+    def heartbeat(self, step: int | None = None) -> None:
+        """Every rank: say the training loop advanced (cheap; call it each batch or so).
+
+        In a job, each rank's heartbeat thread publishes when its loop last advanced, so the
+        orchestrator tells a hung job (stuck in a collective, on a hung mount) from a slow one and
+        stops it after the spec's ``train.hang_timeout_s``. ``report``, ``save_checkpoint`` and
+        ``load_latest_checkpoint`` count as advancing too; call this in loops whose steps take longer
+        than a few minutes between them.
+        """
+        if self._heartbeat is not None:
+            self._heartbeat.advance(step)
 
     def save_checkpoint(self, state: Any, step: int) -> Path | None:
         """Rank 0: save ``state`` as ``step-N`` atomically, keep the newest ``keep_checkpoints``.
 
         Returns the step folder on rank 0 and ``None`` on the others, which write nothing.
         """
+        self.heartbeat(step)
         if not self.is_main:
             return None
         return checkpoints.save_checkpoint(self.checkpoint_dir, state, step, self.keep_checkpoints)
 
     def load_latest_checkpoint(self) -> checkpoints.Checkpoint | None:
         """The newest valid checkpoint (state on the CPU), or ``None`` for a fresh start. Every rank."""
-        return checkpoints.load_latest_checkpoint(self.checkpoint_dir)
+        loaded = checkpoints.load_latest_checkpoint(self.checkpoint_dir)
+        self.heartbeat(None if loaded is None else loaded.step)
+        return loaded
 
     def finish(self, **values: float) -> None:
         """Rank 0: write the result file atomically with the final metrics; other ranks: no-op.
@@ -81,6 +99,8 @@ class TrainingContext:
         Its ``step`` is the last step this process reported or, for a job resumed after its last
         report, the last step in the metrics file; ``None`` if nothing was ever reported.
         """
+        if self._heartbeat is not None:
+            self._heartbeat.finish()
         if not self.is_main:
             return
         step = self._last_reported_step
@@ -97,6 +117,14 @@ def init(
 
     ``defaults`` are the script's parameters, overridden by the job's (``TUNEPOD_PARAMS`` or
     SageMaker's ``SM_HPS``). Outside any job, folders default to ``<cwd>/.tunepod/local`` (see
-    ``tunepod.runtime.contract``). Creates nothing: folders appear when something is written.
+    ``tunepod.runtime.contract``). In a job, starts this rank's heartbeat thread (see
+    ``tunepod.runtime.progress``); outside one, creates nothing: folders appear when something is
+    written.
     """
-    return TrainingContext(read_contract(os.environ if environ is None else environ, defaults))
+    env = os.environ if environ is None else environ
+    contract = read_contract(env, defaults)
+    heartbeat = None
+    if contract.source != "local":
+        folder = progress_dir(contract.metrics_file)
+        heartbeat = Heartbeat(folder, contract.rank, heartbeat_interval_s(env)).start()
+    return TrainingContext(contract, heartbeat)

@@ -313,6 +313,19 @@ class TrainJob(Strict):
         description="Times a failed job (a killed process, a lost node) is started again in place, "
         "resuming from its last checkpoint; 0 fails the trial at the first failure.",
     )
+    hang_timeout_s: float | None = Field(
+        1800.0,
+        gt=0,
+        description="Seconds a rank's training loop may go without advancing (a report, a checkpoint, "
+        "ctx.heartbeat()) before the job counts as hung: it is stopped and restarted from its checkpoint "
+        "(counted against max_restarts), or fails with which ranks stopped. null: never.",
+    )
+    startup_timeout_s: float | None = Field(
+        1800.0,
+        gt=0,
+        description="Seconds from the job running to its first heartbeat (runtime.init): image pull, "
+        "imports, a slow mount. Past it the job counts as hung. null: no limit.",
+    )
 
 
 # ---------------------------------------------------------------------------------------------- search space

@@ -24,5 +24,8 @@ class Resources(BaseModel):
     gpus_per_node: int = Field(0, ge=0, description="Accelerators per machine; 0 runs on CPU.")
     instance_type: str | None = Field(None, description="Cloud instance type (SageMaker, HyperPod).")
     timeout_min: float | None = Field(
-        None, gt=0, description="Wall-clock limit; the job is cancelled after it."
+        None,
+        gt=0,
+        description="Run time of each attempt, from when it starts running (queue time does not count); "
+        "the job is stopped after it.",
     )

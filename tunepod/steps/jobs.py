@@ -20,7 +20,9 @@ from tunepod.launch.drive import DriveSettings, JobDriver, Outcome, acquire_or_f
 from tunepod.launch.lease import Leases
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.submission import make_job_dir
+from tunepod.launch.watchdog import Limits
 from tunepod.runtime import Report, Result
+from tunepod.spec.models import TrainJob
 from tunepod.spec.resources import Resources
 from tunepod.steps.context import StepContext
 from tunepod.tracking.mirror import Final, RunMirror
@@ -52,6 +54,8 @@ class StepJob:
     checkpoint_dir: Path | None = None
     """Where its checkpoints are (an evaluation reads its trial's); default: its own job dir's."""
     max_restarts: int = 0
+    train: TrainJob | None = None
+    """For a training job: its hang detection settings."""
 
 
 def run_job(ctx: StepContext, job: StepJob, mirror: RunMirror) -> Result:
@@ -97,11 +101,8 @@ def _driver(ctx: StepContext, job: StepJob, mirror: RunMirror, leases: Leases) -
         env=env,
         resources=job.resources,
     )
-    timeout_min = job.resources.timeout_min
     settings = DriveSettings(
-        poll_s=POLL_S,
-        timeout_s=None if timeout_min is None else timeout_min * 60,
-        max_restarts=job.max_restarts,
+        poll_s=POLL_S, limits=Limits.of(job.resources, job.train), max_restarts=job.max_restarts
     )
 
     def mirror_reports(_: list[Report]) -> bool:

@@ -52,6 +52,7 @@ def run(ctx: StepContext, name: str, settings: TrainSettings, inputs: Mapping[st
                 data_dir=dataset.path,
                 resources=settings.train.resources,
                 max_restarts=settings.train.max_restarts,
+                train=settings.train,
             ),
             mirror,
         )

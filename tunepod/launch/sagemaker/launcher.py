@@ -167,6 +167,10 @@ class SageMakerLauncher(LauncherBase[TrainingJobStatus]):
         lines.append(f"Full logs: {log_hint(job.job_id)}")
         return "\n".join(lines)
 
+    @property
+    def job_writes_job_dir(self) -> bool:  # type: ignore[override]
+        return checkpoints_on_fsx(self.spec)
+
     def ignored_settings(self, job: JobSpec) -> dict[str, str]:
         ignored = ignored_resources(job.resources)
         if not checkpoints_on_fsx(self.spec):

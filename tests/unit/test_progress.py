@@ -1,0 +1,128 @@
+"""Heartbeats (``tunepod.runtime.progress``) and what the driver reads from them (``launch.watchdog``).
+
+The heartbeat tests run the real thread; the watchdog tests write heartbeat files as a job's ranks
+would and ask at a chosen ``now``, so no test sleeps for a timeout. The hang itself, for real, is in
+``tests/e2e/test_faults.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from tunepod import runtime
+from tunepod.launch.paths import JobPaths
+from tunepod.launch.watchdog import Limits, RunningSince, Watchdog
+from tunepod.runtime.contract import METRICS_FILE_ENV, RANK_ENV
+from tunepod.runtime.progress import HEARTBEAT_S_ENV, Heartbeat, RankProgress, read_progress
+
+
+def wait_until(condition: Callable[[], object], what: str, limit_s: float = 10.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_a_loop_that_stops_advancing_keeps_beating_with_its_last_advance(tmp_path: Path) -> None:
+    beat = Heartbeat(tmp_path, rank=3, interval_s=0.05).start()
+    beat.advance(7)
+    wait_until(lambda: read_progress(tmp_path) and read_progress(tmp_path)[0].step == 7, "step 7")
+    first = read_progress(tmp_path)[0]
+    wait_until(lambda: read_progress(tmp_path)[0].beat_at > first.beat_at + 0.1, "later beats")
+    later = read_progress(tmp_path)[0]
+    beat.finish()
+    assert (later.rank, later.step, later.finished) == (3, 7, False)
+    assert later.advanced_at == first.advanced_at, "no advance happened: the advance time must not move"
+    assert read_progress(tmp_path)[0].finished
+
+
+def test_runtime_init_in_a_job_starts_every_ranks_heartbeat(tmp_path: Path) -> None:
+    env = {METRICS_FILE_ENV: str(tmp_path / "metrics.jsonl"), RANK_ENV: "1", HEARTBEAT_S_ENV: "0.05"}
+    ctx = runtime.init({}, environ=env)
+    ctx.heartbeat(4)
+    wait_until(lambda: [b.step for b in read_progress(tmp_path / "progress")] == [4], "rank 1's beat")
+    ctx.finish(score=1.0)  # rank 1: writes no result, but says its loop is over
+    [beat] = read_progress(tmp_path / "progress")
+    assert (beat.rank, beat.finished) == (1, True)
+    assert not (tmp_path / "result.json").exists()
+
+
+def test_runtime_init_outside_a_job_creates_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    runtime.init({}, environ={})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_bad_heartbeat_interval_names_the_variable(tmp_path: Path) -> None:
+    env = {METRICS_FILE_ENV: str(tmp_path / "metrics.jsonl"), HEARTBEAT_S_ENV: "soon"}
+    with pytest.raises(ValueError, match=f"{HEARTBEAT_S_ENV}='soon' is not a number of seconds"):
+        runtime.init({}, environ=env)
+
+
+def write_beat(paths: JobPaths, rank: int, *, advanced_at: float, beat_at: float, **more: object) -> None:
+    beat = RankProgress(
+        rank=rank, host="node-1", pid=100 + rank, started_at=advanced_at - 10, beat_at=beat_at,
+        advanced_at=advanced_at, step=5, interval_s=10.0, **more,  # type: ignore[arg-type]
+    )  # fmt: skip
+    paths.progress.mkdir(parents=True, exist_ok=True)
+    (paths.progress / f"rank-{rank}.json").write_text(json.dumps(asdict(beat)))
+
+
+def test_the_run_time_clock_survives_a_new_driver_and_restarts_with_a_new_job(tmp_path: Path) -> None:
+    paths = JobPaths(tmp_path)
+    now = time.time()
+    first = Watchdog(paths, Limits(timeout_s=60))
+    since = first.running_since("job-1")
+    restarted_orchestrator = Watchdog(paths, Limits(timeout_s=60))
+    assert restarted_orchestrator.running_since("job-1") == since
+    assert not restarted_orchestrator.timed_out("job-1", now + 30)
+    assert restarted_orchestrator.timed_out("job-1", now + 61), "a re-attach must not get a fresh budget"
+    assert restarted_orchestrator.running_since("job-2") >= since  # a new attempt: a new clock
+    assert RunningSince.model_validate_json(paths.running.read_bytes()).job_id == "job-2"
+
+
+def test_the_first_heartbeat_starts_the_clock_when_no_driver_saw_the_job_start(tmp_path: Path) -> None:
+    paths = JobPaths(tmp_path)
+    now = time.time()
+    write_beat(paths, 0, advanced_at=now - 500, beat_at=now)
+    assert Watchdog(paths, Limits()).running_since("job-1") == pytest.approx(now - 510)
+
+
+def test_a_stall_names_the_stuck_ranks_and_tells_alive_from_gone(tmp_path: Path) -> None:
+    paths = JobPaths(tmp_path)
+    now = time.time()
+    write_beat(paths, 0, advanced_at=now - 100, beat_at=now - 1)  # alive, stuck
+    write_beat(paths, 1, advanced_at=now - 120, beat_at=now - 90)  # stopped beating: gone
+    write_beat(paths, 2, advanced_at=now - 1, beat_at=now - 1)  # fine
+    watchdog = Watchdog(paths, Limits(hang_timeout_s=60))
+    stall = watchdog.stall("job-1", now)
+    assert stall is not None and stall.stalled_ranks == [0, 1]
+    described = stall.describe(now)
+    assert described.startswith("no progress for 100 s (last step 5); stopped: rank 0 on node-1 pid 100")
+    assert "rank 0 on node-1 pid 100 advanced 100 s ago, alive" in described
+    assert "rank 1 on node-1 pid 101 advanced 120 s ago, its heartbeat stopped 90 s ago" in described
+    assert Watchdog(paths, Limits(hang_timeout_s=150)).stall("job-1", now) is None
+
+
+def test_a_finished_rank_waiting_for_the_others_is_not_a_hang(tmp_path: Path) -> None:
+    paths = JobPaths(tmp_path)
+    now = time.time()
+    write_beat(paths, 0, advanced_at=now - 1, beat_at=now - 1)
+    write_beat(paths, 1, advanced_at=now - 500, beat_at=now - 500, finished=True)
+    assert Watchdog(paths, Limits(hang_timeout_s=60)).stall("job-1", now) is None
+
+
+def test_no_heartbeat_past_the_startup_allowance_is_a_hang(tmp_path: Path) -> None:
+    paths = JobPaths(tmp_path)
+    watchdog = Watchdog(paths, Limits(hang_timeout_s=60, startup_timeout_s=300))
+    since = watchdog.running_since("job-1")
+    assert watchdog.stall("job-1", since + 299) is None
+    stall = watchdog.stall("job-1", since + 301)
+    assert stall is not None
+    assert stall.describe(since + 301) == "no rank sent a heartbeat in 301 s of running (stuck starting up?)"
