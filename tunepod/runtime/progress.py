@@ -80,6 +80,8 @@ class Heartbeat:
         self._step: int | None = None
         self._finished = False
         self._stopped = threading.Event()
+        # One write at a time, each built under the lock: the final "finished" beat is always last.
+        self._writing = threading.Lock()
         self._thread = threading.Thread(target=self._beat, name=f"tunepod-heartbeat-{rank}", daemon=True)
 
     def start(self) -> Heartbeat:
@@ -113,19 +115,20 @@ class Heartbeat:
                 continue
 
     def _write(self) -> None:
-        beat = RankProgress(
-            rank=self._rank,
-            host=socket.gethostname(),
-            pid=os.getpid(),
-            started_at=self._started_at,
-            beat_at=time.time(),
-            advanced_at=self._advanced_at,
-            step=self._step,
-            interval_s=self._interval_s,
-            finished=self._finished,
-        )
-        self._file.parent.mkdir(parents=True, exist_ok=True)
-        write_bytes_atomic(self._file, json.dumps(asdict(beat)).encode())
+        with self._writing:
+            beat = RankProgress(
+                rank=self._rank,
+                host=socket.gethostname(),
+                pid=os.getpid(),
+                started_at=self._started_at,
+                beat_at=time.time(),
+                advanced_at=self._advanced_at,
+                step=self._step,
+                interval_s=self._interval_s,
+                finished=self._finished,
+            )
+            self._file.parent.mkdir(parents=True, exist_ok=True)
+            write_bytes_atomic(self._file, json.dumps(asdict(beat)).encode())
 
 
 def read_progress(folder: Path) -> list[RankProgress]:
