@@ -53,18 +53,17 @@ class StepJob:
     resources: Resources
     checkpoint_dir: Path | None = None
     """Where its checkpoints are (an evaluation reads its trial's); default: its own job dir's."""
-    max_restarts: int = 0
     train: TrainJob | None = None
-    """For a training job: its hang detection settings."""
+    """For a training job: its restart and hang detection settings (other jobs never restart)."""
 
 
 def run_job(ctx: StepContext, job: StepJob, mirror: RunMirror) -> Result:
     """Drive one job to its end, mirrored through ``mirror``; its result, or a ``JobError`` runbook.
 
-    A failed job starts again in place up to ``max_restarts`` times (it resumes from its checkpoints).
-    The caller records the outcome on the mirror (``mirror.finish``): it alone knows what it means.
-    While another driver (an earlier attempt of the step still running) holds the job dir, this one
-    waits for it, then carries on from what the job dir says.
+    A failed training job starts again in place up to ``train.max_restarts`` times (it resumes
+    from its checkpoints). The caller records the outcome on the mirror (``mirror.finish``): it
+    alone knows what it means. While another driver (an earlier attempt of the step still running)
+    holds the job dir, this one waits for it, then carries on from what the job dir says.
     """
     leases = Leases(private_job_dirs=ctx.launcher.private_job_dirs)
     lease = acquire_or_follow(leases, job.job_dir, what=job.what, poll_s=POLL_S)
@@ -102,7 +101,9 @@ def _driver(ctx: StepContext, job: StepJob, mirror: RunMirror, leases: Leases) -
         resources=job.resources,
     )
     settings = DriveSettings(
-        poll_s=POLL_S, limits=Limits.of(job.resources, job.train), max_restarts=job.max_restarts
+        poll_s=POLL_S,
+        limits=Limits.of(job.resources, job.train),
+        max_restarts=job.train.max_restarts if job.train is not None else 0,
     )
 
     def mirror_reports(_: list[Report]) -> bool:

@@ -51,7 +51,6 @@ def run(ctx: StepContext, name: str, settings: TrainSettings, inputs: Mapping[st
                 params=params,
                 data_dir=dataset.path,
                 resources=settings.train.resources,
-                max_restarts=settings.train.max_restarts,
                 train=settings.train,
             ),
             mirror,
