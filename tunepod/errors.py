@@ -41,6 +41,15 @@ class SpecError(TunepodError):
         super().__init__(f"invalid pipeline spec {source} ({count}):\n{body}")
 
 
+class DiskFullError(TunepodError):
+    """A write failed because its filesystem is full (ENOSPC) or the user's quota is spent (EDQUOT).
+
+    Not transient: retrying repeats the failure until someone frees space. The message names the
+    path, the free space on its mount and what to change; the write it interrupted left nothing half
+    written (see ``tunepod.runtime.files.disk_full_explained``).
+    """
+
+
 class JobError(TunepodError):
     """A training or evaluation job ended badly; the message is a runbook (ids, state, log tail)."""
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import threading
 from pathlib import Path
+from typing import Any
 
 import optuna
 from optuna.distributions import (
@@ -21,6 +23,7 @@ from optuna.storages.journal import JournalFileBackend, JournalStorage
 from optuna.storages.journal._file import BaseJournalFileLock
 
 from tunepod.errors import TunepodError
+from tunepod.runtime.files import append_whole, disk_full_explained
 from tunepod.spec.models import (
     CategoricalParam,
     FloatParam,
@@ -51,12 +54,41 @@ def make_storage(uri: str) -> BaseStorage:
     if uri.startswith(JOURNAL_SCHEME):
         path = Path(uri[len(JOURNAL_SCHEME) :]).expanduser()
         path.parent.mkdir(parents=True, exist_ok=True)
-        return JournalStorage(JournalFileBackend(str(path), lock_obj=FlockJournalLock(path)))
+        return JournalStorage(WholeLinesJournalBackend(path))
     if uri.startswith("sqlite:///"):
         Path(uri[len("sqlite:///") :]).expanduser().parent.mkdir(parents=True, exist_ok=True)
         # Trials report from several threads at once; wait for SQLite's lock instead of failing.
         return RDBStorage(uri, engine_kwargs={"connect_args": {"timeout": 30}})
     return RDBStorage(uri)
+
+
+class WholeLinesJournalBackend(JournalFileBackend):
+    """Optuna's journal file, locked with ``FlockJournalLock``, whose appends are whole or absent.
+
+    Optuna appends through a buffered file: on a full disk it leaves a torn line, the next append is
+    glued onto it, and from then on the journal no longer loads. Here an append that fails is cut
+    back off the file and raised as ``DiskFullError`` (or as it was), so the study keeps loading with
+    every trial recorded before.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._write_lock = FlockJournalLock(path)
+        super().__init__(str(path), lock_obj=self._write_lock)
+
+    def append_logs(self, logs: list[dict[str, Any]]) -> None:
+        # The same bytes as Optuna's own append, so either can read what the other wrote.
+        lines = "".join(json.dumps(log, separators=(",", ":")) + "\n" for log in logs)
+        fix = (
+            "free space there, or point the tune step's study.storage at a larger filesystem; the "
+            "study's earlier trials are intact"
+        )
+        self._write_lock.acquire()
+        try:
+            with disk_full_explained(self._path, fix):
+                append_whole(self._path, lines.encode("utf-8"))
+        finally:
+            self._write_lock.release()
 
 
 class FlockJournalLock(BaseJournalFileLock):

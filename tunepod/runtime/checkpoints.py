@@ -14,7 +14,8 @@ prometheus-client. Checkpoints written before it existed have none.
 A step counts only when its ``metadata.json`` exists and the state file matches its size and sha256.
 A save writes everything into a hidden temporary folder next to the final one, fsyncs the files and
 the folder, then renames it into place, so a job killed mid-save leaves a hidden folder that every
-reader ignores and the next save deletes.
+reader ignores and the next save deletes before it writes (so the leftover never costs that save its
+space). A save that finds the filesystem full removes what it wrote and raises ``DiskFullError``.
 
 Ownership: only rank 0 saves (one writer per checkpoint folder); any rank, and the orchestrator, may
 read at any time.
@@ -36,7 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tunepod.runtime.files import fsync_dir, fsync_file, sha256_of
+from tunepod.runtime.contract import KEEP_CHECKPOINTS_ENV
+from tunepod.runtime.files import disk_full_explained, fsync_dir, fsync_file, sha256_of
 from tunepod.runtime.metrics import checked_step
 
 STATE_FILE = "state.pt"
@@ -80,19 +82,28 @@ def step_folder_name(step: int) -> str:
 def save_checkpoint(checkpoint_dir: Path, state: Any, step: int, keep: int) -> Path:
     """Save ``state`` as step ``step`` atomically, keep the newest ``keep`` valid steps, return the folder.
 
-    Saving a step that already exists (a resumed job redoing it) replaces it. Rank 0 only.
+    Saving a step that already exists (a resumed job redoing it) replaces it. Rank 0 only. A full
+    filesystem raises ``DiskFullError`` and leaves the earlier steps as they were.
     """
     step = checked_step(step)
-    checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    temp = checkpoint_dir / f"{_TEMP_PREFIX}{step:06d}-{os.getpid()}-{secrets.token_hex(4)}"
-    temp.mkdir()
-    try:
-        _write_step_folder(temp, state, step)
-        final = checkpoint_dir / step_folder_name(step)
-        _move_into_place(temp, final)
-    except BaseException:
-        shutil.rmtree(temp, ignore_errors=True)
-        raise
+    final = checkpoint_dir / step_folder_name(step)
+    fix = (
+        f"free space there, keep fewer checkpoints ({KEEP_CHECKPOINTS_ENV}, now {keep}), or give the "
+        "job's folder (the launcher's root) a larger filesystem; the earlier checkpoints are intact"
+    )
+    with disk_full_explained(final, fix):
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        # A save killed mid-write left its hidden folder, as large as a state: on a nearly full
+        # filesystem it would make this save fail, so it goes before anything is written.
+        _remove_hidden_folders(checkpoint_dir)
+        temp = checkpoint_dir / f"{_TEMP_PREFIX}{step:06d}-{os.getpid()}-{secrets.token_hex(4)}"
+        temp.mkdir()
+        try:
+            _write_step_folder(temp, state, step)
+            _move_into_place(temp, final)
+        except BaseException:
+            shutil.rmtree(temp, ignore_errors=True)
+            raise
     prune_checkpoints(checkpoint_dir, keep)
     return final
 
@@ -158,15 +169,20 @@ def prune_checkpoints(checkpoint_dir: Path, keep: int) -> None:
     """
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
-    for entry in checkpoint_dir.iterdir():
-        if entry.name.startswith((_TEMP_PREFIX, _TRASH_PREFIX)):
-            shutil.rmtree(entry, ignore_errors=True)
+    _remove_hidden_folders(checkpoint_dir)
     valid_seen = 0
     for folder in _step_folders_newest_first(checkpoint_dir):
         if valid_seen >= keep:
             shutil.rmtree(_move_aside(folder), ignore_errors=True)
         elif isinstance(_inspect(folder, verify_checksum=False), CheckpointInfo):
             valid_seen += 1
+
+
+def _remove_hidden_folders(checkpoint_dir: Path) -> None:
+    """Delete what interrupted saves and removals left: no reader ever looks at those folders."""
+    for entry in checkpoint_dir.iterdir():
+        if entry.name.startswith((_TEMP_PREFIX, _TRASH_PREFIX)):
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def load_latest_checkpoint(checkpoint_dir: Path) -> Checkpoint | None:

@@ -1,7 +1,8 @@
 """The metrics file and the result file: how a job tells the orchestrator how it is doing.
 
 Ownership: rank 0 of the job is the only writer of both files. It appends one JSON line per report to
-the metrics file (``{"step": int, "metrics": {name: float}, "time": float}``) and, when it finishes
+the metrics file (``{"step": int, "metrics": {name: float}, "time": float}``; a line that does not fit
+on a full disk is cut back off and raises ``DiskFullError``) and, when it finishes
 well, writes the result file once, atomically (``{"metrics": {...}, "step": int | None, "time": float}``).
 The orchestrator only reads them, possibly while the job is still writing, hence the tolerance of
 ``read_reports`` for a last line that is still being written.
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tunepod.runtime.files import append_line_durably, write_bytes_atomic
+from tunepod.runtime.files import append_line_durably, disk_full_explained, write_bytes_atomic
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,9 @@ def append_report(path: Path, step: int, metrics: Mapping[str, Any]) -> Report:
     """Validate and append one report line to the metrics file at ``path``; rank 0 calls this."""
     report = Report(step=checked_step(step), metrics=checked_metrics(metrics), time=time.time())
     line = {"step": report.step, "metrics": report.metrics, "time": report.time}
-    append_line_durably(path, json.dumps(line, allow_nan=False))
+    fix = "free space there, or give the job's folder (the launcher's root) a larger filesystem"
+    with disk_full_explained(path, f"{fix}; the reports before this one are intact"):
+        append_line_durably(path, json.dumps(line, allow_nan=False))
     return report
 
 
