@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,24 @@ def test_a_rerun_downloads_nothing(s3: Any, downloads: list[str], tmp_path: Path
     report = stage_s3(URI, target, client=s3, workers=2)
     assert downloads == []
     assert (report.copied_files, report.copied_bytes, report.num_files) == (0, 0, 3)
+    assert tree(target) == OBJECTS
+
+
+def test_verify_downloads_again_a_copy_changed_with_its_size_and_mtime_kept(
+    s3: Any, downloads: list[str], tmp_path: Path
+) -> None:
+    target = tmp_path / "target"
+    stage_s3(URI, target, client=s3)
+    downloads.clear()
+    copy = target / "train.csv"
+    kept = copy.stat()
+    copy.write_bytes(b"x,y\n9,9\n")  # same length, other bytes, and the old mtime restored
+    os.utime(copy, ns=(kept.st_atime_ns, kept.st_mtime_ns))
+
+    assert stage_s3(URI, target, client=s3).copied_files == 0  # size and mtime are trusted by default
+    assert copy.read_bytes() == b"x,y\n9,9\n"
+    report = stage_s3(URI, target, client=s3, verify=True)
+    assert (report.copied_files, downloads) == (1, ["digits/train.csv"])
     assert tree(target) == OBJECTS
 
 

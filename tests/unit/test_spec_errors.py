@@ -205,6 +205,14 @@ CASES = [
         "remove fsx",
     ),
     Case(
+        "verify on an fsx target that tunepod does not copy",
+        "with: {source: builtin://digits, target: fsx:///datasets/digits}",
+        "with: {source: s3://b/digits/, target: fsx://fs-0123456789abcdef0/d, verify: true}",
+        "steps.data.with",
+        "verify has no effect on an fsx://fs-0123456789abcdef0/ target",
+        "remove verify, or stage to fsx:///<path>",
+    ),
+    Case(
         "export: top_k that would silently do nothing",
         "  promote:\n",
         "  save:\n    uses: export\n    needs: [search]\n    with: {file_system_id: fs-0123456789abcdef0, "

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import BinaryIO
 
@@ -12,7 +14,7 @@ import pytest
 
 from tunepod.errors import TunepodError
 from tunepod.staging import folder, read_manifest, stage, stage_folder
-from tunepod.staging.folder import MANIFEST_NAME, PARTIAL_SUFFIX
+from tunepod.staging.folder import MANIFEST_NAME, PARTIAL_SUFFIX, PROGRESS_NAME
 
 FILES = {
     "a.txt": b"alpha\n",
@@ -153,6 +155,56 @@ def test_a_lost_manifest_is_rebuilt_by_comparing_contents(source: Path, tmp_path
     assert sorted(read_manifest(target)) == sorted(FILES)
 
 
+def changed_in_place(path: Path, data: bytes) -> None:
+    """Give ``path`` other bytes of the same length and put its mtime back, as tar or rsync -t may."""
+    kept = path.stat()
+    assert len(data) == kept.st_size
+    path.write_bytes(data)
+    os.utime(path, ns=(kept.st_atime_ns, kept.st_mtime_ns))
+
+
+def test_verify_copies_a_source_changed_with_its_size_and_mtime_kept(source: Path, tmp_path: Path) -> None:
+    target = tmp_path / "target"
+    stage_folder(source, target)
+    changed_in_place(source / "a.txt", b"ALPHA\n")
+    assert stage_folder(source, target).copied_files == 0  # size and mtime are trusted by default
+    assert (target / "a.txt").read_bytes() == FILES["a.txt"]
+
+    report = stage_folder(source, target, verify=True)
+    assert report.copied_files == 1
+    assert (target / "a.txt").read_bytes() == b"ALPHA\n"
+    assert read_manifest(target)["a.txt"].sha256 == hashlib.sha256(b"ALPHA\n").hexdigest()
+
+
+def test_verify_copies_again_a_staged_copy_changed_in_place(source: Path, tmp_path: Path) -> None:
+    target = tmp_path / "target"
+    stage_folder(source, target)
+    changed_in_place(target / "sub" / "deeper" / "c.txt", b"GAMMA\n")
+    report = stage(str(source), target, tmp_path / "cache", verify=True)
+    assert report.copied_files == 1
+    assert tree(target) == FILES
+
+
+def test_a_progress_log_torn_by_a_kill_keeps_its_whole_lines_and_takes_new_ones(
+    source: Path, tmp_path: Path
+) -> None:
+    target = tmp_path / "target"
+    stage_folder(source, target)
+    entries = read_manifest(target)
+    (target / MANIFEST_NAME).unlink()
+    whole = json.dumps({"path": "a.txt", "size": 6, "sha256": entries["a.txt"].sha256, "mtime_ns": 1})
+    (target / PROGRESS_NAME).write_text(whole + "\n" + whole[:25])  # killed in the middle of a line
+    assert sorted(read_manifest(target)) == ["a.txt"]
+
+    log = folder.ProgressLog(target)
+    log.record("sub/b.bin", entries["sub/b.bin"])
+    log.close()
+    assert read_manifest(target) == {
+        "a.txt": replace(entries["a.txt"], mtime_ns=1),
+        "sub/b.bin": entries["sub/b.bin"],
+    }
+
+
 def test_a_staged_folder_can_be_a_source_without_its_bookkeeping(source: Path, tmp_path: Path) -> None:
     first, second = tmp_path / "first", tmp_path / "second"
     stage_folder(source, first)
@@ -172,7 +224,7 @@ def interrupt_copies_of(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
             return
         dst.write(src.read(100))
         dst.flush()
-        raise OSError(28, "No space left on device (simulated)")
+        raise OSError(errno.EIO, "Input/output error (simulated)")
 
     monkeypatch.setattr(folder, "_copy_stream", crashing)
 
@@ -186,7 +238,7 @@ def test_an_interrupted_first_copy_leaves_no_partial_file_and_the_next_run_compl
 ) -> None:
     target = tmp_path / "target"
     interrupt_copies_of("b.bin", monkeypatch)
-    with pytest.raises(TunepodError, match=r"failed on sub/b\.bin: .*No space left"):
+    with pytest.raises(TunepodError, match=r"failed on sub/b\.bin: .*Input/output error"):
         stage_folder(source, target, workers=1)
     assert not (target / "sub" / "b.bin").exists()
     assert partial_files(target) == []

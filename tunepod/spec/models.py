@@ -499,10 +499,20 @@ class StageSettings(Strict):
         "(FSx for Lustre linked to an s3:// source), or a local folder.",
     )
     fsx: FsxStageSpec | None = Field(None, description="Settings of an fsx://<file-system-id>/ target.")
+    verify: bool = Field(
+        False,
+        description="Compare sha256 checksums instead of trusting an unchanged size and mtime, so a file "
+        "changed in place (same size, mtime kept) is copied again; reads every file on both sides.",
+    )
 
     @model_validator(mode="after")
     def _check_fsx(self) -> StageSettings:
         file_system_id = fsx_target_id(self.target)
+        if file_system_id is not None and self.verify:
+            raise ValueError(
+                f"verify has no effect on an fsx://{file_system_id}/ target: FSx imports the objects "
+                "itself, tunepod copies nothing to check; fix: remove verify, or stage to fsx:///<path>"
+            )
         if file_system_id is None:
             if self.fsx is not None:
                 raise ValueError(

@@ -32,11 +32,12 @@ __all__ = [
 SUPPORTED_SOURCES = "builtin://NAME, a local folder path, file:///absolute/path, or s3://bucket/prefix/"
 
 
-def stage(source_uri: str, target: Path, cache_dir: Path) -> StageReport:
-    """Mirror the dataset ``source_uri`` into ``target``; builtins are first written under ``cache_dir``."""
+def stage(source_uri: str, target: Path, cache_dir: Path, *, verify: bool = False) -> StageReport:
+    """Mirror the dataset ``source_uri`` into ``target``; builtins are first written under ``cache_dir``.
+    ``verify`` compares checksums instead of trusting an unchanged size and mtime."""
     if source_uri.startswith("s3://"):
-        return stage_s3(source_uri, target)
-    return stage_folder(source_folder(source_uri, cache_dir), target)
+        return stage_s3(source_uri, target, verify=verify)
+    return stage_folder(source_folder(source_uri, cache_dir), target, verify=verify)
 
 
 def source_folder(source_uri: str, cache_dir: Path) -> Path:

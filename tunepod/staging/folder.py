@@ -8,19 +8,24 @@ ETag, see ``tunepod.staging.s3``). It is what makes a restage cheap and safe:
 - a staged copy counts as intact when its size and mtime match the entry (each copy gets the
   source's mtime), so an intact copy of an unchanged file is neither read nor copied;
 - a file deleted from the source is removed from the target only if the manifest lists it and its
-  copy is intact: files someone else put in the target, or edited there, are never deleted.
+  copy is intact: files someone else put in the target, or edited there, are never deleted;
+- with ``verify``, size and mtime are not trusted: the source and the copy are hashed and compared
+  with the manifest's sha256, so a file changed in place with its size and mtime kept is copied again.
 
 Every copy is written to ``.<name>.tunepod-partial`` next to its final name, fsynced, then renamed
-over it, so an interrupted run never leaves half a file under a final name. The manifest is written
-(atomically) after the copies it describes; a run that fails part-way still records the copies that
-completed, so the next run resumes instead of starting over. One stager per target at a time: a lock
-file in the target serializes concurrent runs.
+over it, so an interrupted run never leaves half a file under a final name. Each completed copy is
+also appended at once to ``.tunepod-manifest.progress`` (see ``ProgressLog``), which ``read_manifest``
+folds in: a run that fails, or is SIGKILLed, part-way keeps its progress, and the next run copies only
+the rest. The manifest itself is rewritten (atomically) once, at the end of a run, which then deletes
+the progress log. A full filesystem raises ``DiskFullError`` naming the file and the free space. One
+stager per target at a time: a lock file in the target serializes concurrent runs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -36,15 +41,29 @@ from typing import BinaryIO, Protocol, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from tunepod.errors import TunepodError
-from tunepod.runtime.files import sha256_of, write_bytes_atomic
+from tunepod.runtime.files import (
+    append_whole,
+    disk_full_error,
+    disk_full_explained,
+    fsync_file,
+    sha256_of,
+    write_bytes_atomic,
+)
 
 logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = ".tunepod-manifest.json"
 LOCK_NAME = ".tunepod-manifest.lock"
+PROGRESS_NAME = ".tunepod-manifest.progress"
 PARTIAL_SUFFIX = ".tunepod-partial"
 _MANIFEST_VERSION = 1
 _CHUNK_BYTES = 4 << 20
+# A crash of the machine (not of the process) loses at most this much of the progress log.
+_PROGRESS_FSYNC_S = 1.0
+DISK_FULL_FIX = (
+    "free space there, or point the stage step's target at a larger filesystem; what was staged is "
+    "recorded, so running the stage again copies only the rest"
+)
 
 
 class StageReport(BaseModel):
@@ -99,22 +118,27 @@ class Synced:
     copied: bool
 
 
-def stage_folder(source: Path, target: Path, *, workers: int = 4) -> StageReport:
+def stage_folder(source: Path, target: Path, *, workers: int = 4, verify: bool = False) -> StageReport:
     """Mirror the files of ``source`` into ``target`` (see the module docstring for the rules).
 
     Raises ``TunepodError`` for a missing source, a source that is not a folder, a target inside the
-    source, and for a copy that failed (after recording the copies that completed). Empty folders and
-    non-regular files (sockets, fifos, symlinked folders) are not mirrored.
+    source, and for a copy that failed (after recording the copies that completed); its subclass
+    ``DiskFullError`` when the target's filesystem is full. Empty folders and non-regular files
+    (sockets, fifos, symlinked folders) are not mirrored. ``verify`` compares checksums instead of
+    trusting an unchanged size and mtime.
     """
     started = time.monotonic()
     source, target = _checked_folders(source, target)
-    target.mkdir(parents=True, exist_ok=True)
-    with exclusive(target / LOCK_NAME):
-        previous = read_manifest(target)
-        tasks = [_task(source, target, rel, info, previous.get(rel)) for rel, info in _source_files(source)]
-        synced = sync_all(tasks, previous, target, workers, _sync_file)
-        removed = remove_deleted(target, previous, {task.rel for task in tasks})
-        write_manifest(target, {rel: result.entry for rel, result in synced.items()})
+    with disk_full_explained(target, DISK_FULL_FIX):
+        target.mkdir(parents=True, exist_ok=True)
+        with exclusive(target / LOCK_NAME):
+            previous = read_manifest(target)
+            files = _source_files(source)
+            tasks = [_task(source, target, rel, info, previous.get(rel)) for rel, info in files]
+            sync = functools.partial(_sync_file, verify=verify)
+            synced = sync_all(tasks, previous, target, workers, sync)
+            removed = remove_deleted(target, previous, {task.rel for task in tasks})
+            write_manifest(target, {rel: result.entry for rel, result in synced.items()})
     copied = [result.entry.size for result in synced.values() if result.copied]
     report = StageReport(
         target=target,
@@ -130,8 +154,13 @@ def stage_folder(source: Path, target: Path, *, workers: int = 4) -> StageReport
 
 
 def read_manifest(target: Path) -> Manifest:
-    """The manifest of ``target``; empty when there is none or it is unreadable (nothing is then
+    """What is staged in ``target``: its manifest, with the copies a run that did not finish recorded
+    in the progress log folded over it. Empty when there is none or it is unreadable (nothing is then
     deleted, and copies are verified by content before being trusted again)."""
+    return {**_manifest_file(target), **_progress_entries(target / PROGRESS_NAME)}
+
+
+def _manifest_file(target: Path) -> Manifest:
     path = target / MANIFEST_NAME
     try:
         files = json.loads(path.read_text(encoding="utf-8"))["files"]
@@ -143,11 +172,76 @@ def read_manifest(target: Path) -> Manifest:
         return {}
 
 
+def _progress_entries(path: Path) -> Manifest:
+    """The entries of a progress log, later lines winning; a line torn by a kill is skipped."""
+    try:
+        lines = path.read_bytes().split(b"\n")
+    except FileNotFoundError:
+        return {}
+    entries: Manifest = {}
+    for line in lines:
+        try:
+            raw = json.loads(line)
+            rel = raw.pop("path")
+            entries[rel] = ManifestEntry(**raw)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue  # empty, or torn: that file is checked again by content, never trusted
+    return entries
+
+
 def write_manifest(target: Path, manifest: Manifest) -> None:
-    """Replace the manifest of ``target`` atomically."""
+    """Replace the manifest of ``target`` atomically; then the progress log it now includes goes."""
     files = {rel: _without_nones(asdict(manifest[rel])) for rel in sorted(manifest)}
     data = json.dumps({"version": _MANIFEST_VERSION, "files": files}, indent=1) + "\n"
     write_bytes_atomic(target / MANIFEST_NAME, data.encode("utf-8"))
+    (target / PROGRESS_NAME).unlink(missing_ok=True)
+
+
+class ProgressLog:
+    """``.tunepod-manifest.progress``: one JSON line per file a run staged, appended as it completes.
+
+    Why a log and not a manifest rewritten every N files: an append costs the same for the millionth
+    file as for the first, where a rewrite costs the whole manifest each time, and a kill loses
+    nothing recorded. Each line is written with one unbuffered append, so a SIGKILL loses at most
+    the files still in flight; it is fsynced at most once a second and on close, so a crash of the
+    machine loses at most the last second's lines. A lost line only costs a check: its file is then
+    compared by content (or downloaded again) on the next run, never trusted blindly. Written from
+    one thread only (``sync_all``'s), under the target's lock.
+    """
+
+    def __init__(self, target: Path) -> None:
+        self.path = target / PROGRESS_NAME
+        self._unsynced = False
+        self._synced_at = time.monotonic()
+        self._started = False
+
+    def record(self, rel: str, entry: ManifestEntry) -> None:
+        line = json.dumps({"path": rel, **_without_nones(asdict(entry))}).encode("utf-8") + b"\n"
+        if not self._started:
+            self._started = True
+            line = self._newline_if_torn() + line
+        fsync = time.monotonic() - self._synced_at >= _PROGRESS_FSYNC_S
+        with disk_full_explained(self.path, DISK_FULL_FIX):
+            append_whole(self.path, line, fsync=fsync)
+        self._unsynced = not fsync
+        if fsync:
+            self._synced_at = time.monotonic()
+
+    def close(self) -> None:
+        if self._unsynced:
+            fsync_file(self.path)
+            self._unsynced = False
+
+    def _newline_if_torn(self) -> bytes:
+        """A killed run may have left half a line: end it, so the next line is not glued onto it."""
+        try:
+            with open(self.path, "rb") as log:
+                if log.seek(0, os.SEEK_END) == 0:
+                    return b""
+                log.seek(-1, os.SEEK_END)
+                return b"" if log.read(1) == b"\n" else b"\n"
+        except FileNotFoundError:
+            return b""
 
 
 def _without_nones(fields: dict[str, object]) -> dict[str, object]:
@@ -187,7 +281,7 @@ def exclusive(lock_path: Path) -> Iterator[None]:
 
 def is_reserved(rel: str) -> bool:
     # A staged folder used as a source holds our own bookkeeping files: never mirror those.
-    return rel in (MANIFEST_NAME, LOCK_NAME) or rel.endswith(PARTIAL_SUFFIX)
+    return rel in (MANIFEST_NAME, LOCK_NAME, PROGRESS_NAME) or rel.endswith(PARTIAL_SUFFIX)
 
 
 def _source_files(source: Path) -> Iterator[tuple[str, os.stat_result]]:
@@ -240,25 +334,45 @@ def sync_all(
     workers: int,
     sync: Callable[[_Task], Synced],
 ) -> dict[str, Synced]:
-    """Run ``sync`` on every task, ``workers`` at a time. On the first failure, stop starting new ones,
-    record what completed in the manifest and raise ``TunepodError`` naming the file that failed.
+    """Run ``sync`` on every task, ``workers`` at a time, recording each new entry in the progress log
+    as it completes. On the first failure, stop starting new ones, record what completed and raise
+    ``TunepodError`` naming the file that failed (``DiskFullError`` when its filesystem is full).
     Shared by the folder and the S3 stagers; ``sync`` is called from worker threads."""
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tunepod-stage") as pool:
-        futures = {pool.submit(sync, task): task for task in tasks}
-        for future in as_completed(futures):
-            if future.exception() is not None:
+    progress = ProgressLog(target)
+    recorded: set[str] = set()
+
+    def record(task: _Task, result: Synced) -> None:
+        if result.entry != previous.get(task.rel):  # an unchanged file is recorded already
+            progress.record(task.rel, result.entry)
+        recorded.add(task.rel)
+
+    try:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tunepod-stage") as pool:
+            futures = {pool.submit(sync, task): task for task in tasks}
+            try:
+                for future in as_completed(futures):
+                    if future.exception() is not None:
+                        break
+                    record(futures[future], future.result())
+            finally:
                 for pending in futures:
                     pending.cancel()
-                break
-    # Leaving the pool waited for the copies in flight: every future is now cancelled or done.
+        # Leaving the pool waited for the copies in flight: every future is now cancelled or done.
+        for future, task in futures.items():
+            if _succeeded(future) and task.rel not in recorded:
+                record(task, future.result())
+    finally:
+        progress.close()
     synced = {task.rel: future.result() for future, task in futures.items() if _succeeded(future)}
     failed = next(((future, task) for future, task in futures.items() if _failed(future)), None)
     if failed is not None:
         future, task = failed
-        write_manifest(target, {**previous, **{rel: result.entry for rel, result in synced.items()}})
         exc = future.exception()
         if not isinstance(exc, Exception):
             future.result()  # re-raises a KeyboardInterrupt or the like as it was: not ours to rephrase
+        full = None if exc is None else disk_full_error(exc, target / task.rel, DISK_FULL_FIX)
+        if full is not None:
+            raise full from exc
         raise TunepodError(
             f"staging into {target} failed on {task.rel}: {exc}; {len(synced)} of {len(tasks)} files are "
             "staged and recorded, run the stage again to finish"
@@ -274,15 +388,17 @@ def _failed(future: Future[Synced]) -> bool:
     return future.done() and not future.cancelled() and future.exception() is not None
 
 
-def _sync_file(task: _FileTask) -> Synced:
-    """Make ``task.target`` hold ``task.source``'s bytes, copying only when the content differs."""
+def _sync_file(task: _FileTask, *, verify: bool) -> Synced:
+    """Make ``task.target`` hold ``task.source``'s bytes, copying only when the content differs;
+    ``verify`` hashes both sides instead of trusting an unchanged size and mtime."""
     info, previous = task.info, task.previous
     target_info = stat_or_none(task.target)
     if previous is not None and target_info is not None and previous.describes(target_info):
-        if previous.describes(info):
+        if previous.describes(info) and not verify:
             return Synced(previous, copied=False)  # unchanged since staged: no read at all
         sha256 = sha256_of(task.source)
-        if sha256 == previous.sha256:  # touched, same bytes
+        copy_intact = not verify or sha256_of(task.target) == previous.sha256
+        if sha256 == previous.sha256 and copy_intact:  # touched (or verified), same bytes
             return Synced(_adopt(task, sha256), copied=False)
     elif previous is None and target_info is not None and target_info.st_size == info.st_size:
         # No record (a first stage, or a run killed before writing its manifest): trust the copy

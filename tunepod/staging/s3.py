@@ -7,7 +7,8 @@ The rules are those of ``tunepod.staging.folder`` and share its manifest, lock a
 - each manifest entry records the object's size and ETag, the ETag's kind (``etag-multipart`` when it
   has a ``-N`` suffix, else ``etag``), the ``ChecksumSHA256`` when S3 returned one, and the sha256
   and mtime of the local copy (set to the object's LastModified);
-- an object whose size and ETag match its entry, with an intact local copy, is not downloaded again;
+- an object whose size and ETag match its entry, with an intact local copy (same size and mtime;
+  with ``verify``, same sha256 as the entry), is not downloaded again;
 - a file whose object was deleted is removed only if the manifest lists it and its copy is intact;
 - each download goes to a ``.<name>.tunepod-partial`` file renamed over the final name, and asks for
   the listed ETag (``IfMatch``), so a file is never half written nor a mix of two object versions.
@@ -32,7 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from tunepod.errors import TransientError, TunepodError
+from tunepod.runtime.files import disk_full_explained, sha256_of
 from tunepod.staging.folder import (
+    DISK_FULL_FIX,
     LOCK_NAME,
     Manifest,
     ManifestEntry,
@@ -115,30 +118,36 @@ def s3_client(*, max_connections: int = 10) -> Any:
     return boto3.session.Session().client("s3", config=Config(max_pool_connections=max_connections))
 
 
-def stage_s3(uri: str, target: Path, *, client: Any = None, workers: int = 8) -> StageReport:
+def stage_s3(
+    uri: str, target: Path, *, client: Any = None, workers: int = 8, verify: bool = False
+) -> StageReport:
     """Mirror the objects under ``uri`` into ``target`` (see the module docstring for the rules).
 
     ``client`` is a boto3 S3 client (default: ``s3_client()``); it is shared by ``workers`` download
     threads, which boto3 clients allow. Raises ``TunepodError`` for a malformed URI, a missing bucket,
     a prefix with no objects, missing or rejected credentials, denied access and a key that would
-    escape the target; ``TransientError`` when S3 cannot be reached or an object changed mid-run.
-    A failed download is raised after recording the downloads that completed.
+    escape the target; ``TransientError`` when S3 cannot be reached or an object changed mid-run;
+    ``DiskFullError`` when the target's filesystem is full. A failed download is raised after
+    recording the downloads that completed. ``verify`` hashes each local copy instead of trusting an
+    unchanged size and mtime.
     """
     started = time.monotonic()
     location = parse_s3_uri(uri)
     target = _checked_target(target, location)
     s3 = client if client is not None else s3_client(max_connections=max(workers, 10))
     objects = _listed_objects(s3, location)
-    target.mkdir(parents=True, exist_ok=True)
-    with exclusive(target / LOCK_NAME):
-        previous = read_manifest(target)
-        current = {obj.rel: previous[obj.rel] for obj in objects if _is_current(obj, previous, target)}
-        downloads = [obj for obj in objects if obj.rel not in current]
-        with _progress(location, downloads) as on_bytes:
-            download = functools.partial(_download, s3, location, target, on_bytes)
-            synced = sync_all(downloads, previous, target, workers, download)
-        removed = remove_deleted(target, previous, {obj.rel for obj in objects})
-        write_manifest(target, {**current, **{rel: result.entry for rel, result in synced.items()}})
+    with disk_full_explained(target, DISK_FULL_FIX):
+        target.mkdir(parents=True, exist_ok=True)
+        with exclusive(target / LOCK_NAME):
+            previous = read_manifest(target)
+            is_current = functools.partial(_is_current, previous, target, verify)
+            current = {obj.rel: previous[obj.rel] for obj in objects if is_current(obj)}
+            downloads = [obj for obj in objects if obj.rel not in current]
+            with _progress(location, downloads) as on_bytes:
+                download = functools.partial(_download, s3, location, target, on_bytes)
+                synced = sync_all(downloads, previous, target, workers, download)
+            removed = remove_deleted(target, previous, {obj.rel for obj in objects})
+            write_manifest(target, {**current, **{rel: result.entry for rel, result in synced.items()}})
     report = StageReport(
         target=target,
         num_files=len(objects),
@@ -214,13 +223,16 @@ def _no_objects_error(s3: Any, location: S3Location) -> TunepodError:
     )
 
 
-def _is_current(obj: S3Object, previous: Manifest, target: Path) -> bool:
-    """Whether the local copy is this very object version, intact: nothing to download."""
+def _is_current(previous: Manifest, target: Path, verify: bool, obj: S3Object) -> bool:
+    """Whether the local copy is this very object version, intact: nothing to download. Intact means
+    the entry's size and mtime; with ``verify``, its sha256 too (a copy changed in place)."""
     entry = previous.get(obj.rel)
     if entry is None or entry.etag != obj.etag or entry.size != obj.size:
         return False
     info = stat_or_none(target / obj.rel)
-    return info is not None and entry.describes(info)
+    if info is None or not entry.describes(info):
+        return False
+    return not verify or sha256_of(target / obj.rel) == entry.sha256
 
 
 def _download(

@@ -26,7 +26,9 @@ def run(run: StepContext, name: str, settings: StageSettings, inputs: Mapping[st
     if fsx_target_id(settings.target) is not None:
         return _run_fsx(run, name, settings, settings.fsx or FsxStageSpec())
     target = run.shared.resolve(settings.target)
-    report = stage(settings.source, target, cache_dir=run.shared.root.resolve() / ".cache")
+    report = stage(
+        settings.source, target, cache_dir=run.shared.root.resolve() / ".cache", verify=settings.verify
+    )
     run.tracker.set_tags(run.run_id, {tags.step_tag(name, "path"): str(target)})
     for key in ("num_files", "num_bytes", "copied_files", "copied_bytes", "seconds"):
         run.tracker.log_metric(run.run_id, f"{name}.{key}", float(getattr(report, key)))
