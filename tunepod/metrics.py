@@ -1,5 +1,6 @@
 """Prometheus metrics of a running pipeline: trials by state, trial and queue durations, staging,
-checkpoint saves.
+checkpoint saves, and what the shipped alert rules watch (job progress, restarts, the last completed
+trial).
 
 Exposure: the pipeline process serves ``/metrics`` over HTTP while it runs (``metrics:`` in the spec),
 and Prometheus scrapes it. Pull, not a Pushgateway push at the end of each step: a tune step runs for
@@ -10,8 +11,10 @@ behind. A pipeline shorter than the scrape interval could end before any scrape,
 
 Labels stay low-cardinality: ``pipeline``, ``study``, ``step``, ``state``; never a trial number or a
 run id. The training job never imports prometheus-client: checkpoint save times come from the
-``save_seconds`` the runtime writes into each checkpoint's metadata, read here as the checkpoints
-appear.
+``save_seconds`` the runtime writes into each checkpoint's metadata, and job progress from the ranks'
+heartbeat files (``tunepod.runtime.progress``), read here as they appear. Per-job facts are therefore
+reported per step, as the worst job of the step: the oldest progress among its running jobs says
+whether any trial is stuck, which is what an alert needs; the driver's log names the trial.
 
 Thread safety: every object here may be used from any thread (prometheus-client metrics are thread
 safe; the mutable state of ``TrialObserver`` and ``ObservedJob`` sits behind a lock).
@@ -31,8 +34,9 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 
 from tunepod.launch.base import JobHandle, JobState
 from tunepod.launch.paths import JobPaths
-from tunepod.launch.submission import CancelReason
+from tunepod.launch.submission import CancelReason, read_submission
 from tunepod.runtime.checkpoints import saved_checkpoint, step_folders
+from tunepod.runtime.progress import read_progress
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -85,6 +89,25 @@ class TunepodMetrics:
             "Seconds a training job took to write, fsync and hash one checkpoint (from its metadata).",
             list(TRIAL_LABELS),
             buckets=CHECKPOINT_BUCKETS,
+            registry=registry,
+        )
+        self.last_progress = Gauge(
+            "tunepod_job_last_progress_timestamp_seconds",
+            "Unix time the least recently advancing running job of the step last advanced (its slowest "
+            "rank's heartbeat). Absent while no job of the step runs with heartbeats.",
+            list(TRIAL_LABELS),
+            registry=registry,
+        )
+        self.restarts = Counter(
+            "tunepod_job_restarts",
+            "Jobs of the step started again in place (after a failure or a hang) by this orchestrator.",
+            list(TRIAL_LABELS),
+            registry=registry,
+        )
+        self.last_completed = Gauge(
+            "tunepod_study_last_completed_timestamp_seconds",
+            "Unix time the study's last trial completed, or this orchestrator started the step if later.",
+            list(TRIAL_LABELS),
             registry=registry,
         )
         self.staging_bytes = Counter(
@@ -143,22 +166,40 @@ class TrialObserver:
         self.study = study
         self.step = step
         self._first_submit: dict[Path, float] = {}
+        self._progress: dict[Path, float] = {}
+        # A resumed study's last completion may be days old: the stretch without one starts no
+        # earlier than this step did, so the stalled-study alert does not fire at a resume.
+        self._started_at = time.time()
         self._lock = threading.Lock()
+        # From zero: increase() over a window needs the sample before the first restart.
+        metrics.restarts.labels(*self.labels())
 
     def labels(self) -> tuple[str, str, str]:
         return (self.pipeline, self.study, self.step)
 
     def count_trials(self, study: optuna.Study) -> None:
-        """Set ``tunepod_trials`` from the study itself, so it is right after a resume and with
-        several orchestrators on one study."""
-        counts = collections.Counter(t.state.name for t in study.get_trials(deepcopy=False))
+        """Set ``tunepod_trials`` and the last completion from the study itself, so they are right
+        after a resume and with several orchestrators on one study."""
+        trials = study.get_trials(deepcopy=False)
+        counts = collections.Counter(t.state.name for t in trials)
         for state in TRIAL_STATES:
             self.metrics.trials.labels(*self.labels(), state).set(counts.get(state, 0))
+        completed = [
+            t.datetime_complete.timestamp()
+            for t in trials
+            if t.state.name == "COMPLETE" and t.datetime_complete is not None
+        ]
+        last = max([self._started_at, *completed])
+        self.metrics.last_completed.labels(*self.labels()).set(last)
 
     def submitted(self, handle: JobHandle) -> ObservedJob:
-        """``handle`` was just submitted: time its queue wait and watch its checkpoints."""
+        """``handle`` was just submitted: time its queue wait and watch its checkpoints. A submission
+        whose record says attempt 2 or later is a restart (the driver submits every attempt here)."""
         now = time.time()
         self._remember_submit(handle.job_dir, now)
+        record = read_submission(JobPaths(handle.job_dir))
+        if record is not None and record.attempt > 1:
+            self.metrics.restarts.labels(*self.labels()).inc()
         return ObservedJob(handle, self, submitted_at=now, seen_pending=True)
 
     def attached(self, handle: JobHandle) -> ObservedJob:
@@ -169,11 +210,26 @@ class TrialObserver:
 
     def finished(self, job_dir: Path, state: str) -> None:
         """The trial whose job dir is ``job_dir`` reached its final ``state`` (COMPLETE/PRUNED/FAIL)."""
+        self.progressed(job_dir, None)
         with self._lock:
             started = self._first_submit.pop(job_dir, None)
         if started is not None:
             duration = max(0.0, time.time() - started)
             self.metrics.trial_duration.labels(*self.labels(), state).observe(duration)
+
+    def progressed(self, job_dir: Path, advanced_at: float | None) -> None:
+        """The running job in ``job_dir`` last advanced at ``advanced_at``; None: it is not running
+        (or sends no heartbeats), so it no longer counts."""
+        gauge = self.metrics.last_progress
+        with self._lock:
+            if advanced_at is None:
+                self._progress.pop(job_dir, None)
+            else:
+                self._progress[job_dir] = advanced_at
+            if self._progress:
+                gauge.labels(*self.labels()).set(min(self._progress.values()))
+            else:
+                gauge.remove(*self.labels())  # a step with nothing running is not stuck
 
     def _remember_submit(self, job_dir: Path, submitted_at: float) -> None:
         with self._lock:
@@ -182,7 +238,8 @@ class TrialObserver:
 
 class ObservedJob:
     """A ``JobHandle`` that reports what its polls see: the queue wait when the job is first seen
-    running, and the save time of each checkpoint that appeared since the last poll.
+    running, the save time of each checkpoint that appeared since the last poll, and, while it runs,
+    when its slowest rank last advanced.
 
     A re-attached job's queue wait counts only if it is seen pending first (one already running has
     waited for an unknown part of the time since its submission); only checkpoints saved after the
@@ -210,6 +267,7 @@ class ObservedJob:
         with self._lock:
             self._observe_queue_wait(state)
             self._observe_new_checkpoints()
+            self._observe_progress(state)
         return state
 
     def cancel(self, reason: CancelReason = "cancelled") -> None:
@@ -243,6 +301,13 @@ class ObservedJob:
             self._seen_checkpoints.add(folder.name)
             if info.save_seconds is not None and info.time >= self._submitted_at:
                 histogram.observe(info.save_seconds)
+
+    def _observe_progress(self, state: JobState) -> None:
+        """The oldest advance among the ranks still working (as the watchdog reads them); a queued
+        or ended job, or one whose ranks have not beaten yet (starting up), has none."""
+        working = [] if state is not JobState.RUNNING else read_progress(JobPaths(self.job_dir).progress)
+        advanced = [beat.advanced_at for beat in working if not beat.finished]
+        self._observer.progressed(self.job_dir, min(advanced) if advanced else None)
 
 
 def _submission_time(job_dir: Path) -> float:

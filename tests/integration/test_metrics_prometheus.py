@@ -1,5 +1,7 @@
 """A real Prometheus scrapes a real tune: torchrun trials on the local launcher, the pipeline's /metrics
-endpoint, and the tunepod_* series read back through Prometheus' HTTP API.
+endpoint, and the tunepod_* series read back through Prometheus' HTTP API. The shipped alert rules are
+checked and unit-tested with promtool, and loaded by the real Prometheus, which fires one of them on a
+real stalled trial.
 
 Needs Debian's prometheus (``scripts/prometheus-up``, which ``make test`` runs): without it these tests
 skip with the reason, except under ``CI=true``, where a skip would hide a broken setup, so they fail.
@@ -8,16 +10,19 @@ skip with the reason, except under ``CI=true``, where a skip would hide a broken
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from needs import skip_or_fail
 from ports import free_port
 from test_tuner import PIPELINE, make_tuner, settings
@@ -28,6 +33,9 @@ from tunepod.spec.models import MetricsSpec
 PROMETHEUS = Path("/usr/bin/prometheus")
 PROMTOOL = Path("/usr/bin/promtool")
 REPO = Path(__file__).resolve().parents[2]
+OBSERVABILITY = REPO / "deployments" / "observability"
+ALERTS = OBSERVABILITY / "alerts.yml"
+STALL = REPO / "tests" / "fixtures" / "trainers" / "stall.py"
 STUDY = "prom-quad"
 NUM_TRIALS = 3
 EPOCHS = 2
@@ -49,16 +57,18 @@ def get_json(url: str) -> Any:
 
 
 class Prometheus:
-    """A Prometheus server on a loopback port, scraping ``target`` every second; stopped on ``stop``."""
+    """A Prometheus server on a loopback port, scraping ``target`` and evaluating ``rules`` (if any)
+    every second; stopped on ``stop``."""
 
-    def __init__(self, tmp_path: Path, target: str) -> None:
+    def __init__(self, tmp_path: Path, target: str, rules: Path | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp_path / "prometheus.log"
         config = tmp_path / "prometheus.yml"
         config.write_text(
             "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
-            "scrape_configs:\n"
+            + (f"rule_files: ['{rules}']\n" if rules is not None else "")
+            + "scrape_configs:\n"
             f"  - job_name: tunepod-pipeline\n    static_configs: [{{targets: ['{target}']}}]\n"
         )
         with self.log.open("wb") as log:
@@ -100,6 +110,24 @@ class Prometheus:
             time.sleep(0.5)
         return seen
 
+    def alert_names(self) -> set[str]:
+        """The alerting rules Prometheus loaded."""
+        groups = get_json(f"{self.url}/api/v1/rules?type=alert")["data"]["groups"]
+        return {rule["name"] for group in groups for rule in group["rules"]}
+
+    def wait_firing(self, alert: str, study: str, running: Future[Any]) -> dict[str, Any]:
+        """The alert ``alert`` of ``study`` once Prometheus says it fires (bounded; fails at once when
+        the tune ``running`` ends first, since nothing could fire it any more)."""
+        deadline = time.monotonic() + QUERY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            for seen in get_json(f"{self.url}/api/v1/alerts")["data"]["alerts"]:
+                named = seen["labels"]["alertname"] == alert and seen["labels"].get("study") == study
+                if named and seen["state"] == "firing":
+                    return dict(seen)
+            assert not running.done(), f"the tune ended before {alert} fired: {running.exception()}"
+            time.sleep(0.5)
+        pytest.fail(f"{alert} did not fire within {QUERY_TIMEOUT_S} s: {self.log_tail()}")
+
     def log_tail(self) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-20:])
 
@@ -113,13 +141,13 @@ class Prometheus:
 
 
 @pytest.fixture
-def prometheus_for(tmp_path: Path) -> Iterator[Callable[[str], Prometheus]]:
+def prometheus_for(tmp_path: Path) -> Iterator[Callable[..., Prometheus]]:
     """Starts a Prometheus scraping the given target (once it answers ready); stops it afterwards."""
     require(PROMETHEUS)
     started: list[Prometheus] = []
 
-    def start(target: str) -> Prometheus:
-        server = Prometheus(tmp_path, target)
+    def start(target: str, rules: Path | None = None) -> Prometheus:
+        server = Prometheus(tmp_path, target, rules)
         started.append(server)
         server.wait_ready()
         return server
@@ -129,13 +157,20 @@ def prometheus_for(tmp_path: Path) -> Iterator[Callable[[str], Prometheus]]:
         server.stop()
 
 
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One MLflow store and study journal for the module's tunes, each on its own study: creating an
+    MLflow store takes seconds."""
+    return tmp_path_factory.mktemp("tunes")
+
+
 def test_a_tune_is_scraped_and_its_metrics_read_back_through_prometheus(
-    tmp_path: Path, prometheus_for: Callable[[str], Prometheus]
+    workspace: Path, prometheus_for: Callable[..., Prometheus]
 ) -> None:
     tune = settings(
-        tmp_path, study={"name": STUDY}, num_trials=NUM_TRIALS, train={"args": {"epochs": EPOCHS}}
+        workspace, study={"name": STUDY}, num_trials=NUM_TRIALS, train={"args": {"epochs": EPOCHS}}
     )
-    tuner = make_tuner(tmp_path, tune)
+    tuner = make_tuner(workspace, tune)
     endpoint = open_pipeline_metrics(MetricsSpec(port=0), pipeline=PIPELINE, run_id=tuner.ctx.parent_run_id)
     try:
         assert endpoint.server is not None
@@ -158,6 +193,10 @@ def test_a_tune_is_scraped_and_its_metrics_read_back_through_prometheus(
         assert NUM_TRIALS <= saves <= NUM_TRIALS * EPOCHS
         (seconds,) = prometheus.query(f"sum(tunepod_trial_duration_seconds_sum{{{where}}})").values()
         assert seconds > 0
+        assert prometheus.query(f"sum(tunepod_job_restarts_total{{{where}}})") == {"": 0}
+        last_completed = f"max(tunepod_study_last_completed_timestamp_seconds{{{where}}})"
+        completions = [t.datetime_complete for t in tuner.study.get_trials() if t.datetime_complete]
+        assert prometheus.query(last_completed) == {"": pytest.approx(max(completions).timestamp())}
     finally:
         endpoint.close()
 
@@ -169,3 +208,141 @@ def test_the_shipped_prometheus_config_is_valid() -> None:
         [str(PROMTOOL), "check", "config", str(config)], capture_output=True, text=True, check=False
     )
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def shortened_rules(tmp_path: Path, alert: str, *, threshold_s: int, for_: str) -> Path:
+    """A copy of the shipped rules in which only ``alert`` has a shorter threshold (the seconds its
+    expression compares against) and ``for``; every other rule, and everything else, as shipped."""
+    rules = yaml.safe_load(ALERTS.read_text())
+    (rule,) = [r for group in rules["groups"] for r in group["rules"] if r.get("alert") == alert]
+    rule["expr"], replaced = re.subn(r">\s*\d+", f"> {threshold_s}", rule["expr"])
+    assert replaced == 1, f"{alert}: expected one '> <seconds>' threshold in {rule['expr']!r}"
+    rule["for"] = for_
+    copy = tmp_path / "alerts.yml"
+    copy.write_text(yaml.safe_dump(rules))
+    return copy
+
+
+def test_a_stalled_trial_fires_the_shipped_no_progress_alert(
+    tmp_path: Path, workspace: Path, prometheus_for: Callable[..., Prometheus]
+) -> None:
+    """A trial's job fails once and is restarted, reports once, then its loop stops advancing while
+    its heartbeat keeps beating (as in a stuck collective); Prometheus, with the shipped rules loaded,
+    fires TunepodTrialWithoutProgress for its study and counts the restart. The shipped rule waits
+    40 min plus ``for: 5m``, so this Prometheus loads a copy of the shipped file in which only that
+    rule's threshold (3 s) and ``for`` (1 s) are shortened."""
+    study = "prom-stalled"
+    tune = settings(
+        workspace, study={"name": study}, num_trials=1, num_parallel=1, train={"entrypoint": str(STALL)}
+    )
+    tuner = make_tuner(workspace, tune)
+    release = tuner.ctx.jobs_dir / "trial-0" / "release"
+    rules = shortened_rules(tmp_path, "TunepodTrialWithoutProgress", threshold_s=3, for_="1s")
+    endpoint = open_pipeline_metrics(MetricsSpec(port=0), pipeline=PIPELINE, run_id=tuner.ctx.parent_run_id)
+    try:
+        assert endpoint.server is not None
+        prometheus = prometheus_for(f"127.0.0.1:{endpoint.server.server_port}", rules)
+        assert prometheus.alert_names() == {
+            "TunepodTrialWithoutProgress",
+            "TunepodJobRestartLoop",
+            "TunepodStudyWithoutCompletedTrial",
+        }
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(tuner.run)
+            try:
+                firing = prometheus.wait_firing("TunepodTrialWithoutProgress", study, running)
+            finally:
+                release.parent.mkdir(parents=True, exist_ok=True)
+                release.touch()  # the loop goes on and the trial completes
+            trials = running.result(timeout=QUERY_TIMEOUT_S)
+
+        assert firing["labels"]["step"] == "search" and firing["labels"]["severity"] == "warning"
+        assert f"study {study} has not progressed" in firing["annotations"]["summary"]
+        assert [t.outcome for t in trials.trials] == ["COMPLETE"]
+        restarts = f'sum(tunepod_job_restarts_total{{study="{study}"}})'
+        assert prometheus.query_until(restarts, {"": 1}) == {"": 1}
+        # Nothing of the step runs any more: the gauge is gone, so the alert resolves.
+        where = f'study="{study}"'
+        assert prometheus.query_until(f"tunepod_job_last_progress_timestamp_seconds{{{where}}}", {}) == {}
+    finally:
+        endpoint.close()
+
+
+def test_the_shipped_alert_rules_are_valid() -> None:
+    require(PROMTOOL)
+    checked = subprocess.run(
+        [str(PROMTOOL), "check", "rules", str(ALERTS)], capture_output=True, text=True, check=False
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "SUCCESS: 3 rules found" in checked.stdout
+
+
+# promtool's rule unit tests: synthetic series on a virtual clock (minutes), evaluated every minute.
+LABELS = 'pipeline="p", study="s", step="search", instance="orchestrator:9464", job="tunepod-pipeline"'
+PROGRESS = f"tunepod_job_last_progress_timestamp_seconds{{{LABELS}}}"
+RESTARTS = f"tunepod_job_restarts_total{{{LABELS}}}"
+COMPLETED = f"tunepod_study_last_completed_timestamp_seconds{{{LABELS}}}"
+RUNNING = f'tunepod_trials{{{LABELS}, state="RUNNING"}}'
+# (input series and their values, [(minute, alert, fires)]), at the shipped thresholds.
+RULE_CASES: dict[str, tuple[dict[str, str], list[tuple[int, str, bool]]]] = {
+    # Last progress at time 0: past 40 min at minute 41, firing 5 min later.
+    "stuck job": (
+        {PROGRESS: "0x60"},
+        [(45, "TunepodTrialWithoutProgress", False), (46, "TunepodTrialWithoutProgress", True)],
+    ),
+    "job advancing every minute": ({PROGRESS: "0+60x60"}, [(60, "TunepodTrialWithoutProgress", False)]),
+    # The third restart at minute 4, firing a minute later.
+    "three restarts in minutes": (
+        {RESTARTS: "0 0 1 2 3x10"},
+        [(4, "TunepodJobRestartLoop", False), (5, "TunepodJobRestartLoop", True)],
+    ),
+    "one restart every 40 minutes": (
+        {RESTARTS: "0x39 1x39 2x39 3x39"},
+        [(minute, "TunepodJobRestartLoop", False) for minute in (60, 100, 130, 155)],
+    ),
+    # Nothing completed since time 0 while a trial runs: past 2 h at minute 121, firing 5 min later.
+    "study without completions": (
+        {COMPLETED: "0x130", RUNNING: "1x130"},
+        [(125, "TunepodStudyWithoutCompletedTrial", False), (126, "TunepodStudyWithoutCompletedTrial", True)],
+    ),
+    "study with nothing running": (
+        {COMPLETED: "0x130", RUNNING: "0x130"},
+        [(130, "TunepodStudyWithoutCompletedTrial", False)],
+    ),
+}
+
+
+def test_the_shipped_alert_rules_fire_at_their_thresholds(tmp_path: Path) -> None:
+    """``promtool test rules`` on the shipped rules as they are, except their annotations (promtool
+    compares every annotation's full text; ``promtool check rules`` and the firing test above cover
+    the templates)."""
+    require(PROMTOOL)
+    rules = yaml.safe_load(ALERTS.read_text())
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            rule.pop("annotations", None)
+    (tmp_path / "rules.yml").write_text(yaml.safe_dump(rules))
+    labels = dict(item.split("=") for item in LABELS.replace('"', "").split(", "))
+    tests = [
+        {
+            "interval": "1m",
+            "input_series": [{"series": name, "values": values} for name, values in series.items()],
+            "alert_rule_test": [
+                {
+                    "eval_time": f"{minute}m",
+                    "alertname": alert,
+                    "exp_alerts": [{"exp_labels": {**labels, "severity": "warning"}}] if fires else [],
+                }
+                for minute, alert, fires in checks
+            ],
+        }
+        for series, checks in RULE_CASES.values()
+    ]
+    unit_tests = tmp_path / "alerts_test.yml"
+    unit_tests.write_text(
+        yaml.safe_dump({"rule_files": ["rules.yml"], "evaluation_interval": "1m", "tests": tests})
+    )
+    tested = subprocess.run(
+        [str(PROMTOOL), "test", "rules", str(unit_tests)], capture_output=True, text=True, check=False
+    )
+    assert tested.returncode == 0, tested.stdout + tested.stderr

@@ -1,5 +1,5 @@
 """The tunepod_* metrics, each test on a fresh CollectorRegistry; the /metrics endpoint over real HTTP;
-the Grafana dashboard and the Prometheus config against the metrics that exist."""
+the Grafana dashboard, the Prometheus config and its alert rules against the metrics that exist."""
 
 from __future__ import annotations
 
@@ -9,24 +9,28 @@ import re
 import time
 import urllib.error
 import urllib.request
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import optuna
 import pytest
 import yaml
-from optuna.trial import TrialState
+from optuna.trial import FrozenTrial, TrialState
 from prometheus_client import CollectorRegistry
 
 from tunepod.launch.base import JobState
 from tunepod.launch.paths import JobPaths
+from tunepod.launch.submission import Submission, write_submission
 from tunepod.metrics import TRIAL_STATES, TrialObserver, TunepodMetrics, open_pipeline_metrics
 from tunepod.runtime.checkpoints import METADATA_FILE, save_checkpoint, saved_checkpoint
+from tunepod.runtime.progress import Heartbeat, read_progress
 from tunepod.spec.models import MetricsSpec, PipelineSpec
 from tunepod.webhook.app import requests_counter
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "deployments" / "observability" / "grafana-dashboard.json"
 PROMETHEUS_CONFIG = REPO / "deployments" / "observability" / "prometheus.yml"
+ALERTS = REPO / "deployments" / "observability" / "alerts.yml"
 # The labels of observer_for()'s trials: its run was never opened as a pipeline.
 LABELS = {"pipeline": "pipe", "study": "quad", "step": "search"}
 
@@ -152,6 +156,92 @@ def test_checkpoint_save_seconds_come_from_new_checkpoints_metadata(
     assert sample(metrics, "tunepod_checkpoint_save_seconds_sum", **LABELS) == pytest.approx(expected)
 
 
+def test_last_progress_is_the_oldest_advance_among_running_jobs_and_absent_when_none_runs(
+    metrics: TunepodMetrics, tmp_path: Path
+) -> None:
+    observer = observer_for(metrics)
+    progress = "tunepod_job_last_progress_timestamp_seconds"
+    slow_dir, fast_dir = tmp_path / "slow", tmp_path / "fast"
+    # Real heartbeat files; a long interval, so each file holds its first beat until finish.
+    slow = Heartbeat(JobPaths(slow_dir).progress, 0, interval_s=3600).start()
+    time.sleep(0.01)
+    fast = Heartbeat(JobPaths(fast_dir).progress, 0, interval_s=3600).start()
+    (slow_beat,) = read_progress(JobPaths(slow_dir).progress)
+    (fast_beat,) = read_progress(JobPaths(fast_dir).progress)
+    running, done = JobState.RUNNING, JobState.SUCCEEDED
+    slow_job = observer.submitted(ScriptedJob(slow_dir, [JobState.PENDING, running, running, done]))
+    fast_job = observer.submitted(ScriptedJob(fast_dir, [running, done]))
+    try:
+        slow_job.state()  # queued: not counted, whatever its files say
+        assert sample(metrics, progress, **LABELS) is None
+        fast_job.state()
+        assert sample(metrics, progress, **LABELS) == fast_beat.advanced_at
+        slow_job.state()
+        assert sample(metrics, progress, **LABELS) == slow_beat.advanced_at < fast_beat.advanced_at
+        slow.finish()  # a rank whose loop is over waits legitimately
+        slow_job.state()
+        assert sample(metrics, progress, **LABELS) == fast_beat.advanced_at
+        fast_job.state()
+        slow_job.state()
+        assert sample(metrics, progress, **LABELS) is None  # nothing runs: nothing can be stuck
+    finally:
+        slow.finish()
+        fast.finish()
+
+
+def test_restarts_count_the_submissions_whose_record_says_a_later_attempt(
+    metrics: TunepodMetrics, tmp_path: Path
+) -> None:
+    observer = observer_for(metrics)
+    restarts = "tunepod_job_restarts_total"
+    assert sample(metrics, restarts, **LABELS) == 0  # from zero, so increase() sees the first one
+    paths = JobPaths(tmp_path)
+    for attempt in (1, 2, 3):
+        record = Submission(
+            backend="local", name="t", attempt=attempt, submission_id="s", job_id="1", intent_at="now"
+        )
+        write_submission(paths, record)
+        observer.submitted(ScriptedJob(tmp_path, [JobState.RUNNING]))
+    observer.attached(ScriptedJob(tmp_path, [JobState.RUNNING]))  # a re-attach is no restart
+
+    assert sample(metrics, restarts, **LABELS) == 2
+
+
+def test_last_completed_is_the_study_s_last_completion_or_the_step_s_start(
+    metrics: TunepodMetrics,
+) -> None:
+    last_completed = "tunepod_study_last_completed_timestamp_seconds"
+    study = optuna.create_study()
+    day_ago = datetime.now() - timedelta(days=1)  # Optuna's datetimes are naive local times
+    study.add_trial(  # a resumed study, whose last trial completed long ago
+        FrozenTrial(
+            number=0,
+            state=TrialState.COMPLETE,
+            value=1.0,
+            datetime_start=day_ago,
+            datetime_complete=day_ago,
+            params={},
+            distributions={},
+            user_attrs={},
+            system_attrs={},
+            intermediate_values={},
+            trial_id=0,
+        )
+    )
+    before = time.time()
+    observer = observer_for(metrics)
+    after = time.time()
+    study.tell(study.ask(), state=TrialState.FAIL)
+    observer.count_trials(study)
+    assert before <= sample(metrics, last_completed, **LABELS) <= after  # type: ignore[operator]
+
+    study.tell(study.ask(), 0.5)
+    observer.count_trials(study)
+    completed_at = study.trials[-1].datetime_complete
+    assert completed_at is not None
+    assert sample(metrics, last_completed, **LABELS) == completed_at.timestamp()
+
+
 def test_checkpoint_metadata_records_save_seconds_and_older_ones_read_as_none(tmp_path: Path) -> None:
     folder = save_checkpoint(tmp_path, {"w": [1.0, 2.0]}, 3, keep=2)
     info = saved_checkpoint(folder)
@@ -236,3 +326,19 @@ def test_prometheus_config_scrapes_the_pipeline_and_the_webhook_receiver() -> No
     assert targets == {"tunepod-pipeline": ["127.0.0.1:9464"], "tunepod-webhook": ["127.0.0.1:8787"]}
     assert all(job.get("metrics_path", "/metrics") == "/metrics" for job in jobs.values())
     assert MetricsSpec().port == 9464  # the default the pipeline target points at
+
+
+def test_the_config_loads_the_alert_rules_and_they_watch_metrics_that_exist(metrics: TunepodMetrics) -> None:
+    config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    # Relative to the config file: the folder works wherever it is copied.
+    assert [PROMETHEUS_CONFIG.parent / path for path in config["rule_files"]] == [ALERTS]
+    rules = [rule for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]]
+    used = {name for rule in rules for name in re.findall(r"\btunepod_[a-z_]+", rule["expr"])}
+
+    assert {rule["alert"] for rule in rules} == {
+        "TunepodTrialWithoutProgress",
+        "TunepodJobRestartLoop",
+        "TunepodStudyWithoutCompletedTrial",
+    }
+    assert used - exposed_names(metrics) == set()
+    assert all({"summary", "description", "runbook"} <= set(rule["annotations"]) for rule in rules)
