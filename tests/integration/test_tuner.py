@@ -27,6 +27,7 @@ from tunepod.launch.slurm import SlurmLauncher
 from tunepod.launch.submission import read_submission
 from tunepod.outputs import Dataset, TrialRecord, TrialSet
 from tunepod.runtime import Report, latest_checkpoint, read_reports
+from tunepod.runtime.progress import HEARTBEAT_S_ENV
 from tunepod.spec.models import SlurmLauncherSpec, TuneSettings
 from tunepod.tracking import MlflowTracker
 from tunepod.tracking.outbox import TrackingOutbox
@@ -56,7 +57,15 @@ def make_launcher(kind: str, root: Path) -> Launcher:
     if kind.startswith("slurm"):
         over_ssh = {"ssh": TARGET, "ssh_options": ssh_options()} if kind == "slurm-ssh" else {}
         spec = SlurmLauncherSpec.model_validate(
-            {"kind": "slurm", "root": str(root), "python": sys.executable, "poll_cache_s": 0.2, **over_ssh}
+            {
+                "kind": "slurm",
+                "root": str(root),
+                "python": sys.executable,
+                "poll_cache_s": 0.2,
+                # Beats as often as the trainer reports, so that a short hang_timeout_s is safe.
+                "env": {HEARTBEAT_S_ENV: "0.5"},
+                **over_ssh,
+            }
         )
         return SlurmLauncher(spec)
     return LocalLauncher(root, cancel_grace_s=5)
@@ -98,6 +107,24 @@ def wait_for_checkpoint(tuner: Tuner, running: Future[TrialSet], step: int) -> i
         assert not running.done(), running.exception()
         time.sleep(0.1)
     return info.step
+
+
+def wait_for_report(tuner: Tuner, running: Future[TrialSet], step: int) -> None:
+    """Wait until trial 0 of a running study has reported ``step``."""
+    metrics = tuner.ctx.jobs_dir / "trial-0" / "metrics.jsonl"
+    while not any(report.step >= step for report in read_reports(metrics)):
+        assert not running.done(), running.exception()
+        time.sleep(0.1)
+
+
+def stops(job_dir: str) -> list[int]:
+    """The epochs at which the trainer saved and exited on a stop signal (its stops.log)."""
+    path = Path(job_dir) / "stops.log"
+    return [int(line) for line in path.read_text().split()] if path.exists() else []
+
+
+# The trainer checkpoints only when asked to stop: where it resumes shows that it saved at the signal.
+SAVES_ONLY_ON_STOP = {"epochs": 8, "sleep_s": 0.5, "checkpoint_every": 1000}
 
 
 def reports_after_restart(trial: TrialRecord) -> list[Report]:
@@ -262,23 +289,53 @@ def test_a_killed_trial_job_restarts_and_resumes_from_its_last_checkpoint(tmp_pa
     assert record is not None and record.attempt == 2  # one restart, counted in the job dir
 
 
-@pytest.mark.slurm
-def test_a_requeued_trial_resumes_and_is_counted_once(tmp_path: Path) -> None:
-    """scontrol requeue (what a node failure does) a running trial: Slurm runs the same job again, the
-    script resumes after its last checkpoint, and Optuna and MLflow hold the trial once."""
-    tune = settings(tmp_path, num_trials=1, num_parallel=1, train={"args": {"epochs": 6, "sleep_s": 0.5}})
-    tuner = make_tuner(tmp_path, tune, "slurm")
+def test_a_preempted_trial_saves_at_the_signal_and_resumes_from_there(tmp_path: Path) -> None:
+    """SIGTERM from outside tunepod (a host shutting down, a spot reclaim) to every process of a running
+    trial: the script sees ctx.should_stop(), checkpoints the epoch it is at and exits; the job starts
+    again once and resumes right after that epoch; Optuna and MLflow hold the trial once."""
+    tune = settings(tmp_path, num_trials=1, num_parallel=1, train={"args": SAVES_ONLY_ON_STOP})
+    tuner = make_tuner(tmp_path, tune)
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(tuner.run)
-        requeued_after = wait_for_checkpoint(tuner, running, step=1)
+        wait_for_report(tuner, running, step=1)
+        job_id = tuner.study.trials[0].user_attrs[ATTR_JOB_ID]
+        job = tuner.ctx.launcher.attach(job_id, tuner.ctx.jobs_dir / "trial-0")
+        for pid in job.pids():
+            os.kill(pid, signal.SIGTERM)
+        trials = running.result(timeout=120)
+
+    (trial,) = trials.trials
+    assert trial.outcome == "COMPLETE"
+    (stopped_at,) = stops(trial.job_dir)
+    assert stopped_at >= 1
+    assert reports_after_restart(trial)[0].step == stopped_at + 1
+    record = read_submission(JobPaths(Path(trial.job_dir)))
+    assert record is not None and record.attempt == 2
+    assert len(tuner.study.trials) == 1
+    assert len(child_runs(tmp_path, tuner.ctx.parent_run_id)) == 1
+
+
+@pytest.mark.slurm
+def test_a_requeued_trial_saves_at_the_signal_resumes_and_is_counted_once(tmp_path: Path) -> None:
+    """scontrol requeue (what a node failure or a preemption does) a running trial: Slurm sends SIGTERM,
+    the script checkpoints where it is and exits inside KillWait, Slurm runs the same job again, the
+    script resumes right after that checkpoint, and Optuna and MLflow hold the trial once. The job
+    waits queued longer than hang_timeout_s: the last run's heartbeats must not make it look hung."""
+    train = {"args": SAVES_ONLY_ON_STOP, "hang_timeout_s": 8}
+    tuner = make_tuner(tmp_path, settings(tmp_path, num_trials=1, num_parallel=1, train=train), "slurm")
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(tuner.run)
+        wait_for_report(tuner, running, step=1)
         job_id = tuner.study.trials[0].user_attrs[ATTR_JOB_ID]
         subprocess.run(["scontrol", "requeue", job_id], check=True)
         trials = running.result(timeout=180)
 
     (trial,) = trials.trials
     assert trial.outcome == "COMPLETE" and trial.job_id == job_id
-    resumed = reports_after_restart(trial)
-    assert resumed[0].step in (requeued_after + 1, requeued_after + 2)
+    (stopped_at,) = stops(trial.job_dir)
+    assert reports_after_restart(trial)[0].step == stopped_at + 1
+    record = read_submission(JobPaths(Path(trial.job_dir)))
+    assert record is not None and record.attempt == 1  # Slurm ran it again, not tunepod
     assert len(tuner.study.trials) == 1
     assert len(child_runs(tmp_path, tuner.ctx.parent_run_id)) == 1
     assert subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True).stdout.strip() == ""

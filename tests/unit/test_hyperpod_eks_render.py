@@ -37,6 +37,7 @@ from tunepod.launch.hyperpod_eks import (
     render_manifest,
     state_from_conditions,
 )
+from tunepod.launch.watchdog import Limits
 from tunepod.spec.models import HyperPodEksLauncherSpec, LauncherSpec
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -111,8 +112,11 @@ FULL = {
 GPU_JOB = job(
     args=("--epochs", "12"),
     resources=Resources(
-        num_nodes=4, procs_per_node=8, gpus_per_node=8, instance_type="ml.p5.48xlarge", timeout_min=90.5
+        num_nodes=4, procs_per_node=8, gpus_per_node=8, instance_type="ml.p5.48xlarge",
+        timeout_min=90.5,
+        stop_grace_s=120,
     ),
+    limits=Limits(timeout_s=5430, hang_timeout_s=900, startup_timeout_s=1200),
 )
 
 

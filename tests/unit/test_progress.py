@@ -8,6 +8,10 @@ would and ask at a chosen ``now``, so no test sleeps for a timeout. The hang its
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -18,7 +22,7 @@ import pytest
 from tunepod import runtime
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.watchdog import Limits, RunningSince, Watchdog
-from tunepod.runtime.contract import METRICS_FILE_ENV, RANK_ENV
+from tunepod.runtime.contract import CHECKPOINT_DIR_ENV, METRICS_FILE_ENV, RANK_ENV
 from tunepod.runtime.progress import HEARTBEAT_S_ENV, Heartbeat, RankProgress, read_progress
 
 
@@ -126,3 +130,77 @@ def test_no_heartbeat_past_the_startup_allowance_is_a_hang(tmp_path: Path) -> No
     stall = watchdog.stall("job-1", since + 301)
     assert stall is not None
     assert stall.describe(since + 301) == "no rank sent a heartbeat in 301 s of running (stuck starting up?)"
+
+
+def test_a_requeue_starts_both_clocks_afresh(tmp_path: Path) -> None:
+    paths = JobPaths(tmp_path)
+    now = time.time()
+    write_beat(paths, 0, advanced_at=now - 500, beat_at=now - 400)
+    watchdog = Watchdog(paths, Limits(timeout_s=600, hang_timeout_s=60))
+    assert watchdog.stall("job-1", now) is not None and watchdog.running_since("job-1") < now - 500
+    watchdog.new_run()  # Slurm put the job back in its queue
+    assert watchdog.stall("job-1", now) is None
+    assert watchdog.running_since("job-1") >= now
+
+
+def test_a_stop_signal_near_the_time_limit_is_the_limit_and_earlier_a_preemption(tmp_path: Path) -> None:
+    paths = JobPaths(tmp_path)
+    watchdog = Watchdog(paths, Limits(timeout_s=3600))
+    since = watchdog.running_since("job-1")
+    assert watchdog.stop_requested_at() is None
+    write_beat(paths, 0, advanced_at=since + 3500, beat_at=since + 3500, stop_requested_at=since + 3500)
+    write_beat(paths, 1, advanced_at=since + 3500, beat_at=since + 3500, stop_requested_at=since + 3510)
+    asked_at = watchdog.stop_requested_at()
+    assert asked_at == since + 3500  # the first rank asked
+    assert watchdog.stopped_by_time_limit("job-1", asked_at, grace_s=60)  # --signal=TERM@60, sent early
+    assert not watchdog.stopped_by_time_limit("job-1", since + 1000, grace_s=60)
+
+
+def run_script(tmp_path: Path, body: str) -> subprocess.Popen[str]:
+    """A script in a job (its contract from the environment) that prints "ready" once it loops."""
+    script = tmp_path / "script.py"
+    script.write_text(f"import sys, time\nfrom tunepod import runtime\nctx = runtime.init({{}})\n{body}")
+    env = {**os.environ, METRICS_FILE_ENV: str(tmp_path / "metrics.jsonl"), HEARTBEAT_S_ENV: "0.05"}
+    env[CHECKPOINT_DIR_ENV] = str(tmp_path / "checkpoints")
+    process = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None and process.stdout.readline().strip() == "ready"
+    return process
+
+
+def test_a_script_that_asks_saves_and_exits_on_sigterm_and_its_heartbeat_says_so(tmp_path: Path) -> None:
+    process = run_script(
+        tmp_path,
+        "step = 0\n"
+        "while not ctx.should_stop():\n"
+        "    step += 1\n"
+        "    if step == 1:\n"
+        "        print('ready', flush=True)\n"
+        "    time.sleep(0.01)\n"
+        "ctx.save_checkpoint({'step': step}, step)\n",
+    )
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 0
+    checkpoint = runtime.latest_checkpoint(tmp_path / "checkpoints")
+    assert checkpoint is not None and checkpoint.step >= 1
+    [beat] = read_progress(tmp_path / "progress")
+    assert beat.stop_signal == "SIGTERM" and beat.stop_requested_at is not None and beat.finished
+
+
+def test_a_script_that_never_asks_dies_of_sigterm_at_once(tmp_path: Path) -> None:
+    process = run_script(tmp_path, "print('ready', flush=True)\ntime.sleep(60)\n")
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == -signal.SIGTERM
+    [beat] = read_progress(tmp_path / "progress")
+    assert beat.stop_signal is None
+
+
+def test_progress_lines_for_a_log_watching_backend_stop_when_the_loop_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    beat = Heartbeat(tmp_path, rank=2, interval_s=0.02, log_every_s=0.05).start()
+    assert capsys.readouterr().out == "tunepod progress: rank 2 step -\n"  # at start: the start cut-off
+    beat.advance(3)
+    wait_until(lambda: "step 3" in capsys.readouterr().out, "a line for the advance")
+    time.sleep(0.3)  # no advance: nothing more to say, and the operator's recurring rule sees silence
+    beat.finish()
+    assert capsys.readouterr().out == ""

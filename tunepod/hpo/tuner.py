@@ -227,11 +227,7 @@ class Tuner:
             driver = JobDriver(
                 self.ctx.launcher,
                 self._job_spec(number, params, mirror),
-                DriveSettings(
-                    poll_s=self.settings.poll_s,
-                    limits=Limits.of(self.settings.train.resources, self.settings.train),
-                    max_restarts=self.settings.train.max_restarts,
-                ),
+                DriveSettings(poll_s=self.settings.poll_s, max_restarts=self.settings.train.max_restarts),
                 what=f"Trial {number} of study {self.settings.study.name}",
                 on_reports=self._report_handler(frozen, mirror),
                 observe=self._observer(number, mirror),
@@ -325,6 +321,7 @@ class Tuner:
             job_dir=job_dir,
             env=env,
             resources=self.settings.train.resources,
+            limits=Limits.of(self.settings.train.resources, self.settings.train),
         )
 
     # ------------------------------------------------------------------------------------ outcomes

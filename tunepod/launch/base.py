@@ -49,6 +49,7 @@ from tunepod.launch.submission import (
     write_private,
     write_submission,
 )
+from tunepod.launch.watchdog import Limits
 from tunepod.spec.resources import Resources
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,9 @@ class JobSpec:
     args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     resources: Resources = field(default_factory=Resources)
+    limits: Limits = field(default_factory=Limits)
+    """When the job counts as timed out or hung: the driver's watchdog reads it, and a backend with
+    its own hang detection (the HyperPod training operator) renders its rules from it."""
 
     @property
     def paths(self) -> JobPaths:

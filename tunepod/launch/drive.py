@@ -23,7 +23,7 @@ import logging
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
@@ -32,7 +32,7 @@ from tunepod.launch.base import JobHandle, JobSpec, JobState, Launcher
 from tunepod.launch.lease import Lease, Leases
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.submission import CancelMarker, CancelReason, read_cancel_marker, read_submission
-from tunepod.launch.watchdog import Limits, Watchdog
+from tunepod.launch.watchdog import Watchdog
 from tunepod.runtime import Report, ReportTail, Result, read_result
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,6 @@ class Outcome(StrEnum):
 @dataclass(frozen=True)
 class DriveSettings:
     poll_s: float
-    limits: Limits = field(default_factory=Limits)
     max_restarts: int = 0
 
 
@@ -106,7 +105,7 @@ class JobDriver:
         self._leases = leases or Leases(private_job_dirs=launcher.private_job_dirs)
         self._reports = ReportTail(self.paths.metrics)
         # Without the job's heartbeats (SageMaker without a read-write FSx) nothing can tell a hang.
-        limits = settings.limits if launcher.job_writes_job_dir else settings.limits.run_time_only()
+        limits = job.limits if launcher.job_writes_job_dir else job.limits.run_time_only()
         self._watchdog = Watchdog(self.paths, limits)
         self._outage_logged_at = -_OUTAGE_LOG_S
 
@@ -128,6 +127,7 @@ class JobDriver:
                 return DriveResult(Outcome.COMPLETED, result, None)
             handle = self._submit()
         stopping: CancelReason | None = self._marker_reason(handle)
+        seen_running = False
         while True:
             if lease.lost:
                 raise LeaseLost(f"{self.what}: {self.paths.job_dir} is driven by another orchestrator now")
@@ -138,8 +138,16 @@ class JobDriver:
                 if settled is not None:
                     return settled
                 handle = self._submit()  # a restart: the new attempt resumes from the checkpoints
-                stopping = None
+                stopping, seen_running = None, False
                 continue
+            if state is JobState.PENDING and seen_running:
+                logger.warning(
+                    "%s: job %s was requeued; it resumes from its checkpoints",
+                    self.what,
+                    handle.job_id,
+                )
+                self._watchdog.new_run()
+            seen_running = state is JobState.RUNNING or (seen_running and state is None)
             if stopping is None and self._feed_reports():
                 stopping = "pruned"
             if stopping is None and state is JobState.RUNNING:
@@ -175,11 +183,31 @@ class JobDriver:
             return DriveResult(
                 Outcome.TIMED_OUT, None, handle, failure_message(what, handle, state, kind=kind)
             )
+        # Someone's cancel on the backend (CANCELLED) was meant; any other stop the script saved on was not.
+        asked_at = self._watchdog.stop_requested_at()
+        if reason is None and state is not JobState.CANCELLED and asked_at is not None:
+            return self._settle_stopped(handle, state, asked_at)
         if state is JobState.SUCCEEDED:
             return DriveResult(Outcome.COMPLETED, None, handle)
         if state is JobState.FAILED and reason is None and self._may_restart(handle, "failed"):
             return None
         return DriveResult(Outcome.FAILED, None, handle, failure_message(self.what, handle, state, kind=kind))
+
+    def _settle_stopped(self, handle: JobHandle, state: JobState, asked_at: float) -> DriveResult | None:
+        """A job whose script saved and exited on a stop signal tunepod did not send: the warning
+        before its time limit (timed out), or a preemption, a node drain (restarted: None)."""
+        kind = self.launcher.kind
+        if self._watchdog.stopped_by_time_limit(
+            handle.job_id, asked_at, self.job.resources.time_limit_warning_s
+        ):
+            limit = self.job.resources.timeout_min
+            what = f"{self.what} (timed out after {limit} min; it saved at the warning)"
+            message = failure_message(what, handle, state, kind=kind)
+            return DriveResult(Outcome.TIMED_OUT, None, handle, message)
+        if self._may_restart(handle, "was stopped by a signal (preempted)"):
+            return None
+        what = f"{self.what} (preempted, and max_restarts is spent)"
+        return DriveResult(Outcome.FAILED, None, handle, failure_message(what, handle, state, kind=kind))
 
     def _may_restart(self, handle: JobHandle, why: str) -> bool:
         record = read_submission(self.paths)

@@ -20,6 +20,9 @@ from tunepod.runtime.progress import RankProgress, read_progress
 from tunepod.spec.models import TrainJob
 from tunepod.spec.resources import Resources
 
+# Slurm sends --signal up to a minute before the time it was asked for (its event resolution).
+TIME_LIMIT_SIGNAL_SLACK_S = 60.0
+
 
 class RunningSince(BaseModel):
     """``<job_dir>/running.json``: when job ``job_id`` was first seen running."""
@@ -120,6 +123,26 @@ class Watchdog:
             return None
         idle = now - max(beat.advanced_at for beat in stalled)
         return Stall(idle, every_rank, [beat.rank for beat in stalled])
+
+    def stop_requested_at(self) -> float | None:
+        """When the first rank of this run was asked to stop by a signal its script listened for
+        (``ctx.should_stop()``); None when no rank was."""
+        return min(
+            (beat.stop_requested_at for beat in read_progress(self.paths.progress) if beat.stop_requested_at),
+            default=None,
+        )
+
+    def stopped_by_time_limit(self, job_id: str, stop_requested_at: float, grace_s: float) -> bool:
+        """Whether a stop signal at ``stop_requested_at`` was the backend's warning before the run-time
+        limit (``sbatch --signal`` sends it ``grace_s`` early, up to a minute earlier still)."""
+        return self.timed_out(job_id, stop_requested_at + grace_s + TIME_LIMIT_SIGNAL_SLACK_S)
+
+    def new_run(self) -> None:
+        """The backend put the job back in its queue (a Slurm requeue): its next run starts both
+        clocks afresh, and the last run's heartbeats must not count against it."""
+        self.paths.running.unlink(missing_ok=True)
+        for beat_file in self.paths.progress.glob("rank-*.json"):
+            beat_file.unlink(missing_ok=True)
 
     def _read(self, job_id: str) -> RunningSince | None:
         try:

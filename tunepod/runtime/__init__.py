@@ -13,6 +13,8 @@ training image::
         ...
         ctx.report(epoch, val_accuracy=accuracy)     # rank 0: one line of the metrics file
         ctx.save_checkpoint(state, epoch)            # rank 0: atomic step folder, keeps the last K
+        if ctx.should_stop():                        # SIGTERM: preempted, requeued, pruned, time limit
+            return                                   # (saved above); the job resumes from it
     ctx.finish(val_accuracy=accuracy)                # rank 0: the result file, atomically
 
 The orchestrator side reads what the job wrote with ``read_reports``, ``read_result`` and

@@ -8,13 +8,15 @@ can call every method on every rank without ``if rank == 0`` around them.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from tunepod.runtime import checkpoints, metrics
 from tunepod.runtime.contract import Contract, Source, read_contract
-from tunepod.runtime.progress import Heartbeat, heartbeat_interval_s, progress_dir
+from tunepod.runtime.progress import Heartbeat, heartbeat_interval_s, progress_dir, progress_log_s
+from tunepod.runtime.stopping import StopRequest
 
 
 class TrainingContext:
@@ -23,7 +25,9 @@ class TrainingContext:
     Built by ``init()``; attributes are plain values, set once.
     """
 
-    def __init__(self, contract: Contract, heartbeat: Heartbeat | None = None) -> None:
+    def __init__(
+        self, contract: Contract, heartbeat: Heartbeat | None = None, stop: StopRequest | None = None
+    ) -> None:
         self.source: Source = contract.source
         self.params: dict[str, Any] = dict(contract.params)
         self.data_dir: Path = contract.data_dir
@@ -39,6 +43,7 @@ class TrainingContext:
         self.mlflow_run_id: str | None = contract.mlflow_run_id
         self._last_reported_step: int | None = None
         self._heartbeat = heartbeat
+        self._stop = stop or StopRequest()
 
     @property
     def is_main(self) -> bool:
@@ -76,6 +81,18 @@ class TrainingContext:
         """
         if self._heartbeat is not None:
             self._heartbeat.advance(step)
+
+    def should_stop(self) -> bool:
+        """Whether the job is being stopped (SIGTERM: preempted, requeued, pruned, at its time limit):
+        save a checkpoint now and return from the script; the job resumes from it when it runs again.
+
+        Every rank must call it at the same point of its loop: with ``torch.distributed`` initialized
+        it is a collective (one all-reduce of a flag), so the ranks agree on the step they stop at and
+        none is left waiting in a collective for a rank that already left. The first call also
+        changes what SIGTERM does from killing at once to setting this flag, until the grace period
+        (``resources.stop_grace_s``) runs out and SIGKILL follows.
+        """
+        return _any_rank(self._stop.requested(), self.world_size)
 
     def save_checkpoint(self, state: Any, step: int) -> Path | None:
         """Rank 0: save ``state`` as ``step-N`` atomically, keep the newest ``keep_checkpoints``.
@@ -126,5 +143,24 @@ def init(
     heartbeat = None
     if contract.source != "local":
         folder = progress_dir(contract.metrics_file)
-        heartbeat = Heartbeat(folder, contract.rank, heartbeat_interval_s(env)).start()
-    return TrainingContext(contract, heartbeat)
+        interval_s, log_every_s = heartbeat_interval_s(env), progress_log_s(env)
+        heartbeat = Heartbeat(folder, contract.rank, interval_s, log_every_s).start()
+    stop = StopRequest(heartbeat.stop_requested if heartbeat is not None else None).install()
+    return TrainingContext(contract, heartbeat, stop)
+
+
+def _any_rank(flag: bool, world_size: int) -> bool:
+    """``flag`` OR-ed over every rank when ``torch.distributed`` is up; ``flag`` itself otherwise.
+
+    torch is looked up, not imported: a script that runs distributed has imported it already.
+    """
+    torch = sys.modules.get("torch")
+    if world_size <= 1 or torch is None:
+        return flag
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+    agreed = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    return bool(agreed.item())

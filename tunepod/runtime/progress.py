@@ -25,6 +25,10 @@ from pathlib import Path
 from tunepod.runtime.files import write_bytes_atomic
 
 HEARTBEAT_S_ENV = "TUNEPOD_HEARTBEAT_S"
+PROGRESS_LOG_S_ENV = "TUNEPOD_PROGRESS_LOG_S"
+"""Set (by a launcher whose backend watches logs for hangs, HyperPod EKS): print a progress line at
+start and then at most this often while the loop advances. Unset: print nothing."""
+PROGRESS_LOG_PREFIX = "tunepod progress:"
 DEFAULT_HEARTBEAT_S = 10.0
 PROGRESS_DIR_NAME = "progress"
 
@@ -48,6 +52,10 @@ class RankProgress:
     """How often this rank beats: a ``beat_at`` older than a few intervals means the process is gone."""
     finished: bool = False
     """The rank's loop is over (``finish`` was called, or the process is exiting)."""
+    stop_signal: str | None = None
+    """The signal that asked this rank to stop (``SIGTERM``), when its script was listening for one
+    (``ctx.should_stop()``): a rank that ended after it was stopped, not one that failed."""
+    stop_requested_at: float | None = None
 
 
 def progress_dir(metrics_file: Path) -> Path:
@@ -56,22 +64,35 @@ def progress_dir(metrics_file: Path) -> Path:
 
 
 def heartbeat_interval_s(environ: Mapping[str, str]) -> float:
-    raw = environ.get(HEARTBEAT_S_ENV, "")
+    interval = _seconds(environ, HEARTBEAT_S_ENV)
+    return DEFAULT_HEARTBEAT_S if interval is None else interval
+
+
+def progress_log_s(environ: Mapping[str, str]) -> float | None:
+    return _seconds(environ, PROGRESS_LOG_S_ENV)
+
+
+def _seconds(environ: Mapping[str, str], name: str) -> float | None:
+    raw = environ.get(name, "")
+    if not raw:
+        return None
     try:
-        interval = float(raw) if raw else DEFAULT_HEARTBEAT_S
+        seconds = float(raw)
     except ValueError:
-        raise ValueError(f"{HEARTBEAT_S_ENV}={raw!r} is not a number of seconds") from None
-    if interval <= 0:
-        raise ValueError(f"{HEARTBEAT_S_ENV}={raw!r} must be above 0")
-    return interval
+        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
+    if seconds <= 0:
+        raise ValueError(f"{name}={raw!r} must be above 0")
+    return seconds
 
 
 class Heartbeat:
     """The beating thread of one rank. ``advance`` is what the training loop calls: two attribute
     writes, cheap enough for every batch."""
 
-    def __init__(self, folder: Path, rank: int, interval_s: float) -> None:
+    def __init__(self, folder: Path, rank: int, interval_s: float, log_every_s: float | None = None) -> None:
         now = time.time()
+        self._log_every_s = log_every_s
+        self._logged: tuple[float, float] | None = None  # (when, the advance it told of)
         self._file = folder / f"rank-{rank}.json"
         self._interval_s = interval_s
         self._rank = rank
@@ -79,6 +100,8 @@ class Heartbeat:
         self._advanced_at = now
         self._step: int | None = None
         self._finished = False
+        self._stop_signal: str | None = None
+        self._stop_requested_at: float | None = None
         self._stopped = threading.Event()
         # One write at a time, each built under the lock: the final "finished" beat is always last.
         self._writing = threading.Lock()
@@ -86,6 +109,7 @@ class Heartbeat:
 
     def start(self) -> Heartbeat:
         self._write()  # the first beat before the thread starts: the job is seen alive at once
+        self._log_progress()
         self._thread.start()
         # A rank that returns from its script without calling finish (evaluation-only ranks, an
         # early exit) must not look hung while the others carry on.
@@ -96,6 +120,11 @@ class Heartbeat:
         self._advanced_at = time.time()
         if step is not None:
             self._step = step
+
+    def stop_requested(self, signal_name: str, at: float) -> None:
+        """Called from a signal handler: no lock here (the loop may hold it); the next beat says it."""
+        self._stop_signal = signal_name
+        self._stop_requested_at = at
 
     def finish(self) -> None:
         """The loop is over: one last beat says so, and the thread stops. Idempotent."""
@@ -108,11 +137,27 @@ class Heartbeat:
 
     def _beat(self) -> None:
         while not self._stopped.wait(self._interval_s):
+            self._log_progress()
             try:
                 self._write()
             except OSError:
                 # A full or unreachable disk must not kill training; missed beats show as a stall.
                 continue
+
+    def _log_progress(self) -> None:
+        """One line on stdout for a backend that watches logs: at start, then while the loop advances
+        (never more often than ``log_every_s``); a stuck loop prints nothing, and that silence is what
+        the backend's rule (``expectedRecurringFrequencyInSeconds``) detects."""
+        if self._log_every_s is None:
+            return
+        now, advanced_at = time.time(), self._advanced_at
+        if self._logged is not None:
+            logged_at, told_of = self._logged
+            if advanced_at == told_of or now - logged_at < self._log_every_s:
+                return
+        self._logged = (now, advanced_at)
+        step = "-" if self._step is None else self._step
+        print(f"{PROGRESS_LOG_PREFIX} rank {self._rank} step {step}", flush=True)
 
     def _write(self) -> None:
         with self._writing:
@@ -126,6 +171,8 @@ class Heartbeat:
                 step=self._step,
                 interval_s=self._interval_s,
                 finished=self._finished,
+                stop_signal=self._stop_signal,
+                stop_requested_at=self._stop_requested_at,
             )
             self._file.parent.mkdir(parents=True, exist_ok=True)
             write_bytes_atomic(self._file, json.dumps(asdict(beat)).encode())

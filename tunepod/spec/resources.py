@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+DEFAULT_TIME_LIMIT_WARNING_S = 60
+
 
 class Resources(BaseModel):
     """What one job asks for, in one vocabulary that each backend maps onto its own.
@@ -29,3 +31,18 @@ class Resources(BaseModel):
         description="Run time of each attempt, from when it starts running (queue time does not count); "
         "the job is stopped after it.",
     )
+    stop_grace_s: int | None = Field(
+        None,
+        ge=0,
+        description="Seconds between SIGTERM and SIGKILL whenever the job is stopped (a prune, a timeout, "
+        "a preemption or requeue, the time limit), for the script to save a checkpoint when it sees "
+        "ctx.should_stop(). null: the backend's own (local: the launcher's cancel_grace_s; Slurm: the "
+        "cluster's KillWait, and --signal 60 s before the time limit; EKS: Kubernetes' 30 s). SageMaker "
+        "always gives 120 s.",
+    )
+
+    @property
+    def time_limit_warning_s(self) -> int:
+        """How long before the run-time limit a backend that can warn (Slurm's ``--signal``) sends
+        SIGTERM: the stop grace, or a minute."""
+        return DEFAULT_TIME_LIMIT_WARNING_S if self.stop_grace_s is None else max(1, self.stop_grace_s)

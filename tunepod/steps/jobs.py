@@ -99,11 +99,10 @@ def _driver(ctx: StepContext, job: StepJob, mirror: RunMirror, leases: Leases) -
         job_dir=job.job_dir,
         env=env,
         resources=job.resources,
+        limits=Limits.of(job.resources, job.train),
     )
     settings = DriveSettings(
-        poll_s=POLL_S,
-        limits=Limits.of(job.resources, job.train),
-        max_restarts=job.train.max_restarts if job.train is not None else 0,
+        poll_s=POLL_S, max_restarts=job.train.max_restarts if job.train is not None else 0
     )
 
     def mirror_reports(_: list[Report]) -> bool:

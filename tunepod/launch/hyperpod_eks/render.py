@@ -32,6 +32,8 @@ from typing import Any
 
 from tunepod.errors import TunepodError
 from tunepod.launch.base import SUBMISSION_ID_ENV, JobSpec, Resources
+from tunepod.launch.watchdog import Limits
+from tunepod.runtime.progress import PROGRESS_LOG_PREFIX, PROGRESS_LOG_S_ENV
 from tunepod.spec.models import HyperPodEksLauncherSpec
 
 HYPERPOD_GROUP = "sagemaker.amazonaws.com"
@@ -54,6 +56,11 @@ INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
 JOB_NAME_ANNOTATION = "tunepod.io/job-name"
 JOB_DIR_ANNOTATION = "tunepod.io/job-dir"
 SUBMISSION_ANNOTATION = "tunepod.io/submission"
+PROGRESS_RULE_NAME = "tunepod-progress"
+# Not re.escape: the operator compiles a Go regexp, which refuses an escaped space; the prefix has
+# no metacharacters.
+PROGRESS_LOG_PATTERN = f".*{PROGRESS_LOG_PREFIX}.*"
+PROGRESS_LOG_MAX_S = 60.0
 """The submission id of the attempt that created the object: how ``find`` tells it from an object an
 earlier attempt left under the same name."""
 
@@ -232,6 +239,9 @@ def pod_template(job: JobSpec, spec: HyperPodEksLauncherSpec, labels: Mapping[st
             {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}},
         ],
     }
+    if job.resources.stop_grace_s is not None:
+        # SIGTERM on a stop, an eviction or a node drain, then this long to checkpoint before SIGKILL.
+        pod["terminationGracePeriodSeconds"] = job.resources.stop_grace_s
     node_selector = dict(spec.node_selector)
     if job.resources.instance_type is not None:
         node_selector[INSTANCE_TYPE_LABEL] = job.resources.instance_type
@@ -287,7 +297,27 @@ def _metadata(job: JobSpec, spec: HyperPodEksLauncherSpec) -> dict[str, Any]:
 CLEAN_POD_POLICY = "None"
 
 
-def _log_monitoring(spec: HyperPodEksLauncherSpec) -> list[dict[str, Any]]:
+def progress_rule(limits: Limits) -> dict[str, Any] | None:
+    """The operator's own hang rule, from the same settings as tunepod's watchdog: the runtime prints
+    a progress line at start and while the loop advances (``TUNEPOD_PROGRESS_LOG_S``), so the operator
+    restarts a silent job in place without waiting for tunepod."""
+    if limits.hang_timeout_s is None and limits.startup_timeout_s is None:
+        return None
+    rule: dict[str, Any] = {"name": PROGRESS_RULE_NAME, "logPattern": PROGRESS_LOG_PATTERN}
+    if limits.startup_timeout_s is not None:
+        rule["expectedStartCutOffInSeconds"] = math.ceil(limits.startup_timeout_s)
+    if limits.hang_timeout_s is not None:
+        rule["expectedRecurringFrequencyInSeconds"] = math.ceil(limits.hang_timeout_s)
+    return rule
+
+
+def progress_log_every_s(limits: Limits) -> float:
+    """How often the runtime prints progress: well inside the recurring window, at most once a minute."""
+    hang_s = limits.hang_timeout_s
+    return PROGRESS_LOG_MAX_S if hang_s is None else max(1.0, min(PROGRESS_LOG_MAX_S, hang_s / 4))
+
+
+def _log_monitoring(job: JobSpec, spec: HyperPodEksLauncherSpec) -> list[dict[str, Any]]:
     rules = []
     for rule in spec.hang_detection:
         entry: dict[str, Any] = {"name": rule.name, "logPattern": rule.log_pattern}
@@ -298,7 +328,8 @@ def _log_monitoring(spec: HyperPodEksLauncherSpec) -> list[dict[str, Any]]:
         if rule.recur_within_s is not None:
             entry["expectedRecurringFrequencyInSeconds"] = rule.recur_within_s
         rules.append(entry)
-    return rules
+    progress = progress_rule(job.limits)
+    return rules if progress is None else [*rules, progress]
 
 
 def hyperpod_run_policy(job: JobSpec, spec: HyperPodEksLauncherSpec) -> dict[str, Any]:
@@ -317,13 +348,16 @@ def hyperpod_run_policy(job: JobSpec, spec: HyperPodEksLauncherSpec) -> dict[str
         if spec.max_full_job_restarts is not None:
             restart["maxFullJobRestarts"] = spec.max_full_job_restarts
         policy["restartPolicy"] = restart
-    if spec.hang_detection:
-        policy["logMonitoringConfiguration"] = _log_monitoring(spec)
+    rules = _log_monitoring(job, spec)
+    if rules:
+        policy["logMonitoringConfiguration"] = rules
     return policy
 
 
 def render_hyperpod(job: JobSpec, spec: HyperPodEksLauncherSpec) -> dict[str, Any]:
     """The ``HyperPodPyTorchJob`` for ``job`` (pure)."""
+    if progress_rule(job.limits) is not None:
+        job = job.with_env({PROGRESS_LOG_S_ENV: f"{progress_log_every_s(job.limits):g}"})
     return {
         "apiVersion": f"{HYPERPOD_GROUP}/{HYPERPOD_VERSION}",
         "kind": HYPERPOD_KIND,

@@ -143,7 +143,9 @@ class LocalLauncher(LauncherBase[LocalStatus]):
             self._children[job_id] = process
         # The wrapper is our unreaped child, so its pid cannot be reused while we read its stat.
         stat = read_process_stat(process.pid)
-        details = {"argv": rendered.payload}
+        details: dict[str, object] = {"argv": rendered.payload}
+        if job.resources.stop_grace_s is not None:
+            details["stop_grace_s"] = job.resources.stop_grace_s
         if stat is not None:
             details |= {"pid": process.pid, "start_ticks": stat.start_ticks}
         return Accepted(job_id, details)
@@ -164,12 +166,18 @@ class LocalLauncher(LauncherBase[LocalStatus]):
         return {job_id: self._status(job_id, job) for job_id, job in jobs.items()}
 
     def stop(self, job: Job[LocalStatus]) -> None:
-        """SIGTERM every process of the job, SIGKILL what is left after ``cancel_grace_s``."""
+        """SIGTERM every process of the job, SIGKILL what is left after its ``resources.stop_grace_s``
+        (the launcher's ``cancel_grace_s`` when the job sets none)."""
         assert isinstance(job, LocalJob)
+        grace_s = (
+            float(job.record.details.get("stop_grace_s", self.cancel_grace_s))
+            if job.record
+            else self.cancel_grace_s
+        )
         _signal_all(job, signal.SIGTERM)
-        if self._wait_until_gone(job, self.cancel_grace_s):
+        if self._wait_until_gone(job, grace_s):
             return
-        logger.warning("job %s ignored SIGTERM for %.1fs; sending SIGKILL", job.job_id, self.cancel_grace_s)
+        logger.warning("job %s ignored SIGTERM for %.1fs; sending SIGKILL", job.job_id, grace_s)
         _signal_all(job, signal.SIGKILL)
         if not self._wait_until_gone(job, _AFTER_KILL_WAIT_S):
             raise JobError(

@@ -121,6 +121,10 @@ def sbatch_directives(job: JobSpec, spec: SlurmLauncherSpec) -> list[str]:
         options.append(f"--mem={format_mem(spec.mem_gb)}")
     if res.time_limit_min is not None:
         options.append(f"--time={format_time_limit(res.time_limit_min)}")
+        # SIGTERM to every task this long before the limit, so the script checkpoints (ctx.should_stop()).
+        # Not B: (the batch shell alone): the tasks are what must see it. Stops and requeues signal them
+        # anyway, with the cluster's KillWait as the grace.
+        options.append(f"--signal=TERM@{job.resources.time_limit_warning_s}")
     for flag, value in (("partition", spec.partition), ("account", spec.account), ("qos", spec.qos)):
         if value is not None:
             options.append(f"--{flag}={sbatch_value(flag, value)}")
