@@ -6,7 +6,7 @@ SPEC ?= examples/digits/pipeline.yaml
 # Two pytest workers: most tests wait on subprocesses and servers, so two overlap well even on two cores.
 TEST_WORKERS ?= 2
 
-.PHONY: venv demo test lint bench-overhead clean slurm-up slurm-down
+.PHONY: venv demo test lint bench-overhead chaos clean slurm-up slurm-down
 
 # torch==2.13.0 first: it is the CPU build; a bare `torch` requirement could pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -44,6 +44,13 @@ slurm-down:
 
 bench-overhead: venv
 	$(PY) benchmarks/overhead.py
+
+# The chaos soak (benchmarks/chaos): real faults at random on local and Slurm studies, then the checks;
+# exit 1 on a violation. Without Slurm: make chaos CHAOS_ARGS="--launcher local".
+CHAOS_ARGS ?= --launcher both --minutes 10 --seed 1
+chaos: venv
+	scripts/slurm-up || echo "warning: no local Slurm cluster; run with CHAOS_ARGS='--launcher local'" >&2
+	$(PY) -m benchmarks.chaos $(CHAOS_ARGS)
 
 clean:
 	rm -rf .tunepod

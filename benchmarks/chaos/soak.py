@@ -1,0 +1,157 @@
+"""One launcher's soak: start the servers and ``tunepod run``, inject faults until the time is up, let
+the study finish (bounded), check what it left, and clean up whatever a violation left running."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.chaos.checks import Check, Verdict, leftovers, slurm_jobs_under, trial_effects, verdict
+from benchmarks.chaos.faults import FaultDriver, Injection
+from benchmarks.chaos.study import (
+    MARKER_ENV,
+    MLFLOW_CLIENT_ENV,
+    ChaosStudy,
+    MlflowServer,
+    Orchestrator,
+    carrying,
+    mlflow_server,
+)
+
+_LOOP_S = 0.2
+
+
+@dataclass(frozen=True)
+class SoakConfig:
+    launcher: str
+    folder: Path
+    seed: int
+    inject_s: float
+    """Faults are injected this long from the first trial's start, then the study finishes in peace."""
+    drain_s: float
+    """Bound on the time the study may take after ``inject_s`` before the soak gives up on it."""
+    startup_s: float
+    """Bound on the time from the start to the first trial (Prefect, MLflow, staging)."""
+    num_trials: int
+    num_parallel: int
+    epochs: int
+    sleep_s: float
+    gap_s: float
+    max_restarts: int
+    prefect_api: str | None
+    overlap: bool = False
+    """Let orchestrator kills and MLflow outages overlap (``FaultDriver.overlap``)."""
+
+
+@dataclass(frozen=True)
+class SoakReport:
+    config: SoakConfig
+    study: ChaosStudy
+    injected: list[Injection]
+    verdict: Verdict
+    leftover: Check
+    wall_s: float
+    orchestrator_starts: int
+    mlflow_starts: int
+    effects: dict[int, str]
+    """What happened to each trial's job (``trial_effects``)."""
+
+    @property
+    def held(self) -> bool:
+        return self.verdict.held and self.leftover.held
+
+
+def run_soak(config: SoakConfig) -> SoakReport:
+    marker = f"{config.launcher}-{uuid.uuid4().hex[:12]}"
+    env = soak_env(config, marker)
+    started = time.monotonic()
+    with mlflow_server(config.folder / "mlflow", env) as server:
+        study = ChaosStudy(
+            config.folder / "study", config.launcher, server.url, config.num_trials,
+            config.num_parallel, config.epochs, config.sleep_s, config.max_restarts,
+        ).write()  # fmt: skip
+        orchestrator = Orchestrator(study, env)
+        rng = random.Random(f"{config.seed}/{config.launcher}")
+        driver = FaultDriver(study, orchestrator, server, rng, config.gap_s, config.overlap)
+        orchestrator.start()
+        unfinished = drive(config, orchestrator, driver, started)
+        bring_back(server, driver)
+        found = verdict(study, server.url, orchestrator.exit_codes, driver.injected)
+        found.add("study finished within the bound", {None: [unfinished] if unfinished else []})
+    left = leftovers(marker, study)
+    clean_up(marker, study)
+    return SoakReport(
+        config, study, driver.injected, found, left, time.monotonic() - started,
+        orchestrator.starts, server.starts, trial_effects(study),
+    )  # fmt: skip
+
+
+def soak_env(config: SoakConfig, marker: str) -> dict[str, str]:
+    env = {**os.environ, **MLFLOW_CLIENT_ENV, MARKER_ENV: marker, "COLUMNS": "200"}
+    env |= {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_LOGGING_COLORS": "false"}
+    # Heartbeats every 2 s: a rank's pid is known soon after it starts, so it can be the target.
+    env["TUNEPOD_HEARTBEAT_S"] = "2"
+    if config.prefect_api:
+        env["PREFECT_API_URL"] = config.prefect_api
+    else:  # Prefect's temporary server, in a home of the soak's own (never another run's database)
+        env.pop("PREFECT_API_URL", None)
+        env["PREFECT_HOME"] = str(config.folder / "prefect")
+        env.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    return env
+
+
+def drive(config: SoakConfig, orchestrator: Orchestrator, driver: FaultDriver, started: float) -> str:
+    """Inject faults for ``inject_s`` from the first trial's start, then wait for the orchestrator to
+    exit. Returns why the study did not finish ('' when it did); a run past the bound is killed."""
+    inject_until: float | None = None
+    while orchestrator.exited() is None:
+        now = time.monotonic()
+        if inject_until is None and driver.study.job_dirs():
+            inject_until = now + config.inject_s
+            driver.begin()
+        if inject_until is not None and now < inject_until:
+            driver.step()
+        driver.tend()
+        give_up_at = (inject_until or started + config.startup_s) + config.drain_s
+        if now > give_up_at:
+            orchestrator.kill()
+            return f"tunepod run still ran {now - started:.0f} s after the start: killed"
+        time.sleep(_LOOP_S)
+    orchestrator.finish()
+    return ""
+
+
+def bring_back(server: MlflowServer, driver: FaultDriver) -> None:
+    """The MLflow server up again (an outage may still run when the study ends) for the checks."""
+    if driver.mlflow_down():
+        server.start()
+    server.wait_ready()
+
+
+def clean_up(marker: str, study: ChaosStudy) -> None:
+    """Stop whatever a violation left running, so that the machine is as before the soak."""
+    for line in slurm_jobs_under(study.root):
+        subprocess.run(["scancel", line.split()[0]], capture_output=True, timeout=30, check=False)
+    for pid in carrying(MARKER_ENV, marker):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def describe(config: SoakConfig) -> Mapping[str, object]:
+    """The settings a table of results should name."""
+    return {
+        "trials": config.num_trials,
+        "parallel": config.num_parallel,
+        "epochs": config.epochs,
+        "sleep_s": config.sleep_s,
+        "gap_s": config.gap_s,
+        "max_restarts": config.max_restarts,
+    }
