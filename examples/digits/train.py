@@ -136,6 +136,8 @@ for epoch in range(start_epoch, params["epochs"]):
     ctx.save_checkpoint(state, epoch)
     if ctx.is_main:
         print(f"epoch {epoch}: train_loss {train_loss:.4f} val_accuracy {val_accuracy:.4f}", flush=True)
+    if ctx.should_stop():  # SIGTERM (preempted, requeued, pruned): this epoch is saved, resume from it
+        raise SystemExit(0)
     time.sleep(params["epoch_sleep_s"])
 
 model.eval()

@@ -146,7 +146,9 @@ for step in range(start_step, params["steps"]):
     losses.append(loss.item())
 
     done = step + 1
-    if done % params["eval_interval"] and done != params["steps"]:
+    # SIGTERM (preempted, requeued, pruned): evaluate and save this step now, then leave; it resumes here.
+    stopping = ctx.should_stop()
+    if done % params["eval_interval"] and done != params["steps"] and not stopping:
         continue
     train_loss = mean_over_ranks(sum(losses) / len(losses))
     losses = []
@@ -163,6 +165,8 @@ for step in range(start_step, params["steps"]):
     ctx.save_checkpoint(state, done)
     if ctx.is_main:
         print(f"step {done}: train_loss {train_loss:.4f} val_perplexity {val_perplexity:.3f}", flush=True)
+    if stopping:
+        raise SystemExit(0)
 
 if math.isnan(val_perplexity):  # resumed after the last step: score the checkpoint it resumed from
     val_perplexity = perplexity(mean_loss(model, val_inputs, val_targets))
