@@ -134,12 +134,9 @@ class FaultDriver:
     # ---------------------------------------------------------------------------------- targets
 
     def _target(self, running: Callable[[TrialJob], bool]) -> TrialJob | None:
-        """A trial not hit before whose job has reported an epoch and is running, drawn at random."""
-        candidates = [
-            job
-            for job in trial_jobs(self.study)
-            if job.number not in self._hit and job.reported() > 0 and running(job)
-        ]
+        """A trial not hit before whose job runs, drawn at random. Early in the job (before its first
+        checkpoint) the restart trains from scratch, later it resumes: both are wanted."""
+        candidates = [job for job in trial_jobs(self.study) if job.number not in self._hit and running(job)]
         return self.rng.choice(candidates) if candidates else None
 
     def _in_flight(self) -> bool:
@@ -154,8 +151,9 @@ class FaultDriver:
         pids = job_processes(job)
         groups = kill_groups(pids, owned=set(pids))
         self._hit.add(job.number)
-        detail = f"attempt {job.submission.attempt}, job {job.submission.job_id}: {len(pids)} processes, "
-        return Injection(Fault.JOB, self._elapsed(), job.number, detail + f"groups {groups}")
+        detail = f"attempt {job.submission.attempt}, job {job.submission.job_id} after {job.reported()} "
+        detail += f"reports: {len(pids)} processes, groups {groups}"
+        return Injection(Fault.JOB, self._elapsed(), job.number, detail)
 
     def _kill_rank(self) -> Injection | None:
         job = self._target(lambda j: rank_pid(j, 1) is not None)
