@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import sys
 
-from prefect import flow
+import httpx
+from prefect import flow, get_run_logger
 from prefect.artifacts import create_link_artifact, create_table_artifact
+from prefect.events import emit_event
 from prefect.futures import PrefectFuture
 from prefect.runtime import flow_run
 
@@ -40,7 +42,13 @@ def pipeline(spec_path: str, overrides: list[str] | None = None) -> PipelineSumm
         raise
     run.finish(ok=True)
     summary = run.summary(outputs)
-    _publish(summary)
+    try:
+        _publish(summary)
+    except httpx.TransportError as exc:
+        # The work is done and tracked in MLflow; a Prefect server still away after the client's
+        # retries (see tunepod.stack.watch) costs the UI its trial table, not the run its result.
+        get_run_logger().warning("trial table and MLflow link not published to Prefect: %s", exc)
+    _announce(summary)
     return summary
 
 
@@ -64,6 +72,25 @@ def _publish(summary: PipelineSummary) -> None:
         link_text="MLflow pipeline run",
         key="mlflow-run",
         description=f"Open it with: {summary.mlflow_ui_command}",
+    )
+
+
+def _announce(summary: PipelineSummary) -> None:
+    """Emit ``tunepod.pipeline.completed`` (an automation can trigger on it). Emitting also makes
+    Prefect's events client resend the task-run events it kept while the server was away, so a
+    restarted server ends up with every trial's task run final, not Running forever."""
+    emit_event(
+        event="tunepod.pipeline.completed",
+        resource={
+            "prefect.resource.id": f"tunepod.pipeline.{summary.pipeline}",
+            "prefect.resource.name": summary.pipeline,
+        },
+        payload={
+            "completed": summary.num_completed,
+            "pruned": summary.num_pruned,
+            "failed": summary.num_failed,
+            "mlflow_run_id": summary.run_id,
+        },
     )
 
 

@@ -12,7 +12,9 @@ optuna, torch, prefect) are imported inside the commands that need them, never a
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -29,6 +31,7 @@ from tunepod.stack.cli import HomeOption
 from tunepod.stack.cli import register as register_stack_commands
 from tunepod.stack.config import DEFAULT_HOME
 from tunepod.stack.manage import running_prefect_api
+from tunepod.stack.watch import CLIENT_MAX_RETRIES, ServerWatch, lost_server, rerun_advice
 from tunepod.webhook.cli import webhook_app
 
 if TYPE_CHECKING:
@@ -108,13 +111,35 @@ def run(spec: SpecArgument, set_: SetOption = None, home: HomeOption = Path(DEFA
     # The temporary server's telemetry heartbeat races the flow's first writes to its SQLite file and
     # prints a "database is locked" traceback; nothing could be sent from a closed network anyway.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_CLIENT_MAX_RETRIES", str(CLIENT_MAX_RETRIES))
     from flows.pipeline import pipeline  # Prefect is imported here only: it costs seconds
 
-    state = pipeline(str(spec), list(set_ or []), return_state=True)
+    with _watching_prefect_server():
+        state = pipeline(str(spec), list(set_ or []), return_state=True)
     if not state.is_completed():
         Console(stderr=True, soft_wrap=True).print(Text(f"pipeline failed: {state.message}", "bold red"))
         raise typer.Exit(1)
     print_summary(state.result())
+
+
+@contextlib.contextmanager
+def _watching_prefect_server() -> Iterator[None]:
+    """Say when the Prefect server stops answering mid-run, and when it is back; when the run stops
+    because it stayed away, print what to do instead of Prefect's traceback, and exit 1."""
+    api = os.environ.get("PREFECT_API_URL")
+    if not api:  # Prefect's temporary server is a child of this process: it goes only with the run
+        yield
+        return
+    try:
+        with ServerWatch(api):
+            yield
+    except Exception as exc:
+        lost = lost_server(exc)
+        if lost is None:
+            raise
+        message = f"lost the Prefect server {api} ({type(lost).__name__}: {lost}). {rerun_advice(api)}"
+        Console(stderr=True, soft_wrap=True, highlight=False).print(Text(message, "bold red"))
+        raise typer.Exit(1) from None
 
 
 def _use_running_stack(home: Path) -> None:

@@ -14,6 +14,7 @@ import httpx
 
 from tunepod.stack.config import StackConfig
 from tunepod.stack.processes import Service
+from tunepod.stack.watch import CLIENT_MAX_RETRIES
 
 PREFECT_SERVER = "prefect-server"
 PREFECT_WORKER = "prefect-worker"
@@ -31,6 +32,8 @@ def prefect_env(config: StackConfig) -> dict[str, str]:
         "PREFECT_API_URL": config.prefect_api_url,
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_LOGGING_COLORS": "false",
+        # Flow runs the worker starts ride out a restarted server as `tunepod run` does.
+        "PREFECT_CLIENT_MAX_RETRIES": os.environ.get("PREFECT_CLIENT_MAX_RETRIES", str(CLIENT_MAX_RETRIES)),
     }
 
 
