@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -21,9 +22,13 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 from ports import free_port
 
+from tunepod.hpo.study import make_storage
 from tunepod.launch.local import read_process_stat
+from tunepod.launch.paths import JobPaths
+from tunepod.launch.submission import read_submission
 from tunepod.stack import StackConfig, StackError, up
 from tunepod.stack.processes import (
     Service,
@@ -251,6 +256,64 @@ def test_tunepod_run_uses_the_running_stack_when_no_prefect_api_is_set(stack: St
 
 
 @pytest.mark.slow
+def test_a_run_rides_out_its_prefect_server_killed_and_started_again(stack: Stack, tmp_path: Path) -> None:
+    """Fault: SIGKILL of the Prefect server's process group while `tunepod run` (on the stack's server)
+    tunes a study, then `tunepod up`, which starts only the server again, on the same database.
+
+    Proves: the run says the server is gone (URL, what to do) and back, and exits 0 without a
+    traceback; both trials COMPLETE, each trained once (one start, first submission); the restarted
+    server holds the flow run and each trial's task run COMPLETED (events sent during the outage arrive).
+    """
+    mlflow = stack.records()["mlflow-server"].url  # already set up: no SQLite migrations in the run
+    spec, jobs, journal = write_tiny_study(tmp_path, mlflow, num_trials=2)
+    env = {name: value for name, value in stack.env.items() if name != "PREFECT_API_URL"}
+    log = tmp_path / "run.log"
+    with log.open("wb") as out:
+        run = subprocess.Popen(
+            [sys.executable, "-m", "tunepod.cli", "run", str(spec)],
+            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    try:
+        # Killed as soon as a trial's job is launched: the trials train while the server restarts.
+        wait_for(lambda: run.poll() is not None or any(jobs.glob("*/submission.json")), "a trial job", 180)
+        assert run.poll() is None, log.read_text()[-6000:]
+        server = stack.records()["prefect-server"]
+        os.killpg(server.pid, signal.SIGKILL)
+        wait_for(lambda: "does not answer" in log.read_text() or run.poll() is not None, "the warning", 60)
+        again = stack.cli("up")
+        assert again.returncode == 0, again.stdout + again.stderr
+        code = run.wait(timeout=FLOW_RUN_LIMIT_S)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+            run.wait()
+    output = log.read_text()
+    assert code == 0, output[-6000:]
+    assert f"Prefect server {stack.api} does not answer" in output and "tunepod up" in output, output
+    assert f"Prefect server {stack.api} answers again" in output, output
+    assert "Traceback" not in output, output
+    restarted = stack.records()["prefect-server"]
+    assert restarted.pid != server.pid and is_alive(restarted), again.stdout
+
+    import optuna
+
+    trials = optuna.load_study(study_name="tiny", storage=make_storage(f"journal://{journal}")).get_trials()
+    assert [(t.number, t.state.name) for t in trials] == [(0, "COMPLETE"), (1, "COMPLETE")]
+    for number in (0, 1):
+        job_dir = jobs / f"trial-{number}"
+        assert len((job_dir / "starts.log").read_text().splitlines()) == 1, f"trial {number} trained twice"
+        submission = read_submission(JobPaths(job_dir))
+        assert submission is not None and submission.attempt == 1, submission
+
+    [flow_run] = api_post(stack, "/flow_runs/filter", {"flow_runs": {"name": {"any_": [str(spec)]}}})
+    assert flow_run["state_type"] == "COMPLETED", flow_run["state"]
+    query = {"flow_runs": {"id": {"any_": [flow_run["id"]]}}}
+    states = {t["name"]: t["state_type"] for t in api_post(stack, "/task_runs/filter", query)}
+    assert sorted(states) == ["data", "search", "trial-0", "trial-1"], states
+    assert set(states.values()) == {"COMPLETED"}, states
+
+
+@pytest.mark.slow
 def test_down_stops_everything_and_leaves_no_process(stack: Stack) -> None:
     records = stack.records()
     assert records
@@ -272,6 +335,38 @@ def test_down_stops_everything_and_leaves_no_process(stack: Stack) -> None:
 
 def record_files(stack: Stack) -> list[tuple[str, Path]]:
     return [(p.stem, p) for p in sorted((stack.home / "stack").glob("*.json"))]
+
+
+def write_tiny_study(tmp: Path, tracking_uri: str, num_trials: int) -> tuple[Path, Path, Path]:
+    """A spec (stage a folder, then tune the quadratic trainer, every trial at once, 4 epochs of 1 s),
+    every store but MLflow under ``tmp``; returns the spec, the study's jobs folder and its journal."""
+    root, journal = tmp / "shared", tmp / "optuna.log"
+    trainer = REPO / "tests" / "fixtures" / "trainers" / "quadratic.py"
+    tune = {
+        "train": {"entrypoint": str(trainer), "args": {"epochs": 4, "sleep_s": 1.0}},
+        "study": {"name": "tiny", "storage": f"journal://{journal}", "metric": "score"},
+        "space": {"x": {"type": "float", "low": 0.0, "high": 1.0}},
+        "num_trials": num_trials, "num_parallel": num_trials, "sampler": "random", "seed": 7, "poll_s": 0.2,
+    }  # fmt: skip
+    spec = {
+        "name": "tiny",
+        "tracking": {"uri": tracking_uri, "experiment": "tiny"},
+        "launcher": {"kind": "local", "root": str(root)},
+        "steps": {
+            "data": {"uses": "stage", "with": {"source": str(REPO / "tests" / "fixtures" / "specs"),
+                                               "target": "fsx:///datasets/x"}},
+            "search": {"uses": "tune", "needs": ["data"], "with": tune},
+        },
+    }  # fmt: skip
+    path = tmp / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path, root / "jobs" / "tiny", journal
+
+
+def api_post(stack: Stack, path: str, body: dict[str, Any]) -> Any:
+    response = httpx.post(f"{stack.api}{path}", json=body, timeout=10.0)
+    assert response.is_success, f"POST {path}: {response.status_code} {response.text}"
+    return response.json()
 
 
 def http_ok(url: str) -> bool:
