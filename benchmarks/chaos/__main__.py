@@ -38,8 +38,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         help="faults are injected for this long (split between launchers), from each study's first "
         "trial on; each study then gets --drain-minutes more to finish before the soak gives up on it",
     )  # fmt: skip
-    parser.add_argument("--drain-minutes", type=float, default=5.0)
-    parser.add_argument("--trials", type=int, default=40, help="num_trials of each launcher's study")
+    parser.add_argument("--drain-minutes", type=float, default=10.0)
+    parser.add_argument("--trials", type=int, default=20, help="num_trials of each launcher's study")
     parser.add_argument("--parallel", type=int, default=2, help="num_parallel of each study")
     parser.add_argument("--epochs", type=int, default=6, help="epochs (reports, checkpoints) per trial")
     parser.add_argument("--sleep-s", type=float, default=0.5, help="pause per epoch")

@@ -51,6 +51,8 @@ class Fault(StrEnum):
 
 
 JOB_FAULTS = frozenset({Fault.JOB, Fault.RANK, Fault.REQUEUE})
+#: Share of fault moments at which a job-level fault hits only a job that has reported an epoch.
+MID_TRAINING_SHARE = 0.6
 
 
 def kinds_for(launcher: str) -> list[Fault]:
@@ -85,6 +87,7 @@ class FaultDriver:
     _next_at: float = 0.0
     _server_back_at: float | None = None
     _hit: set[int] = field(default_factory=set)
+    _mid_training: bool = False
 
     def begin(self) -> None:
         """Start the clock: the first fault comes one drawn gap from now."""
@@ -116,6 +119,8 @@ class FaultDriver:
         return self._server_back_at is not None
 
     def _gap(self) -> float:
+        """The wait until the next fault moment, and (drawn with it) what that moment may hit."""
+        self._mid_training = self.rng.random() < MID_TRAINING_SHARE
         return self.gap_s * self.rng.uniform(0.5, 1.5)
 
     def _elapsed(self) -> float:
@@ -134,9 +139,14 @@ class FaultDriver:
     # ---------------------------------------------------------------------------------- targets
 
     def _target(self, running: Callable[[TrialJob], bool]) -> TrialJob | None:
-        """A trial not hit before whose job runs, drawn at random. Early in the job (before its first
-        checkpoint) the restart trains from scratch, later it resumes: both are wanted."""
-        candidates = [job for job in trial_jobs(self.study) if job.number not in self._hit and running(job)]
+        """A trial not hit before whose job runs, drawn at random; at this moment (``_mid_training``)
+        either one that has reported an epoch (its restart resumes from a checkpoint) or any (most
+        are still starting: torch imports, the rendezvous; the restart trains from scratch)."""
+        candidates = [
+            job
+            for job in trial_jobs(self.study)
+            if job.number not in self._hit and (job.reported() > 0 or not self._mid_training) and running(job)
+        ]
         return self.rng.choice(candidates) if candidates else None
 
     def _in_flight(self) -> bool:

@@ -50,7 +50,7 @@ def test_short_chaos_soak_on_local_jobs(prefect_api: None, tmp_path: Path) -> No
     """Six two-rank trials, two at a time, a fault every ~3 s for as long as the study runs (the
     4-minute window is a bound, not the length): every local kind, every check held."""
     report = run_soak(
-        tmp_path, "local", "--seed", "3", "--trials", "6", "--epochs", "3", "--sleep-s", "0.3",
+        tmp_path, "local", "--seed", "3", "--trials", "6", "--epochs", "4", "--sleep-s", "0.5",
         "--minutes", "4", "--gap-s", "3", "--drain-minutes", "3",
     )  # fmt: skip
     injected = report["injected"]
@@ -62,7 +62,7 @@ def test_short_chaos_soak_on_local_jobs(prefect_api: None, tmp_path: Path) -> No
 def test_short_chaos_soak_on_slurm_jobs(prefect_api: None, tmp_path: Path) -> None:
     """Five two-rank trials as Slurm jobs on the local cluster, every Slurm kind (a requeue too)."""
     report = run_soak(
-        tmp_path, "slurm", "--seed", "3", "--trials", "5", "--epochs", "3", "--sleep-s", "0.3",
+        tmp_path, "slurm", "--seed", "3", "--trials", "5", "--epochs", "4", "--sleep-s", "0.5",
         "--minutes", "4", "--gap-s", "3", "--drain-minutes", "3",
     )  # fmt: skip
     injected = report["injected"]
