@@ -339,3 +339,24 @@ def test_a_requeued_trial_saves_at_the_signal_resumes_and_is_counted_once(tmp_pa
     assert len(tuner.study.trials) == 1
     assert len(child_runs(tmp_path, tuner.ctx.parent_run_id)) == 1
     assert subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True).stdout.strip() == ""
+
+
+def test_a_sampled_layout_that_does_not_fit_is_pruned_without_a_job(tmp_path: Path) -> None:
+    # Each value fits some layout of 1 node x 2 procs, but tensor 2 x pipeline 2 = 4 processes does not.
+    space = {
+        "x": {"type": "float", "low": 0.0, "high": 1.0},
+        "parallelism.tensor": {"type": "categorical", "choices": [1, 2]},
+        "parallelism.pipeline": {"type": "categorical", "choices": [1, 2]},
+    }
+    train = {"resources": {"num_nodes": 1, "procs_per_node": 2}}
+    tuner = make_tuner(tmp_path, settings(tmp_path, num_trials=1, space=space, train=train))
+    tuner.study.enqueue_trial({"x": 0.5, "parallelism.tensor": 2, "parallelism.pipeline": 2})
+    [trial] = tuner.run().trials
+
+    assert trial.outcome == "PRUNED"
+    assert trial.error is not None
+    assert "tensor 2 x pipeline 2 = 4 does not divide the 2 processes" in trial.error
+    assert trial.job_id is None and not JobPaths(Path(trial.job_dir)).submission.exists()
+    [run] = child_runs(tmp_path, tuner.ctx.parent_run_id)
+    assert run.data.tags["tunepod.state"] == "PRUNED"
+    assert run.data.params["parallelism.tensor"] == "2"  # the layout it tried is on record

@@ -33,6 +33,7 @@ from tunepod.launch.sagemaker import (
     render_training_job,
     training_job_name,
 )
+from tunepod.runtime import Parallelism
 from tunepod.spec.models import SageMakerLauncherSpec
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -82,7 +83,9 @@ FSX = {
 FSX_READ_ONLY = {**FSX, "fsx": {**FSX["fsx"], "access_mode": "ro"}}
 
 
-def job(params: dict[str, object] | None = None, **fields: Any) -> JobSpec:
+def job(
+    params: dict[str, object] | None = None, parallelism: Parallelism | None = None, **fields: Any
+) -> JobSpec:
     paths = JobPaths(JOB_DIR)
     env = contract_env(
         paths,
@@ -91,6 +94,7 @@ def job(params: dict[str, object] | None = None, **fields: Any) -> JobSpec:
         trial="7",
         tracking_uri="http://mlflow.internal:5000",
         run_id="abc123",
+        parallelism=parallelism,
     )
     env[SUBMISSION_ID_ENV] = SUBMISSION_ID  # as the launcher template hands every job over
     base = JobSpec(
@@ -112,8 +116,9 @@ def test_minimal_request_with_code_in_s3() -> None:
 
 def test_full_request_on_fsx_with_tensor_parallelism() -> None:
     resources = Resources(num_nodes=2, gpus_per_node=8, instance_type="ml.p4d.24xlarge", timeout_min=90.5)
-    full = spec(parallelism={"tensor": 4, "data": 4}, max_retry_attempts=3, env={"NCCL_DEBUG": "WARN"}, **FSX)
-    request = render_training_job(job(resources=resources), full, attempt=2)
+    full = spec(max_retry_attempts=3, env={"NCCL_DEBUG": "WARN"}, **FSX)
+    layout = Parallelism(data=4, tensor=4)
+    request = render_training_job(job(parallelism=layout, resources=resources), full, attempt=2)
     assert_matches_golden("full_fsx", request)
     assert_valid_request(request)
     env, hps = request["Environment"], request["HyperParameters"]
@@ -123,6 +128,8 @@ def test_full_request_on_fsx_with_tensor_parallelism() -> None:
     assert env["TUNEPOD_CHECKPOINT_DIR"] == "/opt/ml/input/data/train/jobs/digits/trial-7/checkpoints"
     assert "CheckpointConfig" not in request
     assert json.loads(hps["mp_parameters"]) == {"tensor_parallel_degree": 4}
+    # The runtime reads the layout itself (ctx.parallelism, ctx.device_mesh()).
+    assert Parallelism(**json.loads(env["TUNEPOD_PARALLELISM"])) == layout
     assert hps["sagemaker_submit_directory"] == '"/opt/ml/input/data/train/code"'
     assert request["StoppingCondition"] == {"MaxRuntimeInSeconds": 5430}
     assert request["TrainingJobName"] == "digits-trial-7-r2"
@@ -253,9 +260,13 @@ def test_names_that_clean_to_the_same_text_stay_distinct() -> None:
             "checkpoint dir /scratch/ckpt is not visible to SageMaker jobs",
         ),
         (
-            lambda: job(resources=Resources(num_nodes=2, gpus_per_node=8)),
-            spec(parallelism={"tensor": 4, "data": 8}, **FSX),
-            "world size 16",
+            # The spec checked 2 x 16 procs_per_node, but the container starts one process per GPU.
+            lambda: job(
+                parallelism=Parallelism(data=8, tensor=4),
+                resources=Resources(num_nodes=2, procs_per_node=16, gpus_per_node=8),
+            ),
+            spec(**FSX),
+            "data 8 x tensor 4 x pipeline 1 = 32 processes, but the job runs 16",
         ),
     ],
 )
@@ -272,7 +283,6 @@ def test_what_a_training_job_cannot_express_is_refused(
     [
         {"fsx": FSX["fsx"]},  # FSx without a VPC
         {"subnets": ["subnet-1"]},  # half a VpcConfig
-        {"parallelism": {"pipeline": 2}},  # SMP v2 has no pipeline parallelism
         {"checkpoint_s3_uri": None},  # checkpoints would sync with S3, but to where?
         {"checkpoint_s3_uri": None, **FSX_READ_ONLY},
         {"role_arn": "tunepod-training"},
@@ -318,3 +328,33 @@ def test_the_stubber_check_can_fail() -> None:
     request["ResourceConfig"]["InstanceCount"] = "2"  # a string where the model wants an integer
     with pytest.raises(ParamValidationError):
         assert_valid_request(request)
+
+
+@pytest.mark.parametrize(
+    ("layout", "expected"),
+    [
+        (None, None),  # no layout: plain data parallelism, SMP off
+        (Parallelism(data=16), None),
+        # Pipeline stages are the script's (torch.distributed.pipelining), not a refusal.
+        (Parallelism(data=4, tensor=2, pipeline=2), {"tensor_parallel_degree": 2}),
+        (
+            Parallelism(data=8, tensor=2, sharding="hybrid", shard=4),
+            {"tensor_parallel_degree": 2, "hybrid_shard_degree": 4},
+        ),
+        (Parallelism(data=16, sharding="hybrid", shard=8), {"hybrid_shard_degree": 8}),
+    ],
+)
+def test_the_job_layout_renders_smp_v2_parameters(
+    layout: Parallelism | None, expected: dict[str, int] | None
+) -> None:
+    resources = Resources(num_nodes=2, procs_per_node=8, gpus_per_node=8, instance_type="ml.p4d.24xlarge")
+    hps = render_training_job(job(parallelism=layout, resources=resources), spec(**FSX))["HyperParameters"]
+    rendered = json.loads(hps["mp_parameters"]) if "mp_parameters" in hps else None
+    assert rendered == expected
+
+
+def test_the_launcher_level_parallelism_is_refused_with_where_it_moved() -> None:
+    with pytest.raises(
+        ValidationError, match=r"parallelism moved from the sagemaker launcher to the train job"
+    ):
+        spec(parallelism={"tensor": 4}, **FSX)

@@ -39,8 +39,9 @@ from tunepod.launch.watchdog import Limits
 from tunepod.locks import locked
 from tunepod.metrics import default_metrics
 from tunepod.outputs import Dataset, TrialOutcome, TrialRecord, TrialSet
-from tunepod.runtime import Report, latest_checkpoint, valid_checkpoints
+from tunepod.runtime import Parallelism, Report, latest_checkpoint, valid_checkpoints
 from tunepod.spec.models import TuneSettings
+from tunepod.spec.parallelism import job_layout, script_params
 from tunepod.tracking import MlflowTracker, tags
 from tunepod.tracking.mirror import Final, FinalMetric, ModelPlan, RunMirror, RunPlan, read_mirror_state
 from tunepod.tracking.mlflow_tracker import RunStatus
@@ -224,9 +225,14 @@ class Tuner:
                 return self._record(frozen)
             params = {**self.settings.train.args, **frozen.params}
             mirror = self._mirror(frozen, params)
+            try:
+                layout = job_layout(self.settings.train.parallelism, self.settings.train.resources, params)
+            except ValueError as exc:
+                self._prune_unfit_layout(number, mirror, str(exc))
+                return self._record(self.trials.frozen(number))
             driver = JobDriver(
                 self.ctx.launcher,
-                self._job_spec(number, params, mirror),
+                self._job_spec(number, params, mirror, layout),
                 DriveSettings(poll_s=self.settings.poll_s, max_restarts=self.settings.train.max_restarts),
                 what=f"Trial {number} of study {self.settings.study.name}",
                 on_reports=self._report_handler(frozen, mirror),
@@ -302,18 +308,21 @@ class Tuner:
         self.ctx.outbox.add(mirror)
         return mirror
 
-    def _job_spec(self, number: int, params: dict[str, object], mirror: RunMirror) -> JobSpec:
+    def _job_spec(
+        self, number: int, params: dict[str, object], mirror: RunMirror, layout: Parallelism | None
+    ) -> JobSpec:
         job_dir = self._job_dir(self.trials.frozen(number))
         run_id = mirror.wait_for_run(RUN_ID_WAIT_S)
         if run_id is not None:
             self.trials.set_attr(number, ATTR_RUN_ID, run_id)
         env = contract_env(
             JobPaths(job_dir),
-            params=params,
+            params=script_params(params),
             data_dir=self.ctx.dataset.path,
             trial=str(number),
             tracking_uri=self.ctx.tracker.tracking_uri,
             run_id=run_id,
+            parallelism=layout,
         )
         return JobSpec(
             name=f"{self.settings.study.name}-trial-{number}",
@@ -346,6 +355,23 @@ class Tuner:
             self.trials.tell(number, TrialState.PRUNED)
         else:
             self._fail(number, driven.message)
+        self._close(number, mirror)
+
+    def _prune_unfit_layout(self, number: int, mirror: RunMirror, why: str) -> None:
+        """Prune, without a job, a trial whose sampled layout does not fit its resources.
+
+        Every searched value fits some layout (checked at spec load), but not every combination can
+        (tensor 4 x pipeline 2 on 4 processes). Pruned rather than failed: TPE ranks pruned trials
+        below completed ones and so learns to avoid the combination, where it ignores failed ones.
+        """
+        message = f"Trial {number}: its sampled layout does not fit, pruned before any job ran: {why}"
+        log.warning("%s", message)
+        self.trials.set_attr(number, ATTR_ERROR, message[-4000:])
+        self.trials.tell(number, TrialState.PRUNED)
+        self._close(number, mirror)
+
+    def _close(self, number: int, mirror: RunMirror) -> None:
+        """After Optuna was told: hand the final record to the outbox and count the trial."""
         finished = self.trials.frozen(number)
         mirror.finish(self._final(finished))
         self.ctx.outbox.add(mirror)

@@ -19,8 +19,10 @@ def contract_env(
     checkpoint_dir: Path | None = None,
     tracking_uri: str | None = None,
     run_id: str | None = None,
+    parallelism: runtime.Parallelism | None = None,
 ) -> dict[str, str]:
-    """Environment variables for one job. ``checkpoint_dir`` defaults to the job's own folder."""
+    """Environment variables for one job. ``checkpoint_dir`` defaults to the job's own folder;
+    ``parallelism`` unset leaves the job plain data parallel (``TUNEPOD_PARALLELISM`` absent)."""
     env = {
         runtime.PARAMS_ENV: json.dumps(dict(params), sort_keys=True),
         runtime.DATA_DIR_ENV: str(data_dir),
@@ -33,4 +35,6 @@ def contract_env(
         env[runtime.MLFLOW_TRACKING_URI_ENV] = tracking_uri
     if run_id:
         env[runtime.MLFLOW_RUN_ID_ENV] = run_id
+    if parallelism is not None:
+        env[runtime.PARALLELISM_ENV] = parallelism.to_json()
     return env

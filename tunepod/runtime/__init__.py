@@ -32,6 +32,7 @@ from tunepod.runtime.contract import (
     METRICS_FILE_ENV,
     MLFLOW_RUN_ID_ENV,
     MLFLOW_TRACKING_URI_ENV,
+    PARALLELISM_ENV,
     PARAMS_ENV,
     RANK_ENV,
     RESULT_FILE_ENV,
@@ -39,6 +40,7 @@ from tunepod.runtime.contract import (
     WORLD_SIZE_ENV,
 )
 from tunepod.runtime.metrics import Report, ReportTail, Result, read_reports, read_result
+from tunepod.runtime.parallel import Parallelism, device_mesh
 
 __all__ = [
     "CHECKPOINT_DIR_ENV",
@@ -49,6 +51,7 @@ __all__ = [
     "METRICS_FILE_ENV",
     "MLFLOW_RUN_ID_ENV",
     "MLFLOW_TRACKING_URI_ENV",
+    "PARALLELISM_ENV",
     "PARAMS_ENV",
     "RANK_ENV",
     "RESULT_FILE_ENV",
@@ -56,10 +59,12 @@ __all__ = [
     "WORLD_SIZE_ENV",
     "Checkpoint",
     "CheckpointInfo",
+    "Parallelism",
     "Report",
     "ReportTail",
     "Result",
     "TrainingContext",
+    "device_mesh",
     "init",
     "latest_checkpoint",
     "read_reports",

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from tunepod.runtime.parallel import Parallelism, read_parallelism
+
 # Set by the orchestrator for every job.
 PARAMS_ENV = "TUNEPOD_PARAMS"
 DATA_DIR_ENV = "TUNEPOD_DATA_DIR"
@@ -32,6 +34,7 @@ RESULT_FILE_ENV = "TUNEPOD_RESULT_FILE"
 METRICS_FILE_ENV = "TUNEPOD_METRICS_FILE"
 TRIAL_ENV = "TUNEPOD_TRIAL"
 KEEP_CHECKPOINTS_ENV = "TUNEPOD_KEEP_CHECKPOINTS"
+PARALLELISM_ENV = "TUNEPOD_PARALLELISM"  # JSON of tunepod.runtime.parallel.Parallelism; unset: data only
 MLFLOW_TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
 MLFLOW_RUN_ID_ENV = "MLFLOW_RUN_ID"
 
@@ -75,6 +78,9 @@ class Contract:
     rank: int
     local_rank: int
     world_size: int
+    parallelism: Parallelism
+    """The job's data x tensor x pipeline layout (``TUNEPOD_PARALLELISM``), checked against
+    ``world_size``; plain data parallelism when unset."""
     mlflow_tracking_uri: str | None
     mlflow_run_id: str | None
 
@@ -88,6 +94,7 @@ def read_contract(
     """
     on_sagemaker = any(name.startswith("SM_") for name in env)
     local_dir = (cwd or Path.cwd()) / LOCAL_RUN_DIR
+    world_size = _int(env, WORLD_SIZE_ENV, 1, minimum=1)
     sagemaker_output = _path(env, SAGEMAKER_OUTPUT_DIR_ENV) or SAGEMAKER_OUTPUT_DIR
     sagemaker_or_local = sagemaker_output if on_sagemaker else local_dir
     return Contract(
@@ -102,7 +109,8 @@ def read_contract(
         keep_checkpoints=_int(env, KEEP_CHECKPOINTS_ENV, DEFAULT_KEEP_CHECKPOINTS, minimum=1),
         rank=_int(env, RANK_ENV, 0, minimum=0),
         local_rank=_int(env, LOCAL_RANK_ENV, 0, minimum=0),
-        world_size=_int(env, WORLD_SIZE_ENV, 1, minimum=1),
+        world_size=world_size,
+        parallelism=read_parallelism(env, PARALLELISM_ENV, world_size),
         mlflow_tracking_uri=env.get(MLFLOW_TRACKING_URI_ENV) or None,
         mlflow_run_id=env.get(MLFLOW_RUN_ID_ENV) or None,
     )

@@ -351,6 +351,12 @@ class _Declared:
             for item in metadata:
                 if isinstance(item, FieldInfo) and isinstance(item.discriminator, str):
                     discriminator = item.discriminator
+        # pydantic reports inside an optional model (``X | None``) with no union member in ``loc``, so
+        # it is walked as the model (else its unknown keys read as "expected a mapping or null").
+        members = get_args(annotation) if _is_union(annotation) else ()
+        if len(members) == 2 and NoneType in members:
+            inner = next(member for member in members if member is not NoneType)
+            annotation = inner if _is_model(inner) else annotation
         return cls(annotation, discriminator, description)
 
     @property

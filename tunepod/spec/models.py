@@ -6,11 +6,13 @@ that silently does nothing. Cross-field checks say how to fix what they reject.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from tunepod.spec.parallelism import ParallelismSpec, check_space, resolve
 from tunepod.spec.resources import Resources
 
 
@@ -207,18 +209,6 @@ class HyperPodEksLauncherSpec(Strict):
         return self
 
 
-class SageMakerParallelism(Strict):
-    """Model-parallel degrees, handed to the SageMaker model parallelism library (SMP v2)."""
-
-    tensor: int = Field(1, ge=1, description="SMP tensor_parallel_degree; 1 leaves SMP off.")
-    pipeline: int = Field(
-        1, ge=1, le=1, description="Pipeline degree: SMP v2 has no pipeline parallelism, so only 1."
-    )
-    data: int | None = Field(
-        None, ge=1, description="Data-parallel degree; checked to equal world size / tensor at submit."
-    )
-
-
 class SageMakerFsxSpec(Strict):
     """FSx for Lustre file system mounted into every training job as the ``train`` channel."""
 
@@ -259,7 +249,6 @@ class SageMakerLauncherSpec(Strict):
     fsx: SageMakerFsxSpec | None = None
     subnets: list[str] = Field(default_factory=list, description="VpcConfig subnets (FSx needs them).")
     security_group_ids: list[str] = Field(default_factory=list, description="VpcConfig security groups.")
-    parallelism: SageMakerParallelism = Field(default_factory=SageMakerParallelism)
     max_retry_attempts: int = Field(1, ge=1, le=30, description="RetryStrategy: attempts on internal errors.")
     max_runtime_s: int = Field(
         86400, ge=1, description="StoppingCondition when a job's resources set no timeout_min."
@@ -272,6 +261,19 @@ class SageMakerLauncherSpec(Strict):
         description="One DescribeTrainingJob answers a job's state this long (per job: no cheap call "
         "lists every job's state); a final state is kept for good.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_parallelism(cls, data: Any) -> Any:
+        # Parallelism is every launcher's now; a clear error beats merging two places that could differ.
+        if isinstance(data, dict) and "parallelism" in data:
+            raise ValueError(
+                "parallelism moved from the sagemaker launcher to the train job, for every launcher; "
+                "fix: remove it here and set it on each tune or train step's train, e.g. train: "
+                f"{{entrypoint: ..., parallelism: {json.dumps(data['parallelism'], default=str)}}} "
+                "(SMP v2's tensor_parallel_degree and hybrid_shard_degree are rendered from it)"
+            )
+        return data
 
     @model_validator(mode="after")
     def _check_vpc(self) -> SageMakerLauncherSpec:
@@ -307,6 +309,11 @@ class TrainJob(Strict):
         default_factory=dict, description="Fixed parameters, merged under the tuned ones."
     )
     resources: Resources = Field(default_factory=Resources)
+    parallelism: ParallelismSpec | None = Field(
+        None,
+        description="data x tensor x pipeline layout of the job's processes and its sharding, checked "
+        "against resources; unset: data parallelism over every process.",
+    )
     max_restarts: int = Field(
         1,
         ge=0,
@@ -326,6 +333,12 @@ class TrainJob(Strict):
         description="Seconds from the job running to its first heartbeat (runtime.init): image pull, "
         "imports, a slow mount. Past it the job counts as hung. null: no limit.",
     )
+
+    @model_validator(mode="after")
+    def _check_parallelism(self) -> TrainJob:
+        if self.parallelism is not None:
+            resolve(self.parallelism, self.resources)
+        return self
 
 
 # ---------------------------------------------------------------------------------------------- search space
@@ -431,6 +444,7 @@ class TuneSettings(Strict):
             raise ValueError(
                 f"{', '.join(clash)} is both tuned (space) and fixed (train.args); fix: remove it from one"
             )
+        check_space(self.train.parallelism, self.train.resources, self.space)
         return self
 
 

@@ -21,8 +21,9 @@ from tunepod.launch.lease import Leases
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.submission import make_job_dir
 from tunepod.launch.watchdog import Limits
-from tunepod.runtime import Report, Result
+from tunepod.runtime import Parallelism, Report, Result
 from tunepod.spec.models import TrainJob
+from tunepod.spec.parallelism import job_layout, script_params
 from tunepod.spec.resources import Resources
 from tunepod.steps.context import StepContext
 from tunepod.tracking.mirror import Final, RunMirror
@@ -86,12 +87,13 @@ def _driver(ctx: StepContext, job: StepJob, mirror: RunMirror, leases: Leases) -
     ctx.outbox.add(mirror)
     env = contract_env(
         JobPaths(job.job_dir),
-        params=job.params,
+        params=script_params(job.params),
         data_dir=job.data_dir,
         trial=job.name,
         checkpoint_dir=job.checkpoint_dir,
         tracking_uri=ctx.tracker.tracking_uri,
         run_id=mirror.wait_for_run(RUN_ID_WAIT_S),
+        parallelism=_layout(job),
     )
     spec = JobSpec(
         name=job.name,
@@ -118,6 +120,17 @@ def _driver(ctx: StepContext, job: StepJob, mirror: RunMirror, leases: Leases) -
         observe=lambda handle, _new: _mirrored(ctx, mirror, handle),
         leases=leases,
     )
+
+
+def _layout(job: StepJob) -> Parallelism | None:
+    """A training job's layout: its train block with the ``parallelism.*`` parameters it was given (a
+    needed study's best); other jobs (evaluations, preloads) declare none."""
+    if job.train is None:
+        return None
+    try:
+        return job_layout(job.train.parallelism, job.resources, job.params)
+    except ValueError as exc:
+        raise JobError(f"{job.what}: its parallelism layout does not fit its resources: {exc}") from None
 
 
 def prepared(ctx: StepContext, job_dir: Path) -> Path:

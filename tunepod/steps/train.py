@@ -22,11 +22,14 @@ def run(ctx: StepContext, name: str, settings: TrainSettings, inputs: Mapping[st
     tuned = optional_input(inputs, TrialSet)
     best = tuned.best(1) if tuned else []
     params = {**(best[0].params if best else {}), **settings.train.args, **settings.params}
+    # Keyed by the layout only when one is declared, so the keys of jobs without one stay as they were.
+    layout = settings.train.parallelism
     key = job_key(
         settings.train.entrypoint,
         params=params,
         data=dataset.path,
         resources=settings.train.resources.model_dump(),
+        **({"parallelism": layout.model_dump()} if layout is not None else {}),
     )
     job_dir = ctx.job_dir(name, key)
     mirror = RunMirror(

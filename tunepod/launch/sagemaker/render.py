@@ -50,6 +50,7 @@ from typing import Any
 from tunepod import runtime
 from tunepod.errors import TunepodError
 from tunepod.launch.base import JobSpec, Resources
+from tunepod.runtime.parallel import read_parallelism
 from tunepod.spec.models import SageMakerLauncherSpec
 
 CHANNEL = "train"
@@ -185,23 +186,32 @@ def trial_params(job: JobSpec) -> dict[str, Any]:
     return params
 
 
-def smp_parameters(job: JobSpec, spec: SageMakerLauncherSpec) -> dict[str, int] | None:
-    """SMP v2 settings for ``spec.parallelism``, or None when SMP stays off (tensor degree 1).
+def smp_parameters(job: JobSpec) -> dict[str, int] | None:
+    """SMP v2 settings for the job's layout (``TUNEPOD_PARALLELISM``), or None when SMP stays off.
 
-    SMP v2 derives the data-parallel degree itself (world size / tensor degree); a declared ``data``
-    degree is only checked against it, so a spec that disagrees with the instance count fails here.
+    SMP v2 takes the tensor degree and, for hybrid sharding, the shard degree; it derives the data
+    degree itself (world size / tensor). Pipeline parallelism is not SMP v2's but the script's
+    (``torch.distributed.pipelining`` over ``ctx.device_mesh()["pp"]``), so it is handed over, not
+    rendered. The spec checked the layout against ``procs_per_node``, but the container starts one
+    process per GPU: a layout that does not fit ``num_nodes x gpus_per_node`` is refused here.
     """
-    parallel = spec.parallelism
-    gpus = job.resources.gpus_per_node or job.resources.procs_per_node
-    world_size = job.resources.num_nodes * gpus
-    if parallel.data is not None and parallel.data * parallel.tensor != world_size:
+    resources = job.resources
+    gpus = resources.gpus_per_node or resources.procs_per_node
+    world_size = resources.num_nodes * gpus
+    try:
+        layout = read_parallelism(job.env, runtime.PARALLELISM_ENV, world_size)
+    except ValueError as exc:
         raise TunepodError(
-            f"parallelism data={parallel.data} x tensor={parallel.tensor} != world size {world_size} "
-            f"({job.resources.num_nodes} nodes x {gpus} GPUs); fix: change data, or unset it to derive it"
-        )
-    if parallel.tensor == 1:
-        return None
-    return {"tensor_parallel_degree": parallel.tensor}
+            f"job {job.name}: {exc} (SageMaker runs one process per GPU: {resources.num_nodes} nodes x "
+            f"{gpus} GPUs = {world_size}); fix: set resources.procs_per_node to gpus_per_node ({gpus}) "
+            "and fit the parallelism to it"
+        ) from None
+    smp: dict[str, int] = {}
+    if layout.tensor > 1:
+        smp["tensor_parallel_degree"] = layout.tensor
+    if layout.sharding == "hybrid":
+        smp["hybrid_shard_degree"] = layout.shard
+    return smp or None
 
 
 def hyperparameters(job: JobSpec, spec: SageMakerLauncherSpec) -> dict[str, str]:
@@ -223,7 +233,7 @@ def hyperparameters(job: JobSpec, spec: SageMakerLauncherSpec) -> dict[str, str]
     values[HP_PROGRAM] = job.entrypoint.name
     values[HP_TORCH_DISTRIBUTED] = True
     values[HP_INSTANCE_TYPE] = instance_type(job.resources, spec)
-    smp = smp_parameters(job, spec)
+    smp = smp_parameters(job)
     if smp is not None:
         values[HP_SMP] = smp
     return {name: json.dumps(value, sort_keys=True) for name, value in values.items()}
