@@ -125,6 +125,31 @@ def test_a_layout_that_does_not_fit_is_refused_at_validation_with_the_arithmetic
     assert "fix:" in message
 
 
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        ({"parallelism.tensor": 8}, "parallelism.tensor 8 does not divide resources.procs_per_node 4"),
+        ({"parallelism.tensors": 2}, "parallelism.tensors: Extra inputs are not permitted"),
+    ],
+)
+def test_layout_values_fixed_in_args_are_checked_like_the_block(args: dict[str, Any], expected: str) -> None:
+    message = refusal(pipeline({"args": args}))
+    assert "steps.search.with.train" in message and expected in message
+
+
+def test_a_train_step_checks_its_layout_params_at_validation() -> None:
+    train = {"entrypoint": "train.py", "resources": {"num_nodes": 1, "procs_per_node": 2}}
+    final = {
+        "uses": "train",
+        "needs": ["data"],
+        "with": {"train": train, "params": {"parallelism.tensor": 4}},
+    }
+    spec = yaml.safe_load(pipeline({}))
+    spec["steps"]["final"] = final
+    message = refusal(yaml.safe_dump(spec))
+    assert "steps.final.with: parallelism.tensor 4 does not divide resources.procs_per_node 2" in message
+
+
 def test_unknown_keys_in_the_block_are_refused() -> None:
     message = refusal(pipeline({"parallelism": {"tensors": 2}}))
     assert "did you mean 'tensor'?" in message
@@ -173,6 +198,10 @@ def test_a_search_where_every_value_fits_some_layout_is_accepted() -> None:
         ),
         ({"parallelism.tensor": {"type": "float", "low": 1, "high": 4}}, "a layout takes whole degrees"),
         ({"parallelism.tensors": {"type": "int", "low": 1, "high": 4}}, "not a layout parameter"),
+        (
+            {"parallelism.sharding": {"type": "categorical", "choices": ["full", "zero3"]}},
+            "space.parallelism.sharding: 'zero3' fits no layout",
+        ),
         (
             {"parallelism.tensor": {"type": "int", "low": 1, "high": 10**6}},
             "more than 100000 checked",

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from tunepod.spec.parallelism import ParallelismSpec, check_space, resolve
+from tunepod.spec.parallelism import ParallelismSpec, check_space, job_layout
 from tunepod.spec.resources import Resources
 
 
@@ -336,8 +336,8 @@ class TrainJob(Strict):
 
     @model_validator(mode="after")
     def _check_parallelism(self) -> TrainJob:
-        if self.parallelism is not None:
-            resolve(self.parallelism, self.resources)
+        # args may fix parallelism.<field> values too, as a trial's parameters do: check them together.
+        job_layout(self.parallelism, self.resources, self.args)
         return self
 
 
@@ -444,7 +444,7 @@ class TuneSettings(Strict):
             raise ValueError(
                 f"{', '.join(clash)} is both tuned (space) and fixed (train.args); fix: remove it from one"
             )
-        check_space(self.train.parallelism, self.train.resources, self.space)
+        check_space(self.train.parallelism, self.train.resources, self.space, self.train.args)
         return self
 
 
@@ -456,6 +456,12 @@ class TrainSettings(Strict):
         default_factory=dict, description="Parameters; override a needed study's best."
     )
     metric: str | None = Field(None, description="Metric to read from the job's result, if any.")
+
+    @model_validator(mode="after")
+    def _check_parallelism(self) -> TrainSettings:
+        # parallelism.<field> params override the block (and a needed study's best layout).
+        job_layout(self.train.parallelism, self.train.resources, {**self.train.args, **self.params})
+        return self
 
 
 FsxAutoEvent = Literal["NEW", "CHANGED", "DELETED"]

@@ -127,7 +127,16 @@ def with_params(spec: ParallelismSpec | None, params: Mapping[str, Any]) -> Para
     if spec is None and not overrides:
         return None
     base = spec.model_dump(exclude_unset=True) if spec is not None else {}
-    return ParallelismSpec.model_validate({**base, **overrides})
+    try:
+        return ParallelismSpec.model_validate({**base, **overrides})
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{SPACE_PREFIX}{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_url=False)
+        )
+        valid = ", ".join(SPACE_PREFIX + field for field in ParallelismSpec.model_fields)
+        raise ValueError(
+            f"{problems}; fix: layout parameters are {valid}, with values as in the block"
+        ) from None
 
 
 def script_params(params: Mapping[str, Any]) -> dict[str, Any]:
@@ -146,8 +155,11 @@ def job_layout(
     return None if merged is None else resolve(merged, resources)
 
 
-def check_space(spec: ParallelismSpec | None, resources: Resources, space: Mapping[str, Any]) -> None:
-    """Refuse searched layout parameters that can never fit (``ValueError``, naming the parameter).
+def check_space(
+    spec: ParallelismSpec | None, resources: Resources, space: Mapping[str, Any], fixed: Mapping[str, Any]
+) -> None:
+    """Refuse searched layout parameters that can never fit (``ValueError``, naming the parameter);
+    ``fixed`` are the train job's args, which may fix other layout parameters.
 
     Every combination of the searched values is resolved: the search must have a layout that fits,
     and each value must fit in at least one combination (else trials that sample it only ever prune).
@@ -170,10 +182,10 @@ def check_space(spec: ParallelismSpec | None, resources: Resources, space: Mappi
     for combo in itertools.product(*searched.values()):
         params = dict(zip(searched, combo, strict=True))
         try:
-            job_layout(spec, resources, params)
-        except (ValueError, ValidationError) as exc:
+            job_layout(spec, resources, {**fixed, **params})
+        except ValueError as exc:
             for name, value in params.items():
-                first_error.setdefault((name, value), _message(exc).partition("; fix: ")[0])
+                first_error.setdefault((name, value), str(exc).partition("; fix: ")[0])
             continue
         for name, value in params.items():
             fits[name].add(value)
@@ -197,9 +209,3 @@ def _values(name: str, param: Any) -> Sequence[Any]:
         f"space.{name} is a {kind} parameter, but a layout takes whole degrees; fix: make it "
         "type: categorical (e.g. choices: [1, 2, 4]) or type: int"
     )
-
-
-def _message(exc: Exception) -> str:
-    if isinstance(exc, ValidationError):
-        return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_url=False))
-    return str(exc)
