@@ -6,6 +6,7 @@ import hashlib
 import json
 import math
 import os
+import pickle
 import re
 import shutil
 import subprocess
@@ -431,11 +432,112 @@ def test_saving_an_existing_step_replaces_it(tmp_path: Path) -> None:
 
 
 def test_state_is_loaded_with_weights_only(tmp_path: Path) -> None:
-    # An arbitrary object would run code on unpickling; weights_only refuses it.
-    ctx = context(tmp_path)
-    ctx.save_checkpoint({"path": Path("/x")}, step=0)
+    # An arbitrary object would run code on unpickling; weights_only refuses it. Saving one is
+    # refused (below), so this step is written by hand, as something other than tunepod could.
+    folder = tmp_path / "checkpoints" / "step-000000"
+    folder.mkdir(parents=True)
+    torch.save({"path": Path("/x")}, folder / "state.pt")
+    write_metadata(folder, 0, "torch")
     with pytest.raises(Exception, match="weights_only"):
+        context(tmp_path).load_latest_checkpoint()
+
+
+def write_metadata(folder: Path, step: int, state_format: str) -> None:
+    """The metadata.json a writer of the shared folder can forge for ``folder/state.pt``."""
+    data = (folder / "state.pt").read_bytes()
+    metadata = {"step": step, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    (folder / "metadata.json").write_text(json.dumps({**metadata, "format": state_format, "time": 0.0}))
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_state_the_loader_would_refuse_is_refused_at_save(tmp_path: Path, sharded: bool) -> None:
+    ctx = context(tmp_path)
+    ctx.save_checkpoint({"w": torch.zeros(2)}, step=0, sharded=sharded)
+    rng = np.random.default_rng(0)
+    state = {"w": torch.ones(2), "numpy_rng": np.random.get_state(), "bit_generator": rng.bit_generator}
+    with pytest.raises(
+        checkpoints.CheckpointStateError, match=r"numpy\.ndarray.*fix: convert them"
+    ) as refused:
+        ctx.save_checkpoint(state, step=1, sharded=sharded)
+    assert "add_safe_globals" in str(refused.value)
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-000000"]  # nothing left behind
+    loaded = ctx.load_latest_checkpoint(into={"w": torch.zeros(2)} if sharded else None)
+    assert loaded is not None and loaded.step == 0
+
+
+def test_a_pickle_state_with_objects_is_refused_at_save(tmp_path: Path) -> None:
+    # Without torch the state is pickled; its loader takes no classes, so neither does the save.
+    code = (
+        "import sys, datetime; sys.path.insert(0, sys.argv[1]); from tunepod import runtime;"
+        "ctx = runtime.init();"
+        "ctx.save_checkpoint({'day': datetime.date(2026, 1, 1)}, 0)"
+    )
+    env = {"PATH": os.environ.get("PATH", ""), **job_env(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-S", "-c", code, str(REPO_ROOT)], capture_output=True, text=True, env=env
+    )
+    assert done.returncode != 0
+    assert "CheckpointStateError: the checkpoint state holds objects" in done.stderr
+    assert "datetime.date" in done.stderr
+    assert list((tmp_path / "checkpoints").iterdir()) == []
+
+
+class RunsCode:
+    """What a writer of the shared folder could plant: unpickling it calls ``exec``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return exec, (f"open({str(self.marker)!r}, 'w').close()",)
+
+
+def test_a_crafted_pickle_checkpoint_runs_no_code_on_load(tmp_path: Path) -> None:
+    marker = tmp_path / "code-ran"
+    folder = tmp_path / "checkpoints" / "step-000003"
+    folder.mkdir(parents=True)
+    (folder / "state.pt").write_bytes(pickle.dumps({"weights": RunsCode(marker)}))
+    write_metadata(folder, 3, "pickle")
+    with pytest.raises(
+        checkpoints.UnsafeCheckpointError, match=r"names builtins\.exec: loading it would run code"
+    ):
+        context(tmp_path).load_latest_checkpoint()
+    assert not marker.exists()
+
+
+def test_a_crafted_sharded_checkpoint_runs_no_code_on_load(tmp_path: Path) -> None:
+    # DCP's own reader unpickles .metadata as it comes; a forged one must not run.
+    ctx = context(tmp_path)
+    folder = ctx.save_checkpoint({"w": torch.zeros(2)}, step=4, sharded=True)
+    assert folder is not None
+    marker = tmp_path / "code-ran"
+    (folder / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
+    metadata = json.loads((folder / "metadata.json").read_text())
+    data = (folder / ".metadata").read_bytes()
+    metadata["files"][".metadata"] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    (folder / "metadata.json").write_text(json.dumps(metadata))
+    with pytest.raises(
+        checkpoints.UnsafeCheckpointError, match=r"names builtins\.exec, which is not part of DCP"
+    ):
+        ctx.load_latest_checkpoint(into={"w": torch.zeros(2)})
+    assert not marker.exists()
+
+
+def test_a_sharded_step_needs_a_state_dict_to_load_into(tmp_path: Path) -> None:
+    ctx = context(tmp_path)
+    ctx.save_checkpoint({"w": torch.zeros(2)}, step=1, sharded=True)
+    with pytest.raises(
+        ValueError, match=r"is sharded \(format dcp\).*fix: call ctx.load_latest_checkpoint\(into="
+    ):
         ctx.load_latest_checkpoint()
+
+
+def test_async_save_needs_a_sharded_save_and_a_known_mode(tmp_path: Path) -> None:
+    ctx = context(tmp_path)
+    with pytest.raises(ValueError, match="async_save needs sharded=True"):
+        ctx.save_checkpoint({"w": torch.zeros(2)}, step=1, async_save=True)
+    with pytest.raises(ValueError, match=r"async_save='later'; valid: False, True, 'thread', 'process'"):
+        ctx.save_checkpoint({"w": torch.zeros(2)}, step=1, sharded=True, async_save="later")
 
 
 def test_keep_must_be_positive(tmp_path: Path) -> None:

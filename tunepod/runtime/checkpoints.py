@@ -7,7 +7,13 @@ Layout under the job's checkpoint folder::
                         else pickle (``format`` in the metadata says which)
         metadata.json   {"step", "sha256", "size", "format", "time", "save_seconds"}, written last
 
-``save_seconds`` is how long writing, fsyncing and hashing the state took (the rename that follows is
+A sharded step (format ``dcp``, written by every rank with torch.distributed.checkpoint, see
+``tunepod.runtime.sharded``) holds DCP's files instead of ``state.pt`` (``.metadata`` and one
+``__<rank>_<n>.distcp`` per rank and writer); its metadata.json lists each with its own sha256 and size
+under ``files``, and ``sha256``/``size`` are those of that listing and the files' total.
+
+``save_seconds`` is how long writing, fsyncing and hashing the state took (for an async sharded save,
+from the call until every shard was written and hashed in the background; the rename that follows is
 not counted); the orchestrator reads it for its checkpoint metric, since a training job never imports
 prometheus-client. Checkpoints written before it existed have none.
 
@@ -17,15 +23,22 @@ the folder, then renames it into place, so a job killed mid-save leaves a hidden
 reader ignores and the next save deletes before it writes (so the leftover never costs that save its
 space). A save that finds the filesystem full removes what it wrote and raises ``DiskFullError``.
 
-Ownership: only rank 0 saves (one writer per checkpoint folder); any rank, and the orchestrator, may
-read at any time.
+Ownership: only rank 0 saves (one writer per checkpoint folder; a sharded save's ranks write only
+into the hidden folder rank 0 made, and rank 0 commits it); any rank, and the orchestrator, may read
+at any time.
+
+Nothing a writer of the shared folder puts there runs code on load: torch states load with
+``weights_only=True``, pickle states (bytes, or any state saved without torch) with an unpickler that
+refuses every global, and a state that such a loader would refuse is refused at save time instead.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
+import pickletools
 import re
 import secrets
 import shutil
@@ -37,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tunepod.errors import TunepodError
 from tunepod.runtime.contract import KEEP_CHECKPOINTS_ENV
 from tunepod.runtime.files import disk_full_explained, fsync_dir, fsync_file, sha256_of
 from tunepod.runtime.metrics import checked_step
@@ -45,10 +59,19 @@ STATE_FILE = "state.pt"
 METADATA_FILE = "metadata.json"
 TORCH_FORMAT = "torch"
 PICKLE_FORMAT = "pickle"
+DCP_FORMAT = "dcp"
 _STEP_FOLDER = re.compile(r"^step-(\d+)$")
 # Hidden prefixes of folders that are never a checkpoint: a save in progress and a step being removed.
 _TEMP_PREFIX = ".tmp-step-"
 _TRASH_PREFIX = ".trash-step-"
+
+
+class CheckpointStateError(TunepodError, ValueError):
+    """A state the loader would refuse, refused at save time instead (the message says how to fix it)."""
+
+
+class UnsafeCheckpointError(TunepodError, ValueError):
+    """A checkpoint whose loading would run code (a crafted or foreign pickle): it is not loaded."""
 
 
 @dataclass(frozen=True)
@@ -87,11 +110,7 @@ def save_checkpoint(checkpoint_dir: Path, state: Any, step: int, keep: int) -> P
     """
     step = checked_step(step)
     final = checkpoint_dir / step_folder_name(step)
-    fix = (
-        f"free space there, keep fewer checkpoints ({KEEP_CHECKPOINTS_ENV}, now {keep}), or give the "
-        "job's folder (the launcher's root) a larger filesystem; the earlier checkpoints are intact"
-    )
-    with disk_full_explained(final, fix):
+    with disk_full_explained(final, disk_full_fix(keep)):
         checkpoint_dir.mkdir(parents=True, exist_ok=True)
         # A save killed mid-write left its hidden folder, as large as a state: on a nearly full
         # filesystem it would make this save fail, so it goes before anything is written.
@@ -108,6 +127,78 @@ def save_checkpoint(checkpoint_dir: Path, state: Any, step: int, keep: int) -> P
     return final
 
 
+def disk_full_fix(keep: int) -> str:
+    return (
+        f"free space there, keep fewer checkpoints ({KEEP_CHECKPOINTS_ENV}, now {keep}), or give the "
+        "job's folder (the launcher's root) a larger filesystem; the earlier checkpoints are intact"
+    )
+
+
+def sharded_temp_folder(checkpoint_dir: Path, step: int) -> Path:
+    """The hidden folder every rank writes its shard of ``step`` into: a name each rank computes alike."""
+    return checkpoint_dir / f"{_TEMP_PREFIX}{checked_step(step):06d}-sharded"
+
+
+def prepare_sharded_save(checkpoint_dir: Path, step: int, keep: int) -> Path:
+    """Rank 0, before any rank writes: clear what killed saves left, make and return the hidden folder."""
+    temp = sharded_temp_folder(checkpoint_dir, step)
+    with disk_full_explained(temp, disk_full_fix(keep)):
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        _remove_hidden_folders(checkpoint_dir)
+        temp.mkdir()
+    return temp
+
+
+def hash_step_files(folder: Path) -> dict[str, dict[str, Any]]:
+    """``{name: {"sha256", "size"}}`` of every file in ``folder``, as a sharded step's metadata lists them."""
+    return {
+        entry.name: {"sha256": sha256_of(entry), "size": entry.stat().st_size}
+        for entry in sorted(folder.iterdir())
+    }
+
+
+def commit_sharded_save(
+    checkpoint_dir: Path, step: int, keep: int, files: dict[str, dict[str, Any]], save_seconds: float
+) -> Path:
+    """Rank 0, once every rank's shard is written and ``files`` hashed (``hash_step_files``): write
+    ``metadata.json`` (last), rename the hidden folder into place, keep the newest ``keep`` steps;
+    return the step folder. On failure the hidden folder goes and the earlier steps stay as they were."""
+    temp = sharded_temp_folder(checkpoint_dir, step)
+    final = checkpoint_dir / step_folder_name(step)
+    with disk_full_explained(final, disk_full_fix(keep)):
+        try:
+            listing = json.dumps(files, sort_keys=True).encode("utf-8")
+            metadata = {
+                "step": step,
+                "sha256": hashlib.sha256(listing).hexdigest(),
+                "size": sum(f["size"] for f in files.values()),
+                "format": DCP_FORMAT,
+                "files": files,
+                "time": time.time(),
+                "save_seconds": round(save_seconds, 6),
+            }
+            _write_metadata(temp, metadata)
+            _move_into_place(temp, final)
+        except BaseException:
+            shutil.rmtree(temp, ignore_errors=True)
+            raise
+    prune_checkpoints(checkpoint_dir, keep)
+    return final
+
+
+def discard_sharded_save(checkpoint_dir: Path, step: int) -> None:
+    """Rank 0, after a failed sharded write: remove its hidden folder."""
+    shutil.rmtree(sharded_temp_folder(checkpoint_dir, step), ignore_errors=True)
+
+
+def _write_metadata(folder: Path, metadata: dict[str, Any]) -> None:
+    # Written last and fsynced: its presence is what makes the step count.
+    metadata_path = folder / METADATA_FILE
+    metadata_path.write_text(json.dumps(metadata, indent=2) + "\n", encoding="utf-8")
+    fsync_file(metadata_path)
+    fsync_dir(folder)
+
+
 def _write_step_folder(folder: Path, state: Any, step: int) -> None:
     state_path = folder / STATE_FILE
     started = time.monotonic()
@@ -121,11 +212,7 @@ def _write_step_folder(folder: Path, state: Any, step: int) -> None:
         "time": time.time(),
         "save_seconds": round(time.monotonic() - started, 6),
     }
-    # Written last and fsynced: its presence is what makes the step count.
-    metadata_path = folder / METADATA_FILE
-    metadata_path.write_text(json.dumps(metadata, indent=2) + "\n", encoding="utf-8")
-    fsync_file(metadata_path)
-    fsync_dir(folder)
+    _write_metadata(folder, metadata)
 
 
 def _write_state(path: Path, state: Any) -> str:
@@ -139,7 +226,45 @@ def _write_state(path: Path, state: Any) -> str:
             state_format = PICKLE_FORMAT
         handle.flush()
         os.fsync(handle.fileno())
+    # Checked on the written file, before the step counts: a state saved today that no loader takes
+    # would only fail at the resume that needs it.
+    if torch is not None:
+        refuse_unsafe_globals(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+    else:
+        refuse_unsafe_globals(_pickle_globals(path))
     return state_format
+
+
+def refuse_unsafe_globals(names: list[str]) -> None:
+    """Raise ``CheckpointStateError`` when a state pickles classes or functions (``names``) that a
+    ``weights_only`` (or, without torch, a globals-free) load would refuse."""
+    if not names:
+        return
+    raise CheckpointStateError(
+        f"the checkpoint state holds objects that loading it would refuse ({', '.join(sorted(names))}):"
+        " loading runs no code from the checkpoint folder, so only tensors, numbers, strings, bytes and"
+        " dicts/lists/tuples of them load; fix: convert them (a numpy array: torch.from_numpy(a) or"
+        " a.tolist(); numpy's RNG: np.random.get_state()[1].tolist() and the ints beside it; a Path:"
+        " str(p)), or, for classes you trust, call torch.serialization.add_safe_globals([...]) before"
+        " both the save and the load"
+    )
+
+
+def _pickle_globals(path: Path) -> list[str]:
+    """The globals (classes, functions) a pickle file names, read without unpickling it."""
+    names = []
+    strings: list[str] = []  # STACK_GLOBAL takes its module and name from the two strings before it
+    with open(path, "rb") as handle:
+        for opcode, arg, _ in pickletools.genops(handle):
+            if isinstance(arg, str):
+                strings.append(arg)
+            if opcode.name in ("GLOBAL", "INST"):
+                names.append(str(arg).replace(" ", "."))
+            elif opcode.name == "STACK_GLOBAL":
+                names.append(".".join(strings[-2:]))
+            elif opcode.name.startswith("EXT"):
+                names.append(f"copyreg extension {arg}")
+    return names
 
 
 def _move_into_place(temp: Path, final: Path) -> None:
@@ -193,18 +318,33 @@ def load_latest_checkpoint(checkpoint_dir: Path) -> Checkpoint | None:
     CPU with ``torch.load(weights_only=True)`` (tensors, containers and primitives only) or pickle,
     as its metadata says.
     """
+    for found in _valid_with_warnings(checkpoint_dir):
+        try:
+            state = _read_state(found.path / STATE_FILE, found.format)
+        except FileNotFoundError:
+            _warn_skipped(found.path, "it was deleted while being loaded")
+            continue
+        return Checkpoint(step=found.step, state=state, path=found.path)
+    return None
+
+
+def newest_valid_checkpoint(checkpoint_dir: Path) -> CheckpointInfo | None:
+    """The newest valid step (checksums verified); each newer invalid one is named on stderr."""
+    return next(_valid_with_warnings(checkpoint_dir), None)
+
+
+def read_whole_state(info: CheckpointInfo) -> Any:
+    """The state of a non-sharded step (torch or pickle format), on the CPU."""
+    return _read_state(info.path / STATE_FILE, info.format)
+
+
+def _valid_with_warnings(checkpoint_dir: Path) -> Iterator[CheckpointInfo]:
     for folder in _step_folders_newest_first(checkpoint_dir):
         found = _inspect(folder, verify_checksum=True)
         if isinstance(found, str):
             _warn_skipped(folder, found)
-            continue
-        try:
-            state = _read_state(folder / STATE_FILE, found.format)
-        except FileNotFoundError:
-            _warn_skipped(folder, "it was deleted while being loaded")
-            continue
-        return Checkpoint(step=found.step, state=state, path=folder)
-    return None
+        else:
+            yield found
 
 
 def latest_checkpoint(checkpoint_dir: Path) -> CheckpointInfo | None:
@@ -264,15 +404,31 @@ def _inspect(folder: Path, verify_checksum: bool) -> CheckpointInfo | str:
         return f"unreadable {METADATA_FILE} ({exc!r})"
     if folder.name != step_folder_name(info.step):
         return f"{METADATA_FILE} says step {info.step}, which does not match the folder name"
-    try:
-        size = (folder / STATE_FILE).stat().st_size
-        if size != info.size:
-            return f"{STATE_FILE} has {size} bytes, {METADATA_FILE} says {info.size}"
-        if verify_checksum and sha256_of(folder / STATE_FILE) != info.sha256:
-            return f"{STATE_FILE} does not match the sha256 in {METADATA_FILE} (corrupted)"
-    except FileNotFoundError:
-        return f"no {STATE_FILE}"
+    if info.format == DCP_FORMAT:
+        try:
+            listed = {str(name): (str(f["sha256"]), int(f["size"])) for name, f in raw["files"].items()}
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            return f"unreadable files in {METADATA_FILE} ({exc!r})"
+    else:
+        listed = {STATE_FILE: (info.sha256, info.size)}
+    for name, (sha256, size) in listed.items():
+        problem = _file_problem(folder / name, sha256, size, verify_checksum)
+        if problem is not None:
+            return problem
     return info
+
+
+def _file_problem(path: Path, sha256: str, size: int, verify_checksum: bool) -> str | None:
+    """Why the file at ``path`` is not the one the metadata lists, or ``None`` when it is."""
+    try:
+        actual = path.stat().st_size
+        if actual != size:
+            return f"{path.name} has {actual} bytes, {METADATA_FILE} says {size}"
+        if verify_checksum and sha256_of(path) != sha256:
+            return f"{path.name} does not match the sha256 in {METADATA_FILE} (corrupted)"
+    except FileNotFoundError:
+        return f"no {path.name}"
+    return None
 
 
 def _optional_float(value: Any) -> float | None:
@@ -282,13 +438,41 @@ def _optional_float(value: Any) -> float | None:
 def _read_state(path: Path, state_format: str) -> Any:
     if state_format == PICKLE_FORMAT:
         with open(path, "rb") as handle:
-            return pickle.load(handle)
+            return _GlobalsFreeUnpickler(handle, path).load()
+    if state_format == DCP_FORMAT:
+        raise ValueError(
+            f"checkpoint {path.parent} is sharded (format {DCP_FORMAT}): each rank loads its own shard"
+            " into tensors it already has; fix: call ctx.load_latest_checkpoint(into=state_dict) on"
+            " every rank, state_dict holding tensors of the saved shapes (e.g. {'model':"
+            " model.state_dict(), ...})"
+        )
     if state_format == TORCH_FORMAT:
         torch = _import_torch()
         if torch is None:
             raise RuntimeError(f"checkpoint {path} was saved with torch, which this environment lacks")
         return torch.load(path, map_location="cpu", weights_only=True)
     raise ValueError(f"checkpoint {path} has unknown format {state_format!r}")
+
+
+class _GlobalsFreeUnpickler(pickle.Unpickler):
+    """Loads bytes, numbers, strings and containers; refuses every class and function.
+
+    Pickle runs code only through the objects ``find_class`` returns (a crafted ``__reduce__`` names a
+    callable such as ``os.system``), so refusing all of them makes a pickle from a shared folder as
+    harmless to load as JSON.
+    """
+
+    def __init__(self, handle: Any, path: Path) -> None:
+        super().__init__(handle)
+        self._path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise UnsafeCheckpointError(
+            f"checkpoint {self._path} (format {PICKLE_FORMAT}) names {module}.{name}: loading it would"
+            " run code, so it is not loaded (tunepod itself saves only plain data as pickle, so it was"
+            " written by something else); fix: find out who can write that folder, delete the step, or"
+            " if you trust it, load it yourself with pickle and save its state again as tensors"
+        )
 
 
 def _import_torch() -> types.ModuleType | None:

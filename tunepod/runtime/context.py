@@ -11,12 +11,15 @@ import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tunepod.runtime import checkpoints, metrics
 from tunepod.runtime.contract import Contract, Source, read_contract
 from tunepod.runtime.progress import Heartbeat, heartbeat_interval_s, progress_dir, progress_log_s
 from tunepod.runtime.stopping import StopRequest
+
+if TYPE_CHECKING:
+    from tunepod.runtime.sharded import ShardedCheckpointer
 
 
 class TrainingContext:
@@ -44,6 +47,7 @@ class TrainingContext:
         self._last_reported_step: int | None = None
         self._heartbeat = heartbeat
         self._stop = stop or StopRequest()
+        self._sharded: ShardedCheckpointer | None = None
 
     @property
     def is_main(self) -> bool:
@@ -94,28 +98,70 @@ class TrainingContext:
         """
         return _any_rank(self._stop.requested(), self.world_size)
 
-    def save_checkpoint(self, state: Any, step: int) -> Path | None:
+    def save_checkpoint(
+        self, state: Any, step: int, *, sharded: bool = False, async_save: bool | str = False
+    ) -> Path | None:
         """Rank 0: save ``state`` as ``step-N`` atomically, keep the newest ``keep_checkpoints``.
 
-        Returns the step folder on rank 0 and ``None`` on the others, which write nothing.
+        Returns the step folder on rank 0 and ``None`` on the others, which write nothing. Raises
+        ``CheckpointStateError`` for a state that loading would refuse (see ``checkpoints``).
+
+        ``sharded=True`` (every rank, a collective): each rank writes its own shard of ``state`` (a
+        dict of tensors, DTensors, FSDP/TP ``state_dict()``s and plain values) with
+        torch.distributed.checkpoint into the same step folder, and every rank gets the folder.
+        ``async_save=True`` (or ``"process"``: DCP's writer process per rank instead of a thread)
+        copies the state to CPU memory and returns while it is written; the next save,
+        ``wait_for_checkpoint`` or ``finish`` waits for it and commits it. See ``sharded``.
         """
         self.heartbeat(step)
+        if sharded:
+            from tunepod.runtime.sharded import async_mode_of
+
+            return self._sharded_checkpointer().save(state, step, async_mode_of(async_save))
+        if async_save:
+            raise ValueError("async_save needs sharded=True: a whole-state save is written by rank 0 alone")
+        self.wait_for_checkpoint()  # rank 0's save clears hidden folders, an async one's among them
         if not self.is_main:
             return None
         return checkpoints.save_checkpoint(self.checkpoint_dir, state, step, self.keep_checkpoints)
 
-    def load_latest_checkpoint(self) -> checkpoints.Checkpoint | None:
-        """The newest valid checkpoint (state on the CPU), or ``None`` for a fresh start. Every rank."""
-        loaded = checkpoints.load_latest_checkpoint(self.checkpoint_dir)
+    def wait_for_checkpoint(self) -> Path | None:
+        """Every rank: wait for the async sharded save in flight and commit it; return its folder, or
+        ``None`` when none is in flight. Call it before leaving without ``finish`` (after a stop)."""
+        if self._sharded is None:
+            return None
+        return self._sharded.wait()
+
+    def load_latest_checkpoint(self, *, into: dict[str, Any] | None = None) -> checkpoints.Checkpoint | None:
+        """The newest valid checkpoint (state on the CPU), or ``None`` for a fresh start. Every rank.
+
+        ``into`` (needed for sharded steps; a collective): the state dict to load into, holding
+        tensors of the saved shapes and shardings (DTensors may be sharded over another number of
+        ranks than at the save); each rank reads only its part, and the returned ``state`` is
+        ``into``. A non-sharded step still comes back whole in ``state``, ``into`` untouched.
+        """
+        if into is None:
+            loaded = checkpoints.load_latest_checkpoint(self.checkpoint_dir)
+        else:
+            loaded = self._sharded_checkpointer().load_latest(into)
         self.heartbeat(None if loaded is None else loaded.step)
         return loaded
+
+    def _sharded_checkpointer(self) -> ShardedCheckpointer:
+        if self._sharded is None:
+            from tunepod.runtime.sharded import ShardedCheckpointer  # imports torch
+
+            self._sharded = ShardedCheckpointer(self.checkpoint_dir, self.keep_checkpoints)
+        return self._sharded
 
     def finish(self, **values: float) -> None:
         """Rank 0: write the result file atomically with the final metrics; other ranks: no-op.
 
         Its ``step`` is the last step this process reported or, for a job resumed after its last
-        report, the last step in the metrics file; ``None`` if nothing was ever reported.
+        report, the last step in the metrics file; ``None`` if nothing was ever reported. An async
+        sharded save in flight is waited for and committed first (on every rank: call it on each).
         """
+        self.wait_for_checkpoint()
         if self._heartbeat is not None:
             self._heartbeat.finish()
         if not self.is_main:
