@@ -150,6 +150,10 @@ def test_sharded_async_saves_commit_in_order_and_reshard_on_load(tmp_path: Path)
     assert torch.equal(one["model"]["w"], FULL + 100.0) and torch.equal(
         one["model"]["b"], torch.arange(5.0) + 100
     )
+    # ... and whole, with no state dict to load into (an evaluation's way).
+    whole = checkpoints.load_latest_checkpoint(folder)
+    assert whole is not None and whole.step == 3 and torch.equal(whole.state["model"]["w"], FULL + 100.0)
+    assert (whole.state["step"], whole.state["config"]) == (3, {"dim": 3, "names": ["a"]})
 
     # Step 2 was staged before the training step changed the state: it holds the old values.
     checkpoints_corrupt(folder / "step-000003" / "__1_0.distcp")

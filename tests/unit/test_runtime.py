@@ -523,13 +523,28 @@ def test_a_crafted_sharded_checkpoint_runs_no_code_on_load(tmp_path: Path) -> No
     assert not marker.exists()
 
 
-def test_a_sharded_step_needs_a_state_dict_to_load_into(tmp_path: Path) -> None:
+def test_a_sharded_step_loads_whole_without_a_state_dict(tmp_path: Path) -> None:
+    # An evaluation builds its model from the config in the state, so it cannot hand a template.
     ctx = context(tmp_path)
-    ctx.save_checkpoint({"w": torch.zeros(2)}, step=1, sharded=True)
-    with pytest.raises(
-        ValueError, match=r"is sharded \(format dcp\).*fix: call ctx.load_latest_checkpoint\(into="
-    ):
-        ctx.load_latest_checkpoint()
+    state = {
+        "model": {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(2)},
+        "optimizer": {
+            "state": {0: {"step": torch.tensor(3.0)}},
+            "param_groups": [{"lr": 0.1, "params": [0]}],
+        },
+        "model_config": {"dim": 3, "names": ["a", "b"]},
+        "step": 1,
+    }
+    ctx.save_checkpoint(state, step=1, sharded=True)
+    loaded = ctx.load_latest_checkpoint()
+    assert loaded is not None and loaded.step == 1
+    whole = loaded.state
+    assert torch.equal(whole["model"]["w"], state["model"]["w"]) and torch.equal(
+        whole["model"]["b"], torch.ones(2)
+    )
+    assert whole["optimizer"]["param_groups"] == [{"lr": 0.1, "params": [0]}]
+    assert torch.equal(whole["optimizer"]["state"]["0"]["step"], torch.tensor(3.0))  # DCP keys are strings
+    assert (whole["model_config"], whole["step"]) == ({"dim": 3, "names": ["a", "b"]}, 1)
 
 
 def test_async_save_needs_a_sharded_save_and_a_known_mode(tmp_path: Path) -> None:

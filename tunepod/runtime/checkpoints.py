@@ -315,8 +315,8 @@ def load_latest_checkpoint(checkpoint_dir: Path) -> Checkpoint | None:
 
     Walks the steps newest to oldest; each invalid one (no metadata, wrong checksum, unreadable) is
     skipped with a warning on stderr naming the folder and the reason. The state is loaded onto the
-    CPU with ``torch.load(weights_only=True)`` (tensors, containers and primitives only) or pickle,
-    as its metadata says.
+    CPU with ``torch.load(weights_only=True)`` (tensors, containers and primitives only), a
+    globals-free unpickler, or for a sharded step DCP into whole tensors, as its metadata says.
     """
     for found in _valid_with_warnings(checkpoint_dir):
         try:
@@ -334,7 +334,7 @@ def newest_valid_checkpoint(checkpoint_dir: Path) -> CheckpointInfo | None:
 
 
 def read_whole_state(info: CheckpointInfo) -> Any:
-    """The state of a non-sharded step (torch or pickle format), on the CPU."""
+    """The whole state of a step, on the CPU (of a sharded one: each tensor whole, in this process)."""
     return _read_state(info.path / STATE_FILE, info.format)
 
 
@@ -440,12 +440,11 @@ def _read_state(path: Path, state_format: str) -> Any:
         with open(path, "rb") as handle:
             return _GlobalsFreeUnpickler(handle, path).load()
     if state_format == DCP_FORMAT:
-        raise ValueError(
-            f"checkpoint {path.parent} is sharded (format {DCP_FORMAT}): each rank loads its own shard"
-            " into tensors it already has; fix: call ctx.load_latest_checkpoint(into=state_dict) on"
-            " every rank, state_dict holding tensors of the saved shapes (e.g. {'model':"
-            " model.state_dict(), ...})"
-        )
+        if _import_torch() is None:
+            raise RuntimeError(f"checkpoint {path.parent} is sharded (DCP), which needs torch to load")
+        from tunepod.runtime import sharded  # imports torch.distributed.checkpoint
+
+        return sharded.read_whole_state(path.parent)
     if state_format == TORCH_FORMAT:
         torch = _import_torch()
         if torch is None:

@@ -135,10 +135,11 @@ class TrainingContext:
     def load_latest_checkpoint(self, *, into: dict[str, Any] | None = None) -> checkpoints.Checkpoint | None:
         """The newest valid checkpoint (state on the CPU), or ``None`` for a fresh start. Every rank.
 
-        ``into`` (needed for sharded steps; a collective): the state dict to load into, holding
+        ``into`` (a collective; how a sharded step resumes): the state dict to load into, holding
         tensors of the saved shapes and shardings (DTensors may be sharded over another number of
         ranks than at the save); each rank reads only its part, and the returned ``state`` is
         ``into``. A non-sharded step still comes back whole in ``state``, ``into`` untouched.
+        Without ``into`` a sharded step comes back whole in this process, each tensor on the CPU.
         """
         if into is None:
             loaded = checkpoints.load_latest_checkpoint(self.checkpoint_dir)

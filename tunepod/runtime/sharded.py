@@ -25,8 +25,10 @@ collectives in the background never interleave with the training loop's on the d
 from __future__ import annotations
 
 import io
+import itertools
 import pickle
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -37,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse, async_save
@@ -223,6 +225,44 @@ class ShardedCheckpointer:
         dist.broadcast(picked, src=0, group=self._checkpoint_group())
         value = int(picked.item())
         return None if value < 0 else value
+
+
+def read_whole_state(folder: Path) -> dict[str, Any]:
+    """The whole state of sharded step ``folder`` in this process alone, each tensor whole and on the
+    CPU (a DTensor comes back as a plain tensor): for an evaluation or export that has no model built
+    yet (its config is in the state). Needs memory for all of it; a resume loads ``into`` instead."""
+    metadata = _SafeReader(folder).read_metadata()
+    flat: dict[str, Any] = {
+        fqn: torch.empty(item.size, dtype=item.properties.dtype)
+        if isinstance(item, TensorStorageMetadata)
+        else None
+        for fqn, item in metadata.state_dict_metadata.items()
+    }
+    with warnings.catch_warnings():  # no_dist is the point here, not a fallback worth a warning
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp_load(flat, storage_reader=_SafeReader(folder), planner=_SafeLoadPlanner(), no_dist=True)
+    return _nested(flat, metadata.planner_data or {})
+
+
+def _nested(flat: dict[str, Any], paths: Mapping[str, Any]) -> dict[str, Any]:
+    """``flat`` (DCP's dotted keys) put back in the nesting it was saved with: ``paths`` maps each key
+    to its path of dict keys (str) and list indices (int), as DCP's metadata records them."""
+    root: dict[str, Any] = {}
+    for fqn, value in flat.items():
+        path = tuple(paths.get(fqn, (fqn,)))
+        node: Any = root
+        for key, next_key in itertools.pairwise(path):
+            empty: Any = [] if isinstance(next_key, int) else {}
+            if isinstance(node, list):
+                node.extend([None] * (key + 1 - len(node)))
+                node[key] = empty if node[key] is None else node[key]
+            else:
+                node.setdefault(key, empty)
+            node = node[key]
+        if isinstance(node, list):
+            node.extend([None] * (path[-1] + 1 - len(node)))
+        node[path[-1]] = value
+    return root
 
 
 def async_mode_of(async_save: bool | str) -> str | None:
