@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import contextlib
+import subprocess
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -238,8 +239,6 @@ def trial_effects(study: ChaosStudy) -> dict[int, str]:
 
 def slurm_jobs_under(root: Path) -> list[str]:
     """``<id> <state> <script>`` of the Slurm jobs in the queue whose batch script is under ``root``."""
-    import subprocess
-
     try:
         listed = subprocess.run(
             ["squeue", "-h", "-o", "%i %T %o"], capture_output=True, text=True, timeout=30, check=False
