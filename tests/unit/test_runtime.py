@@ -442,6 +442,19 @@ def test_state_is_loaded_with_weights_only(tmp_path: Path) -> None:
         context(tmp_path).load_latest_checkpoint()
 
 
+def one_process(tmp_path: Path) -> runtime.TrainingContext:
+    """A job of one process: sharded saves need torch.distributed only with more."""
+    return runtime.init(environ=job_env(tmp_path))
+
+
+def test_a_sharded_save_of_many_processes_needs_torch_distributed(tmp_path: Path) -> None:
+    with pytest.raises(
+        RuntimeError, match=r"job of 2 processes needs torch.distributed: fix: call .*init_process_group"
+    ):
+        context(tmp_path).save_checkpoint({"w": torch.zeros(2)}, step=0, sharded=True)
+    assert not (tmp_path / "checkpoints").exists()
+
+
 def write_metadata(folder: Path, step: int, state_format: str) -> None:
     """The metadata.json a writer of the shared folder can forge for ``folder/state.pt``."""
     data = (folder / "state.pt").read_bytes()
@@ -451,7 +464,7 @@ def write_metadata(folder: Path, step: int, state_format: str) -> None:
 
 @pytest.mark.parametrize("sharded", [False, True])
 def test_a_state_the_loader_would_refuse_is_refused_at_save(tmp_path: Path, sharded: bool) -> None:
-    ctx = context(tmp_path)
+    ctx = one_process(tmp_path)
     ctx.save_checkpoint({"w": torch.zeros(2)}, step=0, sharded=sharded)
     rng = np.random.default_rng(0)
     state = {"w": torch.ones(2), "numpy_rng": np.random.get_state(), "bit_generator": rng.bit_generator}
@@ -507,7 +520,7 @@ def test_a_crafted_pickle_checkpoint_runs_no_code_on_load(tmp_path: Path) -> Non
 
 def test_a_crafted_sharded_checkpoint_runs_no_code_on_load(tmp_path: Path) -> None:
     # DCP's own reader unpickles .metadata as it comes; a forged one must not run.
-    ctx = context(tmp_path)
+    ctx = one_process(tmp_path)
     folder = ctx.save_checkpoint({"w": torch.zeros(2)}, step=4, sharded=True)
     assert folder is not None
     marker = tmp_path / "code-ran"
@@ -525,7 +538,7 @@ def test_a_crafted_sharded_checkpoint_runs_no_code_on_load(tmp_path: Path) -> No
 
 def test_a_sharded_step_loads_whole_without_a_state_dict(tmp_path: Path) -> None:
     # An evaluation builds its model from the config in the state, so it cannot hand a template.
-    ctx = context(tmp_path)
+    ctx = one_process(tmp_path)
     state = {
         "model": {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(2)},
         "optimizer": {

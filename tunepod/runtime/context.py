@@ -152,7 +152,7 @@ class TrainingContext:
         if self._sharded is None:
             from tunepod.runtime.sharded import ShardedCheckpointer  # imports torch
 
-            self._sharded = ShardedCheckpointer(self.checkpoint_dir, self.keep_checkpoints)
+            self._sharded = ShardedCheckpointer(self.checkpoint_dir, self.keep_checkpoints, self.world_size)
         return self._sharded
 
     def finish(self, **values: float) -> None:

@@ -85,15 +85,23 @@ class ShardedCheckpointer:
     """Saves and loads sharded steps under ``checkpoint_dir``; one per process, used from the thread
     that runs the training loop. Every method is a collective: call it on every rank alike."""
 
-    def __init__(self, checkpoint_dir: Path, keep: int) -> None:
+    def __init__(self, checkpoint_dir: Path, keep: int, world_size: int = 1) -> None:
         self.checkpoint_dir = checkpoint_dir
         self.keep = keep
+        self.world_size = world_size
+        """The job's number of processes (its contract's ``WORLD_SIZE``)."""
         self._group: dist.ProcessGroup | None = None
         self._pending: _PendingSave | None = None
 
     def save(self, state: dict[str, Any], step: int, async_mode: str | None) -> Path:
         """Write ``state`` as step ``step`` (async: in the background, committed later); return the
         step folder (for an async save, where the next save, ``wait`` or ``finish`` will put it)."""
+        if self.world_size > 1 and not self._distributed():
+            # Each process would write a world of one into the same folder, over the others' files.
+            raise RuntimeError(
+                f"a sharded save in a job of {self.world_size} processes needs torch.distributed:"
+                " fix: call torch.distributed.init_process_group() on every rank before saving"
+            )
         self.wait()  # one save in flight at most, committed in order
         self._on_every_rank("save this state", lambda: refuse_unloadable_values(state))
         started = time.monotonic()
