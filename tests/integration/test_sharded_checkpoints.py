@@ -1,6 +1,7 @@
-"""Sharded checkpoints for real: gloo CPU processes save with torch.distributed.checkpoint through
-``ctx.save_checkpoint(..., sharded=True)``, synchronously and asynchronously, load on another number
-of ranks, and are SIGKILLed while an async save is in flight. The ranks are forked (torch is imported
+"""Sharded checkpoints for real: gloo CPU processes save a DTensor, a replicated tensor, plain values
+and an FSDP2 model with its optimizer through ``ctx.save_checkpoint(..., sharded=True)``,
+synchronously and asynchronously (while a training step changes the state), load on another number
+of ranks (2 -> 4, 2 -> 1), and are SIGKILLed while an async save is in flight. The ranks are forked (torch is imported
 once, in the parent; see test_device_mesh.py) and meet through a FileStore, so no port is needed."""
 
 from __future__ import annotations
@@ -57,6 +58,38 @@ def _sharded_state(world: int, step: int) -> dict[str, Any]:
     return {"model": {"w": weights, "b": bias}, "step": step, "config": {"dim": 3, "names": ["a"]}}
 
 
+def _fsdp(world: int) -> tuple[Any, Any]:
+    """A tiny model under FSDP2 (``fully_shard`` over every rank) and its optimizer."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+
+def _train_step(model: Any, optimizer: Any) -> None:
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _fsdp_state(model: Any, optimizer: Any) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    weights, moments = get_state_dict(model, optimizer)
+    return {"model": weights, "optimizer": moments}
+
+
+def _full_weights(model: Any) -> list[Any]:
+    """Every parameter whole (a collective), as lists."""
+    return [parameter.full_tensor().tolist() for parameter in model.parameters()]
+
+
 def _save_and_train(rank: int, world: int, tmp: Path) -> None:
     """Step 1 synchronous; step 2 async while a training step changes the state; step 3 async,
     committed by finish. Each rank writes what it saw to ``rank-N.json``."""
@@ -67,12 +100,17 @@ def _save_and_train(rank: int, world: int, tmp: Path) -> None:
     seen: dict[str, Any] = {"refused": _error_of(lambda: ctx.save_checkpoint(refused, 1, sharded=True))}
     first = ctx.save_checkpoint(state, 1, sharded=True)
     seen["first_committed"] = first is not None and first.exists()
-    state["step"] = 2
+    model, optimizer = _fsdp(world)
+    _train_step(model, optimizer)
+    state["step"], state["fsdp"] = 2, _fsdp_state(model, optimizer)
+    seen["fsdp_weights_at_step2"] = _full_weights(model)
     ctx.save_checkpoint(state, 2, sharded=True, async_save=True)
-    state["model"]["b"].add_(100.0)  # the next training step, while step 2 is written
+    # The next training step, while step 2 is written: it changes the saved tensors in place.
+    state["model"]["b"].add_(100.0)
     state["model"]["w"].to_local().add_(100.0)
+    _train_step(model, optimizer)
     seen["step2_before_next_save"] = (tmp / "checkpoints" / "step-000002").exists()
-    state["step"] = 3
+    state["step"], state["fsdp"] = 3, _fsdp_state(model, optimizer)
     ctx.save_checkpoint(state, 3, sharded=True, async_save=True)  # commits 2, writes 3
     seen["step2_after_next_save"] = (tmp / "checkpoints" / "step-000002").exists()
     ctx.report(3, loss=1.0)
@@ -91,9 +129,16 @@ def _error_of(action: Any) -> str:
 def _load_resharded_then_die(rank: int, world: int, tmp: Path) -> None:
     """Load the newest step sharded over ``world`` ranks, then die (SIGKILL) while an async save of
     step 4 is in flight."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
     ctx = _context(rank, world, tmp)
     into = _sharded_state(world, step=0)
+    model, optimizer = _fsdp(world)
+    into["fsdp"] = _fsdp_state(model, optimizer)
     loaded = ctx.load_latest_checkpoint(into=into)
+    set_state_dict(
+        model, optimizer, model_state_dict=into["fsdp"]["model"], optim_state_dict=into["fsdp"]["optimizer"]
+    )
     rows = ROWS // world
     expected = FULL[rank * rows : (rank + 1) * rows]  # step 2's, staged before the training step
     seen = {
@@ -101,7 +146,9 @@ def _load_resharded_then_die(rank: int, world: int, tmp: Path) -> None:
         "shard_matches": bool(torch.equal(into["model"]["w"].to_local(), expected)),
         "bias": into["model"]["b"].tolist(),
         "plain": [into["step"], into["config"]],
+        "fsdp_weights": _full_weights(model),
     }
+    _train_step(model, optimizer)  # the loaded optimizer state is usable
     (tmp / f"rank-{rank}.json").write_text(json.dumps(seen))
     ctx.save_checkpoint(into, 4, sharded=True, async_save=True)
     os.kill(os.getpid(), signal.SIGKILL)
@@ -128,8 +175,9 @@ def test_sharded_async_saves_commit_in_order_and_reshard_on_load(tmp_path: Path)
     refusals = [seen["refused"] for seen in seen_by(tmp_path, 2)]
     assert refusals[0].startswith("RuntimeError: another rank could not save this state")
     assert refusals[1].startswith("CheckpointStateError: the checkpoint state holds")
+    step2_weights = seen_by(tmp_path, 2)[0]["fsdp_weights_at_step2"]
     for seen in seen_by(tmp_path, 2):
-        del seen["refused"]
+        del seen["refused"], seen["fsdp_weights_at_step2"]
         assert seen == {
             "first_committed": True,
             "step2_before_next_save": False,
@@ -166,6 +214,7 @@ def test_sharded_async_saves_commit_in_order_and_reshard_on_load(tmp_path: Path)
     # while step 4 is written: step 2 still loads.
     assert run_ranks(_load_resharded_then_die, 4, tmp_path) == [-signal.SIGKILL] * 4
     for seen in seen_by(tmp_path, 4):
+        assert seen.pop("fsdp_weights") == step2_weights  # FSDP2 over 2 ranks, resumed over 4
         assert seen == {
             "step": 2,
             "shard_matches": True,
