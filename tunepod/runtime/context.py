@@ -15,10 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 from tunepod.runtime import checkpoints, metrics
 from tunepod.runtime.contract import Contract, Source, read_contract
+from tunepod.runtime.parallel import Parallelism, device_mesh
 from tunepod.runtime.progress import Heartbeat, heartbeat_interval_s, progress_dir, progress_log_s
 from tunepod.runtime.stopping import StopRequest
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from tunepod.runtime.sharded import ShardedCheckpointer
 
 
@@ -42,6 +45,7 @@ class TrainingContext:
         self.rank: int = contract.rank
         self.local_rank: int = contract.local_rank
         self.world_size: int = contract.world_size
+        self.parallelism: Parallelism = contract.parallelism
         self.mlflow_tracking_uri: str | None = contract.mlflow_tracking_uri
         self.mlflow_run_id: str | None = contract.mlflow_run_id
         self._last_reported_step: int | None = None
@@ -60,6 +64,12 @@ class TrainingContext:
             f" rank={self.rank}/{self.world_size}, data_dir='{self.data_dir}',"
             f" checkpoint_dir='{self.checkpoint_dir}')"
         )
+
+    def device_mesh(self, device_type: str = "cpu") -> DeviceMesh:
+        """Every rank: the ``DeviceMesh`` of ``self.parallelism``, dims ``pp``, ``dp``, ``tp`` (size-1
+        ones kept; hybrid sharding adds ``dp_replicate`` and ``dp_shard``). See
+        ``tunepod.runtime.parallel.device_mesh``."""
+        return device_mesh(self.parallelism, device_type)
 
     def report(self, step: int, **values: float) -> None:
         """Rank 0: append ``{"step", "metrics", "time"}`` to the metrics file, flushed and fsynced.
