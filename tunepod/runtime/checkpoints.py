@@ -34,6 +34,7 @@ refuses every global, and a state that such a loader would refuse is refused at 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -117,12 +118,8 @@ def save_checkpoint(checkpoint_dir: Path, state: Any, step: int, keep: int) -> P
         _remove_hidden_folders(checkpoint_dir)
         temp = checkpoint_dir / f"{_TEMP_PREFIX}{step:06d}-{os.getpid()}-{secrets.token_hex(4)}"
         temp.mkdir()
-        try:
+        with _committed_as(temp, final):
             _write_step_folder(temp, state, step)
-            _move_into_place(temp, final)
-        except BaseException:
-            shutil.rmtree(temp, ignore_errors=True)
-            raise
     prune_checkpoints(checkpoint_dir, keep)
     return final
 
@@ -165,23 +162,18 @@ def commit_sharded_save(
     return the step folder. On failure the hidden folder goes and the earlier steps stay as they were."""
     temp = sharded_temp_folder(checkpoint_dir, step)
     final = checkpoint_dir / step_folder_name(step)
-    with disk_full_explained(final, disk_full_fix(keep)):
-        try:
-            listing = json.dumps(files, sort_keys=True).encode("utf-8")
-            metadata = {
-                "step": step,
-                "sha256": hashlib.sha256(listing).hexdigest(),
-                "size": sum(f["size"] for f in files.values()),
-                "format": DCP_FORMAT,
-                "files": files,
-                "time": time.time(),
-                "save_seconds": round(save_seconds, 6),
-            }
-            _write_metadata(temp, metadata)
-            _move_into_place(temp, final)
-        except BaseException:
-            shutil.rmtree(temp, ignore_errors=True)
-            raise
+    with disk_full_explained(final, disk_full_fix(keep)), _committed_as(temp, final):
+        listing = json.dumps(files, sort_keys=True).encode("utf-8")
+        metadata = {
+            "step": step,
+            "sha256": hashlib.sha256(listing).hexdigest(),
+            "size": sum(f["size"] for f in files.values()),
+            "format": DCP_FORMAT,
+            "files": files,
+            "time": time.time(),
+            "save_seconds": round(save_seconds, 6),
+        }
+        _write_metadata(temp, metadata)
     prune_checkpoints(checkpoint_dir, keep)
     return final
 
@@ -265,6 +257,18 @@ def _pickle_globals(path: Path) -> list[str]:
             elif opcode.name.startswith("EXT"):
                 names.append(f"copyreg extension {arg}")
     return names
+
+
+@contextlib.contextmanager
+def _committed_as(temp: Path, final: Path) -> Iterator[None]:
+    """The block fills the hidden folder ``temp``; then it becomes ``final``. On any failure (a full
+    disk, an interrupt) ``temp`` goes and the earlier steps stay as they were."""
+    try:
+        yield
+        _move_into_place(temp, final)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
 
 
 def _move_into_place(temp: Path, final: Path) -> None:
