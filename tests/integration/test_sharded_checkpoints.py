@@ -1,8 +1,9 @@
 """Sharded checkpoints for real: gloo CPU processes save a DTensor, a replicated tensor, plain values
 and an FSDP2 model with its optimizer through ``ctx.save_checkpoint(..., sharded=True)``,
 synchronously and asynchronously (while a training step changes the state), load on another number
-of ranks (2 -> 4, 2 -> 1), and are SIGKILLed while an async save is in flight. The ranks are forked (torch is imported
-once, in the parent; see test_device_mesh.py) and meet through a FileStore, so no port is needed."""
+of ranks (2 -> 4, 2 -> 1), and are SIGKILLed while an async save is in flight. The ranks are forked
+(torch is imported once, in the parent; see test_device_mesh.py) and meet through a FileStore, so no
+port is needed."""
 
 from __future__ import annotations
 
