@@ -184,9 +184,10 @@ class JobDriver:
                 Outcome.TIMED_OUT, None, handle, failure_message(what, handle, state, kind=kind)
             )
         # Someone's cancel on the backend (CANCELLED) was meant; any other stop the script saved on was not.
-        asked_at = self._watchdog.stop_requested_at()
-        if reason is None and state is not JobState.CANCELLED and asked_at is not None:
-            return self._settle_stopped(handle, state, asked_at)
+        if reason is None and state is not JobState.CANCELLED:
+            asked_at = self._watchdog.stop_requested_at()
+            if asked_at is not None:
+                return self._settle_stopped(handle, state, asked_at)
         if state is JobState.SUCCEEDED:
             return DriveResult(Outcome.COMPLETED, None, handle)
         if state is JobState.FAILED and reason is None and self._may_restart(handle, "failed"):
