@@ -2,7 +2,8 @@
 
 The heartbeat tests run the real thread; the watchdog tests write heartbeat files as a job's ranks
 would and ask at a chosen ``now``, so no test sleeps for a timeout. The hang itself, for real, is in
-``tests/e2e/test_faults.py``.
+``tests/e2e/test_faults.py``. The telemetry tests (``step_done``) time real loops and a real
+process's peak memory, asserting only lower bounds that a sleep guarantees.
 """
 
 from __future__ import annotations
@@ -23,7 +24,23 @@ from tunepod import runtime
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.watchdog import Limits, RunningSince, Watchdog
 from tunepod.runtime.contract import CHECKPOINT_DIR_ENV, METRICS_FILE_ENV, RANK_ENV
-from tunepod.runtime.progress import HEARTBEAT_S_ENV, Heartbeat, RankProgress, read_progress
+from tunepod.runtime.progress import (
+    HEARTBEAT_S_ENV,
+    Heartbeat,
+    RankProgress,
+    StepMeter,
+    StepTelemetry,
+    peak_memory,
+    read_progress,
+)
+
+
+def torch_cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
 
 
 def wait_until(condition: Callable[[], object], what: str, limit_s: float = 10.0) -> None:
@@ -204,3 +221,124 @@ def test_progress_lines_for_a_log_watching_backend_stop_when_the_loop_does(
     time.sleep(0.3)  # no advance: nothing more to say, and the operator's recurring rule sees silence
     beat.finish()
     assert capsys.readouterr().out == ""
+
+
+# ---------------------------------------------------------------------------------------------- telemetry
+
+
+def test_step_done_times_the_steps_of_a_window_and_counts_their_samples_and_tokens() -> None:
+    """A real loop: each step sleeps 10 ms, so each measured step lasts at least that (the only
+    bound on time asserted); the rates are the window's counts over the window's seconds."""
+    meter = StepMeter()
+    assert meter.window() is None
+    for step in range(5):
+        time.sleep(0.01)
+        meter.step_done(step, samples=4, tokens=32)  # the first call starts the clock
+    first = meter.window()
+    assert first is not None
+    assert (first.step, first.steps) == (4, 4)
+    assert first.step_time_s >= 0.01
+    assert first.samples_per_s is not None and first.samples_per_s == pytest.approx(4 / first.step_time_s)
+    assert first.tokens_per_s == pytest.approx(8 * first.samples_per_s)
+    assert first.memory == "rss" and first.peak_memory_bytes is not None and first.peak_memory_bytes > 0
+    assert first.measured_at <= time.time()
+
+    again = meter.window()  # no step ended since: the last window's figures
+    assert again is not None and (again.step, again.steps, again.step_time_s) == (4, 4, first.step_time_s)
+
+    for step in range(5, 7):
+        time.sleep(0.02)
+        meter.step_done(step)  # no counts: only the step time
+    second = meter.window()
+    assert second is not None and (second.step, second.steps) == (6, 2)
+    assert second.step_time_s >= 0.02
+    # Counted before, none passed since: 0 per second over this window, not the last window's rate.
+    assert second.samples_per_s == 0.0 and second.tokens_per_s == 0.0
+    assert second.measured_at > first.measured_at
+
+
+def test_a_loop_that_never_counts_has_no_rates_and_a_bad_count_names_itself() -> None:
+    meter = StepMeter()
+    meter.step_done(0)
+    meter.step_done(1)
+    measured = meter.window()
+    assert measured is not None and measured.samples_per_s is None and measured.tokens_per_s is None
+    for bad in (-1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="tokens="):
+            meter.step_done(2, tokens=bad)
+
+
+PEAK_SCRIPT = """
+import json, sys, time
+from tunepod import runtime
+
+ctx = runtime.init({})
+progress = ctx.metrics_file.parent / "progress"
+
+def peak_after(step):
+    ctx.step_done(step, samples=1)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        beats = runtime.read_progress(progress)
+        if beats and beats[0].telemetry is not None and beats[0].telemetry.step == step:
+            return beats[0].telemetry.peak_memory_bytes, beats[0].telemetry.memory
+        time.sleep(0.01)
+    sys.exit(f"no telemetry of step {step} within 30 s")
+
+ctx.step_done(0, samples=1)
+before = peak_after(1)
+held = b"x" * (256 * 1024 * 1024)  # filled, so every page is resident
+after = peak_after(2)
+ctx.finish(done=1.0)
+print(json.dumps({"before": before, "after": after}))
+"""
+
+
+def test_a_ranks_peak_rss_in_its_heartbeat_grows_after_it_allocates(tmp_path: Path) -> None:
+    """A real process in a job: its heartbeat file's peak memory (RSS, without CUDA) before and after
+    it allocates and fills 256 MiB."""
+    script = tmp_path / "peak.py"
+    script.write_text(PEAK_SCRIPT)
+    env = {**os.environ, METRICS_FILE_ENV: str(tmp_path / "metrics.jsonl"), HEARTBEAT_S_ENV: "0.05"}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    peaks = json.loads(done.stdout)
+    (before, kind_before), (after, kind_after) = peaks["before"], peaks["after"]
+    assert kind_before == kind_after == "rss"
+    assert after - before >= 256 * 1024 * 1024 * 0.9
+
+
+@pytest.mark.skipif(not torch_cuda_available(), reason="no CUDA device: the CUDA peak is read where one is")
+def test_with_cuda_in_use_the_peak_is_cudas_peak_allocation() -> None:
+    import torch
+
+    held = torch.empty(64 * 1024 * 1024, dtype=torch.uint8, device="cuda")
+    peak, kind = peak_memory()
+    assert kind == "cuda"
+    assert peak is not None and peak >= held.numel() and peak == torch.cuda.max_memory_allocated()
+
+
+def test_a_heartbeat_without_telemetry_writes_no_key_and_unknown_keys_are_read_past(tmp_path: Path) -> None:
+    """Files of scripts that never call step_done stay as they were; a newer runtime's extra keys do
+    not make an orchestrator lose a rank's heartbeat (it would look hung)."""
+    beat = Heartbeat(tmp_path, rank=0, interval_s=3600).start()
+    beat.finish()
+    raw = json.loads((tmp_path / "rank-0.json").read_text())
+    assert "telemetry" not in raw
+    raw["from_a_newer_runtime"] = 1
+    raw["telemetry"] = {**asdict(StepTelemetry(3, 2, 0.5, 8.0, None, 1024, "rss", 100.0)), "newer": True}
+    (tmp_path / "rank-0.json").write_text(json.dumps(raw))
+    [read] = read_progress(tmp_path)
+    assert read.telemetry == StepTelemetry(3, 2, 0.5, 8.0, None, 1024, "rss", 100.0)
+
+
+def test_ctx_step_done_in_a_job_publishes_every_ranks_telemetry_with_its_heartbeat(tmp_path: Path) -> None:
+    env = {METRICS_FILE_ENV: str(tmp_path / "metrics.jsonl"), RANK_ENV: "1", HEARTBEAT_S_ENV: "0.05"}
+    ctx = runtime.init({}, environ=env)
+    for step in range(3):
+        ctx.step_done(step, samples=2, tokens=10)
+    ctx.finish()  # the last beat carries the last window
+    [beat] = read_progress(tmp_path / "progress")
+    assert beat.rank == 1 and beat.step == 2 and beat.telemetry is not None
+    assert (beat.telemetry.step, beat.telemetry.steps) == (2, 2)
+    assert beat.telemetry.tokens_per_s == pytest.approx(5 * (beat.telemetry.samples_per_s or 0))

@@ -10,15 +10,18 @@ training image::
     checkpoint = ctx.load_latest_checkpoint()        # resume after a kill, a requeue, an auto-resume
     start = checkpoint.step + 1 if checkpoint else 0
     for epoch in range(start, ctx.params["epochs"]):
-        ...
+        for batch in loader:
+            ...
+            ctx.step_done(step, samples=len(batch))  # every rank: times the step (per-rank telemetry)
         ctx.report(epoch, val_accuracy=accuracy)     # rank 0: one line of the metrics file
         ctx.save_checkpoint(state, epoch)            # rank 0: atomic step folder, keeps the last K
         if ctx.should_stop():                        # SIGTERM: preempted, requeued, pruned, time limit
             return                                   # (saved above); the job resumes from it
     ctx.finish(val_accuracy=accuracy)                # rank 0: the result file, atomically
 
-The orchestrator side reads what the job wrote with ``read_reports``, ``read_result`` and
-``latest_checkpoint``. The environment variables are the ``*_ENV`` constants below.
+The orchestrator side reads what the job wrote with ``read_reports``, ``read_result``,
+``latest_checkpoint`` and ``read_progress`` (heartbeats and per-rank telemetry). The environment
+variables are the ``*_ENV`` constants below.
 """
 
 from tunepod.runtime.checkpoints import Checkpoint, CheckpointInfo, latest_checkpoint, valid_checkpoints
@@ -41,6 +44,7 @@ from tunepod.runtime.contract import (
 )
 from tunepod.runtime.metrics import Report, ReportTail, Result, read_reports, read_result
 from tunepod.runtime.parallel import Parallelism, device_mesh
+from tunepod.runtime.progress import RankProgress, StepTelemetry, read_progress
 
 __all__ = [
     "CHECKPOINT_DIR_ENV",
@@ -60,13 +64,16 @@ __all__ = [
     "Checkpoint",
     "CheckpointInfo",
     "Parallelism",
+    "RankProgress",
     "Report",
     "ReportTail",
     "Result",
+    "StepTelemetry",
     "TrainingContext",
     "device_mesh",
     "init",
     "latest_checkpoint",
+    "read_progress",
     "read_reports",
     "read_result",
     "valid_checkpoints",

@@ -96,6 +96,19 @@ class TrainingContext:
         if self._heartbeat is not None:
             self._heartbeat.advance(step)
 
+    def step_done(self, step: int, *, samples: float | None = None, tokens: float | None = None) -> None:
+        """Every rank: one training step (an optimizer step) ended; ``samples`` and ``tokens``: how
+        many this rank processed in it. A ``heartbeat(step)`` that also times the step.
+
+        Each rank measures the wall time from one call to the next, samples and tokens per second,
+        and its peak memory (CUDA's peak allocation when it uses CUDA, else its peak RSS), over the
+        steps between two heartbeat writes, into its heartbeat file; the orchestrator exports them to
+        Prometheus per rank and logs them to the trial's MLflow run (``rank<N>/step_time_s``, ...).
+        Cheap (two clock reads, no I/O): call it after every step. Outside a job: no-op.
+        """
+        if self._heartbeat is not None:
+            self._heartbeat.step_done(step, samples, tokens)
+
     def should_stop(self) -> bool:
         """Whether the job is being stopped (SIGTERM: preempted, requeued, pruned, at its time limit):
         save a checkpoint now and return from the script; the job resumes from it when it runs again.

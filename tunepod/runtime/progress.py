@@ -7,6 +7,12 @@ called ``report``, ``save_checkpoint``, ``load_latest_checkpoint`` or ``heartbea
 a collective, or on a hung mount, stops advancing while its thread keeps beating; a killed or frozen
 process stops beating too. Times are the job host's wall clock (``time.time()``), so an orchestrator
 that restarts, or runs on another host, reads the same history.
+
+The same file carries the rank's speed (``telemetry``), once its loop calls ``ctx.step_done``: the mean
+wall-clock time per step, samples and tokens per second over the steps that ended since the previous
+write, and the process's peak memory (CUDA's peak allocation when the process uses CUDA, its peak RSS
+otherwise). ``step_done`` only adds to counters in memory; the thread that writes the heartbeat anyway
+turns them into the window's figures, so measuring costs no extra write.
 """
 
 from __future__ import annotations
@@ -14,13 +20,16 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import math
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from tunepod.runtime.files import write_bytes_atomic
 
@@ -31,6 +40,30 @@ start and then at most this often while the loop advances. Unset: print nothing.
 PROGRESS_LOG_PREFIX = "tunepod progress:"
 DEFAULT_HEARTBEAT_S = 10.0
 PROGRESS_DIR_NAME = "progress"
+
+
+@dataclass(frozen=True)
+class StepTelemetry:
+    """One rank's speed over its last window of steps (the steps that ended between two heartbeat
+    writes; when none did, the previous window's figures), and its peak memory when written."""
+
+    step: int
+    """The last step of the window (as the loop named it in ``step_done``)."""
+    steps: int
+    """Steps measured in the window."""
+    step_time_s: float
+    """Mean wall-clock seconds from one ``step_done`` to the next, over the window."""
+    samples_per_s: float | None
+    """Samples over the window's seconds; None when the loop never passed ``samples``."""
+    tokens_per_s: float | None
+    """Tokens over the window's seconds; None when the loop never passed ``tokens``."""
+    peak_memory_bytes: int | None
+    """CUDA's peak allocation (the largest over the devices this process allocated on) when the
+    process uses CUDA, else the process's peak resident set size; None where neither is known."""
+    memory: str | None
+    """What ``peak_memory_bytes`` measures: ``cuda`` or ``rss``."""
+    measured_at: float
+    """Wall-clock time of the window's last step."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +89,9 @@ class RankProgress:
     """The signal that asked this rank to stop (``SIGTERM``), when its script was listening for one
     (``ctx.should_stop()``): a rank that ended after it was stopped, not one that failed."""
     stop_requested_at: float | None = None
+    telemetry: StepTelemetry | None = None
+    """The rank's speed and memory, once its loop called ``ctx.step_done``; None before, and for a
+    script that never calls it (the key is then left out of the file)."""
 
 
 def progress_dir(metrics_file: Path) -> Path:
@@ -85,6 +121,121 @@ def _seconds(environ: Mapping[str, str], name: str) -> float | None:
     return seconds
 
 
+def peak_memory() -> tuple[int | None, str]:
+    """This process's peak memory and what it measures: CUDA's peak allocation (``cuda``) once the
+    process has initialized CUDA, else its peak resident set size (``rss``; None where it cannot be
+    read). torch is looked up, not imported: a script that uses CUDA has imported it."""
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    if cuda is not None and cuda.is_initialized():
+        try:
+            # Allocator statistics live on the host: reading a device this process never used
+            # reads zeros and creates no context on it.
+            return max(cuda.max_memory_allocated(device) for device in range(cuda.device_count())), "cuda"
+        except (RuntimeError, ValueError):
+            pass
+    return peak_rss(), "rss"
+
+
+def peak_rss() -> int | None:
+    """This process's peak resident set size in bytes: Linux's ``VmHWM``, which starts afresh at
+    ``exec`` (``getrusage``'s ``ru_maxrss`` keeps the peak of the process that forked it, such as
+    torchrun's agent with torch loaded), else ``ru_maxrss``; None where neither exists."""
+    try:
+        with open("/proc/self/status", "rb") as status:
+            for line in status:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import resource
+    except ImportError:  # not a Unix
+        return None
+    max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return max_rss * (1 if sys.platform == "darwin" else 1024)  # Linux counts KiB, macOS bytes
+
+
+class _Totals(NamedTuple):
+    """What a rank's loop measured since it started; replaced whole at every step, so the writing
+    thread always reads one consistent set without a lock."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    samples: float = 0.0
+    tokens: float = 0.0
+    has_samples: bool = False
+    has_tokens: bool = False
+    step: int = 0
+    at: float = 0.0
+    """``time.perf_counter()`` of the last step."""
+
+
+class StepMeter:
+    """Wall time, samples and tokens between one ``step_done`` and the next, summed; ``window``
+    turns what accumulated since its last call into a ``StepTelemetry``.
+
+    ``step_done`` is called from the training loop: two clock reads and one tuple, no lock, no I/O.
+    The first call only starts the clock (the time before it is start-up, not a step).
+    """
+
+    def __init__(self) -> None:
+        self._totals: _Totals | None = None
+        self._published = _Totals()
+        self._last: StepTelemetry | None = None
+
+    def step_done(self, step: int, samples: float | None = None, tokens: float | None = None) -> None:
+        now = time.perf_counter()
+        totals = self._totals
+        if samples is not None:
+            samples = _count("samples", samples)
+        if tokens is not None:
+            tokens = _count("tokens", tokens)
+        if totals is None:
+            self._totals = _Totals(step=step, at=now)
+            return
+        # Positional: this runs every step.
+        self._totals = _Totals(
+            totals.steps + 1,
+            totals.seconds + (now - totals.at),
+            totals.samples if samples is None else totals.samples + samples,
+            totals.tokens if tokens is None else totals.tokens + tokens,
+            totals.has_samples or samples is not None,
+            totals.has_tokens or tokens is not None,
+            step,
+            now,
+        )
+
+    def window(self) -> StepTelemetry | None:
+        """The steps that ended since the last call (the previous window's figures when none did),
+        with the peak memory as of now; None until two steps were measured."""
+        totals, published = self._totals, self._published
+        if totals is not None and totals.steps > published.steps and totals.seconds > published.seconds:
+            steps, seconds = totals.steps - published.steps, totals.seconds - published.seconds
+            self._published = totals
+            self._last = StepTelemetry(
+                step=totals.step,
+                steps=steps,
+                step_time_s=seconds / steps,
+                samples_per_s=(totals.samples - published.samples) / seconds if totals.has_samples else None,
+                tokens_per_s=(totals.tokens - published.tokens) / seconds if totals.has_tokens else None,
+                peak_memory_bytes=None,
+                memory=None,
+                measured_at=time.time() - (time.perf_counter() - totals.at),
+            )
+        if self._last is None:
+            return None
+        peak, memory = peak_memory()
+        return replace(self._last, peak_memory_bytes=peak, memory=memory)
+
+
+def _count(name: str, value: float) -> float:
+    number = float(value)
+    if not 0 <= number < math.inf:  # False for NaN too
+        raise ValueError(f"{name}={value!r}: pass the number of {name} in this step (0 or more)")
+    return number
+
+
 class Heartbeat:
     """The beating thread of one rank. ``advance`` is what the training loop calls: two attribute
     writes, cheap enough for every batch."""
@@ -102,6 +253,7 @@ class Heartbeat:
         self._finished = False
         self._stop_signal: str | None = None
         self._stop_requested_at: float | None = None
+        self._meter = StepMeter()
         self._stopped = threading.Event()
         # One write at a time, each built under the lock: the final "finished" beat is always last.
         self._writing = threading.Lock()
@@ -120,6 +272,11 @@ class Heartbeat:
         self._advanced_at = time.time()
         if step is not None:
             self._step = step
+
+    def step_done(self, step: int, samples: float | None = None, tokens: float | None = None) -> None:
+        """One training step ended: an advance, and a step the meter times (see ``StepMeter``)."""
+        self.advance(step)
+        self._meter.step_done(step, samples, tokens)
 
     def stop_requested(self, signal_name: str, at: float) -> None:
         """Called from a signal handler: no lock here (the loop may hold it); the next beat says it."""
@@ -173,9 +330,13 @@ class Heartbeat:
                 finished=self._finished,
                 stop_signal=self._stop_signal,
                 stop_requested_at=self._stop_requested_at,
+                telemetry=self._meter.window(),
             )
+            record = asdict(beat)
+            if beat.telemetry is None:
+                del record["telemetry"]  # a script that never measures writes the file as before
             self._file.parent.mkdir(parents=True, exist_ok=True)
-            write_bytes_atomic(self._file, json.dumps(asdict(beat)).encode())
+            write_bytes_atomic(self._file, json.dumps(record).encode())
 
 
 def read_progress(folder: Path) -> list[RankProgress]:
@@ -184,7 +345,21 @@ def read_progress(folder: Path) -> list[RankProgress]:
     found: list[RankProgress] = []
     for path in sorted(folder.glob("rank-*.json")) if folder.is_dir() else []:
         try:
-            found.append(RankProgress(**json.loads(path.read_bytes())))
-        except (OSError, ValueError, TypeError):
+            found.append(_beat_of(json.loads(path.read_bytes())))
+        except (OSError, ValueError, TypeError, AttributeError):
             continue
     return sorted(found, key=lambda beat: beat.rank)
+
+
+def _beat_of(raw: dict[str, Any]) -> RankProgress:
+    """A beat from its JSON; keys this version does not know (a newer runtime's) are left out."""
+    beat = _known(RankProgress, raw)
+    telemetry = beat.get("telemetry")
+    if telemetry is not None:
+        beat["telemetry"] = StepTelemetry(**_known(StepTelemetry, telemetry))
+    return RankProgress(**beat)
+
+
+def _known(cls: type, raw: dict[str, Any]) -> dict[str, Any]:
+    names = {field.name for field in fields(cls)}
+    return {key: value for key, value in raw.items() if key in names}
