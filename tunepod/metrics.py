@@ -9,12 +9,17 @@ which a push at step end cannot show; pull also needs no extra daemon and leaves
 behind. A pipeline shorter than the scrape interval could end before any scrape, so
 ``metrics.linger_s`` keeps the endpoint up that long after the run ends.
 
-Labels stay low-cardinality: ``pipeline``, ``study``, ``step``, ``state``; never a trial number or a
-run id. The training job never imports prometheus-client: checkpoint save times come from the
+Labels stay low-cardinality: ``pipeline``, ``study``, ``step``, ``state``; never a run id, and a trial
+only on the per-rank gauges (``tunepod_rank_*``: ``trial``, ``rank``), which exist while the trial's job
+runs and are removed when it stops, so their number is bounded by the running jobs' ranks. The
+training job never imports prometheus-client: checkpoint save times come from the
 ``save_seconds`` the runtime writes into each checkpoint's metadata, and job progress from the ranks'
 heartbeat files (``tunepod.runtime.progress``), read here as they appear. Per-job facts are therefore
 reported per step, as the worst job of the step: the oldest progress among its running jobs says
-whether any trial is stuck, which is what an alert needs; the driver's log names the trial.
+whether any trial is stuck, which is what an alert needs; the driver's log names the trial. Speed is
+per rank (``ctx.step_done``'s telemetry in the same files): step time, samples and tokens per second
+and peak memory, so a dashboard sums a trial's throughput over its ranks and shows a rank unlike the
+others.
 
 Thread safety: every object here may be used from any thread (prometheus-client metrics are thread
 safe; the mutable state of ``TrialObserver`` and ``ObservedJob`` sits behind a lock).
@@ -36,7 +41,7 @@ from tunepod.launch.base import JobHandle, JobState
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.submission import CancelReason, read_submission
 from tunepod.runtime.checkpoints import saved_checkpoint, step_folders
-from tunepod.runtime.progress import read_progress
+from tunepod.runtime.progress import RankProgress, read_progress
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -57,6 +62,7 @@ CHECKPOINT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 30
 STAGING_BUCKETS = (0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600)
 
 TRIAL_LABELS = ("pipeline", "study", "step")
+RANK_LABELS = (*TRIAL_LABELS, "trial", "rank")
 
 
 class TunepodMetrics:
@@ -96,6 +102,34 @@ class TunepodMetrics:
             "Unix time the least recently advancing running job of the step last advanced (its slowest "
             "rank's heartbeat). Absent while no job of the step runs with heartbeats.",
             list(TRIAL_LABELS),
+            registry=registry,
+        )
+        self.rank_step_time = Gauge(
+            "tunepod_rank_step_seconds",
+            "Mean wall-clock seconds per training step of one rank of a running trial, over the steps "
+            "between its last two heartbeats (ctx.step_done). Absent once the job stops running.",
+            list(RANK_LABELS),
+            registry=registry,
+        )
+        self.rank_samples = Gauge(
+            "tunepod_rank_samples_per_second",
+            "Samples per second one rank of a running trial processed over the same window (the "
+            "samples it passed to ctx.step_done). Absent when it passes none.",
+            list(RANK_LABELS),
+            registry=registry,
+        )
+        self.rank_tokens = Gauge(
+            "tunepod_rank_tokens_per_second",
+            "Tokens per second one rank of a running trial processed over the same window (the "
+            "tokens it passed to ctx.step_done). Absent when it passes none.",
+            list(RANK_LABELS),
+            registry=registry,
+        )
+        self.rank_peak_memory = Gauge(
+            "tunepod_rank_peak_memory_bytes",
+            "Peak memory of one rank of a running trial: CUDA's peak allocation when it uses CUDA, "
+            "else its peak resident set size.",
+            list(RANK_LABELS),
             registry=registry,
         )
         self.restarts = Counter(
@@ -167,6 +201,7 @@ class TrialObserver:
         self.step = step
         self._first_submit: dict[Path, float] = {}
         self._progress: dict[Path, float] = {}
+        self._rank_series: dict[Path, set[tuple[str, tuple[str, ...]]]] = {}
         # A resumed study's last completion may be days old: the stretch without one starts no
         # earlier than this step did, so the stalled-study alert does not fire at a resume.
         self._started_at = time.time()
@@ -211,6 +246,7 @@ class TrialObserver:
     def finished(self, job_dir: Path, state: str) -> None:
         """The trial whose job dir is ``job_dir`` reached its final ``state`` (COMPLETE/PRUNED/FAIL)."""
         self.progressed(job_dir, None)
+        self.ranks_measured(job_dir, [])
         with self._lock:
             started = self._first_submit.pop(job_dir, None)
         if started is not None:
@@ -231,6 +267,33 @@ class TrialObserver:
             else:
                 gauge.remove(*self.labels())  # a step with nothing running is not stuck
 
+    def ranks_measured(self, job_dir: Path, beats: list[RankProgress]) -> None:
+        """Set the per-rank gauges of the job in ``job_dir`` from its ranks' heartbeats (the ranks
+        that sent telemetry), and remove its series that no beat carries any more; no beats (the
+        job is not running): remove them all."""
+        trial = job_dir.name
+        wanted: dict[tuple[str, tuple[str, ...]], float] = {}
+        for beat in beats:
+            measured = beat.telemetry
+            if measured is None:
+                continue
+            rank_labels = (*self.labels(), trial, str(beat.rank))
+            for gauge, value in (
+                ("rank_step_time", measured.step_time_s),
+                ("rank_samples", measured.samples_per_s),
+                ("rank_tokens", measured.tokens_per_s),
+                ("rank_peak_memory", measured.peak_memory_bytes),
+            ):
+                if value is not None:
+                    wanted[(gauge, rank_labels)] = float(value)
+        with self._lock:
+            for gauge, gone in self._rank_series.pop(job_dir, set()) - wanted.keys():
+                getattr(self.metrics, gauge).remove(*gone)
+            for (gauge, kept), value in wanted.items():
+                getattr(self.metrics, gauge).labels(*kept).set(value)
+            if wanted:
+                self._rank_series[job_dir] = set(wanted)
+
     def _remember_submit(self, job_dir: Path, submitted_at: float) -> None:
         with self._lock:
             self._first_submit.setdefault(job_dir, submitted_at)
@@ -239,7 +302,7 @@ class TrialObserver:
 class ObservedJob:
     """A ``JobHandle`` that reports what its polls see: the queue wait when the job is first seen
     running, the save time of each checkpoint that appeared since the last poll, and, while it runs,
-    when its slowest rank last advanced.
+    when its slowest rank last advanced and each rank's speed and memory.
 
     A re-attached job's queue wait counts only if it is seen pending first (one already running has
     waited for an unknown part of the time since its submission); only checkpoints saved after the
@@ -303,11 +366,13 @@ class ObservedJob:
                 histogram.observe(info.save_seconds)
 
     def _observe_progress(self, state: JobState) -> None:
-        """The oldest advance among the ranks still working (as the watchdog reads them); a queued
-        or ended job, or one whose ranks have not beaten yet (starting up), has none."""
-        working = [] if state is not JobState.RUNNING else read_progress(JobPaths(self.job_dir).progress)
-        advanced = [beat.advanced_at for beat in working if not beat.finished]
+        """The oldest advance among the ranks still working (as the watchdog reads them), and every
+        rank's telemetry; a queued or ended job, or one whose ranks have not beaten yet (starting
+        up), has none."""
+        beats = [] if state is not JobState.RUNNING else read_progress(JobPaths(self.job_dir).progress)
+        advanced = [beat.advanced_at for beat in beats if not beat.finished]
         self._observer.progressed(self.job_dir, min(advanced) if advanced else None)
+        self._observer.ranks_measured(self.job_dir, beats)
 
 
 def _submission_time(job_dir: Path) -> float:

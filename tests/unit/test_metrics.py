@@ -189,6 +189,58 @@ def test_last_progress_is_the_oldest_advance_among_running_jobs_and_absent_when_
         fast.finish()
 
 
+def rank_series(metrics: TunepodMetrics) -> dict[tuple[str, str, str], float]:
+    """Every tunepod_rank_* sample, as {(metric, trial, rank): value}."""
+    return {
+        (sample.name, sample.labels["trial"], sample.labels["rank"]): sample.value
+        for family in metrics.registry.collect()
+        if family.name.startswith("tunepod_rank_")
+        for sample in family.samples
+    }
+
+
+def test_each_running_ranks_telemetry_is_a_gauge_per_rank_removed_when_the_job_ends(
+    metrics: TunepodMetrics, tmp_path: Path
+) -> None:
+    """Real heartbeat threads of two ranks of one trial write their telemetry; each poll of the
+    running job sets one series per rank and figure, and the series go when the job ends."""
+    observer = observer_for(metrics)
+    job_dir = tmp_path / "trial-7"
+    folder = JobPaths(job_dir).progress
+    ranks = [Heartbeat(folder, rank, interval_s=3600).start() for rank in (0, 1)]
+    for step in range(3):
+        ranks[0].step_done(step, samples=4, tokens=40)
+        ranks[1].step_done(step, samples=4)  # counts no tokens: no tokens series
+    untimed = Heartbeat(JobPaths(tmp_path / "trial-8").progress, 0, interval_s=3600).start()
+    running, done = JobState.RUNNING, JobState.SUCCEEDED
+    job = observer.submitted(ScriptedJob(job_dir, [running, running, done]))
+    other = observer.submitted(ScriptedJob(tmp_path / "trial-8", [running]))
+    try:
+        job.state()  # first beats only: no step measured yet
+        assert rank_series(metrics) == {}
+        for beat in ranks:
+            beat.finish()  # the last beat carries the window
+        job.state()
+        other.state()  # a script that never calls step_done: no series
+        beats = {beat.rank: beat.telemetry for beat in read_progress(folder)}
+        assert beats[0] is not None and beats[1] is not None
+        assert rank_series(metrics) == {
+            ("tunepod_rank_step_seconds", "trial-7", "0"): beats[0].step_time_s,
+            ("tunepod_rank_step_seconds", "trial-7", "1"): beats[1].step_time_s,
+            ("tunepod_rank_samples_per_second", "trial-7", "0"): beats[0].samples_per_s,
+            ("tunepod_rank_samples_per_second", "trial-7", "1"): beats[1].samples_per_s,
+            ("tunepod_rank_tokens_per_second", "trial-7", "0"): beats[0].tokens_per_s,
+            ("tunepod_rank_peak_memory_bytes", "trial-7", "0"): beats[0].peak_memory_bytes,
+            ("tunepod_rank_peak_memory_bytes", "trial-7", "1"): beats[1].peak_memory_bytes,
+        }
+        assert sample(metrics, "tunepod_rank_step_seconds", **LABELS, trial="trial-7", rank="0") is not None
+        job.state()  # ended
+        assert rank_series(metrics) == {}
+    finally:
+        for beat in [*ranks, untimed]:
+            beat.finish()
+
+
 def test_restarts_count_the_submissions_whose_record_says_a_later_attempt(
     metrics: TunepodMetrics, tmp_path: Path
 ) -> None:
@@ -302,16 +354,61 @@ def exposed_names(metrics: TunepodMetrics) -> set[str]:
     return {family.name + suffix for family in metrics.registry.collect() for suffix in suffixes[family.type]}
 
 
+# The GPU and node exporters' series the dashboard shows beside tunepod's (NVIDIA's dcgm-exporter
+# default counters, the node exporter's netdev, meminfo and infiniband collectors).
+EXPORTER_METRICS = {
+    "DCGM_FI_DEV_GPU_UTIL",
+    "DCGM_FI_DEV_FB_USED",
+    "DCGM_FI_DEV_POWER_USAGE",
+    "node_network_receive_bytes_total",
+    "node_network_transmit_bytes_total",
+    "node_infiniband_port_data_received_bytes_total",
+    "node_infiniband_port_data_transmitted_bytes_total",
+    "node_memory_MemTotal_bytes",
+    "node_memory_MemAvailable_bytes",
+}
+
+
+PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless"}
+
+
+def series_names(expr: str) -> set[str]:
+    """The series an expression reads: its identifiers once strings, label matchers, ranges and
+    grouping lists are cut out, less functions (followed by a parenthesis) and PromQL's keywords; of
+    a variable's ``label_values(series, label)``, the series."""
+    if expr.startswith("label_values("):
+        return {re.split(r"[{,)]", expr.removeprefix("label_values("))[0].strip()}
+    bare = re.sub(r'"[^"]*"', "", expr)
+    bare = re.sub(r"\{[^}]*\}|\[[^\]]*\]", " ", bare)
+    bare = re.sub(r"\b(by|without|on|ignoring)\s*\([^)]*\)", " ", bare)
+    words = re.findall(r"\b([A-Za-z_:][A-Za-z0-9_:]*)\b(?!\s*\()", bare)
+    return {word for word in words if word not in PROMQL_WORDS}
+
+
+def dashboard_exprs() -> list[str]:
+    """Every query of the dashboard: its panels' (rows have none) and its variables'."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    panels = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
+    variables = [v["query"]["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
+    return panels + variables
+
+
 def test_every_dashboard_expr_uses_a_metric_that_exists(metrics: TunepodMetrics) -> None:
     requests_counter(metrics.registry)  # the webhook receiver's counter is on the dashboard too
     dashboard = json.loads(DASHBOARD.read_text())
-    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    exprs = dashboard_exprs()
     used = {name for expr in exprs for name in re.findall(r"\btunepod_[a-z_]+", expr)}
     names = exposed_names(metrics)
+    series = {name for expr in exprs for name in series_names(expr)}
+    rank_metrics = {name for name in names if name.startswith("tunepod_rank_")}
 
     assert dashboard["uid"] and dashboard["title"] and isinstance(dashboard["schemaVersion"], int)
     assert len({panel["id"] for panel in dashboard["panels"]}) == len(dashboard["panels"])
     assert used - names == set()
+    # Every series an expression reads is tunepod's, an exporter's the dashboard shows, or up.
+    assert series - names - EXPORTER_METRICS - {"up"} == set()
+    assert series >= EXPORTER_METRICS
+    assert len(rank_metrics) == 4 and rank_metrics <= series
     # Each metric has a panel.
     families = {family.name for family in metrics.registry.collect()}
     assert {f for f in families if not any(name.startswith(f) for name in used)} == set()
