@@ -38,6 +38,8 @@ from tunepod.runtime import Report, ReportTail, Result, read_result
 logger = logging.getLogger(__name__)
 
 # Called with the reports that appeared since the last call; returns True to stop the job (pruned).
+# Called with none, too, every TELEMETRY_NUDGE_S while none appear: a job that reports rarely still
+# gets its ranks' telemetry (in their heartbeat files) mirrored by the handler's sync.
 ReportHandler = Callable[[list[Report]], bool]
 # Called with each job handle the driver follows (True when it was just submitted); may wrap it.
 JobObserver = Callable[[JobHandle, bool], JobHandle]
@@ -46,6 +48,8 @@ LOG_TAIL_LINES = 20
 LOG_SCAN_LINES = 400
 # How often a transient outage is logged while it lasts.
 _OUTAGE_LOG_S = 60.0
+# How often the report handler is called without new reports (see ReportHandler).
+TELEMETRY_NUDGE_S = 30.0
 # torchrun's agent prints its own traceback (ending in ChildFailedError) after the worker's; the
 # worker's traceback above it is what the user needs to see.
 TORCHRUN_SUMMARY = re.compile(
@@ -108,6 +112,7 @@ class JobDriver:
         limits = job.limits if launcher.job_writes_job_dir else job.limits.run_time_only()
         self._watchdog = Watchdog(self.paths, limits)
         self._outage_logged_at = -_OUTAGE_LOG_S
+        self._nudged_at = time.monotonic()
 
     def run(self, lease: Lease | None = None) -> DriveResult:
         """Drive the job dir to an outcome, holding ``lease`` (taken here when not given)."""
@@ -279,9 +284,14 @@ class JobDriver:
                 time.sleep(max(self.settings.poll_s, 1.0))
 
     def _feed_reports(self) -> bool:
-        """Hand new reports to the handler; True when it asks to stop the job."""
+        """Hand new reports to the handler (none, every ``TELEMETRY_NUDGE_S`` without any); True when
+        it asks to stop the job."""
         reports = self._reports.read_new()
-        return bool(reports) and self._on_reports is not None and self._on_reports(reports)
+        now = time.monotonic()
+        if not reports and now - self._nudged_at < TELEMETRY_NUDGE_S:
+            return False
+        self._nudged_at = now
+        return self._on_reports is not None and self._on_reports(reports)
 
     def _marker(self, handle: JobHandle) -> CancelMarker | None:
         marker = read_cancel_marker(self.paths)

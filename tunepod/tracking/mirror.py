@@ -8,12 +8,20 @@ orchestrator carries on from there instead of logging anything twice.
 
 The job's reports wait in its metrics file, which the job appends durably: the metrics file IS the
 outbox, and an MLflow outage costs nothing but delay.
+
+The ranks' telemetry (``ctx.step_done``: step time, samples and tokens per second, peak memory, in
+their heartbeat files) is logged as ``rank<N>/<figure>`` metrics at the rank's step, when a sync finds
+figures newer than those it logged, at most every ``TELEMETRY_MIRROR_S`` while the job runs, and the
+last figures once more with the final record. Each point carries the time the rank measured it, so a
+restarted orchestrator that logs the same figures again writes the same point, which MLflow keeps once.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,10 +32,15 @@ from tunepod.launch.paths import JobPaths
 from tunepod.launch.submission import read_submission
 from tunepod.runtime import Report, ReportTail, read_reports
 from tunepod.runtime.files import write_bytes_atomic
+from tunepod.runtime.progress import RankProgress, read_progress
 from tunepod.tracking import tags
 from tunepod.tracking.mlflow_tracker import MlflowTracker, RunStatus
 
 logger = logging.getLogger(__name__)
+
+TELEMETRY_MIRROR_S = 30.0
+"""While a job runs, its ranks' telemetry is logged at most this often (the final record always logs
+the last figures): a point per rank and figure every 30 s, whatever the job's step rate."""
 
 
 class MirrorState(BaseModel):
@@ -108,6 +121,7 @@ class RunMirror:
         run_id: str | None = None,
         tag_prefix: str = tags.PREFIX,
         mirror_reports: bool = True,
+        mirror_telemetry: bool | None = None,
     ) -> None:
         if plan is None and run_id is None:
             raise ValueError("a mirror needs a plan for its run, or the id of an existing run")
@@ -116,6 +130,13 @@ class RunMirror:
         self.plan = plan
         self.tag_prefix = tag_prefix
         self.mirror_reports = mirror_reports
+        # Default: only the run's own job (a trial, a train step); an evaluation writing into its
+        # trial's run must not mix its ranks' figures into the training's.
+        self.mirror_telemetry = (
+            mirror_reports and tag_prefix == tags.PREFIX if mirror_telemetry is None else mirror_telemetry
+        )
+        self._telemetry_logged: dict[int, float] = {}  # rank -> measured_at of its last logged figures
+        self._telemetry_synced_at = -math.inf
         self._state = read_mirror_state(job_dir)
         if run_id is not None and self._state.run_id is None:
             self._state = self._state.model_copy(update={"run_id": run_id})
@@ -164,6 +185,8 @@ class RunMirror:
             self._sync_reports(run_id)
         with self._lock:
             final = self._final
+        if self.mirror_telemetry and not self._state.finalized:
+            self._sync_telemetry(run_id, last=final is not None)
         if final is not None and not self._state.finalized:
             self._finalize(run_id, final)
 
@@ -216,6 +239,26 @@ class RunMirror:
         self._pending = []
         self._save(synced_step=synced)
 
+    def _sync_telemetry(self, run_id: str, *, last: bool) -> None:
+        """Log the ranks' figures that are newer than the logged ones; while the job runs (not
+        ``last``), at most every ``TELEMETRY_MIRROR_S``."""
+        now = time.monotonic()
+        if not last and now - self._telemetry_synced_at < TELEMETRY_MIRROR_S:
+            return
+        fresh = [
+            beat
+            for beat in read_progress(JobPaths(self.job_dir).progress)
+            if beat.telemetry is not None
+            and beat.telemetry.measured_at > self._telemetry_logged.get(beat.rank, -math.inf)
+        ]
+        if not fresh:
+            return
+        self.tracker.log_reports(run_id, [telemetry_report(beat) for beat in fresh])
+        self._telemetry_synced_at = now
+        for beat in fresh:
+            assert beat.telemetry is not None
+            self._telemetry_logged[beat.rank] = beat.telemetry.measured_at
+
     def _finalize(self, run_id: str, final: Final) -> None:
         model_id = self._state.model_id
         if final.model is not None and model_id is None:
@@ -261,3 +304,18 @@ class RunMirror:
         write_bytes_atomic(JobPaths(self.job_dir).tracking, self._state.model_dump_json().encode())
         if self._state.run_id is not None:
             self._run_known.set()
+
+
+def telemetry_report(beat: RankProgress) -> Report:
+    """A rank's telemetry as the points MLflow logs: ``rank<N>/step_time_s``, ``/samples_per_s``,
+    ``/tokens_per_s`` (when the rank counts them) and ``/peak_memory_bytes``, at its step and time."""
+    measured = beat.telemetry
+    assert measured is not None
+    figures = {
+        "step_time_s": measured.step_time_s,
+        "samples_per_s": measured.samples_per_s,
+        "tokens_per_s": measured.tokens_per_s,
+        "peak_memory_bytes": measured.peak_memory_bytes,
+    }
+    metrics = {f"rank{beat.rank}/{key}": float(value) for key, value in figures.items() if value is not None}
+    return Report(step=measured.step, metrics=metrics, time=measured.measured_at)
