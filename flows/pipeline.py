@@ -17,7 +17,7 @@ from prefect.runtime import flow_run
 
 from tasks.steps import run_step, step_retries
 from tunepod.outputs import StepOutput
-from tunepod.pipeline import PipelineRun, PipelineSummary
+from tunepod.pipeline import PipelineRun, PipelineSummary, TrialRow
 
 
 @flow(name="tunepod-pipeline", flow_run_name="{spec_path}", log_prints=True)
@@ -54,18 +54,15 @@ def pipeline(spec_path: str, overrides: list[str] | None = None) -> PipelineSumm
 
 def _publish(summary: PipelineSummary) -> None:
     """The trial table and a link to the MLflow run, as Prefect artifacts on the flow run."""
-    rows = [
-        {
-            "trial": t.number,
-            "outcome": t.outcome,
-            "value": t.value,
-            **{k: str(v) for k, v in t.params.items()},
-        }
-        for t in summary.trials
-    ]
+    objectives = summary.objectives
+    rows = [_trial_row(t, objectives) for t in summary.trials]
     if rows:
+        measured = ", ".join(objectives) or summary.metric
+        create_table_artifact(rows, key="trials", description=f"Trials of {summary.pipeline} ({measured})")
+    front = [row for row in rows if row.get("pareto_front")]
+    if front:
         create_table_artifact(
-            rows, key="trials", description=f"Trials of {summary.pipeline} ({summary.metric})"
+            front, key="pareto-front", description=f"Pareto front of {summary.pipeline} ({measured})"
         )
     create_link_artifact(
         summary.run_url,
@@ -73,6 +70,17 @@ def _publish(summary: PipelineSummary) -> None:
         key="mlflow-run",
         description=f"Open it with: {summary.mlflow_ui_command}",
     )
+
+
+def _trial_row(trial: TrialRow, objectives: list[str]) -> dict[str, object]:
+    """One row of the trial table: every objective's value and the front's mark in a multi-objective
+    study, the objective's value otherwise, then the parameters."""
+    values: dict[str, object] = {"value": trial.value}
+    if objectives:
+        values = {m: trial.values.get(m) for m in objectives}
+        values["pareto_front"] = trial.pareto_front
+    params = {k: str(v) for k, v in trial.params.items()}
+    return {"trial": trial.number, "outcome": trial.outcome, **values, **params}
 
 
 def _announce(summary: PipelineSummary) -> None:

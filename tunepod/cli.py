@@ -153,19 +153,31 @@ def _use_running_stack(home: Path) -> None:
         Console(stderr=True, highlight=False).print(f"using the Prefect server of the local stack: {api}")
 
 
+def _number(value: float | None) -> str:
+    return "" if value is None else f"{value:.4f}"
+
+
 def print_summary(summary: PipelineSummary) -> None:
     console = Console(highlight=False)
-    table = Table(title=f"{summary.pipeline}: trials ({summary.metric})")
-    for column in ("trial", "outcome", "value", "params"):
+    objectives = summary.objectives
+    table = Table(title=f"{summary.pipeline}: trials ({', '.join(objectives) or summary.metric})")
+    value_columns = [*objectives, "Pareto front"] if objectives else ["value"]
+    for column in ("trial", "outcome", *value_columns, "params"):
         table.add_column(column)
     for row in summary.trials:
-        value = "" if row.value is None else f"{row.value:.4f}"
+        if objectives:
+            values = [_number(row.values.get(m)) for m in objectives] + ["yes" if row.pareto_front else ""]
+        else:
+            values = [_number(row.value)]
         params = ", ".join(f"{k}={_short(v)}" for k, v in row.params.items())
-        table.add_row(str(row.number), row.outcome, value, params)
+        table.add_row(str(row.number), row.outcome, *values, params)
     console.print(table)
     console.print(
         f"completed {summary.num_completed}, pruned {summary.num_pruned}, failed {summary.num_failed}"
     )
+    if objectives:
+        front = [str(row.number) for row in summary.trials if row.pareto_front]
+        console.print(f"Pareto front ({', '.join(objectives)}): trials {', '.join(front)}")
     if summary.best is not None:
         console.print(
             f"best: trial {summary.best.number} {summary.metric}={summary.best.value} {summary.best.params}"

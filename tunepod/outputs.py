@@ -6,6 +6,7 @@ them back from JSON.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import BaseModel, Field
@@ -47,7 +48,10 @@ class TrialRecord(BaseModel):
     number: int
     outcome: TrialOutcome
     params: dict[str, object]
-    value: float | None = None
+    value: float | None = Field(None, description="The (primary) objective's value.")
+    values: dict[str, float] = Field(
+        default_factory=dict, description="Every objective's value, by metric (multi-objective studies)."
+    )
     last_step: int | None = None
     run_id: str | None = Field(None, description="The trial's MLflow child run.")
     job_id: str | None = None
@@ -57,8 +61,23 @@ class TrialRecord(BaseModel):
     error: str | None = None
 
 
+class Goal(BaseModel):
+    """One objective of a study: a metric and which way is better."""
+
+    metric: str
+    direction: Literal["maximize", "minimize"]
+
+    def sign(self) -> float:
+        """Multiply a value by it and smaller is better."""
+        return -1.0 if self.direction == "maximize" else 1.0
+
+
 class TrialSet(BaseModel):
-    """The trials of a ``tune`` step (or the single run of a ``train`` step) with their data."""
+    """The trials of a ``tune`` step (or the single run of a ``train`` step) with their data.
+
+    ``metric`` and ``direction`` are the primary objective; ``objectives`` lists every objective of a
+    multi-objective study (empty for one objective).
+    """
 
     step: str
     study: str | None
@@ -66,16 +85,50 @@ class TrialSet(BaseModel):
     direction: Literal["maximize", "minimize"]
     dataset: Dataset
     trials: list[TrialRecord]
+    objectives: list[Goal] = Field(default_factory=list)
 
     def completed(self) -> list[TrialRecord]:
         return [t for t in self.trials if t.outcome == "COMPLETE"]
 
+    @property
+    def multi_objective(self) -> bool:
+        return len(self.objectives) > 1
+
     def best(self, k: int = 1) -> list[TrialRecord]:
-        """The ``k`` best completed trials, best first (ties by trial number; no value sorts last)."""
-        sign = -1.0 if self.direction == "maximize" else 1.0
-        return sorted(self.completed(), key=lambda t: (t.value is None, sign * (t.value or 0.0), t.number))[
-            :k
-        ]
+        """The ``k`` best completed trials, best first (ties by trial number; no value sorts last).
+
+        With several objectives "best" is the Pareto front first, ordered by the primary objective,
+        then the dominated trials by the primary objective: the steps downstream (evaluate's
+        ``top_k``, a train step's best parameters) take the front's trials before any other.
+        """
+        primary = Goal(metric=self.metric, direction=self.direction)
+        front = {t.number for t in self.pareto_front()} if self.multi_objective else set()
+
+        def rank(t: TrialRecord) -> tuple[bool, bool, float, int]:
+            return (t.number not in front, t.value is None, primary.sign() * (t.value or 0.0), t.number)
+
+        return sorted(self.completed(), key=rank)[:k]
+
+    def pareto_front(self) -> list[TrialRecord]:
+        """The completed trials no other completed trial dominates (better or equal in every
+        objective, better in one), by trial number. One objective: the best trials (ties kept)."""
+        goals = self.objectives or [Goal(metric=self.metric, direction=self.direction)]
+        # Signed so that smaller is better in every objective; trials missing a value stay off the front.
+        scored = [(t, tuple(g.sign() * self.value_of(t, g.metric) for g in goals)) for t in self.completed()]
+        scored = [(t, v) for t, v in scored if all(math.isfinite(x) for x in v)]
+
+        def dominates(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
+            return all(x <= y for x, y in zip(a, b, strict=True)) and a != b
+
+        return [t for t, v in scored if not any(dominates(w, v) for _, w in scored)]
+
+    def value_of(self, trial: TrialRecord, metric: str) -> float:
+        """``trial``'s value of objective ``metric`` (NaN when it has none)."""
+        if metric in trial.values:
+            return trial.values[metric]
+        if metric == self.metric and trial.value is not None:
+            return trial.value
+        return math.nan
 
     def count(self, outcome: TrialOutcome) -> int:
         return sum(1 for t in self.trials if t.outcome == outcome)

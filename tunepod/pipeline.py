@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from tunepod.dag import Dag, build_dag
 from tunepod.launch.base import Launcher
@@ -115,6 +115,8 @@ class TrialRow(BaseModel):
     value: float | None
     params: dict[str, object]
     run_id: str | None
+    values: dict[str, float] = {}
+    pareto_front: bool = False
 
 
 class PipelineSummary(BaseModel):
@@ -128,6 +130,7 @@ class PipelineSummary(BaseModel):
     run_url: str
     trials: list[TrialRow]
     metric: str | None = None
+    objectives: list[str] = Field(default_factory=list, description="A multi-objective study's metrics.")
     num_completed: int = 0
     num_pruned: int = 0
     num_failed: int = 0
@@ -139,9 +142,19 @@ class PipelineSummary(BaseModel):
     def of(cls, run: PipelineRun, outputs: Mapping[str, StepOutput]) -> PipelineSummary:
         trial_sets = [o for o in outputs.values() if isinstance(o, TrialSet)]
         trials = [t for ts in trial_sets for t in ts.trials]
+        front = {(ts.step, t.number) for ts in trial_sets if ts.multi_objective for t in ts.pareto_front()}
         rows = [
-            TrialRow(number=t.number, outcome=t.outcome, value=t.value, params=t.params, run_id=t.run_id)
-            for t in trials
+            TrialRow(
+                number=t.number,
+                outcome=t.outcome,
+                value=t.value,
+                params=t.params,
+                run_id=t.run_id,
+                values=t.values,
+                pareto_front=(ts.step, t.number) in front,
+            )
+            for ts in trial_sets
+            for t in ts.trials
         ]
         best = trial_sets[0].best(1) if trial_sets else []
         evaluations = [o for o in outputs.values() if isinstance(o, Evaluation)]
@@ -155,6 +168,7 @@ class PipelineSummary(BaseModel):
             run_url=run.tracker.run_url(run.run_id, DEFAULT_MLFLOW_UI),
             trials=rows,
             metric=trial_sets[0].metric if trial_sets else None,
+            objectives=[g.metric for g in trial_sets[0].objectives] if trial_sets else [],
             num_completed=sum(1 for t in trials if t.outcome == "COMPLETE"),
             num_pruned=sum(1 for t in trials if t.outcome == "PRUNED"),
             num_failed=sum(1 for t in trials if t.outcome == "FAIL"),

@@ -3,10 +3,13 @@ its own tests): stage from a local folder, tune, train on the best params, evalu
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import optuna
 from mlflow import MlflowClient
 
+from tunepod.hpo.study import make_storage
 from tunepod.outputs import Dataset, Evaluation, Registration, StepOutput, TrialSet
 from tunepod.pipeline import PipelineRun
 
@@ -56,3 +59,66 @@ def test_restaging_an_unchanged_folder_copies_nothing(
     assert isinstance(first, Dataset) and isinstance(again, Dataset)
     assert first.copied_files > 0
     assert again.copied_files == 0 and again.num_files == first.num_files
+
+
+def test_a_two_objective_study_records_its_pareto_front(
+    in_repo: Path, isolated_overrides: list[str], tmp_path: Path
+) -> None:
+    """score (maximize) against cost = 10 x (minimize): every trial is told both values, the front is
+    on the pipeline run (table and tags) and on each trial's run, and the train step after it takes
+    the front's best score."""
+    overrides = [
+        *isolated_overrides,
+        f"steps.search.with.study.storage=journal://{tmp_path}/optuna.log",
+        "steps.search.with.study.objectives="
+        "[{metric: score, direction: maximize}, {metric: cost, direction: minimize}]",
+        "steps.search.with.num_trials=4",
+        "steps.search.with.num_parallel=4",
+        "steps.search.with.sampler=nsga2",
+    ]
+    run = PipelineRun.start(SPEC, overrides)
+    data = run.run_step("data", {})
+    search = run.run_step("search", {"data": data})
+    final = run.run_step("final", {"data": data, "search": search})
+    run.finish(ok=True)
+
+    assert isinstance(search, TrialSet) and isinstance(final, TrialSet)
+    assert [g.metric for g in search.objectives] == ["score", "cost"]
+    assert len(search.completed()) == 4
+    for trial in search.trials:
+        x = float(trial.params["x"])  # type: ignore[arg-type]
+        assert trial.values == {"score": 1.0 - (x - 0.3) ** 2, "cost": 10 * x}
+        assert trial.value == trial.values["score"]
+    # Non-dominated: no other trial scores at least as well for at most the cost, better in one.
+    expected = {
+        t.number
+        for t in search.trials
+        if not any(
+            o.values["score"] >= t.values["score"]
+            and o.values["cost"] <= t.values["cost"]
+            and o.values != t.values
+            for o in search.trials
+        )
+    }
+    front = {t.number for t in search.pareto_front()}
+    assert front == expected and front
+    best_on_front = max((t for t in search.trials if t.number in front), key=lambda t: t.values["score"])
+    assert search.best(1)[0].number == best_on_front.number
+    assert final.trials[0].params["x"] == best_on_front.params["x"]
+
+    study = optuna.load_study(study_name="steps", storage=make_storage(f"journal://{tmp_path}/optuna.log"))
+    assert [d.name for d in study.directions] == ["MAXIMIZE", "MINIMIZE"]
+    client = MlflowClient(run.tracker.tracking_uri)
+    pipeline_run = client.get_run(run.run_id)
+    assert pipeline_run.data.tags["tunepod.search.pareto_front"] == ",".join(map(str, sorted(front)))
+    table_file = client.download_artifacts(run.run_id, "search/pareto_front.json", str(tmp_path))
+    table = json.loads(Path(table_file).read_text())
+    assert sorted(row[0] for row in table["data"]) == sorted(front)
+    assert table["columns"] == ["trial", "score", "cost", "run_id"]
+    for trial in search.trials:
+        tags = client.get_run(trial.run_id or "").data.tags
+        assert tags["tunepod.pareto_front"] == str(trial.number in front).lower()
+        assert client.get_run(trial.run_id or "").data.metrics["cost"] == trial.values["cost"]
+    summary = run.summary({"data": data, "search": search})
+    assert summary.objectives == ["score", "cost"]
+    assert {row.number for row in summary.trials if row.pareto_front} == front

@@ -123,6 +123,8 @@ def make_sampler(settings: TuneSettings, *, seed: int | None = None) -> optuna.s
     seed = settings.seed if seed is None else seed
     if settings.sampler == "random":
         return optuna.samplers.RandomSampler(seed=seed)
+    if settings.sampler == "nsga2":
+        return optuna.samplers.NSGAIISampler(seed=seed)
     # Multivariate TPE with the constant liar, so trials in flight are not suggested twice.
     return optuna.samplers.TPESampler(seed=seed, multivariate=True, constant_liar=True)
 
@@ -170,18 +172,21 @@ def make_pruner(spec: PrunerSpec) -> optuna.pruners.BasePruner:
 def open_study(settings: TuneSettings) -> optuna.Study:
     """Create the study, or load it when one of that name exists (a rerun resumes it)."""
     spec: StudySpec = settings.study
+    directions = [goal.direction for goal in spec.goals]
     study = optuna.create_study(
         storage=make_storage(spec.storage),
         study_name=spec.name,
-        direction=spec.direction,
+        directions=directions,
         sampler=make_sampler(settings),
         pruner=make_pruner(settings.pruner),
         load_if_exists=True,
     )
-    stored = study.direction.name.lower()
-    if stored != spec.direction:
+    stored = [d.name.lower() for d in study.directions]
+    if stored != directions:
+        wanted = ", ".join(f"{g.metric}: {g.direction}" for g in spec.goals)
         raise TunepodError(
-            f"study {spec.name!r} in {spec.storage} was created to {stored}, but the spec says "
-            f"{spec.direction}; fix: use another study name, or set direction: {stored}"
+            f"study {spec.name!r} in {spec.storage} was created to {' and '.join(stored)} "
+            f"({len(stored)} objective(s)), but the spec says {wanted}; fix: use another study name, "
+            f"or declare {len(stored)} objective(s) with these directions: {', '.join(stored)}"
         )
     return study

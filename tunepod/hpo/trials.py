@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import optuna
@@ -54,8 +54,9 @@ class StudyTrials:
         storage = self.study._storage
         retried(lambda: storage.set_trial_user_attr(frozen._trial_id, key, value))
 
-    def tell(self, number: int, state: TrialState, value: float | None = None) -> None:
-        """Record a trial's outcome once (a finished trial keeps the outcome it has)."""
+    def tell(self, number: int, state: TrialState, value: float | Sequence[float] | None = None) -> None:
+        """Record a trial's outcome once (a finished trial keeps the outcome it has); ``value`` is a
+        list for a multi-objective study."""
         retried(lambda: self.study.tell(number, value, state=state, skip_if_finished=True))
 
     def _trial_id(self, number: int) -> int:

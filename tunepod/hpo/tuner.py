@@ -24,7 +24,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
-from optuna.trial import FrozenTrial, Trial, TrialState
+from optuna.trial import FrozenTrial, TrialState
 
 from tunepod.errors import JobError, TunepodError
 from tunepod.hpo.study import distributions, open_study, reseed_for_next_trial
@@ -38,7 +38,7 @@ from tunepod.launch.submission import read_submission
 from tunepod.launch.watchdog import Limits
 from tunepod.locks import locked
 from tunepod.metrics import default_metrics
-from tunepod.outputs import Dataset, TrialOutcome, TrialRecord, TrialSet
+from tunepod.outputs import Dataset, Goal, TrialOutcome, TrialRecord, TrialSet
 from tunepod.runtime import Parallelism, Report, latest_checkpoint, valid_checkpoints
 from tunepod.spec.models import TuneSettings
 from tunepod.spec.parallelism import job_layout, script_params
@@ -54,6 +54,8 @@ ATTR_JOB_DIR = "tunepod_job_dir"
 ATTR_JOB_ID = "tunepod_job_id"
 ATTR_RUN_ID = "tunepod_mlflow_run_id"
 ATTR_ERROR = "tunepod_error"
+# The last step a multi-objective trial reported (Optuna keeps intermediate values for one objective only).
+ATTR_LAST_STEP = "tunepod_last_step"
 
 OUTCOME: dict[TrialState, TrialOutcome] = {
     TrialState.COMPLETE: "COMPLETE",
@@ -230,16 +232,17 @@ class Tuner:
             except ValueError as exc:
                 self._prune_unfit_layout(number, mirror, str(exc))
                 return self._record(self.trials.frozen(number))
+            feed = ReportFeed(self, frozen, mirror)
             driver = JobDriver(
                 self.ctx.launcher,
                 self._job_spec(number, params, mirror, layout),
                 DriveSettings(poll_s=self.settings.poll_s, max_restarts=self.settings.train.max_restarts),
                 what=f"Trial {number} of study {self.settings.study.name}",
-                on_reports=self._report_handler(frozen, mirror),
+                on_reports=feed,
                 observe=self._observer(number, mirror),
                 leases=self.leases,
             )
-            self._conclude(number, driver.run(lease), mirror)
+            self._conclude(number, driver.run(lease), mirror, feed)
             return self._record(self.trials.frozen(number))
         finally:
             lease.release()
@@ -256,26 +259,6 @@ class Tuner:
             who = holder.describe() if holder is not None else "another orchestrator"
             raise TrialDrivenElsewhere(f"{job_dir} is driven by {who}")
         return lease
-
-    def _report_handler(self, frozen: FrozenTrial, mirror: RunMirror) -> Callable[[list[Report]], bool]:
-        """Reports -> Optuna (steps it has not seen) and the outbox; True when the pruner says stop."""
-        live = self.trials.live(frozen.number)
-        metric = self.settings.study.metric
-        last = max(frozen.intermediate_values, default=-1)
-        prunes = self.settings.pruner.kind != "none"
-
-        def on_reports(reports: list[Report]) -> bool:
-            nonlocal last
-            self.ctx.outbox.add(mirror)
-            fresh = [r for r in reports if r.step > last and metric in r.metrics]
-            for report in fresh:
-                _report(live, report.metrics[metric], report.step)
-            if not fresh:
-                return False
-            last = max(r.step for r in fresh)
-            return prunes and retried(live.should_prune)
-
-        return on_reports
 
     def _observer(self, number: int, mirror: RunMirror) -> Callable[[JobHandle, bool], JobHandle]:
         def observe(handle: JobHandle, submitted: bool) -> JobHandle:
@@ -335,19 +318,22 @@ class Tuner:
 
     # ------------------------------------------------------------------------------------ outcomes
 
-    def _conclude(self, number: int, driven: DriveResult, mirror: RunMirror) -> None:
+    def _conclude(self, number: int, driven: DriveResult, mirror: RunMirror, feed: ReportFeed) -> None:
         """Tell Optuna the outcome (the truth), then hand the final record to the outbox."""
         frozen = self.trials.frozen(number)
-        metric = self.settings.study.metric
         if driven.outcome is Outcome.COMPLETED:
-            value = _objective(driven, metric, frozen)
-            if value is not None:
-                self.trials.tell(number, TrialState.COMPLETE, value)
+            values = {goal.metric: feed.objective(driven, goal.metric) for goal in self.settings.study.goals}
+            missing = [metric for metric, value in values.items() if value is None]
+            if feed.last_step is not None and self.settings.study.multi_objective:
+                self.trials.set_attr(number, ATTR_LAST_STEP, feed.last_step)
+            if not missing:
+                self.trials.tell(number, TrialState.COMPLETE, [v for v in values.values() if v is not None])
             else:
+                listed = ", ".join(f"{m}=..." for m in missing)
                 self._fail(
                     number,
-                    f"Trial {number} finished without reporting {metric!r}; fix: report it with "
-                    f"ctx.report(step, {metric}=...) or ctx.finish({metric}=...) in "
+                    f"Trial {number} finished without reporting {', '.join(map(repr, missing))}; fix: report "
+                    f"it with ctx.report(step, {listed}) or ctx.finish({listed}) in "
                     f"{self.settings.train.entrypoint}",
                 )
         elif driven.outcome is Outcome.PRUNED:
@@ -389,7 +375,7 @@ class Tuner:
         state = OUTCOME[frozen.state]
         status = RUN_STATUS[frozen.state]
         paths = JobPaths(self._job_dir(frozen))
-        last_step = max(frozen.intermediate_values, default=None)
+        last_step = _last_step(frozen)
         if frozen.state is TrialState.FAIL:
             error = frozen.user_attrs.get(ATTR_ERROR)
             return Final(tags={tags.STATE: state}, status="FAILED", error=str(error) if error else None)
@@ -400,14 +386,14 @@ class Tuner:
                 status="KILLED",
                 checkpoints=checkpoints,
             )
-        assert frozen.value is not None and frozen.datetime_complete is not None
+        assert frozen.values is not None and frozen.datetime_complete is not None
         # At the trial's last step, so the metric's history has no stray point at step 0 (the mirror
         # skips it when the job's own report of that step is that very point).
-        objective = FinalMetric(
-            self.settings.study.metric,
-            frozen.value,
-            last_step,
-            timestamp_ms=int(frozen.datetime_complete.timestamp() * 1000),
+        objectives = tuple(
+            FinalMetric(
+                goal.metric, value, last_step, timestamp_ms=int(frozen.datetime_complete.timestamp() * 1000)
+            )
+            for goal, value in zip(self.settings.study.goals, frozen.values, strict=True)
         )
         latest = latest_checkpoint(paths.checkpoints)
         model = None
@@ -418,7 +404,7 @@ class Tuner:
         return Final(
             tags={tags.STATE: state},
             status=status,
-            metrics=(objective,),
+            metrics=objectives,
             model=model,
             checkpoints=checkpoints,
         )
@@ -446,14 +432,17 @@ class Tuner:
 
     def _record(self, frozen: FrozenTrial) -> TrialRecord:
         job_dir = self._job_dir(frozen)
+        completed = frozen.state is TrialState.COMPLETE and frozen.values is not None
+        metrics = [goal.metric for goal in self.settings.study.goals]
         mirrored = read_mirror_state(job_dir)
         submission = read_submission(JobPaths(job_dir)) if job_dir.exists() else None
         return TrialRecord(
             number=frozen.number,
             outcome=OUTCOME.get(frozen.state, "FAIL"),
             params={**self.settings.train.args, **frozen.params},
-            value=frozen.value if frozen.state is TrialState.COMPLETE else None,
-            last_step=max(frozen.intermediate_values, default=None),
+            value=frozen.values[0] if completed else None,
+            values=dict(zip(metrics, frozen.values, strict=True)) if completed else {},
+            last_step=_last_step(frozen),
             run_id=mirrored.run_id or frozen.user_attrs.get(ATTR_RUN_ID),
             job_id=(submission.job_id if submission else None) or frozen.user_attrs.get(ATTR_JOB_ID),
             job_dir=str(job_dir),
@@ -464,28 +453,69 @@ class Tuner:
 
     def trial_set(self) -> TrialSet:
         trials = [t for t in self.trials.all() if t.state in FINISHED]
+        study = self.settings.study
+        goals = study.goals if study.multi_objective else []
         return TrialSet(
             step=self.ctx.step,
             study=self.settings.study.name,
-            metric=self.settings.study.metric,
-            direction=self.settings.study.direction,
+            metric=self.settings.study.primary.metric,
+            direction=self.settings.study.primary.direction,
             dataset=self.ctx.dataset,
             trials=[self._record(t) for t in trials],
+            objectives=[Goal(metric=g.metric, direction=g.direction) for g in goals],
         )
 
 
-def _report(live: Trial, value: float, step: int) -> None:
-    retried(lambda: live.report(value, step))
+class ReportFeed:
+    """A trial's reports -> Optuna and the outbox; the driver calls it with the reports that appeared
+    since its last call (all of them again after an orchestrator restart), and it answers True when
+    the pruner says stop. It keeps each objective's last reported value for ``objective``: Optuna
+    stores intermediate values for single-objective studies only."""
+
+    def __init__(self, tuner: Tuner, frozen: FrozenTrial, mirror: RunMirror) -> None:
+        self._tuner = tuner
+        self._mirror = mirror
+        self._number = frozen.number
+        self._study = tuner.settings.study
+        self._seen = max(frozen.intermediate_values, default=-1)
+        self._prunes = tuner.settings.pruner.kind != "none"
+        self.last_step: int | None = None
+        self.latest: dict[str, float] = {}
+
+    def __call__(self, reports: list[Report]) -> bool:
+        self._tuner.ctx.outbox.add(self._mirror)
+        for report in reports:
+            self.last_step = max(report.step, self.last_step or 0)
+            goals = (g.metric for g in self._study.goals)
+            self.latest |= {metric: report.metrics[metric] for metric in goals if metric in report.metrics}
+        if self._study.multi_objective:
+            return False  # nothing to tell Optuna before the end, and no pruner (refused at spec load)
+        metric = self._study.primary.metric
+        fresh = [r for r in reports if r.step > self._seen and metric in r.metrics]
+        if not fresh:
+            return False
+        live = self._tuner.trials.live(self._number)
+        for report in fresh:
+            retried(lambda: live.report(report.metrics[metric], report.step))  # noqa: B023 (called at once)
+        self._seen = max(r.step for r in fresh)
+        return self._prunes and retried(live.should_prune)
+
+    def objective(self, driven: DriveResult, metric: str) -> float | None:
+        """An objective's value: what the job passed to ``finish``, else the last value it reported."""
+        if driven.result is not None and metric in driven.result.metrics:
+            value = float(driven.result.metrics[metric])
+            return value if math.isfinite(value) else None
+        if metric in self.latest:
+            return float(self.latest[metric])
+        frozen = self._tuner.trials.frozen(self._number)
+        if metric == self._study.primary.metric and frozen.intermediate_values:
+            return float(frozen.intermediate_values[max(frozen.intermediate_values)])
+        return None
 
 
-def _objective(driven: DriveResult, metric: str, frozen: FrozenTrial) -> float | None:
-    """The objective: the metric the job passed to ``finish``, else the last one it reported."""
-    if driven.result is not None and metric in driven.result.metrics:
-        value = float(driven.result.metrics[metric])
-        return value if math.isfinite(value) else None
-    if frozen.intermediate_values:
-        return float(frozen.intermediate_values[max(frozen.intermediate_values)])
-    return None
+def _last_step(frozen: FrozenTrial) -> int | None:
+    step = frozen.user_attrs.get(ATTR_LAST_STEP)
+    return max(frozen.intermediate_values, default=int(step) if step is not None else None)
 
 
 def _set_aside_stale(job_dir: Path) -> None:

@@ -10,7 +10,7 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from tunepod.spec.parallelism import ParallelismSpec, check_space, job_layout
 from tunepod.spec.resources import Resources
@@ -394,16 +394,39 @@ SearchParam = Annotated[FloatParam | IntParam | CategoricalParam, Field(discrimi
 # ---------------------------------------------------------------------------------------------- tuning
 
 
+Direction = Literal["maximize", "minimize"]
+
+
+class Objective(Strict):
+    """One value the study optimizes: a metric the training script reports, and which way is better."""
+
+    metric: str = Field(..., min_length=1)
+    direction: Direction
+
+
 class StudySpec(Strict):
-    """The Optuna study: its name is its identity, so running again with the same name resumes it."""
+    """The Optuna study: its name is its identity, so running again with the same name resumes it.
+
+    One objective (``metric`` and ``direction``), or several (``objectives``, a list of both): a
+    multi-objective study keeps the Pareto front, and the first objective is the primary one, which
+    orders the front for the steps downstream (evaluate the front's trials best-primary first). After
+    validation ``objectives`` always holds every objective and ``metric``/``direction`` the primary.
+    """
 
     name: str = Field(..., min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     storage: str = Field(
         "journal://.tunepod/optuna.log",
         description="journal://<file> (default, safe on a shared filesystem) or sqlite:///<file>, postgresql://...",
     )
-    direction: Literal["maximize", "minimize"] = "maximize"
-    metric: str = Field(..., min_length=1, description="The reported metric the study optimizes.")
+    direction: Direction = "maximize"
+    metric: str | None = Field(
+        None, min_length=1, description="The reported metric the study optimizes (one objective)."
+    )
+    objectives: list[Objective] | None = Field(
+        None,
+        min_length=1,
+        description="Several objectives, primary first (instead of metric and direction).",
+    )
 
     @model_validator(mode="after")
     def _check_storage(self) -> StudySpec:
@@ -413,6 +436,46 @@ class StudySpec(Strict):
                 f"storage {self.storage!r} is not supported; fix: use journal://<file> or sqlite:///<file>"
             )
         return self
+
+    @model_validator(mode="after")
+    def _one_form_of_objectives(self) -> StudySpec:
+        if self.objectives is None:
+            if self.metric is None:
+                raise ValueError(
+                    "the study has no objective; fix: set metric (and direction), or objectives: "
+                    "[{metric: ..., direction: ...}, ...]"
+                )
+            self.objectives = [Objective(metric=self.metric, direction=self.direction)]
+            return self
+        metrics = [o.metric for o in self.objectives]
+        twice = sorted({m for m in metrics if metrics.count(m) > 1})
+        if twice:
+            raise ValueError(f"objectives name {', '.join(twice)} more than once; fix: list each metric once")
+        primary = self.objectives[0]
+        # A dumped and re-read spec holds both forms; they must agree.
+        given = self.model_fields_set & {"metric", "direction"}
+        if any(getattr(self, f) != getattr(primary, f) for f in given):
+            raise ValueError(
+                "set either metric/direction (one objective) or objectives (several), not both; "
+                f"fix: remove {' and '.join(sorted(given))} (objectives[0] is the primary objective)"
+            )
+        self.metric, self.direction = primary.metric, primary.direction
+        return self
+
+    @property
+    def primary(self) -> Objective:
+        assert self.objectives is not None  # filled by validation
+        return self.objectives[0]
+
+    @property
+    def goals(self) -> list[Objective]:
+        """Every objective, primary first."""
+        assert self.objectives is not None  # filled by validation
+        return self.objectives
+
+    @property
+    def multi_objective(self) -> bool:
+        return len(self.goals) > 1
 
 
 class PrunerSpec(Strict):
@@ -432,7 +495,9 @@ class TuneSettings(Strict):
         ..., ge=1, description="Finished trials the study should hold, counting earlier runs."
     )
     num_parallel: int = Field(1, ge=1, description="Trials in flight at once.")
-    sampler: Literal["tpe", "random"] = "tpe"
+    sampler: Literal["tpe", "random", "nsga2"] = Field(
+        "tpe", description="tpe (one or several objectives), random, or nsga2 (NSGA-II, several objectives)."
+    )
     seed: int | None = Field(None, description="Sampler seed, for reproducible suggestions.")
     pruner: PrunerSpec = Field(default_factory=PrunerSpec)
     poll_s: float = Field(0.5, gt=0, description="Seconds between polls of running jobs.")
@@ -446,6 +511,19 @@ class TuneSettings(Strict):
             )
         check_space(self.train.parallelism, self.train.resources, self.space, self.train.args)
         return self
+
+    @field_validator("pruner")
+    @classmethod
+    def _check_pruner_fits_objectives(cls, pruner: PrunerSpec, info: ValidationInfo) -> PrunerSpec:
+        # A field validator (study is validated before pruner), so the error points at the pruner.
+        study = info.data.get("study")
+        if study is not None and study.multi_objective and pruner.kind != "none":
+            raise ValueError(
+                f"pruner.kind {pruner.kind} cannot prune a study with {len(study.goals)} objectives "
+                "(Optuna's pruners compare one value per step); fix: set pruner: {kind: none}, or keep "
+                "one objective"
+            )
+        return pruner
 
 
 class TrainSettings(Strict):

@@ -40,4 +40,24 @@ def run(
 ) -> TrialSet:
     trials = tuner(run, name, settings, inputs).run(submit_trial)
     run.tracker.set_tags(run.run_id, {tags.step_tag(name, "study"): settings.study.name})
+    if trials.multi_objective:
+        record_pareto_front(run, name, trials)
     return require_completed(trials)
+
+
+def record_pareto_front(run: StepContext, name: str, trials: TrialSet) -> None:
+    """The front on the pipeline run (a table artifact ``<step>/pareto_front.json`` and a tag listing
+    its trials), and on every completed trial's run a ``tunepod.pareto_front`` tag, true or false (a
+    rerun that grows the study moves trials off the front)."""
+    front = trials.pareto_front()
+    columns: dict[str, list[object]] = {"trial": [t.number for t in front]}
+    for goal in trials.objectives:
+        columns[goal.metric] = [trials.value_of(t, goal.metric) for t in front]
+    columns["run_id"] = [t.run_id for t in front]
+    run.tracker.log_table(run.run_id, columns, f"{name}/pareto_front.json")
+    on_front = {t.number for t in front}
+    listed = ",".join(str(number) for number in sorted(on_front))
+    run.tracker.set_tags(run.run_id, {tags.step_tag(name, "pareto_front"): listed})
+    for trial in trials.completed():
+        if trial.run_id:
+            run.tracker.set_tags(trial.run_id, {tags.PARETO_FRONT: str(trial.number in on_front).lower()})

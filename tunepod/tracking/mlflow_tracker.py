@@ -138,6 +138,10 @@ class MlflowTracker:
     def log_text(self, run_id: str, text: str, artifact_file: str) -> None:
         self.client.log_text(run_id, text, artifact_file)
 
+    def log_table(self, run_id: str, columns: Mapping[str, list[object]], artifact_file: str) -> None:
+        """A table artifact (``.json``), shown as a table in the MLflow UI; rewritten when logged again."""
+        self.client.log_table(run_id, dict(columns), artifact_file)
+
     def end_run(self, run_id: str, status: RunStatus) -> None:
         self.client.set_terminated(run_id, status=status)
 

@@ -30,6 +30,8 @@ job that runs in another job's run (an evaluation in its trial's run)."""
 MODEL_ID = "tunepod.model_id"
 CHECKPOINTS = "tunepod.checkpoints"
 PRUNED_AT_STEP = "tunepod.pruned_at_step"
+PARETO_FRONT = "tunepod.pareto_front"
+"""true or false on each completed trial of a multi-objective study."""
 CHECKPOINT_S3 = "tunepod.checkpoint_s3"
 
 # Logged models (a checkpoint folder).
