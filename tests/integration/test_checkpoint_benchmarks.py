@@ -1,0 +1,68 @@
+"""The checkpoint benchmark's short form (``make bench-checkpoints`` runs the real one): ``python -m
+benchmarks.checkpoints`` as a user runs it, on a state of a few MB, each figure once.
+
+Proves: the three tables print, each with its baseline and tunepod rows, and every ratio is a finite
+number: the stall job under the training contract (its ranks started directly, with the variables
+torchrun sets, to spare the agent's start-up four times) saved by every method, a job SIGKILLed after a
+committed checkpoint resumed by each loader (baseline torch.load, tunepod's whole and sharded loads)
+up to its first step, and every writer of the throughput table wrote. Speed is never asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+REPO = Path(__file__).resolve().parents[2]
+#: Against a hang only, never a speed check.
+LIMIT_S = 300
+
+
+def test_every_table_prints_both_sides_with_finite_ratios(tmp_path: Path) -> None:
+    figures_file = tmp_path / "figures.json"
+    argv = [sys.executable, "-m", "benchmarks.checkpoints", "--dir", str(tmp_path / "checkpoints")]
+    argv += ["--stall-mb", "4", "--resume-mb", "4", "--throughput-mb", "4", "--interval", "2"]
+    argv += ["--saves", "1", "--rounds", "1", "--throughput-repeats", "1", "--json", str(figures_file)]
+    argv += ["--launcher", "direct"]  # the ranks without torchrun's agent: 4 jobs start, each ~2 s sooner
+    done = subprocess.run(
+        argv, cwd=REPO, env={**os.environ, "COLUMNS": "200"}, capture_output=True, text=True,
+        timeout=LIMIT_S, check=False,
+    )  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    for title in (
+        "1. Training stall per checkpoint",
+        "2. Kill -> first training step",
+        "3. Checkpoint write",
+    ):
+        assert title in done.stdout, output
+    assert "goal: async stall <= 0.3x" in done.stdout, output
+
+    figures = json.loads(figures_file.read_text())
+    assert figures["failures"] == []
+    stall = figures["stall"]["rows"]
+    assert {row["side"] for row in stall.values()} == {"baseline", "tunepod"}
+    assert set(stall) == {"torch.save", "torch.save+fsync", "tunepod", "tunepod-sharded", "tunepod-async",
+                          "tunepod-async-process"}  # fmt: skip
+    assert all(math.isfinite(row["ratio"]) and row["bytes"] > 0 for row in stall.values()), stall
+
+    resumes = figures["resume"]["rows"]
+    assert {row["method"] for row in resumes} == {"torch.save", "tunepod", "tunepod-sharded"}
+    assert all(math.isfinite(row["ratio"]) for row in resumes), resumes
+    assert all(all(math.isfinite(s) and s >= 0 for s in row["phases"].values()) for row in resumes), resumes
+    # each resume loaded a committed checkpoint (the stall job's last save of that method), not a fresh start
+    assert all(raw["step"] > 0 for raw in figures["resume"]["raw"]), figures["resume"]["raw"]
+
+    writers = figures["throughput"]["rows"]
+    assert {row["side"] for row in writers.values()} == {"baseline", "tunepod"}
+    measured = {name: row for name, row in writers.items() if "error" not in row}
+    assert set(writers) - set(measured) <= {"dd oflag=direct"}, writers  # O_DIRECT: not on every filesystem
+    assert all(math.isfinite(row["ratio"]) and row["ratio"] > 0 for row in measured.values()), writers
