@@ -6,7 +6,7 @@ SPEC ?= examples/digits/pipeline.yaml
 # Two pytest workers: most tests wait on subprocesses and servers, so two overlap well even on two cores.
 TEST_WORKERS ?= 2
 
-.PHONY: venv demo test lint bench-overhead chaos clean slurm-up slurm-down
+.PHONY: venv demo test lint bench-overhead bench-checkpoints chaos clean slurm-up slurm-down
 
 # torch==2.13.0 first: it is the CPU build; a bare `torch` requirement could pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -44,6 +44,11 @@ slurm-down:
 
 bench-overhead: venv
 	$(PY) benchmarks/overhead.py
+
+# Checkpoint stall, kill -> resume and write throughput against torch.save, torch.load, dd and cp
+# (benchmarks/checkpoints); the long form (~1 GB states): make bench-checkpoints CHECKPOINT_ARGS=--long
+bench-checkpoints: venv
+	$(PY) -m benchmarks.checkpoints $(CHECKPOINT_ARGS)
 
 # The chaos soak (benchmarks/chaos): real faults at random on local and Slurm studies, then the checks;
 # exit 1 on a violation. Without Slurm: make chaos CHAOS_ARGS="--launcher local".
