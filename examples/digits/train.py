@@ -116,12 +116,14 @@ for epoch in range(start_epoch, params["epochs"]):
     sampler.set_epoch(epoch)
     trained.train()
     losses = []
-    for x, y in train_loader:
+    for batch, (x, y) in enumerate(train_loader):
         loss = nn.functional.cross_entropy(trained(x), y)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
+        # Every rank: times the step and counts its samples (per-rank step time and samples/s).
+        ctx.step_done(epoch * len(train_loader) + batch, samples=len(y))
     train_loss = mean_over_ranks(sum(losses) / len(losses))
     model.eval()
     val_accuracy = accuracy(val_set)  # every rank holds the same weights, so the same value
