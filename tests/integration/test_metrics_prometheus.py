@@ -1,7 +1,8 @@
 """A real Prometheus scrapes a real tune: torchrun trials on the local launcher, the pipeline's /metrics
-endpoint, and the tunepod_* series read back through Prometheus' HTTP API. The shipped alert rules are
-checked and unit-tested with promtool, and loaded by the real Prometheus, which fires one of them on a
-real stalled trial.
+endpoint, and the tunepod_* series read back through Prometheus' HTTP API, the ranks' telemetry among
+them (and in the trials' MLflow runs); every query of the shipped Grafana dashboard runs against it.
+The shipped alert rules are checked and unit-tested with promtool, and loaded by the real Prometheus,
+which fires one of them on a real stalled trial.
 
 Needs Debian's prometheus (``scripts/prometheus-up``, which ``make test`` runs): without it these tests
 skip with the reason, except under ``CI=true``, where a skip would hide a broken setup, so they fail.
@@ -25,9 +26,10 @@ import pytest
 import yaml
 from needs import skip_or_fail
 from ports import free_port
-from test_tuner import PIPELINE, make_tuner, settings
+from test_tuner import PIPELINE, child_runs, make_tuner, settings
 
 from tunepod.metrics import open_pipeline_metrics
+from tunepod.runtime.progress import HEARTBEAT_S_ENV
 from tunepod.spec.models import MetricsSpec
 
 PROMETHEUS = Path("/usr/bin/prometheus")
@@ -36,6 +38,9 @@ REPO = Path(__file__).resolve().parents[2]
 OBSERVABILITY = REPO / "deployments" / "observability"
 ALERTS = OBSERVABILITY / "alerts.yml"
 STALL = REPO / "tests" / "fixtures" / "trainers" / "stall.py"
+RANKS = REPO / "tests" / "fixtures" / "trainers" / "ranks.py"
+DASHBOARD = OBSERVABILITY / "grafana-dashboard.json"
+TELEMETRY = ("step_seconds", "samples_per_second", "tokens_per_second", "peak_memory_bytes")
 STUDY = "prom-quad"
 NUM_TRIALS = 3
 EPOCHS = 2
@@ -98,10 +103,14 @@ class Prometheus:
 
     def query(self, promql: str) -> dict[str, float]:
         """The instant vector ``promql`` as {value of its single varying label (or ''): value}."""
+        result = self.answer(promql)["result"]
+        return {"".join(item["metric"].values()): float(item["value"][1]) for item in result}
+
+    def answer(self, promql: str) -> Any:
+        """Prometheus' answer to the instant query ``promql`` (its ``data``), which must succeed."""
         answer = get_json(f"{self.url}/api/v1/query?" + urllib.parse.urlencode({"query": promql}))
         assert answer["status"] == "success", answer
-        result = answer["data"]["result"]
-        return {"".join(item["metric"].values()): float(item["value"][1]) for item in result}
+        return answer["data"]
 
     def query_until(self, promql: str, expected: dict[str, float]) -> dict[str, float]:
         """Poll ``promql`` (bounded) until it equals ``expected``; returns the last answer."""
@@ -165,20 +174,47 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_a_tune_is_scraped_and_its_metrics_read_back_through_prometheus(
-    workspace: Path, prometheus_for: Callable[..., Prometheus]
+    workspace: Path, prometheus_for: Callable[..., Prometheus], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    tune = settings(
-        workspace, study={"name": STUDY}, num_trials=NUM_TRIALS, train={"args": {"epochs": EPOCHS}}
-    )
+    """Trials of 2 ranks that call ctx.step_done: while the first ones wait after their first epoch,
+    each rank's telemetry is read back through Prometheus; once the tune is over, the per-rank series
+    are gone and each trial's MLflow run holds every rank's figures."""
+    monkeypatch.setenv(HEARTBEAT_S_ENV, "0.2")  # the local jobs' environment: telemetry beats soon
+    release = workspace / f"{STUDY}.release"
+    train = {
+        "entrypoint": str(RANKS),
+        "args": {"epochs": EPOCHS, "release": str(release)},
+        "resources": {"num_nodes": 1, "procs_per_node": 2},
+    }
+    tune = settings(workspace, study={"name": STUDY}, num_trials=NUM_TRIALS, train=train)
     tuner = make_tuner(workspace, tune)
     endpoint = open_pipeline_metrics(MetricsSpec(port=0), pipeline=PIPELINE, run_id=tuner.ctx.parent_run_id)
     try:
         assert endpoint.server is not None
         prometheus = prometheus_for(f"127.0.0.1:{endpoint.server.server_port}")
-        trials = tuner.run()
+        where = f'pipeline="{PIPELINE}", study="{STUDY}", step="search"'
+        first = f'{where}, trial="trial-0"'
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(tuner.run)
+            try:
+                # trial-0 waits after its first epoch: each of its 2 ranks has its 4 series.
+                per_rank = f'count by (rank) ({{__name__=~"tunepod_rank_.*", {first}}})'
+                assert prometheus.query_until(per_rank, {"0": 4, "1": 4}) == {"0": 4, "1": 4}, running
+                # Each step counts 4 samples and 32 tokens: the rates of one window keep that ratio.
+                ratio = (
+                    f"sum by (rank) (tunepod_rank_tokens_per_second{{{first}}})"
+                    f" / sum by (rank) (tunepod_rank_samples_per_second{{{first}}})"
+                )
+                eight = {"0": pytest.approx(8), "1": pytest.approx(8)}
+                assert prometheus.query_until(ratio, eight) == eight
+                for name in TELEMETRY:
+                    assert all(v > 0 for v in prometheus.query(f"tunepod_rank_{name}{{{first}}}").values())
+                dashboard_queries_run(prometheus)
+            finally:
+                release.touch()  # the trials go on and complete
+            trials = running.result(timeout=QUERY_TIMEOUT_S * 3)
         assert [t.outcome for t in trials.trials] == ["COMPLETE"] * NUM_TRIALS
 
-        where = f'pipeline="{PIPELINE}", study="{STUDY}", step="search"'
         by_state = prometheus.query_until(
             f"sum by (state) (tunepod_trials{{{where}}})",
             {"RUNNING": 0, "COMPLETE": NUM_TRIALS, "PRUNED": 0, "FAIL": 0},
@@ -197,8 +233,48 @@ def test_a_tune_is_scraped_and_its_metrics_read_back_through_prometheus(
         last_completed = f"max(tunepod_study_last_completed_timestamp_seconds{{{where}}})"
         completions = [t.datetime_complete for t in tuner.study.get_trials() if t.datetime_complete]
         assert prometheus.query(last_completed) == {"": pytest.approx(max(completions).timestamp())}
+        # Nothing runs any more: no rank series is left behind.
+        assert prometheus.query_until(f'{{__name__=~"tunepod_rank_.*", {where}}}', {}) == {}
+
+        runs = [
+            r
+            for r in child_runs(workspace, tuner.ctx.parent_run_id)
+            if r.data.tags.get("tunepod.study") == STUDY
+        ]
+        assert len(runs) == NUM_TRIALS
+        for run in runs:
+            metrics = run.data.metrics
+            for rank in (0, 1):
+                assert {f"rank{rank}/{n}" for n in ("step_time_s", "samples_per_s", "tokens_per_s")} <= set(
+                    metrics
+                )
+                assert metrics[f"rank{rank}/peak_memory_bytes"] > 0
+                assert metrics[f"rank{rank}/tokens_per_s"] == pytest.approx(
+                    8 * metrics[f"rank{rank}/samples_per_s"]
+                )
     finally:
         endpoint.close()
+
+
+def dashboard_queries_run(prometheus: Prometheus) -> None:
+    """Every query of the shipped dashboard, its variables set to match everything, is one that
+    Prometheus runs; the per-rank panels have data (the exporters' panels may have none here)."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    substitutes = {
+        "$pipeline": ".*",
+        "$study": ".*",
+        "$trial": ".*",
+        "$__rate_interval": "1m",
+        "$__range": "5m",
+    }
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            expr = target["expr"]
+            for variable, value in substitutes.items():
+                expr = expr.replace(variable, value)
+            result = prometheus.answer(expr)["result"]
+            if "tunepod_rank_" in expr:
+                assert result, f"panel {panel['title']!r} has no data: {expr}"
 
 
 def test_the_shipped_prometheus_config_is_valid() -> None:
