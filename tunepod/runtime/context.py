@@ -97,8 +97,10 @@ class TrainingContext:
             self._heartbeat.advance(step)
 
     def step_done(self, step: int, *, samples: float | None = None, tokens: float | None = None) -> None:
-        """Every rank: one training step (an optimizer step) ended; ``samples`` and ``tokens``: how
-        many this rank processed in it. A ``heartbeat(step)`` that also times the step.
+        """Every rank: one training step (an optimizer step) ended; ``samples`` and ``tokens``: this
+        rank's share of the step's work (under tensor or pipeline parallelism the ranks of one data
+        replica split its batch's count, so a sum over the ranks is the job's throughput). A
+        ``heartbeat(step)`` that also times the step.
 
         Each rank measures the wall time from one call to the next, samples and tokens per second,
         and its peak memory (CUDA's peak allocation when it uses CUDA, else its peak RSS), over the
