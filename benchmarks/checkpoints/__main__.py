@@ -70,10 +70,10 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--stall-mb", type=float, help="state size of the stall job (table 1)")
     parser.add_argument("--resume-mb", type=float, nargs="+", help="state sizes of the resumes (table 2)")
     parser.add_argument("--throughput-mb", type=float, help="bytes written per writer (table 3)")
-    parser.add_argument("--interval", type=int, default=10, help="training steps between two saves")
+    parser.add_argument("--interval", type=int, default=5, help="training steps between two saves")
     parser.add_argument("--saves", type=int, default=3, help="saves per method and round")
     parser.add_argument(
-        "--rounds", type=int, default=3, help="rounds of every method's saves (order rotated)"
+        "--rounds", type=int, default=2, help="rounds of every method's saves (order rotated)"
     )
     parser.add_argument("--resume-repeats", type=int, default=1, help="kill/resume chains per size")
     parser.add_argument("--throughput-repeats", type=int, default=3, help="writes per writer")
