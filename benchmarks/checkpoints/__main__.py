@@ -76,6 +76,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         "--rounds", type=int, default=2, help="rounds of every method's saves (order rotated)"
     )
     parser.add_argument("--resume-repeats", type=int, default=1, help="kill/resume chains per size")
+    parser.add_argument("--resume-methods", default=",".join(jobs.RESUME_METHODS),
+                        help="the loaders of table 2, comma-separated")  # fmt: skip
     parser.add_argument("--throughput-repeats", type=int, default=3, help="writes per writer")
     parser.add_argument("--batch", type=int, default=16, help="training batch per rank")
     parser.add_argument("--launcher", choices=["torchrun", "direct"], default="torchrun",
@@ -93,6 +95,9 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     unknown = args.tables - {"stall", "resume", "throughput"}
     if unknown:
         parser.error(f"unknown tables {sorted(unknown)}; valid: stall, resume, throughput")
+    args.resume_methods = [m.strip() for m in args.resume_methods.split(",") if m.strip()]
+    if not args.resume_methods or set(args.resume_methods) - set(jobs.RESUME_METHODS):
+        parser.error(f"--resume-methods takes some of: {', '.join(jobs.RESUME_METHODS)}")
     return args
 
 
@@ -116,7 +121,7 @@ def main(argv: Sequence[str]) -> int:
             saves=args.saves,
             rounds=args.rounds,
             resume_repeats=args.resume_repeats,
-            resume_methods=jobs.RESUME_METHODS,
+            resume_methods=args.resume_methods,
             batch=args.batch,
             launcher=args.launcher,
             timeout_s=args.timeout_s,

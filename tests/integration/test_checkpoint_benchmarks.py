@@ -4,8 +4,9 @@ benchmarks.checkpoints`` as a user runs it, on a state of a few MB, each figure 
 Proves: the three tables print, each with its baseline and tunepod rows, and every ratio is a finite
 number: the stall job under the training contract (its ranks started directly, with the variables
 torchrun sets, to spare the agent's start-up four times) saved by every method, a job SIGKILLed after a
-committed checkpoint resumed by each loader (baseline torch.load, tunepod's whole and sharded loads)
-up to its first step, and every writer of the throughput table wrote. Speed is never asserted.
+committed checkpoint resumed by tunepod's sharded load up to its first step (the other loaders, one
+more job each, run in ``make bench-checkpoints``), and every writer of the throughput table wrote.
+Speed is never asserted.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ def test_every_table_prints_both_sides_with_finite_ratios(tmp_path: Path) -> Non
     argv = [sys.executable, "-m", "benchmarks.checkpoints", "--dir", str(tmp_path / "checkpoints")]
     argv += ["--stall-mb", "4", "--resume-mb", "4", "--throughput-mb", "4", "--interval", "2"]
     argv += ["--saves", "1", "--rounds", "1", "--throughput-repeats", "1", "--json", str(figures_file)]
-    argv += ["--launcher", "direct"]  # the ranks without torchrun's agent: 4 jobs start, each ~2 s sooner
+    argv += ["--launcher", "direct"]  # the ranks without torchrun's agent: each job starts ~2 s sooner
+    # One loader (the sharded one, the most involved) of table 2: each loader is one more 2-rank job.
+    argv += ["--resume-methods", "tunepod-sharded"]
     done = subprocess.run(
         argv, cwd=REPO, env={**os.environ, "COLUMNS": "200"}, capture_output=True, text=True,
         timeout=LIMIT_S, check=False,
@@ -55,8 +58,9 @@ def test_every_table_prints_both_sides_with_finite_ratios(tmp_path: Path) -> Non
     assert all(math.isfinite(row["ratio"]) and row["bytes"] > 0 for row in stall.values()), stall
 
     resumes = figures["resume"]["rows"]
-    assert {row["method"] for row in resumes} == {"torch.save", "tunepod", "tunepod-sharded"}
-    assert all(math.isfinite(row["ratio"]) for row in resumes), resumes
+    assert {row["method"] for row in resumes} == {"tunepod-sharded"}
+    # No baseline loader ran, so there is no ratio: the phases must still all be measured.
+    assert all(math.isnan(row["ratio"]) for row in resumes), resumes
     assert all(all(math.isfinite(s) and s >= 0 for s in row["phases"].values()) for row in resumes), resumes
     # each resume loaded a committed checkpoint (the stall job's last save of that method), not a fresh start
     assert all(raw["step"] > 0 for raw in figures["resume"]["raw"]), figures["resume"]["raw"]
