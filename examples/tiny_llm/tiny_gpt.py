@@ -248,8 +248,9 @@ def fully_shard_model(model: TinyGPT, dp_mesh: "DeviceMesh", reshard_after_forwa
 def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float, replicas: int) -> float:
     """``clip_grad_norm_`` over every rank of the job with one all-reduce; returns the total norm.
 
-    torch's own refuses DTensors on different meshes (under TP x FSDP the blocks' are on (dp, tp),
-    the rest on dp alone), and a pipeline stage holds only its own parameters. So each rank sums the
+    torch's own stacks the parameters' norms, which under TP x FSDP fails ("All operands in
+    aten.stack.default must have the same mesh": the blocks' DTensors are on (dp, tp), the rest on
+    dp alone), and a pipeline stage holds only its own parameters. So each rank sums the
     squares of its local gradient shards, each divided by how many ranks hold that same shard
     (``replicas``, the data x tensor ranks of a stage, over the number of shards of the gradient),
     and one all-reduce over the job adds them up: stages, shards and replicas alike.

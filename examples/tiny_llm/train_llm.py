@@ -102,7 +102,11 @@ if plain_ddp:
     last_stage = True
 else:
     mesh = ctx.device_mesh()  # starts the gloo process group too
-    dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
+    if layout.sharding == "hybrid":  # a 2-D data axis; mesh["dp"] flattens it (replicate, shard) row-major
+        dp_rank = mesh.get_local_rank("dp_replicate") * layout.shard + mesh.get_local_rank("dp_shard")
+    else:
+        dp_rank = mesh.get_local_rank("dp")
+    dp_size = layout.data
     pp_rank = mesh["pp"].get_local_rank()
     first_stage, last_stage = pp_rank == 0, pp_rank == layout.pipeline - 1
 
@@ -144,6 +148,8 @@ optimizer = torch.optim.AdamW(
     [{"params": decayed, "weight_decay": params["weight_decay"]}, {"params": kept, "weight_decay": 0.0}],
     lr=params["lr"],
     betas=(0.9, 0.95),
+    # DTensor parameters: one fused kernel per group instead of a dozen dispatched ops per parameter.
+    fused=None if plain_ddp else True,
 )
 
 
