@@ -337,7 +337,7 @@ for step in range(start_step, params["steps"]):
             "params": params,
         }
         ctx.save_checkpoint(state, done)
-    else:  # written in the background while training goes on; the next save or finish commits it
+    else:  # written and committed in the background while training goes on (finish waits for it)
         ctx.save_checkpoint(sharded_state(done), done, sharded=True, async_save=True)
     if ctx.is_main:
         print(f"step {done}: train_loss {train_loss:.4f} val_perplexity {val_perplexity:.3f}", flush=True)

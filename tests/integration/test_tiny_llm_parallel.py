@@ -205,14 +205,14 @@ def test_a_killed_sharded_run_resumes_on_the_uninterrupted_loss_curve(
     expected = _curve(whole)
     assert sorted(expected) == [4, 8, 12]
     assert expected[12]["train_loss"] < expected[4]["train_loss"]  # it learns
-    assert _committed_steps(whole) == [4, 8, 12]  # the last one committed by finish
+    assert _committed_steps(whole) == [4, 8, 12]  # the last one committed by finish at the latest
     metadata = json.loads((whole.checkpoint_dir / "step-000012" / "metadata.json").read_text())
     assert metadata["format"] == "dcp"
     assert {f"__{rank}_0.distcp" for rank in range(PROCS)} <= set(metadata["files"])  # a shard per rank
 
-    # The same job in a fresh folder, SIGKILLed once a step is committed and before the end. An async
-    # save of step k is committed when the next save starts, so the kill lands while step k + 4 is
-    # written (its hidden folder is ignored) or soon after.
+    # The same job in a fresh folder, SIGKILLed once a step is committed (in the background, once
+    # every shard is written) and before the end: mid-way through the next steps, or while the
+    # next step's save is written (its hidden folder is ignored). It resumes from the newest one.
     killed = new_job(tmp_path / "killed")
     launch = Launch(killed, corpus, PARAMS, LAYOUTS[layout])
     deadline = time.monotonic() + JOB_DEADLINE_S
