@@ -6,9 +6,10 @@ Run it (from the repository root, with tunepod importable: `pip install -e .` or
     python examples/tiny_llm/evaluate_llm.py    # then: scores its latest checkpoint
 
 tunepod runs it as the evaluate step's job with TUNEPOD_CHECKPOINT_DIR pointing at a trial's
-checkpoints. The model is rebuilt from the checkpoint alone (its model_config); the result file gets
-test_perplexity (exp of the mean next-byte cross-entropy over every window of the test split), and
-the log a short greedy sample, to show what the model learned.
+checkpoints. The model is rebuilt from the checkpoint alone (its model_config); a sharded checkpoint
+(of an FSDP2, tensor- or pipeline-parallel trial) is read whole into this one process. The result
+file gets test_perplexity (exp of the mean next-byte cross-entropy over every window of the test
+split), and the log a short greedy sample, to show what the model learned.
 """
 
 import torch
