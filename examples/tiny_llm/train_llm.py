@@ -15,8 +15,10 @@ Parameters: lr (peak), lr_schedule (cosine: linear warmup for warmup_steps, then
 batch_size (windows per process per step), steps (optimizer steps in all), eval_interval, seed.
 Any other parameter is an error.
 Every eval_interval steps and at the end, it reports val_perplexity (exp of the mean next-byte
-cross-entropy over every window of the val split) and train_loss, and saves a checkpoint; the
-report and checkpoint step is the number of optimizer steps done.
+cross-entropy over every window of the val split), train_loss and tokens_per_s (the job's training
+throughput: tokens of every data rank's batches per second of training steps, evaluation left out),
+and saves a checkpoint; the report and checkpoint step is the number of optimizer steps done. Each
+rank also times its steps for tunepod's per-rank telemetry (ctx.step_done).
 
 The job's layout (ctx.parallelism, from the spec's train.parallelism) picks how the processes split
 the work. data x 1 x 1 with sharding none is plain DDP. Anything else builds ctx.device_mesh() and
@@ -29,6 +31,7 @@ draws the same one, and a resumed run draws exactly what the killed one would ha
 """
 
 import math
+import time
 
 import torch
 import torch.distributed as dist
@@ -144,12 +147,17 @@ if not plain_ddp:
 # Decay the matrices only: decaying LayerNorm gains and biases towards zero only hurts.
 decayed = [p for p in model.parameters() if p.dim() >= 2]
 kept = [p for p in model.parameters() if p.dim() < 2]
+# DTensor parameters: one fused kernel per group instead of a dozen dispatched ops per parameter. But
+# tensor parallelism without FSDP2 leaves the parameters it does not split (norms, embeddings) plain
+# tensors, and a fused (or foreach) kernel refuses a group that mixes them with DTensors
+# ("aten._fused_adamw_.default got mixed torch.Tensor and DTensor"): those step one parameter at a time.
+mixed = len({type(parameter).__name__ == "DTensor" for parameter in model.parameters()}) > 1
 optimizer = torch.optim.AdamW(
     [{"params": decayed, "weight_decay": params["weight_decay"]}, {"params": kept, "weight_decay": 0.0}],
     lr=params["lr"],
     betas=(0.9, 0.95),
-    # DTensor parameters: one fused kernel per group instead of a dozen dispatched ops per parameter.
-    fused=None if plain_ddp else True,
+    fused=None if plain_ddp or mixed else True,
+    foreach=False if mixed else None,
 )
 
 
@@ -225,6 +233,14 @@ def mean_over_ranks(value, count=1):
     total = torch.tensor([value, count], dtype=torch.float64)
     dist.all_reduce(total)
     return (total[0] / total[1]).item()
+
+
+def max_over_ranks(value):
+    if not distributed:
+        return value
+    largest = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    return largest.item()
 
 
 if not plain_ddp and layout.pipeline > 1:
@@ -303,7 +319,11 @@ def validation_loss():
 # ---------------------------------------------------------------------------------------------- train
 losses = []
 val_perplexity = math.nan
+# Tokens per optimizer step over the whole job: each data replica trains on its own batch.
+tokens_per_step = params["batch_size"] * params["context"] * layout.data
+training_s, trained_steps = 0.0, 0
 for step in range(start_step, params["steps"]):
+    step_started = time.perf_counter()
     trained.train()
     for group in optimizer.param_groups:
         group["lr"] = learning_rate(step)
@@ -318,6 +338,11 @@ for step in range(start_step, params["steps"]):
     optimizer.step()
 
     done = step + 1
+    training_s += time.perf_counter() - step_started
+    trained_steps += 1
+    # This rank's share of the step's work: the tensor and pipeline ranks of a data rank split its batch.
+    share = layout.tensor * layout.pipeline
+    ctx.step_done(done, samples=len(inputs) / share, tokens=inputs.numel() / share)
     # SIGTERM (preempted, requeued, pruned): evaluate and save this step now, then leave; it resumes here.
     stopping = ctx.should_stop()
     if done % params["eval_interval"] and done != params["steps"] and not stopping:
@@ -327,7 +352,9 @@ for step in range(start_step, params["steps"]):
     losses = []
     # Every rank holds the same weights after the all-reduced step, so every rank gets the same value.
     val_perplexity = perplexity(validation_loss())
-    ctx.report(done, val_perplexity=val_perplexity, train_loss=train_loss)
+    # The slowest rank's time: the ranks step in lockstep, so it is the job's.
+    tokens_per_s = tokens_per_step * trained_steps / max_over_ranks(training_s)
+    ctx.report(done, val_perplexity=val_perplexity, train_loss=train_loss, tokens_per_s=tokens_per_s)
     if plain_ddp:
         state = {
             "model": model.state_dict(),
@@ -347,6 +374,8 @@ for step in range(start_step, params["steps"]):
 
 if math.isnan(val_perplexity):  # resumed after the last step: score the checkpoint it resumed from
     val_perplexity = perplexity(validation_loss())
+# tokens_per_s was reported with the last step; a run that resumed after it trained nothing to time,
+# and tunepod then takes the value its last report gave.
 ctx.finish(val_perplexity=val_perplexity)
 if distributed:
     # Wait for rank 0's last checkpoint and result before anyone tears gloo down: a rank that leaves
