@@ -205,8 +205,9 @@ def test_a_webhook_event_runs_the_digits_deployment_with_the_payload_overrides(
         f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
         f"launcher.root={tmp_path}/shared",
         f"steps.search.with.study.storage=journal://{tmp_path}/optuna.log",
-        "steps.search.with.num_trials=2",
-        "steps.search.with.train.args.epochs=2",
+        # One short trial: what is under test is the event reaching the deployment with its payload.
+        "steps.search.with.num_trials=1",
+        "steps.search.with.train.args.epochs=1",
         "steps.check.with.top_k=1",
     ]
     deployment = api_get(stack, "/deployments/name/tunepod-pipeline/digits")
