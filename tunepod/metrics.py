@@ -125,6 +125,13 @@ class TunepodMetrics:
             list(RANK_LABELS),
             registry=registry,
         )
+        self.rank_cpu_busy = Gauge(
+            "tunepod_rank_cpu_busy_ratio",
+            "CPU seconds per wall second of one rank's training loop thread over the same window. Ranks "
+            "in lockstep share one step time; on CPU jobs the rank the others wait for is the one near 1.",
+            list(RANK_LABELS),
+            registry=registry,
+        )
         self.rank_peak_memory = Gauge(
             "tunepod_rank_peak_memory_bytes",
             "Peak memory of one rank of a running trial: CUDA's peak allocation when it uses CUDA, "
@@ -283,6 +290,7 @@ class TrialObserver:
                 ("rank_samples", measured.samples_per_s),
                 ("rank_tokens", measured.tokens_per_s),
                 ("rank_peak_memory", measured.peak_memory_bytes),
+                ("rank_cpu_busy", measured.cpu_busy),
             ):
                 if value is not None:
                     wanted[(gauge, rank_labels)] = float(value)

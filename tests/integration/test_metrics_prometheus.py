@@ -40,7 +40,7 @@ ALERTS = OBSERVABILITY / "alerts.yml"
 STALL = REPO / "tests" / "fixtures" / "trainers" / "stall.py"
 RANKS = REPO / "tests" / "fixtures" / "trainers" / "ranks.py"
 DASHBOARD = OBSERVABILITY / "grafana-dashboard.json"
-TELEMETRY = ("step_seconds", "samples_per_second", "tokens_per_second", "peak_memory_bytes")
+TELEMETRY = ("step_seconds", "samples_per_second", "tokens_per_second", "peak_memory_bytes", "cpu_busy_ratio")
 STUDY = "prom-quad"
 NUM_TRIALS = 3
 EPOCHS = 2
@@ -197,9 +197,9 @@ def test_a_tune_is_scraped_and_its_metrics_read_back_through_prometheus(
         with ThreadPoolExecutor(1) as pool:
             running = pool.submit(tuner.run)
             try:
-                # trial-0 waits after its first epoch: each of its 2 ranks has its 4 series.
+                # trial-0 waits after its first epoch: each of its 2 ranks has its 5 series.
                 per_rank = f'count by (rank) ({{__name__=~"tunepod_rank_.*", {first}}})'
-                assert prometheus.query_until(per_rank, {"0": 4, "1": 4}) == {"0": 4, "1": 4}, running
+                assert prometheus.query_until(per_rank, {"0": 5, "1": 5}) == {"0": 5, "1": 5}, running
                 # Each step counts 4 samples and 32 tokens: the rates of one window keep that ratio.
                 ratio = (
                     f"sum by (rank) (tunepod_rank_tokens_per_second{{{first}}})"
@@ -245,9 +245,8 @@ def test_a_tune_is_scraped_and_its_metrics_read_back_through_prometheus(
         for run in runs:
             metrics = run.data.metrics
             for rank in (0, 1):
-                assert {f"rank{rank}/{n}" for n in ("step_time_s", "samples_per_s", "tokens_per_s")} <= set(
-                    metrics
-                )
+                figures = ("step_time_s", "samples_per_s", "tokens_per_s", "cpu_busy")
+                assert {f"rank{rank}/{name}" for name in figures} <= set(metrics)
                 assert metrics[f"rank{rank}/peak_memory_bytes"] > 0
                 assert metrics[f"rank{rank}/tokens_per_s"] == pytest.approx(
                     8 * metrics[f"rank{rank}/samples_per_s"]

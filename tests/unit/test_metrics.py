@@ -232,6 +232,8 @@ def test_each_running_ranks_telemetry_is_a_gauge_per_rank_removed_when_the_job_e
             ("tunepod_rank_tokens_per_second", "trial-7", "0"): beats[0].tokens_per_s,
             ("tunepod_rank_peak_memory_bytes", "trial-7", "0"): beats[0].peak_memory_bytes,
             ("tunepod_rank_peak_memory_bytes", "trial-7", "1"): beats[1].peak_memory_bytes,
+            ("tunepod_rank_cpu_busy_ratio", "trial-7", "0"): beats[0].cpu_busy,
+            ("tunepod_rank_cpu_busy_ratio", "trial-7", "1"): beats[1].cpu_busy,
         }
         assert sample(metrics, "tunepod_rank_step_seconds", **LABELS, trial="trial-7", rank="0") is not None
         job.state()  # ended
@@ -408,7 +410,7 @@ def test_every_dashboard_expr_uses_a_metric_that_exists(metrics: TunepodMetrics)
     # Every series an expression reads is tunepod's, an exporter's the dashboard shows, or up.
     assert series - names - EXPORTER_METRICS - {"up"} == set()
     assert series >= EXPORTER_METRICS
-    assert len(rank_metrics) == 4 and rank_metrics <= series
+    assert len(rank_metrics) == 5 and rank_metrics <= series
     # Each metric has a panel.
     families = {family.name for family in metrics.registry.collect()}
     assert {f for f in families if not any(name.startswith(f) for name in used)} == set()

@@ -342,3 +342,57 @@ def test_ctx_step_done_in_a_job_publishes_every_ranks_telemetry_with_its_heartbe
     assert beat.rank == 1 and beat.step == 2 and beat.telemetry is not None
     assert (beat.telemetry.step, beat.telemetry.steps) == (2, 2)
     assert beat.telemetry.tokens_per_s == pytest.approx(5 * (beat.telemetry.samples_per_s or 0))
+
+
+STRAGGLER_SCRIPT = """
+import time
+import torch
+import torch.distributed as dist
+from tunepod import runtime
+
+ctx = runtime.init({})
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+compute_s = 0.08 if ctx.rank == 1 else 0.005  # rank 1 is the straggler
+signal = torch.zeros(1)
+for step in range(13):
+    end = time.perf_counter() + compute_s
+    while time.perf_counter() < end:  # work on the CPU
+        pass
+    dist.all_reduce(signal)  # every rank meets the slow one here, as DDP does each step
+    ctx.step_done(step, samples=1)
+ctx.finish(done=1.0)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_a_straggler_rank_stands_out_by_cpu_busy_where_step_times_match(tmp_path: Path) -> None:
+    """A real 2-rank gloo job in lockstep (an all-reduce every step) where rank 1 computes 80 ms a
+    step and rank 0 5 ms: both ranks' step times are the slow rank's, but rank 0 waits off the CPU in
+    the collective, so rank 1's CPU busy stands out."""
+    from ports import free_port
+
+    script = tmp_path / "straggler.py"
+    script.write_text(STRAGGLER_SCRIPT)
+    port = str(free_port())
+    base = {**os.environ, METRICS_FILE_ENV: str(tmp_path / "metrics.jsonl"), HEARTBEAT_S_ENV: "3600"}
+    base |= {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            env={**base, RANK_ENV: str(rank), "LOCAL_RANK": str(rank)},
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    for process in ranks:
+        _, stderr = process.communicate(timeout=120)
+        assert process.returncode == 0, stderr
+    fast, slow = (beat.telemetry for beat in read_progress(tmp_path / "progress"))  # the last beats
+    assert fast is not None and slow is not None and fast.steps == slow.steps == 12
+    # Lockstep: one step time for both (the slow rank's), so step time cannot tell them apart.
+    assert max(fast.step_time_s, slow.step_time_s) / min(fast.step_time_s, slow.step_time_s) < 1.3
+    assert fast.cpu_busy is not None and slow.cpu_busy is not None
+    assert slow.cpu_busy > fast.cpu_busy + 0.3, (fast, slow)

@@ -59,7 +59,7 @@ def test_each_ranks_figures_are_logged_under_its_rank_at_its_step_once_and_the_l
         assert logged == {
             f"rank{rank}/{figure}"
             for rank in (0, 1)
-            for figure in ("step_time_s", "samples_per_s", "tokens_per_s", "peak_memory_bytes")
+            for figure in ("step_time_s", "samples_per_s", "tokens_per_s", "peak_memory_bytes", "cpu_busy")
         }
         beats = {beat.rank: beat.telemetry for beat in read_progress(folder)}
         assert {report.time for report in tracker.reports} == {t.measured_at for t in beats.values() if t}
@@ -72,7 +72,7 @@ def test_each_ranks_figures_are_logged_under_its_rank_at_its_step_once_and_the_l
         mirror.finish(Final(tags={tags.STATE: "COMPLETE"}, status="FINISHED"))
         mirror.sync()  # the end: the last figures, whatever the time, and only the new ones
         assert [(report.step, sorted(report.metrics)[0]) for report in tracker.reports[2:]] == [
-            (3, "rank0/peak_memory_bytes")
+            (3, "rank0/cpu_busy")
         ]
         assert mirror.is_done
     finally:

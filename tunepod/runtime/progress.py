@@ -64,6 +64,12 @@ class StepTelemetry:
     """What ``peak_memory_bytes`` measures: ``cuda`` or ``rss``."""
     measured_at: float
     """Wall-clock time of the window's last step."""
+    cpu_busy: float | None = None
+    """CPU seconds of the thread that calls ``step_done`` (the training loop) per wall second, over
+    the window. Ranks in lockstep (DDP, FSDP) share one step time, the slowest rank's, so step time
+    cannot show which rank is slow; this can where waiting is off the CPU (gloo on CPU jobs: the
+    others wait in the collective, the slow rank computes): the rank near 1 is the one they wait for.
+    On GPU jobs the thread mostly waits for the device; there the GPU's own activity (DCGM) tells."""
 
 
 @dataclass(frozen=True)
@@ -168,6 +174,8 @@ class _Totals(NamedTuple):
     has_tokens: bool = False
     step: int = 0
     at: float = 0.0
+    cpu_seconds: float = 0.0
+    cpu_at: float = 0.0
     """``time.perf_counter()`` of the last step."""
 
 
@@ -185,14 +193,14 @@ class StepMeter:
         self._last: StepTelemetry | None = None
 
     def step_done(self, step: int, samples: float | None = None, tokens: float | None = None) -> None:
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.thread_time()
         totals = self._totals
         if samples is not None:
             samples = _count("samples", samples)
         if tokens is not None:
             tokens = _count("tokens", tokens)
         if totals is None:
-            self._totals = _Totals(step=step, at=now)
+            self._totals = _Totals(step=step, at=now, cpu_at=cpu)
             return
         # Positional: this runs every step.
         self._totals = _Totals(
@@ -204,6 +212,8 @@ class StepMeter:
             totals.has_tokens or tokens is not None,
             step,
             now,
+            totals.cpu_seconds + (cpu - totals.cpu_at),
+            cpu,
         )
 
     def window(self) -> StepTelemetry | None:
@@ -222,6 +232,7 @@ class StepMeter:
                 peak_memory_bytes=None,
                 memory=None,
                 measured_at=time.time() - (time.perf_counter() - totals.at),
+                cpu_busy=(totals.cpu_seconds - published.cpu_seconds) / seconds,
             )
         if self._last is None:
             return None

@@ -308,7 +308,8 @@ class RunMirror:
 
 def telemetry_report(beat: RankProgress) -> Report:
     """A rank's telemetry as the points MLflow logs: ``rank<N>/step_time_s``, ``/samples_per_s``,
-    ``/tokens_per_s`` (when the rank counts them) and ``/peak_memory_bytes``, at its step and time."""
+    ``/tokens_per_s`` (when the rank counts them), ``/peak_memory_bytes`` and ``/cpu_busy``, at its
+    step and time."""
     measured = beat.telemetry
     assert measured is not None
     figures = {
@@ -316,6 +317,7 @@ def telemetry_report(beat: RankProgress) -> Report:
         "samples_per_s": measured.samples_per_s,
         "tokens_per_s": measured.tokens_per_s,
         "peak_memory_bytes": measured.peak_memory_bytes,
+        "cpu_busy": measured.cpu_busy,
     }
     metrics = {f"rank{beat.rank}/{key}": float(value) for key, value in figures.items() if value is not None}
     return Report(step=measured.step, metrics=metrics, time=measured.measured_at)
