@@ -208,7 +208,9 @@ def test_a_tune_is_scraped_and_its_metrics_read_back_through_prometheus(
                 eight = {"0": pytest.approx(8), "1": pytest.approx(8)}
                 assert prometheus.query_until(ratio, eight) == eight
                 for name in TELEMETRY:
-                    assert all(v > 0 for v in prometheus.query(f"tunepod_rank_{name}{{{first}}}").values())
+                    values = prometheus.query(f"tunepod_rank_{name}{{{first}}}").values()
+                    # The ranks sleep through their steps: their CPU busy may round to 0.
+                    assert len(values) == 2 and all(v > 0 or name == "cpu_busy_ratio" for v in values)
                 dashboard_queries_run(prometheus)
             finally:
                 release.touch()  # the trials go on and complete
