@@ -45,8 +45,8 @@ def test_tiny_llm_pipeline_registers_a_model_better_than_uniform(
         f"steps.search.with.study.storage=journal://{tmp_path}/optuna.log",
         "steps.search.with.num_trials=2",
         "steps.search.with.num_parallel=2",
-        "steps.search.with.train.args.steps=60",
-        "steps.search.with.train.args.eval_interval=30",
+        "steps.search.with.train.args.steps=30",
+        "steps.search.with.train.args.eval_interval=15",
         "steps.check.with.top_k=1",
     ]
     run = PipelineRun.start(SPEC, overrides)
@@ -72,4 +72,4 @@ def test_tiny_llm_pipeline_registers_a_model_better_than_uniform(
     assert float(version.tags["tunepod.value"]) == check.best.value
     trial_run = client.get_run(best.run_id or "")
     history = client.get_metric_history(trial_run.info.run_id, "val_perplexity")
-    assert {30, 60} <= {m.step for m in history}  # one report per eval interval, mirrored into MLflow
+    assert {15, 30} <= {m.step for m in history}  # one report per eval interval, mirrored into MLflow
