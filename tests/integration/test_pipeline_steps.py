@@ -18,6 +18,7 @@ SPEC = "tests/fixtures/specs/steps_pipeline.yaml"
 
 def test_every_step_kind_in_order(in_repo: Path, isolated_overrides: list[str], tmp_path: Path) -> None:
     overrides = [*isolated_overrides, f"steps.search.with.study.storage=journal://{tmp_path}/optuna.log"]
+    overrides.append("steps.search.with.num_parallel=3")  # the three trials in one wave
     run = PipelineRun.start(SPEC, overrides)
     outputs: dict[str, StepOutput] = {}
     for name in run.dag.order:
