@@ -205,7 +205,8 @@ def test_a_webhook_event_runs_the_digits_deployment_with_the_payload_overrides(
     """The `digits` deployment of deployments/prefect.yaml runs whatever spec and overrides the event
     carries; here a tiny study (the digits flow itself runs through the stack in tests/e2e/test_ui.py),
     with one override that only the payload sets."""
-    spec_file, _, journal = write_tiny_study(tmp_path, f"sqlite:///{tmp_path}/mlflow.db", 1, epochs=1)
+    mlflow = stack.records()["mlflow-server"].url  # already set up: no SQLite migrations in the run
+    spec_file, _, journal = write_tiny_study(tmp_path, mlflow, 1, epochs=1)
     spec_path = str(spec_file)
     overrides = ["steps.search.with.study.name=from-the-payload"]
     deployment = api_get(stack, "/deployments/name/tunepod-pipeline/digits")
@@ -232,7 +233,8 @@ def test_a_webhook_event_runs_the_digits_deployment_with_the_payload_overrides(
 @pytest.mark.slow
 def test_tunepod_run_uses_the_running_stack_when_no_prefect_api_is_set(stack: Stack, tmp_path: Path) -> None:
     env = {name: value for name, value in stack.env.items() if name != "PREFECT_API_URL"}
-    spec, _, _ = write_tiny_study(tmp_path, f"sqlite:///{tmp_path}/mlflow.db", 1, epochs=1)
+    mlflow = stack.records()["mlflow-server"].url  # already set up: no SQLite migrations in the run
+    spec, _, _ = write_tiny_study(tmp_path, mlflow, 1, epochs=1)
     argv = [str(Path(sys.executable).parent / "tunepod"), "run", str(spec)]
     result = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
