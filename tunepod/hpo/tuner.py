@@ -479,6 +479,7 @@ class ReportFeed:
         self._study = tuner.settings.study
         self._seen = max(frozen.intermediate_values, default=-1)
         self._prunes = tuner.settings.pruner.kind != "none"
+        self._metrics = [goal.metric for goal in self._study.goals]
         self.last_step: int | None = None
         self.latest: dict[str, float] = {}
 
@@ -486,8 +487,7 @@ class ReportFeed:
         self._tuner.ctx.outbox.add(self._mirror)
         for report in reports:
             self.last_step = max(report.step, self.last_step or 0)
-            goals = (g.metric for g in self._study.goals)
-            self.latest |= {metric: report.metrics[metric] for metric in goals if metric in report.metrics}
+            self.latest |= {m: report.metrics[m] for m in self._metrics if m in report.metrics}
         if self._study.multi_objective:
             return False  # nothing to tell Optuna before the end, and no pruner (refused at spec load)
         metric = self._study.primary.metric
