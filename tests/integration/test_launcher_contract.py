@@ -27,7 +27,14 @@ from launcher_contract import (
 
 from tunepod.errors import JobError
 from tunepod.launch.base import JobHandle, JobSpec, JobState, Launcher, Resources
-from tunepod.launch.local import LocalJob, LocalLauncher, read_exit_code, read_process_stat, torchrun_argv
+from tunepod.launch.local import (
+    LocalJob,
+    LocalLauncher,
+    job_argv,
+    read_exit_code,
+    read_process_stat,
+    torchrun_argv,
+)
 from tunepod.launch.local.processes import submission_processes
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.submission import Submission, write_submission
@@ -47,7 +54,12 @@ class TestLocalLauncherContract(LauncherContract):
 
     def restart(self, launcher: Launcher) -> Launcher:
         assert isinstance(launcher, LocalLauncher)
-        return LocalLauncher(launcher.root, cancel_grace_s=launcher.cancel_grace_s, python=launcher.python)
+        return LocalLauncher(
+            launcher.root,
+            cancel_grace_s=launcher.cancel_grace_s,
+            python=launcher.python,
+            direct_single_process=launcher.direct_single_process,
+        )
 
     def kill_hard(self, handle: JobHandle) -> None:
         assert isinstance(handle, LocalJob)
@@ -114,6 +126,34 @@ def test_torchrun_argv_runs_procs_per_node_processes_on_this_machine(tmp_path: P
     )
     torchrun = ["/py", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3"]
     assert torchrun_argv(job, "/py") == [*torchrun, "train.py", "--lr", "0.1"]
+    assert job_argv(job, "/py") == torchrun_argv(job, "/py")
+
+
+def test_a_job_of_one_process_skips_torchrun_unless_told_not_to(tmp_path: Path) -> None:
+    job = JobSpec(name="t", entrypoint=Path("train.py"), job_dir=tmp_path, args=("--lr", "0.1"))
+    direct = job_argv(job, "/py")
+    assert direct[0] == "/usr/bin/env"
+    assert direct[-3:] == ["train.py", "--lr", "0.1"] and direct[-4] == "/py"
+    assert "torch.distributed.run" not in direct
+    assert job_argv(job, "/py", direct_single_process=False) == torchrun_argv(job, "/py")
+
+
+def test_a_direct_job_sees_what_torchrun_would_have_set(tmp_path: Path) -> None:
+    """The same one-process job under torchrun and started directly: every variable torchrun sets is
+    there with the same value, a process group initializes, and only torchrun's run has an agent."""
+    seen = {}
+    for direct in (True, False):
+        launcher = LocalLauncher(tmp_path / f"shared-{direct}", direct_single_process=direct)
+        out = tmp_path / f"seen-{direct}.json"
+        job = fixture_job(tmp_path / f"job-{direct}", "rank_env.py", str(out))
+        handle = launcher.submit(job)
+        assert finish(handle) is JobState.SUCCEEDED, handle.logs()
+        seen[direct] = json.loads(out.read_text())
+    assert seen[True]["env"] == seen[False]["env"]
+    assert seen[True]["env"]["RANK"] == "0" and seen[True]["env"]["WORLD_SIZE"] == "1"
+    assert seen[True]["world_size"] == seen[False]["world_size"] == 1
+    assert "torch.distributed.run" in seen[False]["parent"]
+    assert seen[True]["parent"][:2] == ["/bin/sh", "-c"]  # the exit-recording wrapper, no agent
 
 
 def test_pid_reused_by_a_stranger_is_not_our_job(local_launcher: LocalLauncher, tmp_path: Path) -> None:

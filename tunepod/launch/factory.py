@@ -19,7 +19,11 @@ def make_launcher(spec: LauncherSpec) -> Launcher:
     if isinstance(spec, LocalLauncherSpec):
         from tunepod.launch.local import LocalLauncher
 
-        return LocalLauncher(Path(spec.root).resolve(), cancel_grace_s=spec.cancel_grace_s)
+        return LocalLauncher(
+            Path(spec.root).resolve(),
+            cancel_grace_s=spec.cancel_grace_s,
+            direct_single_process=spec.direct_single_process,
+        )
     if isinstance(spec, SlurmLauncherSpec):
         from tunepod.launch.slurm import SlurmLauncher
 

@@ -49,6 +49,11 @@ class LocalLauncherSpec(Strict):
         ".tunepod/shared", description="Folder that fsx:/// paths and job directories live under."
     )
     cancel_grace_s: float = Field(10.0, ge=0, description="Seconds between SIGTERM and SIGKILL on cancel.")
+    direct_single_process: bool = Field(
+        True,
+        description="Start a job of one process with the interpreter itself, torchrun's variables set "
+        "(RANK=0, WORLD_SIZE=1, ...), saving torchrun's start-up and teardown; false: always torchrun.",
+    )
 
 
 class SlurmLauncherSpec(Strict):

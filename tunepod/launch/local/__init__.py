@@ -1,13 +1,15 @@
-"""The local launcher: jobs as ``torchrun`` process trees on this machine."""
+"""The local launcher: jobs as ``torchrun`` process trees (or one bare process) on this machine."""
 
 from tunepod.launch.local.launcher import LocalJob, LocalLauncher, LocalStatus, parse_job_id, read_exit_code
-from tunepod.launch.local.render import torchrun_argv, wrapper_argv
+from tunepod.launch.local.render import direct_argv, job_argv, torchrun_argv, wrapper_argv
 from tunepod.launch.procfs import read_process_stat
 
 __all__ = [
     "LocalJob",
     "LocalLauncher",
     "LocalStatus",
+    "direct_argv",
+    "job_argv",
     "parse_job_id",
     "read_exit_code",
     "read_process_stat",

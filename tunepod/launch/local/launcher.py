@@ -1,10 +1,11 @@
 """Run jobs as local ``torchrun`` processes: the launcher for a laptop, CI and a single machine.
 
-Each job is ``/bin/sh -c WRAPPER`` around ``python -m torch.distributed.run --standalone ...``
-(``render.py``), started in a session of its own so that it outlives the orchestrator. A job's id is
-``local-<submission id>``: every process of the job inherits that id (``processes.py``), which is how
-``find`` and ``stop`` reach them all, even after the wrapper is gone. The wrapper's pid and start time,
-recorded at submit, make the common "is it still running" question one ``/proc/<pid>/stat`` read.
+Each job is ``/bin/sh -c WRAPPER`` around ``python -m torch.distributed.run --standalone ...``, or
+around the bare interpreter for a job of one process (``render.py``), started in a session of its own
+so that it outlives the orchestrator. A job's id is ``local-<submission id>``: every process of the
+job inherits that id (``processes.py``), which is how ``find`` and ``stop`` reach them all, even after
+the wrapper is gone. The wrapper's pid and start time, recorded at submit, make the common "is it
+still running" question one ``/proc/<pid>/stat`` read.
 
 ``Resources.timeout_min`` is not enforced here: the caller enforces it by cancelling the job
 (``tunepod.launch.drive``), the same way for every backend that has no limit of its own.
@@ -27,7 +28,7 @@ from pathlib import Path
 from tunepod.errors import JobError
 from tunepod.launch.base import SUBMISSION_ID_ENV, Accepted, Job, JobSpec, JobState, LauncherBase, Rendered
 from tunepod.launch.local.processes import carries_submission, live_processes, submission_processes
-from tunepod.launch.local.render import parse_exit_file, torchrun_argv, wrapper_argv
+from tunepod.launch.local.render import job_argv, parse_exit_file, wrapper_argv
 from tunepod.launch.paths import JobPaths, file_logs
 from tunepod.launch.procfs import is_same_process, read_process_stat
 from tunepod.launch.status_cache import TrackedJob
@@ -110,12 +111,20 @@ class LocalLauncher(LauncherBase[LocalStatus]):
     kind = "local"
     stop_hint = "cancel it (kill the processes that carry TUNEPOD_SUBMISSION_ID of {job_id})"
 
-    def __init__(self, root: Path, cancel_grace_s: float = 10.0, python: str = sys.executable) -> None:
+    def __init__(
+        self,
+        root: Path,
+        cancel_grace_s: float = 10.0,
+        python: str = sys.executable,
+        *,
+        direct_single_process: bool = True,
+    ) -> None:
         # No cache: reading /proc is cheaper than any bookkeeping around it.
         super().__init__(poll_cache_s=0.0, cancel_timeout_s=_AFTER_KILL_WAIT_S, cancel_poll_s=_POLL_S)
         self.root = root
         self.cancel_grace_s = cancel_grace_s
         self.python = python
+        self.direct_single_process = direct_single_process
         self._children: dict[str, subprocess.Popen[bytes]] = {}
         self._children_lock = threading.Lock()
 
@@ -123,7 +132,8 @@ class LocalLauncher(LauncherBase[LocalStatus]):
 
     def render(self, job: JobSpec, attempt: int, variant: int = 0) -> Rendered:
         submission_id = job.env[SUBMISSION_ID_ENV]
-        argv = wrapper_argv(job.paths, torchrun_argv(job, self.python), submission_id)
+        command = job_argv(job, self.python, direct_single_process=self.direct_single_process)
+        argv = wrapper_argv(job.paths, command, submission_id)
         return Rendered(name=f"{JOB_ID_PREFIX}{submission_id}", payload=argv)
 
     def send(self, job: JobSpec, rendered: Rendered, intent: Submission) -> Accepted:

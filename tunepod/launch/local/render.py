@@ -1,5 +1,9 @@
 """The command a local job runs (pure): ``torchrun --standalone`` inside a shell that records its exit.
 
+A job of one process skips torchrun (unless the spec asks for it): the interpreter runs the entrypoint
+with the variables torchrun would have set. torchrun's agent costs seconds per job on a small machine
+(it imports torch, starts a rendezvous store and tears it down), more than many tuning trials train.
+
 The wrapper writes ``<exit code> <submission id>`` to ``JobPaths.exit_code`` (temp file, then rename)
 once the command has exited, so the outcome can be read by anyone later, including an orchestrator
 that restarted and was never the parent of the job; the submission id says which attempt it belongs to.
@@ -24,6 +28,40 @@ code=$?
 printf '%s %s\\n' "$code" "$submission" > "$exit_tmp" && command -p mv -f "$exit_tmp" "$exit_final"
 exit "$code"
 """
+
+
+# What torchrun --standalone exports to its only worker. MASTER_PORT=0: a one-process job that still
+# calls init_process_group binds a free port (world size 1: no peer has to find it).
+_SINGLE_PROCESS_ENV = {
+    "RANK": "0",
+    "LOCAL_RANK": "0",
+    "WORLD_SIZE": "1",
+    "LOCAL_WORLD_SIZE": "1",
+    "GROUP_RANK": "0",
+    "GROUP_WORLD_SIZE": "1",
+    "ROLE_RANK": "0",
+    "ROLE_WORLD_SIZE": "1",
+    "ROLE_NAME": "default",
+    "MASTER_ADDR": "localhost",
+    "MASTER_PORT": "0",
+    "TORCHELASTIC_RESTART_COUNT": "0",
+    "TORCHELASTIC_MAX_RESTARTS": "0",
+}
+
+
+def job_argv(job: JobSpec, python: str, *, direct_single_process: bool = True) -> list[str]:
+    """The command that runs ``job`` here: the interpreter itself for one process (when
+    ``direct_single_process``), else torchrun."""
+    if direct_single_process and job.resources.procs_per_node == 1:
+        return direct_argv(job, python)
+    return torchrun_argv(job, python)
+
+
+def direct_argv(job: JobSpec, python: str) -> list[str]:
+    """One process without torchrun: ``env`` sets torchrun's variables, then execs the interpreter.
+    An absolute ``env``: the job's environment may replace PATH."""
+    variables = [f"{name}={value}" for name, value in _SINGLE_PROCESS_ENV.items()]
+    return ["/usr/bin/env", *variables, python, str(job.entrypoint), *job.args]
 
 
 def torchrun_argv(job: JobSpec, python: str) -> list[str]:
