@@ -6,7 +6,7 @@ SPEC ?= examples/digits/pipeline.yaml
 # Two pytest workers: most tests wait on subprocesses and servers, so two overlap well even on two cores.
 TEST_WORKERS ?= 2
 
-.PHONY: venv demo test lint services bench-overhead bench-checkpoints chaos clean slurm-up slurm-down
+.PHONY: venv demo test lint services bench bench-overhead bench-checkpoints chaos clean slurm-up slurm-down
 
 # torch==2.13.0 first, with pip: it is the CPU build (pip finds it on this kind of machine's disk); a
 # bare `torch` requirement could pull a multi-GB CUDA build. The rest with uv, which installs the same
@@ -47,6 +47,12 @@ slurm-up:
 
 slurm-down:
 	scripts/slurm-down
+
+# Every benchmark side by side with its baseline, short forms (under 15 minutes on 2 cores); the long
+# forms: make bench BENCH_ARGS=--long; a subset: make bench BENCH_ARGS="--only scale,staging".
+bench: venv
+	$(VENV)/bin/uv pip install --quiet --python $(PY) -e '.[dev,bench]'
+	$(PY) -m benchmarks $(BENCH_ARGS)
 
 bench-overhead: venv
 	$(PY) benchmarks/overhead.py

@@ -1,0 +1,114 @@
+"""``tunepod run`` with a stopwatch around each piece of per-trial bookkeeping.
+
+    python -m benchmarks.scale.probe STATS_JSON run SPEC [--set ...]
+
+Wraps (before the CLI starts) the calls a trial costs the orchestrator: Optuna's ask and tell, every
+MLflow call of the tracker, the launcher's submit, and the Prefect task run around each trial (from
+its submission to the trial's start, plus from the trial's end to the flow seeing its result). At
+exit it writes, as JSON: per piece the number of calls and the summed wall seconds, and this
+process's own CPU seconds (its threads, not the jobs nor Prefect's server).
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import resource
+import sys
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+_totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+_lock = threading.Lock()
+_submitted: dict[int, float] = {}
+_ended: dict[int, float] = {}
+
+
+def _add(piece: str, seconds: float) -> None:
+    with _lock:
+        total = _totals[piece]
+        total[0] += 1
+        total[1] += seconds
+
+
+def _timed(piece: str, function: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(function)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            _add(piece, time.perf_counter() - start)
+
+    return timed
+
+
+def _wrap_methods(cls: type, piece: str, names: list[str]) -> None:
+    for name in names:
+        setattr(cls, name, _timed(piece, getattr(cls, name)))
+
+
+def _instrument() -> None:
+    import tasks.steps
+    from tunepod.hpo.trials import StudyTrials
+    from tunepod.hpo.tuner import Tuner
+    from tunepod.launch.base import LauncherBase
+    from tunepod.tracking.mlflow_tracker import MlflowTracker
+
+    _wrap_methods(Tuner, "ask", ["_ask"])
+    _wrap_methods(StudyTrials, "tell", ["tell"])
+    _wrap_methods(LauncherBase, "submission", ["submit"])
+    public = [n for n, v in vars(MlflowTracker).items() if callable(v) and not n.startswith("_")]
+    _wrap_methods(MlflowTracker, "MLflow", public)
+
+    run_trial = Tuner.run_trial
+
+    def timed_trial(self: Tuner, number: int) -> Any:
+        started = time.perf_counter()
+        if number in _submitted:
+            _add("Prefect task run", started - _submitted.pop(number))
+        try:
+            return run_trial(self, number)
+        finally:
+            _ended[number] = time.perf_counter()
+
+    Tuner.run_trial = timed_trial  # type: ignore[method-assign]
+    submit_trial = tasks.steps.submit_trial
+
+    def timed_submit(tuner: Tuner, number: int) -> Any:
+        _submitted[number] = time.perf_counter()
+        future = submit_trial(tuner, number)
+        future.add_done_callback(lambda _: _after_trial(number))
+        return future
+
+    tasks.steps.submit_trial = timed_submit
+
+
+def _after_trial(number: int) -> None:
+    ended = _ended.pop(number, None)
+    if ended is not None:
+        _add("Prefect task run", time.perf_counter() - ended)
+
+
+def _write(path: Path) -> None:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    pieces = {name: {"calls": int(c), "seconds": s} for name, (c, s) in _totals.items()}
+    path.write_text(json.dumps({"pieces": pieces, "cpu_s": usage.ru_utime + usage.ru_stime}))
+
+
+def main() -> None:
+    stats = Path(sys.argv[1])
+    atexit.register(_write, stats)
+    _instrument()
+    from tunepod.cli import app
+
+    app(sys.argv[2:], prog_name="tunepod")
+
+
+if __name__ == "__main__":
+    main()
