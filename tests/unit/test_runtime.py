@@ -20,6 +20,7 @@ import torch
 from tunepod import runtime
 from tunepod.runtime import checkpoints
 from tunepod.runtime.contract import read_contract
+from tunepod.tracking.mirror import ModelPlan, intact_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -399,6 +400,54 @@ def test_a_truncated_state_file_is_skipped(tmp_path: Path, capfd: pytest.Capture
     loaded = ctx.load_latest_checkpoint()
     assert loaded is not None and loaded.state == b"older"
     assert "state.pt has 0 bytes" in capfd.readouterr().err
+
+
+def test_the_sha256_hashed_while_writing_is_that_of_the_file_written(tmp_path: Path) -> None:
+    # Several MB each: torch writes a large storage in large writes, pickle a large bytes object in one.
+    ctx = context(tmp_path)
+    states = {0: {"w": torch.randn(2_000_000), "b": torch.arange(5)}, 1: os.urandom(3_000_000)}
+    for step, state in states.items():
+        folder = ctx.save_checkpoint(state, step)
+        assert folder is not None
+        metadata = json.loads((folder / "metadata.json").read_text())
+        assert metadata["sha256"] == hashlib.sha256((folder / "state.pt").read_bytes()).hexdigest()
+
+
+def test_the_saved_steps_are_listed_from_their_metadata_and_verified_where_loaded(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    ctx = context(tmp_path, TUNEPOD_KEEP_CHECKPOINTS="4")
+    for step in range(4):
+        ctx.save_checkpoint(b"x" * 1000, step)
+    folders = tmp_path / "checkpoints"
+    corrupt(folders / "step-000003" / "state.pt")  # same size: only its sha256 tells
+    (folders / "step-000002" / "state.pt").write_bytes(b"")  # its size tells
+
+    # The orchestrator's list trusts the metadata and the size: the corrupted step 3 is on it.
+    assert [info.step for info in checkpoints.saved_checkpoints(folders)] == [3, 1, 0]
+    # What loads a step verifies it, from the step asked for down.
+    found = checkpoints.verified_checkpoint(folders, 3)
+    assert found is not None and found.step == 1
+    err = capfd.readouterr().err
+    assert "step-000003: state.pt does not match the sha256" in err and "step-000002: state.pt has 0" in err
+    found = checkpoints.verified_checkpoint(folders, 0)
+    assert found is not None and found.step == 0
+    corrupt(folders / "step-000000" / "state.pt")
+    assert checkpoints.verified_checkpoint(folders, 0) is None
+
+
+def test_the_model_logged_is_an_intact_checkpoint(tmp_path: Path) -> None:
+    ctx = context(tmp_path)
+    for step in range(3):
+        ctx.save_checkpoint({"step": step}, step)
+    folders = tmp_path / "checkpoints"
+    plan = ModelPlan(folders / "step-000002", name="m", step=2, params={"lr": 0.1})
+    assert intact_model(plan) == plan
+    corrupt(folders / "step-000002" / "state.pt")
+    assert intact_model(plan) == ModelPlan(folders / "step-000001", name="m", step=1, params={"lr": 0.1})
+    for step in (0, 1):
+        corrupt(folders / f"step-{step:06d}" / "state.pt")
+    assert intact_model(plan) is None
 
 
 def test_only_the_newest_k_valid_steps_and_no_temp_folder_are_kept(tmp_path: Path) -> None:

@@ -18,6 +18,10 @@ not counted); the orchestrator reads it for its checkpoint metric, since a train
 prometheus-client. Checkpoints written before it existed have none.
 
 A step counts only when its ``metadata.json`` exists and the state file matches its size and sha256.
+The sha256 is computed once, as the state is written (a sharded step's files: once every rank wrote
+its own), and checked by whatever loads a step (a resume, an evaluation, the logged model that
+registration takes); the orchestrator's bookkeeping (a finished job's list of steps, the pruning of
+old ones) trusts the metadata and the files' sizes, which cost no reading.
 A save writes everything into a hidden temporary folder next to the final one, fsyncs the files and
 the folder, then renames it into place, so a job killed mid-save leaves a hidden folder that every
 reader ignores and the next save deletes before it writes (so the leftover never costs that save its
@@ -49,7 +53,7 @@ import types
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from tunepod.errors import TunepodError
 from tunepod.runtime.contract import KEEP_CHECKPOINTS_ENV
@@ -194,8 +198,7 @@ def _write_metadata(folder: Path, metadata: dict[str, Any]) -> None:
 def _write_step_folder(folder: Path, state: Any, step: int) -> None:
     state_path = folder / STATE_FILE
     started = time.monotonic()
-    state_format = _write_state(state_path, state)
-    sha256 = sha256_of(state_path)
+    state_format, sha256 = _write_state(state_path, state)
     metadata = {
         "step": step,
         "sha256": sha256,
@@ -207,14 +210,16 @@ def _write_step_folder(folder: Path, state: Any, step: int) -> None:
     _write_metadata(folder, metadata)
 
 
-def _write_state(path: Path, state: Any) -> str:
+def _write_state(path: Path, state: Any) -> tuple[str, str]:
+    """Write ``state`` to ``path`` and fsync it; returns its format and the sha256 of its bytes."""
     torch = None if isinstance(state, bytes | bytearray) else _import_torch()
     with open(path, "wb") as handle:
+        hashing = _HashingWriter(handle)
         if torch is not None:
-            torch.save(state, handle)
+            torch.save(state, hashing)
             state_format = TORCH_FORMAT
         else:
-            pickle.dump(state, handle, protocol=pickle.HIGHEST_PROTOCOL)
+            pickle.dump(state, hashing, protocol=pickle.HIGHEST_PROTOCOL)
             state_format = PICKLE_FORMAT
         handle.flush()
         os.fsync(handle.fileno())
@@ -224,7 +229,25 @@ def _write_state(path: Path, state: Any) -> str:
         refuse_unsafe_globals(torch.serialization.get_unsafe_globals_in_checkpoint(path))
     else:
         refuse_unsafe_globals(_pickle_globals(path))
-    return state_format
+    return state_format, hashing.digest.hexdigest()
+
+
+class _HashingWriter:
+    """A file being written, hashing every byte on its way in, so the state is not read back after the
+    write to hash it. Exact because both writers write strictly in order: ``torch.save`` into a file
+    object needs only ``write`` and ``flush`` (it never seeks), and so does ``pickle.dump``; every
+    load checks the file against this digest anyway."""
+
+    def __init__(self, handle: BinaryIO) -> None:
+        self._handle = handle
+        self.digest = hashlib.sha256()
+
+    def write(self, data: bytes) -> int:
+        self.digest.update(data)
+        return self._handle.write(data)
+
+    def flush(self) -> None:
+        self._handle.flush()
 
 
 def refuse_unsafe_globals(names: list[str]) -> None:
@@ -364,6 +387,28 @@ def valid_checkpoints(checkpoint_dir: Path) -> Iterator[CheckpointInfo]:
             yield found
 
 
+def saved_checkpoints(checkpoint_dir: Path) -> list[CheckpointInfo]:
+    """The steps whose save completed, newest first, as their metadata says (each file's size checked,
+    its sha256 not): the orchestrator's record of what a job left, at the job's end. Hashing them there
+    would reread every kept state of every trial; whatever loads a step verifies it
+    (``load_latest_checkpoint``, ``latest_checkpoint``, ``verified_checkpoint``)."""
+    found = (saved_checkpoint(folder) for folder in _step_folders_newest_first(checkpoint_dir))
+    return [info for info in found if info is not None]
+
+
+def verified_checkpoint(checkpoint_dir: Path, step: int) -> CheckpointInfo | None:
+    """Step ``step`` if it is intact (its sha256 verified), else the newest intact step before it;
+    ``None`` when there is none. Each step it passes over is named on stderr with the reason."""
+    for folder in _step_folders_newest_first(checkpoint_dir):
+        if _folder_step(folder) > step:
+            continue
+        found = _inspect(folder, verify_checksum=True)
+        if isinstance(found, CheckpointInfo):
+            return found
+        _warn_skipped(folder, found)
+    return None
+
+
 def saved_checkpoint(folder: Path) -> CheckpointInfo | None:
     """What the metadata of step folder ``folder`` says, if the save completed, without hashing the
     state: cheap enough for the orchestrator to poll. Use ``valid_checkpoints`` before trusting it."""
@@ -387,6 +432,13 @@ def _step_folders_newest_first(checkpoint_dir: Path) -> list[Path]:
         if match and entry.is_dir():
             steps.append((int(match.group(1)), entry))
     return [folder for _, folder in sorted(steps, reverse=True)]
+
+
+def _folder_step(folder: Path) -> int:
+    """The step in a ``step-N`` folder's name (one that ``_step_folders_newest_first`` listed)."""
+    match = _STEP_FOLDER.match(folder.name)
+    assert match is not None, folder
+    return int(match.group(1))
 
 
 def _inspect(folder: Path, verify_checksum: bool) -> CheckpointInfo | str:

@@ -8,7 +8,8 @@ from pathlib import Path
 from tunepod.errors import JobError
 from tunepod.launch.paths import JobPaths
 from tunepod.outputs import Dataset, StepOutput, TrialRecord, TrialSet
-from tunepod.runtime import Result, latest_checkpoint, valid_checkpoints
+from tunepod.runtime import Result
+from tunepod.runtime.checkpoints import saved_checkpoints
 from tunepod.spec.models import TrainSettings
 from tunepod.steps.context import StepContext
 from tunepod.steps.inputs import only_input, optional_input
@@ -92,8 +93,9 @@ def _completed(
     params: dict[str, object],
     result: Result,
 ) -> Final:
-    paths = JobPaths(job_dir)
-    latest = latest_checkpoint(paths.checkpoints)
+    # As the metadata says, unhashed: the mirror verifies the checkpoint it logs as the model.
+    saved = saved_checkpoints(JobPaths(job_dir).checkpoints)
+    latest = saved[0] if saved else None
     model = None
     if latest is not None:
         model = ModelPlan(latest.path, name=f"{ctx.spec.name}-{name}", step=latest.step, params=params)
@@ -101,7 +103,7 @@ def _completed(
     value = result.metrics.get(settings.metric) if settings.metric else None
     if settings.metric and value is not None:
         metrics = (FinalMetric(settings.metric, value, result.step, timestamp_ms=int(result.time * 1000)),)
-    checkpoints = tuple(c.path for c in valid_checkpoints(paths.checkpoints))
+    checkpoints = tuple(c.path for c in saved)
     return Final(
         tags={tags.STATE: "COMPLETE"},
         status="FINISHED",

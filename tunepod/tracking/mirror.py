@@ -23,7 +23,7 @@ import math
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
@@ -31,6 +31,7 @@ from pydantic import BaseModel, ValidationError
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.submission import read_submission
 from tunepod.runtime import Report, ReportTail, read_reports
+from tunepod.runtime.checkpoints import verified_checkpoint
 from tunepod.runtime.files import write_bytes_atomic
 from tunepod.runtime.progress import RankProgress, read_progress
 from tunepod.tracking import tags
@@ -291,11 +292,16 @@ class RunMirror:
             self.tracker.end_run(run_id, final.status)
         self._save(finalized=True)
 
-    def _log_model(self, run_id: str, model: ModelPlan) -> str:
+    def _log_model(self, run_id: str, model: ModelPlan) -> str | None:
         # Looked up first: a reply lost after the model was logged must not log it twice.
-        model_id = self.tracker.find_logged_model(run_id, model.name) or self.tracker.log_checkpoint_model(
-            run_id, model.checkpoint, name=model.name, step=model.step, params=model.params
-        )
+        model_id = self.tracker.find_logged_model(run_id, model.name)
+        if model_id is None:
+            intact = intact_model(model)
+            if intact is None:
+                return None
+            model_id = self.tracker.log_checkpoint_model(
+                run_id, intact.checkpoint, name=intact.name, step=intact.step, params=intact.params
+            )
         self._save(model_id=model_id)
         return model_id
 
@@ -304,6 +310,19 @@ class RunMirror:
         write_bytes_atomic(JobPaths(self.job_dir).tracking, self._state.model_dump_json().encode())
         if self._state.run_id is not None:
             self._run_known.set()
+
+
+def intact_model(model: ModelPlan) -> ModelPlan | None:
+    """``model`` once its checkpoint's sha256 is verified (the logged model is what registration
+    takes, so it is hashed here, once, and not at the trial's end with every kept step); if that step
+    is corrupted, the newest intact one before it; None, logged, when no step is intact."""
+    found = verified_checkpoint(model.checkpoint.parent, model.step)
+    if found is None:
+        logger.error("no intact checkpoint up to %s: no model is logged for it", model.checkpoint)
+        return None
+    if found.path != model.checkpoint:
+        logger.warning("%s is corrupted; logging the model of %s instead", model.checkpoint, found.path)
+    return replace(model, checkpoint=found.path, step=found.step)
 
 
 def telemetry_report(beat: RankProgress) -> Report:
