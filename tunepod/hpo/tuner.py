@@ -24,6 +24,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
+import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from tunepod.errors import JobError, TunepodError
@@ -39,7 +40,8 @@ from tunepod.launch.watchdog import Limits
 from tunepod.locks import locked
 from tunepod.metrics import default_metrics
 from tunepod.outputs import Dataset, Goal, TrialOutcome, TrialRecord, TrialSet
-from tunepod.runtime import Parallelism, Report, latest_checkpoint, valid_checkpoints
+from tunepod.runtime import Parallelism, Report
+from tunepod.runtime.checkpoints import saved_checkpoints
 from tunepod.spec.models import TuneSettings
 from tunepod.spec.parallelism import job_layout, script_params
 from tunepod.tracking import MlflowTracker, tags
@@ -72,6 +74,8 @@ RUN_STATUS: dict[TrialState, RunStatus] = {
 RUN_ID_WAIT_S = 5.0
 # How often the loop looks at trials that other orchestrators drive.
 FOLLOW_POLL_S = 1.0
+# Optuna is told every step below 10**3, then steps of this many significant digits (next_step_to_tell).
+_DENSE_STEPS_DIGITS = 3
 
 # Runs one trial to its end, somewhere (a thread, a Prefect task run), and hands back a future.
 TrialSubmitter = Callable[["Tuner", int], "Future[TrialRecord]"]
@@ -320,6 +324,7 @@ class Tuner:
 
     def _conclude(self, number: int, driven: DriveResult, mirror: RunMirror, feed: ReportFeed) -> None:
         """Tell Optuna the outcome (the truth), then hand the final record to the outbox."""
+        feed.tell_last_step()
         frozen = self.trials.frozen(number)
         if driven.outcome is Outcome.COMPLETED:
             values = {goal.metric: feed.objective(driven, goal.metric) for goal in self.settings.study.goals}
@@ -379,7 +384,10 @@ class Tuner:
         if frozen.state is TrialState.FAIL:
             error = frozen.user_attrs.get(ATTR_ERROR)
             return Final(tags={tags.STATE: state}, status="FAILED", error=str(error) if error else None)
-        checkpoints = tuple(c.path for c in valid_checkpoints(paths.checkpoints))
+        # As the metadata says: the mirror verifies the checkpoint it logs as the model, and nothing
+        # else here loads one (hashing every kept state at every trial's end would reread them all).
+        saved = saved_checkpoints(paths.checkpoints)
+        checkpoints = tuple(c.path for c in saved)
         if frozen.state is TrialState.PRUNED:
             return Final(
                 tags={tags.STATE: state, tags.PRUNED_AT_STEP: last_step},
@@ -395,7 +403,7 @@ class Tuner:
             )
             for goal, value in zip(self.settings.study.goals, frozen.values, strict=True)
         )
-        latest = latest_checkpoint(paths.checkpoints)
+        latest = saved[0] if saved else None
         model = None
         if latest is not None:
             params = {**self.settings.train.args, **frozen.params}
@@ -470,14 +478,23 @@ class ReportFeed:
     """A trial's reports -> Optuna and the outbox; the driver calls it with the reports that appeared
     since its last call (all of them again after an orchestrator restart), and it answers True when
     the pruner says stop. It keeps each objective's last reported value for ``objective``: Optuna
-    stores intermediate values for single-objective studies only."""
+    stores intermediate values for single-objective studies only.
+
+    Optuna is told the primary metric's value at the steps ``next_step_to_tell`` picks (every step of
+    a trial's first 1,000, then about 900 per tenfold), and at the trial's last step when it ends
+    (``tell_last_step``): a job may report 100,000 steps, and Optuna's journal storage copies all of a
+    trial's values on each new one. The pruner is asked once per call, and only when it was told
+    something new. The steps told follow from the reports alone, so a restarted orchestrator that
+    reads them again tells the same ones."""
 
     def __init__(self, tuner: Tuner, frozen: FrozenTrial, mirror: RunMirror) -> None:
         self._tuner = tuner
         self._mirror = mirror
         self._number = frozen.number
         self._study = tuner.settings.study
-        self._seen = max(frozen.intermediate_values, default=-1)
+        self._told = max(frozen.intermediate_values, default=-1)
+        self._untold: Report | None = None
+        self._live: optuna.trial.Trial | None = None
         self._prunes = tuner.settings.pruner.kind != "none"
         self._metrics = [goal.metric for goal in self._study.goals]
         self.last_step: int | None = None
@@ -491,14 +508,36 @@ class ReportFeed:
         if self._study.multi_objective:
             return False  # nothing to tell Optuna before the end, and no pruner (refused at spec load)
         metric = self._study.primary.metric
-        fresh = [r for r in reports if r.step > self._seen and metric in r.metrics]
-        if not fresh:
-            return False
-        live = self._tuner.trials.live(self._number)
-        for report in fresh:
-            retried(lambda: live.report(report.metrics[metric], report.step))  # noqa: B023 (called at once)
-        self._seen = max(r.step for r in fresh)
-        return self._prunes and retried(live.should_prune)
+        told = False
+        for report in reports:
+            if report.step <= self._told or metric not in report.metrics:
+                continue  # told already (a resumed job redoes steps), or not about the objective
+            if report.step >= next_step_to_tell(self._told):
+                self._tell(report)
+                told = True
+            elif self._untold is None or report.step >= self._untold.step:
+                self._untold = report
+        return told and self._prunes and bool(retried(self._trial().should_prune))
+
+    def tell_last_step(self) -> None:
+        """Tell Optuna the newest value it was not told, so that the trial's intermediate values end at
+        its last step (TPE ranks pruned trials by it; Hyperband sizes its brackets by it)."""
+        if self._untold is not None and self._untold.step > self._told:
+            self._tell(self._untold)
+
+    def _tell(self, report: Report) -> None:
+        value = report.metrics[self._study.primary.metric]
+        live = self._trial()
+        retried(lambda: live.report(value, report.step))
+        self._told = report.step
+        self._untold = None
+
+    def _trial(self) -> optuna.trial.Trial:
+        """One ``optuna.trial.Trial`` for the trial's whole run, as ``study.optimize`` keeps: making one
+        reads the trial from the storage, with every value it was told."""
+        if self._live is None:
+            self._live = self._tuner.trials.live(self._number)
+        return self._live
 
     def objective(self, driven: DriveResult, metric: str) -> float | None:
         """An objective's value: what the job passed to ``finish``, else the last value it reported."""
@@ -516,6 +555,17 @@ class ReportFeed:
 def _last_step(frozen: FrozenTrial) -> int | None:
     step = frozen.user_attrs.get(ATTR_LAST_STEP)
     return max(frozen.intermediate_values, default=int(step) if step is not None else None)
+
+
+def next_step_to_tell(told: int) -> int:
+    """The first step whose value Optuna is told after step ``told`` (-1: none yet): every step below
+    1,000, then the steps of three significant digits (every 10th below 10,000, every 100th below
+    100,000...), or the first step reported past one. Optuna keeps every value in memory and in its
+    storage, and its journal storage copies a trial's values on each new one, so telling it 100,000
+    steps would cost time quadratic in them; a pruner needs no finer steps. Every trial of a study
+    reporting the same steps is told the same ones, so a median pruner still compares at equal steps."""
+    spacing = int(10 ** max(0, len(str(told + 1)) - _DENSE_STEPS_DIGITS))
+    return (told // spacing + 1) * spacing
 
 
 def _set_aside_stale(job_dir: Path) -> None:
