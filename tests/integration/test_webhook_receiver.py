@@ -8,6 +8,7 @@ metrics, and the ``sign`` / ``serve`` commands.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -199,6 +200,27 @@ def test_a_redelivery_after_a_restart_is_a_duplicate_of_the_first_event(
     assert [e["id"] for e in delivered if e["payload"]["delivery_id"] == headers["webhook-id"]] == [event_id]
 
 
+def test_twenty_concurrent_copies_of_one_delivery_publish_one_event(receiver: Receiver) -> None:
+    body = json.dumps({"num_trials": 4}).encode()
+    headers = {"Content-Type": "application/json", **standard_headers([SECRET], body)}
+
+    async def send_copies() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=20)) as client:
+            url = f"{receiver.url}/hooks/digits"
+            return await asyncio.gather(*(client.post(url, content=body, headers=headers) for _ in range(20)))
+
+    answers = asyncio.run(send_copies())
+    assert sorted(answer.status_code for answer in answers) == [200] * 19 + [202], [a.text for a in answers]
+    assert len({answer.json()["event_id"] for answer in answers}) == 1
+    event_id = answers[0].json()["event_id"]
+    # Prefect stores events in the order they arrive: once a later delivery's event is stored, any event
+    # the copies published is stored too.
+    later = receiver.send("digits", {"num_trials": 1})
+    wait_for_event(receiver.api_url, later.json()["event_id"])
+    delivered = prefect_events(receiver.api_url, event={"name": ["tunepod.webhook.digits"]})
+    assert [e["id"] for e in delivered if e["payload"]["delivery_id"] == headers["webhook-id"]] == [event_id]
+
+
 # ---------------------------------------------------------------------------------------------- rejecting
 
 
@@ -280,6 +302,31 @@ def test_a_failed_publish_is_502_and_the_retry_publishes(
     assert "retry" in failed.json()["detail"]
     with Receiver(config, api_url, tmp_path / "state").running() as up:
         assert up.post("digits", body, headers).status_code == 202
+
+
+def test_an_edited_spec_is_checked_again_at_the_next_delivery(
+    api_url: str, in_repo: Path, tmp_path: Path
+) -> None:
+    # The receiver reuses a verdict on the same overrides, but never past a change of the spec file.
+    spec = tmp_path / "pipeline.yaml"
+    spec.write_text((in_repo / SPEC).read_text())
+    hook = {
+        "spec": str(spec),
+        "secrets": [{"env": "TEST_DIGITS_SECRET"}],
+        "overrides": ["name={payload.name}"],
+    }
+    config_file = tmp_path / "hooks.yaml"
+    config_file.write_text(yaml.safe_dump({"hooks": {"edited": hook}}))
+    config = load_webhook_config(config_file, ENVIRON)
+    with Receiver(config, api_url, tmp_path / "state").running() as running:
+        assert running.send("edited", {"name": "digits-a"}).status_code == 202
+        spec.write_text(spec.read_text() + "colour: red\n")
+        rejected = running.send("edited", {"name": "digits-a"})
+        assert rejected.status_code == 422, rejected.text
+        assert "colour" in rejected.json()["detail"]
+        spec.write_text((in_repo / SPEC).read_text())
+        assert running.send("edited", {"name": "digits-a"}).status_code == 202
+    running.http.close()
 
 
 # ---------------------------------------------------------------------------------------------- secrets
@@ -405,3 +452,32 @@ def test_serve_refuses_to_start_without_prefect_api_url_or_with_a_bad_config(in_
     bad = run_cli("serve", "--config", "deployments/webhooks.yaml", env=env)
     assert bad.returncode == 2
     assert b"hooks.s3-upload.secrets[0].env: environment variable TUNEPOD_HOOK_S3_SECRET" in bad.stderr
+
+
+# ---------------------------------------------------------------------------------------------- benchmark
+
+
+def test_the_intake_benchmark_gets_only_expected_answers(api_url: str, in_repo: Path, tmp_path: Path) -> None:
+    """``python -m benchmarks.webhook`` on a handful of requests (``make bench`` runs the real one): both
+    servers start as a user starts them, every request of every side gets its expected answer (202;
+    204 from Prefect for the sink alone), the tables print. Never a speed check. Without its race: the
+    test above runs the same race against the receiver."""
+    figures_file = tmp_path / "figures.json"
+    argv = [sys.executable, "-m", "benchmarks.webhook", "--requests", "4", "--warmup", "2", "--rounds", "1"]
+    argv += ["--concurrency", "2", "--race-copies", "0", "--no-settle", "--prefect-api", api_url]
+    argv += ["--dir", str(tmp_path / "bench"), "--json", str(figures_file)]
+    done = subprocess.run(
+        argv, cwd=in_repo, env={**os.environ, "COLUMNS": "200"}, capture_output=True, text=True, timeout=120
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    figures = json.loads(figures_file.read_text())
+    assert figures["failures"] == []
+    answers = {name: row["statuses"] for name, row in figures["levels"]["2"]["rows"].items()}
+    assert answers == {
+        "baseline": {"202": 4},
+        "tunepod": {"202": 4},
+        "tunepod-new": {"202": 4},
+        "sink alone": {"204": 4},
+    }
+    assert "goal: tunepod adds at most 5 ms at p95, 2 in flight" in done.stdout, output
