@@ -179,13 +179,16 @@ class RunMirror:
 
     def sync(self) -> None:
         """Bring the run up to date. Raises whatever MLflow raises; calling again later is safe."""
+        # Read before the reports: once the outcome is known the job has ended, so the reports read
+        # next are all of them. Read after, a batch that took long to log could have started before
+        # the job's last reports, and the run would end with them still to come.
+        with self._lock:
+            final = self._final
         self._catch_up_with_disk()
         run_id = self._ensure_run()
         self._sync_job_tags(run_id)
         if self.mirror_reports:
             self._sync_reports(run_id)
-        with self._lock:
-            final = self._final
         if self.mirror_telemetry and not self._state.finalized:
             self._sync_telemetry(run_id, last=final is not None)
         if final is not None and not self._state.finalized:

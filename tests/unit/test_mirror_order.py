@@ -1,0 +1,60 @@
+"""``RunMirror.sync``: a run's final record (its end) comes after every report of its job, even when
+the job ends while a batch of its reports is being logged. The tracker is a recording double of the
+calls the mirror makes (MLflow itself is under the mirror in tests/integration/test_tuner.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, cast
+
+from tunepod.launch.paths import JobPaths
+from tunepod.runtime import Report
+from tunepod.runtime.metrics import append_report
+from tunepod.tracking import tags
+from tunepod.tracking.mirror import Final, RunMirror
+from tunepod.tracking.mlflow_tracker import MlflowTracker
+
+
+class RecordingTracker:
+    """Records the calls in order; ``during_first_log`` runs inside the first ``log_reports``."""
+
+    def __init__(self, during_first_log: Callable[[], None]) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        self._during_first_log: Callable[[], None] | None = during_first_log
+
+    def log_reports(self, run_id: str, reports: list[Report]) -> None:
+        self.calls.append(("log_reports", [report.step for report in reports]))
+        if self._during_first_log is not None:
+            hook, self._during_first_log = self._during_first_log, None
+            hook()
+
+    def set_tags(self, run_id: str, values: dict[str, Any]) -> None:
+        self.calls.append(("set_tags", dict(values)))
+
+    def end_run(self, run_id: str, status: str) -> None:
+        self.calls.append(("end_run", status))
+
+
+def test_the_run_ends_after_the_reports_the_job_wrote_while_a_batch_was_logged(tmp_path: Path) -> None:
+    metrics = JobPaths(tmp_path).metrics
+    for step in range(10):
+        append_report(metrics, step, {"score": 0.5})
+    final = Final(tags={tags.STATE: "COMPLETE"}, status="FINISHED")
+    mirror: RunMirror | None = None
+
+    def job_ends() -> None:  # the job's last reports, its end, and the tuner's finish, meanwhile
+        for step in range(10, 20):
+            append_report(metrics, step, {"score": 0.7})
+        assert mirror is not None
+        mirror.finish(final)
+
+    tracker = RecordingTracker(job_ends)
+    mirror = RunMirror(cast(MlflowTracker, tracker), tmp_path, run_id="run-1", mirror_telemetry=False)
+    while not mirror.is_done:  # as the outbox does: sync again after every finish
+        mirror.sync()
+
+    logged = [step for name, steps in tracker.calls if name == "log_reports" for step in steps]
+    assert logged == list(range(20))
+    assert tracker.calls[-1] == ("end_run", "FINISHED")
+    assert [name for name, _ in tracker.calls].index("end_run") == len(tracker.calls) - 1
