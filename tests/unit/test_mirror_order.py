@@ -1,6 +1,7 @@
 """``RunMirror.sync``: a run's final record (its end) comes after every report of its job, even when
-the job ends while a batch of its reports is being logged. The tracker is a recording double of the
-calls the mirror makes (MLflow itself is under the mirror in tests/integration/test_tuner.py)."""
+the job ends while a batch of its reports is being logged; a backlog of reports is logged batch by
+batch, each saved as mirrored. The tracker is a recording double of the calls the mirror makes (MLflow
+itself is under the mirror in tests/integration/test_tuner.py)."""
 
 from __future__ import annotations
 
@@ -8,22 +9,30 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
+import pytest
+
 from tunepod.launch.paths import JobPaths
 from tunepod.runtime import Report
 from tunepod.runtime.metrics import append_report
+from tunepod.tracking import mirror as mirror_module
 from tunepod.tracking import tags
-from tunepod.tracking.mirror import Final, RunMirror
+from tunepod.tracking.mirror import Final, RunMirror, read_mirror_state
 from tunepod.tracking.mlflow_tracker import MlflowTracker
 
 
 class RecordingTracker:
-    """Records the calls in order; ``during_first_log`` runs inside the first ``log_reports``."""
+    """Records the calls in order; ``during_first_log`` runs inside the first ``log_reports``, and the
+    call numbered ``fail_at`` (from 1) raises, as MLflow does while it is away."""
 
-    def __init__(self, during_first_log: Callable[[], None]) -> None:
+    def __init__(self, during_first_log: Callable[[], None] | None = None, fail_at: int = 0) -> None:
         self.calls: list[tuple[str, Any]] = []
-        self._during_first_log: Callable[[], None] | None = during_first_log
+        self._during_first_log = during_first_log
+        self._fail_at = fail_at
 
     def log_reports(self, run_id: str, reports: list[Report]) -> None:
+        if len(self.calls) + 1 == self._fail_at:
+            self._fail_at = 0
+            raise ConnectionError("MLflow is not there")
         self.calls.append(("log_reports", [report.step for report in reports]))
         if self._during_first_log is not None:
             hook, self._during_first_log = self._during_first_log, None
@@ -58,3 +67,19 @@ def test_the_run_ends_after_the_reports_the_job_wrote_while_a_batch_was_logged(t
     assert logged == list(range(20))
     assert tracker.calls[-1] == ("end_run", "FINISHED")
     assert [name for name, _ in tracker.calls].index("end_run") == len(tracker.calls) - 1
+
+
+def test_a_backlog_is_logged_batch_by_batch_and_each_saved_as_mirrored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(mirror_module, "REPORTS_PER_BATCH", 4)
+    for step in range(10):
+        append_report(JobPaths(tmp_path).metrics, step, {"score": 0.5})
+    tracker = RecordingTracker(fail_at=2)
+    mirror = RunMirror(cast(MlflowTracker, tracker), tmp_path, run_id="run-1", mirror_telemetry=False)
+    with pytest.raises(ConnectionError):
+        mirror.sync()
+    assert read_mirror_state(tmp_path).synced_step == 3  # the first batch is in, and saved so
+    mirror.sync()
+    assert [steps for _, steps in tracker.calls] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert read_mirror_state(tmp_path).synced_step == 9

@@ -39,6 +39,8 @@ from tunepod.tracking.mlflow_tracker import MlflowTracker, RunStatus
 
 logger = logging.getLogger(__name__)
 
+REPORTS_PER_BATCH = 1000
+"""Reports logged to MLflow between two saves of how far the run is up to date."""
 TELEMETRY_MIRROR_S = 30.0
 """While a job runs, its ranks' telemetry is logged at most this often (the final record always logs
 the last figures): a point per rank and figure every 30 s, whatever the job's step rate."""
@@ -236,12 +238,17 @@ class RunMirror:
 
     def _sync_reports(self, run_id: str) -> None:
         self._pending += [r for r in self._tail.read_new() if r.step > self._state.synced_step]
-        if not self._pending:
-            return
-        self.tracker.log_reports(run_id, self._pending)
-        synced = max(r.step for r in self._pending)
-        self._pending = []
-        self._save(synced_step=synced)
+        # Saved after each batch: a job that reported faster than MLflow took its reports leaves a
+        # backlog, and a restart (or an MLflow outage) then costs one batch, not the whole backlog.
+        pending, logged = self._pending, 0
+        try:
+            while logged < len(pending):
+                batch = pending[logged : logged + REPORTS_PER_BATCH]
+                self.tracker.log_reports(run_id, batch)
+                logged += len(batch)
+                self._save(synced_step=max(self._state.synced_step, *(r.step for r in batch)))
+        finally:
+            self._pending = pending[logged:]
 
     def _sync_telemetry(self, run_id: str, *, last: bool) -> None:
         """Log the ranks' figures that are newer than the logged ones; while the job runs (not
