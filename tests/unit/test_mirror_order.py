@@ -1,7 +1,8 @@
 """``RunMirror.sync``: a run's final record (its end) comes after every report of its job, even when
 the job ends while a batch of its reports is being logged; a backlog of reports is logged batch by
-batch, each saved as mirrored. The tracker is a recording double of the calls the mirror makes (MLflow
-itself is under the mirror in tests/integration/test_tuner.py)."""
+batch, each saved as mirrored; a final objective that is the job's own last point is not logged
+twice. The tracker is a recording double of the calls the mirror makes (MLflow itself is under the
+mirror in tests/integration/test_tuner.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from tunepod.runtime import Report
 from tunepod.runtime.metrics import append_report
 from tunepod.tracking import mirror as mirror_module
 from tunepod.tracking import tags
-from tunepod.tracking.mirror import Final, RunMirror, read_mirror_state
+from tunepod.tracking.mirror import Final, FinalMetric, RunMirror, read_mirror_state
 from tunepod.tracking.mlflow_tracker import MlflowTracker
 
 
@@ -37,6 +38,9 @@ class RecordingTracker:
         if self._during_first_log is not None:
             hook, self._during_first_log = self._during_first_log, None
             hook()
+
+    def log_metric(self, run_id: str, key: str, value: float, **point: Any) -> None:
+        self.calls.append(("log_metric", (key, value, point["step"])))
 
     def set_tags(self, run_id: str, values: dict[str, Any]) -> None:
         self.calls.append(("set_tags", dict(values)))
@@ -83,3 +87,22 @@ def test_a_backlog_is_logged_batch_by_batch_and_each_saved_as_mirrored(
     mirror.sync()
     assert [steps for _, steps in tracker.calls] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
     assert read_mirror_state(tmp_path).synced_step == 9
+
+
+def test_a_final_objective_that_is_the_jobs_own_last_point_is_logged_once(tmp_path: Path) -> None:
+    metrics = JobPaths(tmp_path).metrics
+    for step, score in enumerate([0.1, 0.2, 0.3]):
+        append_report(metrics, step, {"score": score, "accuracy": 0.7})
+    append_report(metrics, 2, {"score": 0.35, "accuracy": 0.7})  # a resumed job redid step 2
+    tracker = RecordingTracker()
+    mirror = RunMirror(cast(MlflowTracker, tracker), tmp_path, run_id="run-1", mirror_telemetry=False)
+    mirror.sync()
+    objectives = (
+        FinalMetric("score", 0.35, 2, timestamp_ms=1),  # the job's own point at step 2: not again
+        FinalMetric("accuracy", 0.8, 2, timestamp_ms=1),  # what it passed to finish, not reported
+        FinalMetric("score", 0.3, 1, timestamp_ms=1),  # not the point the job reported at step 1
+    )
+    mirror.finish(Final(tags={}, status="FINISHED", metrics=objectives))
+    mirror.sync()
+    logged = [point for name, point in tracker.calls if name == "log_metric"]
+    assert logged == [("accuracy", 0.8, 2), ("score", 0.3, 1)]

@@ -30,7 +30,7 @@ from pydantic import BaseModel, ValidationError
 
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.submission import read_submission
-from tunepod.runtime import Report, ReportTail, read_reports
+from tunepod.runtime import Report, ReportTail
 from tunepod.runtime.checkpoints import verified_checkpoint
 from tunepod.runtime.files import write_bytes_atomic
 from tunepod.runtime.progress import RankProgress, read_progress
@@ -145,6 +145,11 @@ class RunMirror:
             self._state = self._state.model_copy(update={"run_id": run_id})
         self._tail = ReportTail(JobPaths(job_dir).metrics)
         self._pending: list[Report] = []
+        # Each metric's point at the highest step the job reported it (the later line, for a step
+        # reported twice): the final record's objectives are at the last step, and one that is the
+        # job's own point is not logged again. Kept as the reports are read, so that the final record
+        # need not read the whole metrics file again.
+        self._last_points: dict[str, tuple[int, float]] = {}
         self._tagged: tuple[str, int] | None = None
         self._final: Final | None = None
         self._lock = threading.Lock()
@@ -237,7 +242,12 @@ class RunMirror:
         self._tagged = (record.job_id, record.attempt)
 
     def _sync_reports(self, run_id: str) -> None:
-        self._pending += [r for r in self._tail.read_new() if r.step > self._state.synced_step]
+        new = self._tail.read_new()
+        for report in new:
+            for key, value in report.metrics.items():
+                if report.step >= self._last_points.get(key, (-1, 0.0))[0]:
+                    self._last_points[key] = (report.step, value)
+        self._pending += [r for r in new if r.step > self._state.synced_step]
         # Saved after each batch: a job that reported faster than MLflow took its reports leaves a
         # backlog, and a restart (or an MLflow outage) then costs one batch, not the whole backlog.
         pending, logged = self._pending, 0
@@ -274,13 +284,8 @@ class RunMirror:
         model_id = self._state.model_id
         if final.model is not None and model_id is None:
             model_id = self._log_model(run_id, final.model)
-        reported = {
-            (report.step, key, value)
-            for report in read_reports(JobPaths(self.job_dir).metrics)
-            for key, value in report.metrics.items()
-        }
         for metric in final.metrics:
-            if self.mirror_reports and (metric.step, metric.key, metric.value) in reported:
+            if self.mirror_reports and self._last_points.get(metric.key) == (metric.step, metric.value):
                 continue  # the job's own report of that step is this very point: log it once
             self.tracker.log_metric(
                 run_id,
