@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import itertools
 import json
 import os
 from pathlib import Path
@@ -19,8 +20,9 @@ from moto_server import REGION, MotoServer, put_objects
 
 from tunepod.errors import TransientError, TunepodError
 from tunepod.staging import read_manifest, stage, stage_s3
+from tunepod.staging import s3 as s3_staging
 from tunepod.staging.folder import MANIFEST_NAME, PARTIAL_SUFFIX
-from tunepod.staging.s3 import parse_s3_uri
+from tunepod.staging.s3 import parse_s3_uri, parse_timestamp
 
 pytest.importorskip("boto3")
 
@@ -79,11 +81,14 @@ def test_first_stage_downloads_every_object_and_records_its_etag(s3: Any, tmp_pa
 def test_a_rerun_downloads_nothing(s3: Any, downloads: list[str], tmp_path: Path) -> None:
     target = tmp_path / "target"
     stage_s3(URI, target, client=s3)
+    manifest = (target / MANIFEST_NAME).stat()
     downloads.clear()
     report = stage_s3(URI, target, client=s3, workers=2)
     assert downloads == []
     assert (report.copied_files, report.copied_bytes, report.num_files) == (0, 0, 3)
     assert tree(target) == OBJECTS
+    # Nothing changed, so the manifest was not rewritten either (same file, same mtime).
+    assert (target / MANIFEST_NAME).stat()[:9] == manifest[:9]
 
 
 def test_verify_downloads_again_a_copy_changed_with_its_size_and_mtime_kept(
@@ -181,6 +186,102 @@ def test_manifest_keeps_folder_entries_shape_and_adds_the_s3_identity(s3: Any, t
     stage_s3(URI, target, client=s3)
     raw = json.loads((target / MANIFEST_NAME).read_text())["files"]["train.csv"]
     assert set(raw) == {"size", "sha256", "mtime_ns", "etag", "etag_kind"}
+
+
+#: 12 MiB that are not one repeated byte: three ranges of ``small_ranges``' 5 MiB.
+LARGE = bytes(range(256)) * (48 << 10)
+
+
+@pytest.fixture
+def small_ranges(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranged downloads from 6 MiB on, in parts of 5 MiB, so a test object of 12 MiB takes three."""
+    monkeypatch.setattr(s3_staging, "RANGED_MIN_BYTES", 6 << 20)
+    monkeypatch.setattr(s3_staging, "PART_BYTES", 5 << 20)
+
+
+def get_requests(s3: Any) -> list[dict[str, Any]]:
+    """The parameters of every GetObject the client sends, recorded by botocore's own event hook."""
+    requests: list[dict[str, Any]] = []
+    s3.meta.events.register(
+        "before-parameter-build.s3.GetObject", lambda params, **_: requests.append(dict(params))
+    )
+    return requests
+
+
+def byte_range(header: str, size: int) -> tuple[int, int]:
+    first, _, last = header.removeprefix("bytes=").partition("-")
+    return int(first), int(last) if last else size - 1
+
+
+def test_a_large_object_is_downloaded_in_ranges_each_asking_for_the_listed_etag(
+    s3: Any, small_ranges: None, tmp_path: Path
+) -> None:
+    s3.put_object(Bucket=BUCKET, Key="digits/large.bin", Body=LARGE, ChecksumAlgorithm="SHA256")
+    etag = s3.head_object(Bucket=BUCKET, Key="digits/large.bin")["ETag"]
+    requests = get_requests(s3)
+    target = tmp_path / "target"
+    stage_s3(URI, target, client=s3)
+
+    ranged = [request for request in requests if request["Key"] == "digits/large.bin"]
+    spans = sorted(byte_range(request["Range"], len(LARGE)) for request in ranged)
+    assert len(spans) == 3 and spans[0][0] == 0 and spans[-1][1] == len(LARGE) - 1
+    assert all(end + 1 == start for (_, end), (start, _) in itertools.pairwise(spans)), spans
+    assert {request["IfMatch"] for request in ranged} == {etag}
+    assert all("Range" not in request for request in requests if request["Key"] != "digits/large.bin")
+    assert tree(target) == {**OBJECTS, "large.bin": LARGE}
+    entry = read_manifest(target)["large.bin"]
+    assert entry.sha256 == hashlib.sha256(LARGE).hexdigest()
+    # A ranged GET does not return S3's checksum: it was asked for with a HEAD and matched.
+    assert entry.checksum_sha256 == base64.b64encode(hashlib.sha256(LARGE).digest()).decode()
+    assert list(target.rglob(f"*{PARTIAL_SUFFIX}")) == []
+
+
+def test_a_large_object_overwritten_during_its_download_is_not_staged(
+    moto: MotoServer, s3: Any, small_ranges: None, tmp_path: Path
+) -> None:
+    s3.put_object(Bucket=BUCKET, Key="digits/large.bin", Body=LARGE)
+    writer = moto.client("s3")
+    overwritten: list[bool] = []
+
+    def overwrite_once(params: dict[str, Any], **_: Any) -> None:
+        if params["Key"] == "digits/large.bin" and not overwritten:
+            overwritten.append(True)  # between the listing and the first range
+            writer.put_object(Bucket=BUCKET, Key="digits/large.bin", Body=b"v2" * (4 << 20))
+
+    s3.meta.events.register("before-parameter-build.s3.GetObject", overwrite_once)
+    target = tmp_path / "target"
+    with pytest.raises(TunepodError, match=r"failed on large\.bin: .*the object changed during staging"):
+        stage_s3(URI, target, client=s3)
+    assert not (target / "large.bin").exists()
+    assert list(target.rglob(f"*{PARTIAL_SUFFIX}")) == []
+    assert "large.bin" not in read_manifest(target)
+
+    stage_s3(URI, target, client=s3)
+    assert (target / "large.bin").read_bytes() == b"v2" * (4 << 20)
+
+
+class ChecksumLies:
+    """The real client, except that HEAD reports a SHA256 that the object's bytes do not have."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def head_object(self, **kwargs: Any) -> Any:
+        return {**self._client.head_object(**kwargs), "ChecksumSHA256": base64.b64encode(b"\0" * 32).decode()}
+
+
+def test_a_large_object_that_does_not_match_its_stored_sha256_is_not_staged(
+    s3: Any, small_ranges: None, tmp_path: Path
+) -> None:
+    s3.put_object(Bucket=BUCKET, Key="digits/large.bin", Body=LARGE, ChecksumAlgorithm="SHA256")
+    target = tmp_path / "target"
+    with pytest.raises(TunepodError, match=r"failed on large\.bin: .*do not match the SHA256 S3 stores"):
+        stage_s3(URI, target, client=ChecksumLies(s3))
+    assert not (target / "large.bin").exists()
+    assert list(target.rglob(f"*{PARTIAL_SUFFIX}")) == []
 
 
 class BodyBreaksOff:
@@ -342,3 +443,14 @@ def test_a_malformed_uri_is_explained(uri: str, tmp_path: Path) -> None:
 def test_a_uri_names_a_bucket_and_a_folder_prefix(uri: str, bucket: str, prefix: str) -> None:
     location = parse_s3_uri(uri)
     assert (location.bucket, location.prefix) == (bucket, prefix)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["2026-12-01T22:05:10.000Z", "2026-12-01T22:05:10.123456+02:00", "Tue, 01 Dec 2026 22:05:10 GMT",
+     "2026-12-01T22:05:10", "1764627910"],
+)  # fmt: skip
+def test_timestamps_parse_to_the_same_moment_as_botocores_parser(text: str) -> None:
+    from botocore.utils import parse_timestamp as botocore_parse_timestamp
+
+    assert parse_timestamp(text) == botocore_parse_timestamp(text)

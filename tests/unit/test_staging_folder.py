@@ -79,10 +79,12 @@ def test_restage_of_an_unchanged_source_copies_and_hashes_nothing(
 ) -> None:
     target = tmp_path / "target"
     stage_folder(source, target)
+    manifest = (target / MANIFEST_NAME).stat()
     report = stage_folder(source, target)
     assert (report.copied_files, report.copied_bytes, report.removed_files) == (0, 0, 0)
     assert report.num_files == 3
     assert hashed == []
+    assert (target / MANIFEST_NAME).stat()[:9] == manifest[:9]  # not rewritten: nothing changed
 
 
 def test_a_changed_file_is_copied_alone(source: Path, tmp_path: Path) -> None:

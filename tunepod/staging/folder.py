@@ -27,6 +27,7 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import io
 import json
 import logging
 import os
@@ -34,7 +35,7 @@ import stat
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol, TypeVar
 
@@ -133,17 +134,21 @@ def stage_folder(source: Path, target: Path, *, workers: int = 4, verify: bool =
         target.mkdir(parents=True, exist_ok=True)
         with exclusive(target / LOCK_NAME):
             previous = read_manifest(target)
-            files = _source_files(source)
-            tasks = [_task(source, target, rel, info, previous.get(rel)) for rel, info in files]
+            files = dict(_source_files(source))
+            # Unchanged files are settled here, without a task each: a restage is then a stat of
+            # each file and its copy, and nothing else.
+            unchanged = {} if verify else _unchanged(files, previous, target)
+            tasks = [_task(source, target, rel, info, previous.get(rel)) for rel, info in files.items()
+                     if rel not in unchanged]  # fmt: skip
             sync = functools.partial(_sync_file, verify=verify)
-            synced = sync_all(tasks, previous, target, workers, sync)
-            removed = remove_deleted(target, previous, {task.rel for task in tasks})
-            write_manifest(target, {rel: result.entry for rel, result in synced.items()})
+            synced = {**unchanged, **sync_all(tasks, previous, target, workers, sync)}
+            removed = remove_deleted(target, previous, set(files))
+            write_manifest(target, {rel: result.entry for rel, result in synced.items()}, previous)
     copied = [result.entry.size for result in synced.values() if result.copied]
     report = StageReport(
         target=target,
-        num_files=len(tasks),
-        num_bytes=sum(task.info.st_size for task in tasks),
+        num_files=len(files),
+        num_bytes=sum(info.st_size for info in files.values()),
         copied_files=len(copied),
         copied_bytes=sum(copied),
         removed_files=removed,
@@ -189,9 +194,14 @@ def _progress_entries(path: Path) -> Manifest:
     return entries
 
 
-def write_manifest(target: Path, manifest: Manifest) -> None:
-    """Replace the manifest of ``target`` atomically; then the progress log it now includes goes."""
-    files = {rel: _without_nones(asdict(manifest[rel])) for rel in sorted(manifest)}
+def write_manifest(target: Path, manifest: Manifest, previous: Manifest | None = None) -> None:
+    """Replace the manifest of ``target`` atomically; then the progress log it now includes goes.
+    Given the ``previous`` manifest this run read, an unchanged one with no progress log to fold in is
+    left as it is: a restage that changed nothing writes (and fsyncs) nothing."""
+    unchanged = manifest == previous and not (target / PROGRESS_NAME).exists()
+    if unchanged and (target / MANIFEST_NAME).exists():
+        return
+    files = {rel: _entry_fields(manifest[rel]) for rel in sorted(manifest)}
     data = json.dumps({"version": _MANIFEST_VERSION, "files": files}, indent=1) + "\n"
     write_bytes_atomic(target / MANIFEST_NAME, data.encode("utf-8"))
     (target / PROGRESS_NAME).unlink(missing_ok=True)
@@ -216,7 +226,7 @@ class ProgressLog:
         self._started = False
 
     def record(self, rel: str, entry: ManifestEntry) -> None:
-        line = json.dumps({"path": rel, **_without_nones(asdict(entry))}).encode("utf-8") + b"\n"
+        line = json.dumps({"path": rel, **_entry_fields(entry)}).encode("utf-8") + b"\n"
         if not self._started:
             self._started = True
             line = self._newline_if_torn() + line
@@ -244,9 +254,10 @@ class ProgressLog:
             return b""
 
 
-def _without_nones(fields: dict[str, object]) -> dict[str, object]:
+def _entry_fields(entry: ManifestEntry) -> dict[str, object]:
     # A folder's entries stay {size, sha256, mtime_ns}: the S3-only fields appear only when set.
-    return {name: value for name, value in fields.items() if value is not None}
+    # Not dataclasses.asdict: it deep-copies every field, a cost paid for each of a million files.
+    return {name: value for name, value in vars(entry).items() if value is not None}
 
 
 def _checked_folders(source: Path, target: Path) -> tuple[Path, Path]:
@@ -285,26 +296,43 @@ def is_reserved(rel: str) -> bool:
 
 
 def _source_files(source: Path) -> Iterator[tuple[str, os.stat_result]]:
-    """(relative posix path, stat) of every regular file under ``source``, symlinks to files followed."""
-    for folder, subfolders, names in os.walk(source):
+    """(relative posix path, stat) of every regular file under ``source``, symlinks to files followed.
+    Plain strings, not ``Path``s: a restage of a million unchanged files spends most of its time here."""
+    root = str(source)
+    for folder, subfolders, names in os.walk(root):
         for name in subfolders:
             if os.path.islink(os.path.join(folder, name)):
                 logger.warning("staging skips %s: a symlink to a folder", os.path.join(folder, name))
+        below = os.path.relpath(folder, root).replace(os.sep, "/")
         for name in sorted(names):
-            path = Path(folder, name)
-            rel = path.relative_to(source).as_posix()
-            info = stat_or_none(path)
+            rel = name if below == "." else f"{below}/{name}"
+            info = stat_or_none(os.path.join(folder, name))
             if info is None or not stat.S_ISREG(info.st_mode):
-                logger.warning("staging skips %s: not a regular file (or a broken symlink)", path)
+                logger.warning(
+                    "staging skips %s: not a regular file (or a broken symlink)", Path(folder, name)
+                )
             elif not is_reserved(rel):
                 yield rel, info
 
 
-def stat_or_none(path: Path) -> os.stat_result | None:
+def stat_or_none(path: str | Path) -> os.stat_result | None:
     try:
-        return path.stat()
+        return os.stat(path)
     except FileNotFoundError:
         return None
+
+
+def _unchanged(files: dict[str, os.stat_result], previous: Manifest, target: Path) -> dict[str, Synced]:
+    """The files whose source and staged copy both still match their manifest entry (size, mtime)."""
+    unchanged = {}
+    root = str(target)
+    for rel, info in files.items():
+        entry = previous.get(rel)
+        if entry is not None and entry.describes(info):
+            copy = stat_or_none(f"{root}/{rel}")
+            if copy is not None and entry.describes(copy):
+                unchanged[rel] = Synced(entry, copied=False)
+    return unchanged
 
 
 def _task(
@@ -428,15 +456,24 @@ def _copy_atomic(task: _FileTask) -> str:
 
 
 def write_stream_atomic(src: Readable, target: Path, *, mode: int, times_ns: tuple[int, int]) -> str:
-    """Write what ``src`` reads to ``target`` through ``.<name>.tunepod-partial`` (fsynced, given
-    ``mode`` and (atime, mtime) ``times_ns``, then renamed over ``target``); returns the sha256 of the
-    bytes written. The partial file is removed if anything fails, so ``target`` is whole or untouched."""
+    """Write what ``src`` reads to ``target`` through ``.<name>.tunepod-partial`` (see ``atomic_partial``);
+    returns the sha256 of the bytes written."""
+    digest = hashlib.sha256()
+    with atomic_partial(target, mode=mode, times_ns=times_ns) as dst:
+        _copy_stream(src, dst, digest)
+    return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def atomic_partial(target: Path, *, mode: int, times_ns: tuple[int, int]) -> Iterator[io.BufferedRandom]:
+    """``.<name>.tunepod-partial`` beside ``target``, open to write (and to read back); when the block
+    ends it is fsynced, given ``mode`` and (atime, mtime) ``times_ns``, then renamed over ``target``.
+    If anything fails it is removed, so ``target`` is whole or untouched."""
     partial = target.with_name(f".{target.name}{PARTIAL_SUFFIX}")
     partial.parent.mkdir(parents=True, exist_ok=True)
-    digest = hashlib.sha256()
     try:
-        with open(partial, "wb") as dst:
-            _copy_stream(src, dst, digest)
+        with open(partial, "w+b") as dst:
+            yield dst
             dst.flush()
             os.fsync(dst.fileno())
         os.chmod(partial, mode)
@@ -445,7 +482,6 @@ def write_stream_atomic(src: Readable, target: Path, *, mode: int, times_ns: tup
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
-    return digest.hexdigest()
 
 
 def _copy_stream(src: Readable, dst: BinaryIO, digest: hashlib._Hash) -> None:

@@ -11,7 +11,12 @@ The rules are those of ``tunepod.staging.folder`` and share its manifest, lock a
   with ``verify``, same sha256 as the entry), is not downloaded again;
 - a file whose object was deleted is removed only if the manifest lists it and its copy is intact;
 - each download goes to a ``.<name>.tunepod-partial`` file renamed over the final name, and asks for
-  the listed ETag (``IfMatch``), so a file is never half written nor a mix of two object versions.
+  the listed ETag (``IfMatch``), so a file is never half written nor a mix of two object versions;
+- an object of ``RANGED_MIN_BYTES`` or more is downloaded in ranges of ``PART_BYTES``, several at a
+  time (boto3's own s3transfer, each range with that ``IfMatch``): one HTTP stream to S3 carries far
+  less than the link, many in parallel fill it. Its sha256 is then read back from the local copy, and
+  S3's ``ChecksumSHA256``, which a ranged GET does not return, is asked for with a HEAD when the
+  listing says the object has one, and compared when it covers the whole object.
 
 Every key is checked before anything is downloaded: one that would land outside the target (``..``)
 stops the run. boto3 is imported only when no client is given; it honours ``AWS_ENDPOINT_URL_S3`` /
@@ -20,8 +25,10 @@ stops the run. boto3 is imported only when no client is given; it honours ``AWS_
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import functools
+import hashlib
 import logging
 import re
 import sys
@@ -29,6 +36,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
+from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +49,7 @@ from tunepod.staging.folder import (
     ManifestEntry,
     StageReport,
     Synced,
+    atomic_partial,
     exclusive,
     is_reserved,
     read_manifest,
@@ -59,6 +68,14 @@ _FILE_MODE = 0o644
 # A bar for a transfer that takes more than a few seconds; below that it would only flicker.
 _PROGRESS_MIN_BYTES = 256 << 20
 _PROGRESS_MIN_FILES = 1000
+#: Objects this large are downloaded in ranges of PART_BYTES, several at once. Below it one stream is
+#: enough: it carries such an object in a few seconds while the other workers carry other objects,
+#: and each range is one more request (which S3 servers that slice the whole object, as moto does, pay
+#: for in full).
+RANGED_MIN_BYTES = 256 << 20
+PART_BYTES = 64 << 20
+#: Ranges of one object in flight at once (a few large objects share them).
+PART_WORKERS = 8
 _CREDENTIAL_CODES = frozenset(
     {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken", "TokenRefreshRequired"}
 )
@@ -88,6 +105,8 @@ class S3Object:
     size: int
     etag: str
     last_modified_ns: int
+    #: The listing's ChecksumAlgorithm: which checksums S3 keeps for the object.
+    checksums: tuple[str, ...] = ()
 
     @property
     def etag_kind(self) -> str:
@@ -112,14 +131,36 @@ def s3_client(*, max_connections: int = 10) -> Any:
     from an earlier call. Raises ``TunepodError`` naming the extra to install when boto3 is missing."""
     try:
         import boto3  # type: ignore[import-untyped]
+        import botocore.session  # type: ignore[import-untyped]
         from botocore.config import Config  # type: ignore[import-untyped]
     except ImportError as exc:
         raise TunepodError(f"staging from s3:// needs boto3; fix: {INSTALL_HINT}") from exc
-    return boto3.session.Session().client("s3", config=Config(max_pool_connections=max_connections))
+    session = botocore.session.get_session()
+    # botocore parses each timestamp with dateutil, about a millisecond apiece: a listing's and every
+    # download's LastModified then cost more CPU than small objects' bytes. The AWS CLI swaps the
+    # parser the same way.
+    parsers = session.get_component("response_parser_factory")
+    parsers.set_parser_defaults(timestamp_parser=parse_timestamp)
+    config = Config(max_pool_connections=max_connections)
+    return boto3.session.Session(botocore_session=session).client("s3", config=config)
+
+
+def parse_timestamp(value: object) -> datetime:
+    """A timestamp of an S3 response: ISO 8601 in listings, RFC 1123 in headers, by the standard library's
+    fast parsers; anything else (or without a time zone) by botocore's own."""
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError, TypeError):
+            moment = datetime.fromisoformat(value) if value[:1].isdigit() else parsedate_to_datetime(value)
+            if moment.tzinfo is not None:
+                return moment
+    from botocore.utils import parse_timestamp as botocore_parse_timestamp  # type: ignore[import-untyped]
+
+    parsed: datetime = botocore_parse_timestamp(value)
+    return parsed
 
 
 def stage_s3(
-    uri: str, target: Path, *, client: Any = None, workers: int = 8, verify: bool = False
+    uri: str, target: Path, *, client: Any = None, workers: int = 16, verify: bool = False
 ) -> StageReport:
     """Mirror the objects under ``uri`` into ``target`` (see the module docstring for the rules).
 
@@ -134,7 +175,7 @@ def stage_s3(
     started = time.monotonic()
     location = parse_s3_uri(uri)
     target = _checked_target(target, location)
-    s3 = client if client is not None else s3_client(max_connections=max(workers, 10))
+    s3 = client if client is not None else s3_client(max_connections=workers + PART_WORKERS)
     objects = _listed_objects(s3, location)
     with disk_full_explained(target, DISK_FULL_FIX):
         target.mkdir(parents=True, exist_ok=True)
@@ -143,11 +184,12 @@ def stage_s3(
             is_current = functools.partial(_is_current, previous, target, verify)
             current = {obj.rel: previous[obj.rel] for obj in objects if is_current(obj)}
             downloads = [obj for obj in objects if obj.rel not in current]
-            with _progress(location, downloads) as on_bytes:
-                download = functools.partial(_download, s3, location, target, on_bytes)
+            with _progress(location, downloads) as on_bytes, _ranged_downloader(s3, downloads) as ranged:
+                download = functools.partial(_download, s3, ranged, location, target, on_bytes)
                 synced = sync_all(downloads, previous, target, workers, download)
             removed = remove_deleted(target, previous, {obj.rel for obj in objects})
-            write_manifest(target, {**current, **{rel: result.entry for rel, result in synced.items()}})
+            manifest = {**current, **{rel: result.entry for rel, result in synced.items()}}
+            write_manifest(target, manifest, previous)
     report = StageReport(
         target=target,
         num_files=len(objects),
@@ -202,7 +244,10 @@ def _object(item: dict[str, Any], location: S3Location) -> S3Object | None:
     if is_reserved(rel):
         logger.warning("staging skips s3://%s/%s: its name is reserved for tunepod", location.bucket, key)
         return None
-    return S3Object(key, rel, int(item["Size"]), item["ETag"].strip('"'), _ns(item["LastModified"]))
+    checksums = tuple(item.get("ChecksumAlgorithm", ()))
+    return S3Object(
+        key, rel, int(item["Size"]), item["ETag"].strip('"'), _ns(item["LastModified"]), checksums
+    )
 
 
 def _ns(moment: datetime) -> int:
@@ -236,27 +281,123 @@ def _is_current(previous: Manifest, target: Path, verify: bool, obj: S3Object) -
 
 
 def _download(
-    s3: Any, location: S3Location, target: Path, on_bytes: Callable[[int], None], obj: S3Object
+    s3: Any,
+    ranged: Any,
+    location: S3Location,
+    target: Path,
+    on_bytes: Callable[[int], None],
+    obj: S3Object,
 ) -> Synced:
-    """Download ``obj`` atomically (runs in a worker thread); its entry records what was fetched."""
+    """Download ``obj`` atomically (runs in a worker thread); its entry records what was fetched.
+    ``ranged`` is the s3transfer manager for large objects, ``None`` when there are none."""
+    times_ns = (obj.last_modified_ns, obj.last_modified_ns)
     with _explained_aws_errors(location, f"download {obj.key!r} of"):
-        # IfMatch: an object overwritten since the listing fails here instead of being recorded with
-        # the old ETag. ChecksumMode: botocore verifies a stored SHA256 while streaming.
-        response = s3.get_object(
-            Bucket=location.bucket, Key=obj.key, IfMatch=f'"{obj.etag}"', ChecksumMode="ENABLED"
-        )
-        body = _CountingBody(response["Body"], on_bytes)
-        times_ns = (obj.last_modified_ns, obj.last_modified_ns)
-        sha256 = write_stream_atomic(body, target / obj.rel, mode=_FILE_MODE, times_ns=times_ns)
+        if ranged is not None and obj.size >= RANGED_MIN_BYTES:
+            sha256, checksum = _download_ranged(s3, ranged, location, target, on_bytes, obj)
+        else:
+            # IfMatch: an object overwritten since the listing fails here instead of being recorded
+            # with the old ETag. ChecksumMode: botocore verifies a stored SHA256 while streaming.
+            response = s3.get_object(
+                Bucket=location.bucket, Key=obj.key, IfMatch=f'"{obj.etag}"', ChecksumMode="ENABLED"
+            )
+            body = _CountingBody(response["Body"], on_bytes)
+            sha256 = write_stream_atomic(body, target / obj.rel, mode=_FILE_MODE, times_ns=times_ns)
+            checksum = response.get("ChecksumSHA256")
     entry = ManifestEntry(
         size=obj.size,
         sha256=sha256,
         mtime_ns=obj.last_modified_ns,
         etag=obj.etag,
         etag_kind=obj.etag_kind,
-        checksum_sha256=response.get("ChecksumSHA256"),
+        checksum_sha256=checksum,
     )
     return Synced(entry, copied=True)
+
+
+def _download_ranged(
+    s3: Any,
+    ranged: Any,
+    location: S3Location,
+    target: Path,
+    on_bytes: Callable[[int], None],
+    obj: S3Object,
+) -> tuple[str, str | None]:
+    """Download a large ``obj`` in parallel ranges into its partial file; its sha256 and S3's checksum."""
+    from s3transfer.exceptions import RetriesExceededError, S3DownloadFailedError  # type: ignore[import-untyped]
+
+    times_ns = (obj.last_modified_ns, obj.last_modified_ns)
+    where = f"cannot download {obj.key!r} of {location.uri}"
+    with atomic_partial(target / obj.rel, mode=_FILE_MODE, times_ns=times_ns) as dst:
+        transfer = ranged.download(location.bucket, obj.key, dst, subscribers=[_ListedObject(obj, on_bytes)])
+        try:
+            transfer.result()
+        except S3DownloadFailedError as exc:  # what s3transfer makes of a range's 412 PreconditionFailed
+            raise TransientError(
+                f"{where}: the object changed during staging ({exc}); fix: stage again"
+            ) from exc
+        except RetriesExceededError as exc:
+            raise TransientError(
+                f"{where}: every try broke off ({exc.last_exception}); fix: check the network, stage again"
+            ) from exc
+        dst.seek(0)
+        digest = hashlib.file_digest(dst, "sha256")
+        checksum = _checked_sha256(s3, location, obj, digest.digest()) if "SHA256" in obj.checksums else None
+    return digest.hexdigest(), checksum
+
+
+def _checked_sha256(s3: Any, location: S3Location, obj: S3Object, sha256: bytes) -> str | None:
+    """S3's ``ChecksumSHA256`` of ``obj`` (a HEAD of the listed version), compared with the bytes
+    downloaded when it is the whole object's (not a multipart upload's checksum of part checksums)."""
+    head = s3.head_object(
+        Bucket=location.bucket, Key=obj.key, IfMatch=f'"{obj.etag}"', ChecksumMode="ENABLED"
+    )
+    stored: str | None = head.get("ChecksumSHA256")
+    whole_object = (
+        stored is not None and head.get("ChecksumType", "FULL_OBJECT") == "FULL_OBJECT" and "-" not in stored
+    )
+    if whole_object and stored != base64.b64encode(sha256).decode():
+        raise TransientError(
+            f"cannot download {obj.key!r} of {location.uri}: its bytes do not match the SHA256 S3 stores "
+            f"for it ({stored}); fix: stage again"
+        )
+    return stored
+
+
+class _ListedObject:
+    """An s3transfer subscriber: tells the transfer the listed size (no HEAD needed) and ETag (sent as
+    ``IfMatch`` with every range), and feeds the progress bar."""
+
+    def __init__(self, obj: S3Object, on_bytes: Callable[[int], None]) -> None:
+        self._obj = obj
+        self._on_bytes = on_bytes
+
+    def on_queued(self, future: Any, **kwargs: Any) -> None:
+        future.meta.provide_transfer_size(self._obj.size)
+        future.meta.provide_object_etag(f'"{self._obj.etag}"')
+
+    def on_progress(self, future: Any, bytes_transferred: int, **kwargs: Any) -> None:
+        self._on_bytes(bytes_transferred)
+
+
+@contextlib.contextmanager
+def _ranged_downloader(s3: Any, downloads: list[S3Object]) -> Iterator[Any]:
+    """An s3transfer ``TransferManager`` for the large objects among ``downloads``; ``None`` when there
+    are none, or when this s3transfer is too old to send the listed ETag with each range."""
+    from s3transfer.futures import TransferMeta  # type: ignore[import-untyped]
+    from s3transfer.manager import TransferConfig, TransferManager  # type: ignore[import-untyped]
+
+    if not hasattr(TransferMeta, "provide_object_etag") or all(
+        obj.size < RANGED_MIN_BYTES for obj in downloads
+    ):
+        yield None
+        return
+    config = TransferConfig(
+        multipart_threshold=RANGED_MIN_BYTES,
+        multipart_chunksize=PART_BYTES,
+        max_request_concurrency=PART_WORKERS,
+    )
+    with TransferManager(s3, config) as manager:
+        yield manager
 
 
 class _CountingBody:
@@ -298,7 +439,7 @@ def _ignore_bytes(num_bytes: int) -> None:
 @contextlib.contextmanager
 def _explained_aws_errors(location: S3Location, action: str) -> Iterator[None]:
     """Turn botocore's errors into ``TunepodError``s that say what to fix."""
-    from botocore import exceptions  # type: ignore[import-untyped]
+    from botocore import exceptions
 
     try:
         yield
