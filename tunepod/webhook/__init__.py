@@ -4,8 +4,9 @@
     app = create_app(config, PrefectEventSink(api_url, httpx.Client()), Path(".tunepod/webhook"))
 
 Modules: ``signatures`` (sign and verify, pure), ``config`` (hooks, secrets, payload -> overrides),
-``dedupe`` (delivery id -> event id, SQLite), ``events`` (``EventSink``, Prefect REST), ``app``
-(FastAPI), ``cli`` (``tunepod webhook serve|sign``).
+``dedupe`` (delivery id -> event id, SQLite), ``specs`` (overrides checked against the hook's spec,
+recent verdicts kept), ``events`` (``EventSink``, Prefect REST), ``app`` (FastAPI), ``cli``
+(``tunepod webhook serve|sign``).
 
 Names are loaded on first use: importing ``tunepod.webhook.cli`` must not pull in FastAPI.
 """
