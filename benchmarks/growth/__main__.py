@@ -1,22 +1,24 @@
 """``python -m benchmarks.growth``: does the orchestrator's work per report grow with the trial?
 
-One trial whose job reports ``--reports`` steps (100,000; ``--long``: 1,000,000) as fast as the
-training contract allows, paced at ``--rate`` reports per second, driven by the real orchestrator
-(``tunepod run`` on a generated spec: stage a one-file folder, tune ``trainer.py`` with a pruner;
-MLflow on SQLite and Optuna on a journal file, both in the work folder). The study already holds one
-completed trial that reported every step (at 0.0, below the measured trial's 1.0), so the pruner
-compares at every step it is asked about and never prunes.
+One trial whose job reports ``--reports`` steps (100,000; ``--long``: 1,000,000) paced at ``--rate``
+reports per second (1,000; ``--long``: 1,500), in bursts, through the training contract, and saves a
+``--state-mb`` checkpoint at every tenth, driven by the real orchestrator (``tunepod run`` on a
+generated spec: stage a one-file folder, tune ``trainer.py`` with a pruner; MLflow on SQLite and Optuna
+on a journal file, both in the work folder). The study already holds one completed trial that reported
+every step (at 0.0, below the measured trial's 1.0), so the pruner compares at every step it is asked
+about and never prunes.
 
 While it runs, the orchestrator process's CPU time (``/proc/<pid>/stat``: user + system, its own
-threads only) is sampled against the lines of the job's metrics file. The run is cut where the job
-crossed each tenth of its reports; the first tenth is the baseline, the last one (which also holds the
-orchestrator's catch-up after the job's last report and the trial's end) is tunepod's figure. Goal:
-CPU per report flat, the last tenth at most 1.2x the first.
+threads only) is sampled every ``--sample-s`` against the reports it has consumed: the least of what
+the job wrote, what the orchestrator mirrored into MLflow and what it told Optuna (see ``measure``).
+The run is cut where that count crossed each tenth of the reports; the first tenth is the baseline,
+the last one tunepod's figure. Goal: CPU per report flat, the last tenth at most 1.2x the first. The
+trial's end (from its last report consumed to its MLflow record written) is shown apart.
 
 The work folder is on tmpfs (``/dev/shm``) when there is one, so that the job's fsync per report
-costs no disk wait and 100,000 reports fit in about a minute; ``--dir`` puts it elsewhere. Exit 0, or
-1 when a side failed (the orchestrator exited non-zero, the job never wrote all its reports); a missed
-goal is reported, not an error.
+costs no disk wait and 100,000 reports fit in 100 s; ``--dir`` puts it elsewhere. Exit 0, or 1 when a
+side failed (the orchestrator exited non-zero, the job never wrote all its reports, the orchestrator
+never consumed them); a missed goal is reported, not an error.
 """
 
 from __future__ import annotations
