@@ -1,0 +1,243 @@
+"""Tuning quality: wall time until a study first reaches a target, TPE + Hyperband against random search.
+
+    .venv/bin/python -m benchmarks.quality                  # short form: digits, 3 seeds per arm
+    .venv/bin/python -m benchmarks.quality --long           # 5 seeds, 40 trials, + tiny LLM, + Ray ASHA
+    .venv/bin/python -m benchmarks.quality --ray            # the short form plus Ray Tune's ASHA
+    .venv/bin/python -m benchmarks.quality --driver cli     # through `tunepod run` (Prefect) instead
+
+See benchmarks/README.md ("quality/") for what is measured and how. Exit 1 only when a study failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from types import FrameType
+
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks.quality.study import StudyFailed, StudyRun, run_study
+from benchmarks.quality.workloads import (
+    ARMS,
+    RANDOM,
+    RAY_ASHA,
+    TPE_HYPERBAND,
+    Workload,
+    digits,
+    tiny_llm,
+)
+
+GOAL_RATIO = 0.5
+# tunepod seeds the sampler of trial n with seed + n (tunepod.hpo.study.reseed_for_next_trial), so the
+# studies of seeds s and s + 1 would draw the same parameters, shifted by one trial. Seeds this far
+# apart share none within a budget of fewer trials.
+SEED_STRIDE = 1000
+BUSY_LOAD = 1.0
+SIDES = {RANDOM: "baseline", TPE_HYPERBAND: "tunepod", RAY_ASHA: "baseline 2"}
+
+console = Console(highlight=False, soft_wrap=True, width=160)
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.quality", description=__doc__.split("\n")[0])
+    parser.add_argument("--long", action="store_true", help="5 seeds, 40 trials, the tiny LLM and Ray ASHA")
+    parser.add_argument("--seeds", type=int, help="seeds per arm (short 3, long 5)")
+    parser.add_argument("--trials", type=int, help="digits trials per study (short 16, long 40)")
+    parser.add_argument("--parallel", type=int, default=2, help="trials in flight per study (2)")
+    parser.add_argument("--epochs", type=int, default=6, help="digits epochs per trial (6)")
+    parser.add_argument(
+        "--epoch-s", type=float, help="digits epoch_sleep_s, the epoch's weight (short 0.5, long 1.0)"
+    )
+    parser.add_argument("--target", type=float, help="digits val_accuracy to reach (short 0.967, long 0.974)")
+    parser.add_argument("--llm", action="store_true", help="add the tiny LLM workload (on with --long)")
+    parser.add_argument("--llm-seeds", type=int, default=3, help="tiny LLM seeds per arm (3)")
+    parser.add_argument("--llm-trials", type=int, default=12, help="tiny LLM trials per study (12)")
+    parser.add_argument("--llm-steps", type=int, default=120, help="tiny LLM optimizer steps per trial")
+    parser.add_argument("--llm-target", type=float, default=14.0, help="tiny LLM val_perplexity to reach")
+    parser.add_argument("--ray", action="store_true", help="add Ray Tune's ASHA arm (on with --long)")
+    parser.add_argument(
+        "--arms",
+        type=lambda text: text.split(","),
+        default=list(ARMS),
+        help=f"comma-separated, of {', '.join([*ARMS, RAY_ASHA])} (default: the first two)",
+    )
+    parser.add_argument(
+        "--driver",
+        choices=("library", "cli"),
+        default="library",
+        help="library: PipelineRun as flows.pipeline drives it, minus Prefect; cli: tunepod run",
+    )
+    parser.add_argument("--prefect-api", help="with --driver cli: a running Prefect server's API URL")
+    parser.add_argument(
+        "--full-budget",
+        action="store_true",
+        help="run every study to its last trial instead of stopping it at its target",
+    )
+    parser.add_argument("--first-seed", type=int, default=0, help=f"seeds: this, + {SEED_STRIDE}, ...")
+    parser.add_argument("--json", type=Path, help="write every study's outcome there")
+    parser.add_argument("--keep", action="store_true", help="keep the temp folder of every study")
+    parser.add_argument("--root", type=Path, help="put every study's stores in this new folder (kept)")
+    args = parser.parse_args(argv)
+    args.seeds = args.seeds or (5 if args.long else 3)
+    args.trials = args.trials or (40 if args.long else 16)
+    args.epoch_s = args.epoch_s if args.epoch_s is not None else (1.0 if args.long else 0.5)
+    args.target = args.target or (0.974 if args.long else 0.967)
+    args.llm = args.llm or args.long
+    if (args.ray or args.long) and RAY_ASHA not in args.arms:
+        args.arms.append(RAY_ASHA)
+    unknown = sorted(set(args.arms) - {*ARMS, RAY_ASHA})
+    if unknown:
+        parser.error(f"unknown arms {unknown}; valid: {', '.join([*ARMS, RAY_ASHA])}")
+    return args
+
+
+def workloads(args: argparse.Namespace) -> list[Workload]:
+    chosen = [digits(args.trials, args.parallel, args.epochs, args.epoch_s, args.target)]
+    if args.llm:
+        chosen.append(tiny_llm(args.llm_trials, args.parallel, args.llm_steps, 20, args.llm_target))
+    return chosen
+
+
+def run_arms(workload: Workload, seeds: int, args: argparse.Namespace, root: Path) -> list[StudyRun]:
+    """Every arm once per seed; the arms take turns going first, so slow drift of the machine's load
+    does not always fall on the same arm."""
+    arms = args.arms
+    runs = []
+    for index in range(seeds):
+        seed = args.first_seed + index * SEED_STRIDE
+        shift = index % len(arms)
+        for arm in arms[shift:] + arms[:shift]:
+            run = run_one(workload, arm, seed, root, args)
+            runs.append(run)
+            mark = "" if run.reached else " (not reached: censored)"
+            console.print(
+                f"  {workload.name} {arm} seed {seed}: {run.time_s:.1f} s{mark}, {run.trials_started} "
+                f"trials started, best {run.best:.4g}  [load {os.getloadavg()[0]:.1f}]"
+            )
+    return runs
+
+
+def run_one(workload: Workload, arm: str, seed: int, root: Path, args: argparse.Namespace) -> StudyRun:
+    if arm == RAY_ASHA:
+        from benchmarks.quality.ray_asha import run_ray_study  # Ray only when asked for
+
+        return run_ray_study(workload, seed, root, stop_at_target=not args.full_budget)
+    return run_study(
+        workload,
+        arm,
+        seed,
+        root,
+        driver=args.driver,
+        stop_at_target=not args.full_budget,
+        prefect_api=args.prefect_api,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+def seconds(run: StudyRun) -> str:
+    return f"{run.time_s:.1f}" if run.reached else f">{run.time_s:.1f}"
+
+
+def print_table(workload: Workload, runs: list[StudyRun]) -> float | None:
+    """The table of one workload; returns tpe+hyperband's median over random's."""
+    by_arm = {arm: [r for r in runs if r.arm == arm] for arm in SIDES if any(r.arm == arm for r in runs)}
+    medians = {arm: statistics.median(r.time_s for r in arm_runs) for arm, arm_runs in by_arm.items()}
+    length = ", ".join(f"{k} {v}" for k, v in workload.train_args.items())
+    table = Table(
+        title=f"{workload.name}: seconds from the study's start to the first {workload.goal.describe()} "
+        f"({workload.trials} trials at most, {length}, {workload.parallel} at a time; "
+        f"{len({r.seed for r in runs})} seeds)"
+    )
+    for column in ("arm", "side", "median s", "per seed s", "reached", "trials started", "pruned", "ratio"):
+        table.add_column(column, justify="left" if column in ("arm", "side") else "right")
+    for arm, arm_runs in by_arm.items():
+        table.add_row(
+            arm,
+            SIDES[arm],
+            f"{medians[arm]:.1f}",
+            ", ".join(seconds(r) for r in arm_runs),
+            f"{sum(r.reached for r in arm_runs)}/{len(arm_runs)}",
+            ", ".join(str(r.trials_started) for r in arm_runs),
+            ", ".join(str(r.pruned) for r in arm_runs),
+            f"{medians[arm] / medians[RANDOM]:.2f}" if RANDOM in medians else "",
+        )
+    console.print(table)
+    console.print(
+        "per seed: '>' marks a study that never reached the target (censored: the whole budget's wall "
+        "time). trials started: by the first hit. pruned: trials stopped early by the study's end (or "
+        "by its hit, when it was stopped there)."
+    )
+    if TPE_HYPERBAND not in medians or RANDOM not in medians:
+        return None
+    return medians[TPE_HYPERBAND] / medians[RANDOM]
+
+
+def print_goal(workload: Workload, ratio: float, runs: list[StudyRun]) -> None:
+    censored = sum(not r.reached for r in runs if r.arm in (RANDOM, TPE_HYPERBAND))
+    verdict = "MET" if ratio <= GOAL_RATIO else "MISSED"
+    note = f"; {censored} censored studies: their times are lower bounds" if censored else ""
+    random = {r.seed: r.time_s for r in runs if r.arm == RANDOM}
+    per_seed = ", ".join(f"{r.time_s / random[r.seed]:.2f}" for r in runs if r.arm == TPE_HYPERBAND)
+    console.print(
+        f"[bold]Goal ({workload.name}): tpe+hyperband's median time to target <= {GOAL_RATIO}x random's: "
+        f"{verdict} ({ratio:.2f}x; per seed {per_seed}{note})[/bold]"
+    )
+
+
+def stop_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    # SystemExit unwinds through run_study, which stops the study's processes on its way out.
+    raise SystemExit(128 + signum)
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
+    load = os.getloadavg()[0]
+    console.print(f"1-minute load average at the start: {load:.2f} on {os.cpu_count()} CPUs")
+    if load > BUSY_LOAD:
+        console.print(f"[yellow]warning: load above {BUSY_LOAD}: other work shares the CPUs[/yellow]")
+    if args.root:
+        args.root.mkdir(parents=True)
+        args.keep = True
+    root = args.root or Path(tempfile.mkdtemp(prefix="tunepod-quality-"))
+    started = time.time()
+    all_runs: list[StudyRun] = []
+    try:
+        for workload in workloads(args):
+            seeds = args.llm_seeds if workload.goal.metric == "val_perplexity" else args.seeds
+            runs = run_arms(workload, seeds, args, root)
+            all_runs += runs
+            ratio = print_table(workload, runs)
+            if ratio is not None:
+                print_goal(workload, ratio, runs)
+    except StudyFailed as exc:
+        console.print(f"[red]FAILED: {exc}[/red]")
+        args.keep = True
+        return 1
+    finally:
+        if args.json:
+            outcomes = [{**asdict(r), "time_s": r.time_s, "reached": r.reached} for r in all_runs]
+            args.json.write_text(json.dumps(outcomes, default=str, indent=1))
+        if args.keep:
+            console.print(f"kept {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+        console.print(f"{time.time() - started:.0f} s in all; load average now {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

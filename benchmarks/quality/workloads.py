@@ -1,0 +1,101 @@
+"""What the studies train, the arms they compare, and the overrides that set both on a spec."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.quality.timing import Goal
+
+REPO = Path(__file__).resolve().parents[2]
+SPECS = REPO / "benchmarks" / "specs"
+TUNE_STEP = "search"
+REDUCTION_FACTOR = 3
+
+RANDOM = "random"
+TPE_HYPERBAND = "tpe+hyperband"
+RAY_ASHA = "ray asha"
+ARMS: dict[str, dict[str, str]] = {
+    # The baseline: every trial trains to its end, parameters drawn at random.
+    RANDOM: {"sampler": "random", "pruner.kind": "none"},
+    # tunepod's way: multivariate TPE with the constant liar (tunepod.hpo.study.make_sampler), trials
+    # stopped early by Optuna's Hyperband.
+    TPE_HYPERBAND: {"sampler": "tpe", "pruner.kind": "hyperband"},
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One training script tuned by every arm: its spec, its goal and the trial budget."""
+
+    name: str
+    spec: Path
+    study: str
+    goal: Goal
+    trials: int
+    parallel: int
+    train_args: dict[str, object]
+    """Fixed parameters of every trial (the spec's ``train.args`` are replaced key by key)."""
+    min_resource: int
+    """Hyperband's (and ASHA's) first rung, in report steps: no trial is stopped before it."""
+    max_step: int
+    """The step of a full trial's last report (ASHA's ``max_t``)."""
+
+    def study_name(self, arm: str, seed: int) -> str:
+        return f"{self.study}-{arm.replace('+', '-').replace(' ', '-')}-s{seed}"
+
+    def overrides(self, arm: str, seed: int, root: Path) -> list[str]:
+        """``dotted.key=value`` settings that make the spec one arm's study for ``seed``, every store in
+        ``root``. Every study of a benchmark run shares the stores (one MLflow database, one
+        launcher root, so the data is staged once), each under its own study name, in its own Optuna
+        journal (a study stopped at its target is SIGKILLed: a torn last line must not spoil the next)."""
+        tune = f"steps.{TUNE_STEP}.with"
+        settings = {
+            "tracking.uri": f"sqlite:///{root}/mlflow.db",
+            "launcher.root": str(root / "shared"),
+            f"{tune}.study.storage": self.storage(root, arm, seed),
+            f"{tune}.study.name": self.study_name(arm, seed),
+            f"{tune}.num_trials": str(self.trials),
+            f"{tune}.num_parallel": str(self.parallel),
+            f"{tune}.seed": str(seed),
+            f"{tune}.pruner.min_resource": str(self.min_resource),
+            f"{tune}.pruner.reduction_factor": str(REDUCTION_FACTOR),
+            **{f"{tune}.{key}": value for key, value in ARMS[arm].items()},
+            **{f"{tune}.train.args.{key}": str(value) for key, value in self.train_args.items()},
+        }
+        return [f"{key}={value}" for key, value in settings.items()]
+
+    def storage(self, root: Path, arm: str, seed: int) -> str:
+        return f"journal://{root}/{self.study_name(arm, seed)}.optuna.log"
+
+    def jobs_dir(self, root: Path, arm: str, seed: int) -> Path:
+        """Where the local launcher puts a study's trial job dirs (``tunepod.launch.paths``)."""
+        return root / "shared" / "jobs" / self.study_name(arm, seed)
+
+
+def digits(trials: int, parallel: int, epochs: int, epoch_s: float, target: float) -> Workload:
+    return Workload(
+        name="digits",
+        spec=SPECS / "quality-digits.yaml",
+        study="quality-digits",
+        goal=Goal("val_accuracy", "maximize", target),
+        trials=trials,
+        parallel=parallel,
+        train_args={"epochs": epochs, "epoch_sleep_s": epoch_s},
+        min_resource=1,
+        max_step=epochs - 1,  # epochs are reported as steps 0..epochs-1
+    )
+
+
+def tiny_llm(trials: int, parallel: int, steps: int, eval_interval: int, target: float) -> Workload:
+    return Workload(
+        name="tiny LLM",
+        spec=SPECS / "quality-llm.yaml",
+        study="quality-llm",
+        goal=Goal("val_perplexity", "minimize", target),
+        trials=trials,
+        parallel=parallel,
+        train_args={"steps": steps, "eval_interval": eval_interval},
+        min_resource=eval_interval,  # reports come at eval_interval, 2 x eval_interval, ...
+        max_step=steps,
+    )
