@@ -13,8 +13,10 @@ optuna, torch, prefect) are imported inside the commands that need them, never a
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -106,20 +108,51 @@ def run(spec: SpecArgument, set_: SetOption = None, home: HomeOption = Path(DEFA
     The flow runs on the Prefect server PREFECT_API_URL names; else on the one `tunepod up` started
     (found under --home), so the run shows in its UI; else Prefect starts a temporary server for it.
     """
-    _load(spec, set_)  # every spec error before Prefect's start-up cost
+    pipeline_spec, _ = _load(spec, set_)  # every spec error before Prefect's start-up cost
     _use_running_stack(home)
     # The temporary server's telemetry heartbeat races the flow's first writes to its SQLite file and
     # prints a "database is locked" traceback; nothing could be sent from a closed network anyway.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_CLIENT_MAX_RETRIES", str(CLIENT_MAX_RETRIES))
+    booting = _boot_temporary_server()
     from flows.pipeline import pipeline  # Prefect is imported here only: it costs seconds
 
+    _prewarm(pipeline_spec)
+    if booting is not None:
+        booting.result()  # a server that failed to start fails here, as it would in the flow call
     with _watching_prefect_server():
         state = pipeline(str(spec), list(set_ or []), return_state=True)
     if not state.is_completed():
         Console(stderr=True, soft_wrap=True).print(Text(f"pipeline failed: {state.message}", "bold red"))
         raise typer.Exit(1)
     print_summary(state.result())
+
+
+def _boot_temporary_server() -> Future[None] | None:
+    """With no server set, start Prefect's temporary one now (see ``flows.server``); None otherwise."""
+    if os.environ.get("PREFECT_API_URL"):
+        return None
+    from flows.server import boot_temporary_server
+
+    return boot_temporary_server()
+
+
+def _prewarm(spec: PipelineSpec) -> None:
+    """Import Optuna and MLflow now, and open a local MLflow store (seconds on a new SQLite file; MLflow
+    keeps the store for the flow's own tracker), while the temporary server boots. A remote tracking
+    server is left for the flow: one that is down must be waited for, and reported, once. Any failure
+    here is left for the flow to meet and report the way it does."""
+    import optuna  # noqa: F401
+    from mlflow import MlflowClient  # noqa: F401
+
+    if not spec.tracking.uri.startswith(("sqlite:", "file:")):
+        return
+    from tunepod.tracking import MlflowTracker
+
+    try:
+        MlflowTracker(spec.tracking.uri, spec.tracking.experiment)
+    except Exception as exc:
+        logging.getLogger(__name__).debug("MLflow store not opened ahead of the flow: %s", exc)
 
 
 @contextlib.contextmanager

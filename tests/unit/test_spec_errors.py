@@ -320,7 +320,7 @@ CASES = [
         "num_trials: 16",
         "num_trials: 16: 17",
         "",
-        "YAML syntax error: mapping values are not allowed here",
+        "YAML syntax error: mapping values are not allowed",
         "check the indentation",
     ),
 ]

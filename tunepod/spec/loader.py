@@ -39,6 +39,9 @@ from tunepod.spec.models import EvaluateStep, PipelineSpec, StepSpec, TrainStep,
 
 YamlPath = tuple[str | int, ...]
 _MERGE_TAG = "tag:yaml.org,2002:merge"
+# libyaml's parser where PyYAML was built with it: the same documents, nodes and marks, ~15x faster than
+# the pure-Python one (the webhook receiver checks a spec per delivery).
+_SAFE_LOADER: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 @dataclass(frozen=True)
@@ -124,8 +127,8 @@ def dump_spec(spec: PipelineSpec) -> str:
 def _read_yaml(text: str, source: str) -> tuple[dict[Any, Any], yaml.Node]:
     """The document as a dict and as composed nodes (which know their lines); ``SpecError`` if unusable."""
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-        raw = yaml.safe_load(text)
+        root = yaml.compose(text, Loader=_SAFE_LOADER)
+        raw = yaml.load(text, Loader=_SAFE_LOADER)
     except yaml.MarkedYAMLError as exc:
         raise SpecError(source, [_yaml_syntax_issue(exc)]) from None
     except yaml.YAMLError as exc:
