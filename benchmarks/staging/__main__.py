@@ -46,8 +46,10 @@ console = Console(highlight=False, soft_wrap=True, width=max(170, Console().widt
 THROUGHPUT_GOAL = 0.9
 #: ... and an unchanged re-stage at most this fraction of its own full copy.
 RESTAGE_GOAL = 0.02
-SHORT = DataSpec(small_files=2000, small_kb=4, large_files=3, large_mb=64)
-LONG = DataSpec(small_files=10000, small_kb=4, large_files=3, large_mb=512)
+SHORT = DataSpec(small_files=800, small_kb=4, large_files=2, large_mb=64)
+#: 256 MB files are downloaded in ranges by tunepod (tunepod.staging.s3.RANGED_MIN_BYTES).
+LONG = DataSpec(small_files=10000, small_kb=4, large_files=3, large_mb=256)
+REPEATS = {"short": 2, "long": 3}
 
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:
@@ -58,7 +60,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--small-kb", type=float, help="their mean size, KB (each 0.5x-1.5x of it)")
     parser.add_argument("--large-files", type=int, help="how many large files")
     parser.add_argument("--large-mb", type=float, help="the size of each, MB")
-    parser.add_argument("--repeats", type=int, default=3, help="full copy + re-stage runs per side")
+    parser.add_argument("--repeats", type=int,
+                        help=f"full copy + re-stage runs per side (default: {REPEATS})")  # fmt: skip
     parser.add_argument("--no-restage", action="store_true", help="full copies only (a quick smoke run)")
     parser.add_argument("--tables", default="s3,folder", help="which tables, comma-separated")
     parser.add_argument("--sides", help="only these sides (aws,s5cmd,cp,rsync,rsync-fsync; tunepod always)")
@@ -68,6 +71,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--keep", action="store_true", help="keep the data and the last repeat's copies")
     args = parser.parse_args(argv)
     base = LONG if args.long else SHORT
+    args.repeats = args.repeats or REPEATS["long" if args.long else "short"]
     args.spec = DataSpec(
         small_files=base.small_files if args.small_files is None else args.small_files,
         small_kb=args.small_kb or base.small_kb,
@@ -119,26 +123,26 @@ def main(argv: Sequence[str]) -> int:
 def s3_table(
     args: argparse.Namespace, data: dataset.Dataset, work: Path, failures: list[str]
 ) -> dict[str, Any]:
-    with dataset.moto_server(work / "moto.log") as url:
+    with dataset.moto_server(work / "moto.log") as server:
         started = time.monotonic()
-        dataset.upload(data, url)
-        console.print(f"uploaded to moto ({url}) in {time.monotonic() - started:.1f} s")
-        env = dataset.aws_env(work, url)
-        chosen = chosen_sides(sides.s3_sides(url), args.sides)
-        measured = sides.measure(
-            chosen, data.root, work / "s3", env, args.repeats, args.timeout_s, args.keep, not args.no_restage
-        )
-        listing = [dataset.list_seconds(url) for _ in range(args.repeats)]
+        dataset.upload(data, server.url)
+        console.print(f"uploaded to moto ({server.url}) in {time.monotonic() - started:.1f} s")
+        chosen = chosen_sides(sides.s3_sides(server.url), args.sides)
+        settings = run_settings(args, dataset.aws_env(work, server.url), server.pid)
+        measured = sides.measure(chosen, data.root, work / "s3", settings)
+        listing = [dataset.list_seconds(server.url) for _ in range(args.repeats)]
     title = (f"1. S3 stage: {describe(args.spec)} from moto on loopback, {data.num_bytes / 1e6:.0f} MB; "
              f"median of {args.repeats}")  # fmt: skip
     floor = median(listing)
-    found = print_table(title, chosen, measured, data, failures, {"listing alone (boto3 paginator)": floor})
+    floors = {"listing alone (boto3 paginator)": floor}
+    found = print_table(title, chosen, measured, data, failures, floors, server_cpu=True)
     print_goals(found, floor)
     console.print(
         "tunepod's times: its stage() call (StageReport.seconds); as a process: the child Python from start "
         "to exit, its imports included. tunepod fsyncs every file it writes and hashes it (sha256 in its "
         "manifest); aws and s5cmd do neither. s5cmd cp copies everything again, so its re-stage is "
-        "s5cmd sync over the cp'd folder."
+        "s5cmd sync over the cp'd folder. CPU s: of a full copy, the side's own processes (user + "
+        "system) and the moto server's meanwhile; on a busy machine a side's time follows the CPU it needs."
     )
     return {**found, "listing_s": listing, "listing_floor_s": floor, "endpoint": "moto"}
 
@@ -146,11 +150,8 @@ def s3_table(
 def folder_table(
     args: argparse.Namespace, data: dataset.Dataset, work: Path, failures: list[str]
 ) -> dict[str, Any]:
-    env = dict(os.environ)
     chosen = chosen_sides(sides.folder_sides(data.root, sides.rsync_has_fsync()), args.sides)
-    measured = sides.measure(
-        chosen, data.root, work / "folder", env, args.repeats, args.timeout_s, args.keep, not args.no_restage
-    )
+    measured = sides.measure(chosen, data.root, work / "folder", run_settings(args, dict(os.environ), None))
     title = (f"2. Folder stage: {describe(args.spec)} from a local folder (page cache), "
              f"{data.num_bytes / 1e6:.0f} MB; median of {args.repeats}")  # fmt: skip
     found = print_table(title, chosen, measured, data, failures, {})
@@ -160,6 +161,11 @@ def folder_table(
         "the writing to the kernel (the benchmark syncs between runs, untimed)."
     )
     return found
+
+
+def run_settings(args: argparse.Namespace, env: dict[str, str], server_pid: int | None) -> sides.Settings:
+    return sides.Settings(env=env, repeats=args.repeats, timeout_s=args.timeout_s, keep=args.keep,
+                          restage=not args.no_restage, server_pid=server_pid)  # fmt: skip
 
 
 def chosen_sides(available: list[Side], wanted: set[str] | None) -> list[Side]:
@@ -173,10 +179,12 @@ def print_table(
     data: dataset.Dataset,
     failures: list[str],
     floors: dict[str, float],
+    server_cpu: bool = False,
 ) -> dict[str, Any]:
     """The table of one kind of stage; returns its figures (the rows, the best baseline, the ratios)."""
     table = Table(title=title)
-    columns = ("side", "command", "full copy s", "MB/s", "ratio", "re-stage s", "re-stage % of full",
+    cpu = "CPU s (side / moto)" if server_cpu else "CPU s"
+    columns = ("side", "command", "full copy s", "MB/s", "ratio", cpu, "re-stage s", "re-stage % of full",
                "as a process s (full / re-stage)", "identical to source")  # fmt: skip
     for column in columns:
         table.add_column(column, justify="left" if column in ("side", "command") else "right")
@@ -188,26 +196,29 @@ def print_table(
         rows[side.name] = row_figures(side, found, data)
     baselines = {n: r for n, r in rows.items() if n != TUNEPOD and r.get("mb_per_s") and r["identical"]}
     best = max(baselines, key=lambda n: baselines[n]["mb_per_s"], default=None)
+    best_mb_per_s = baselines[best]["mb_per_s"] if best else math.nan
     for side in chosen:
         row = rows[side.name]
-        ratio = row["mb_per_s"] / baselines[best]["mb_per_s"] if best and row.get("mb_per_s") else math.nan
-        row["ratio"] = ratio
-        if side.is_tunepod and best and "process_full_s" in row:
-            row["process_ratio"] = data.num_bytes / 1e6 / row["process_full_s"] / baselines[best]["mb_per_s"]
-        if "full_s" not in row:
-            table.add_row("tunepod" if side.is_tunepod else "baseline", side.what, "-", "-", "-", "-", "-",
-                          "-", f"FAILED: {row['error'][:60]}")  # fmt: skip
-            continue
-        process = (f"{row['process_full_s']:.2f} / {row['process_restage_s']:.2f}"
-                   if side.is_tunepod else "")  # fmt: skip
-        table.add_row("tunepod" if side.is_tunepod else "baseline", side.what, f"{row['full_s']:.2f}",
-                      f"{row['mb_per_s']:.1f}", f"{ratio:.2f}", f"{row['restage_s']:.2f}",
-                      f"{row['restage_pct']:.1f}%", process, "yes" if row["identical"] else "NO")  # fmt: skip
+        row["ratio"] = row.get("mb_per_s", math.nan) / best_mb_per_s
+        if side.is_tunepod and "process_full_s" in row:
+            row["process_ratio"] = data.num_bytes / 1e6 / row["process_full_s"] / best_mb_per_s
+        table.add_row(*table_cells(side, row, server_cpu))
     for name, seconds in floors.items():
-        table.add_row("floor", name, "", "", "", f"{seconds:.2f}", "", "", "")
+        table.add_row("floor", name, "", "", "", "", f"{seconds:.2f}", "", "", "")
     console.print(table)
     console.print(f"ratio: MB/s against the best baseline ({best or 'none measured'}).")
     return {"rows": rows, "best_baseline": best}
+
+
+def table_cells(side: Side, row: dict[str, Any], server_cpu: bool) -> list[str]:
+    kind = "tunepod" if side.is_tunepod else "baseline"
+    if "full_s" not in row:
+        return [kind, side.what, *["-"] * 7, f"FAILED: {row['error'][:60]}"]
+    cpu = f"{row['cpu_s']:.1f}" + (f" / {row['server_cpu_s']:.1f}" if server_cpu else "")
+    process = f"{row['process_full_s']:.2f} / {row['process_restage_s']:.2f}" if side.is_tunepod else ""
+    return [kind, side.what, f"{row['full_s']:.2f}", f"{row['mb_per_s']:.1f}", f"{row['ratio']:.2f}", cpu,
+            f"{row['restage_s']:.2f}", f"{row['restage_pct']:.1f}%", process,
+            "yes" if row["identical"] else "NO"]  # fmt: skip
 
 
 def row_figures(side: Side, found: Figures, data: dataset.Dataset) -> dict[str, Any]:
@@ -217,7 +228,8 @@ def row_figures(side: Side, found: Figures, data: dataset.Dataset) -> dict[str, 
         return row
     full_s, restage_s = median(found.full), median(found.restage)
     row.update(full_s=full_s, restage_s=restage_s, mb_per_s=data.num_bytes / 1e6 / full_s,
-               restage_pct=100 * restage_s / full_s)  # fmt: skip
+               restage_pct=100 * restage_s / full_s, cpu_s=median(found.cpu_full),
+               server_cpu_s=median(found.server_cpu_full))  # fmt: skip
     if side.is_tunepod:
         row.update(process_full_s=median(found.process_full), process_restage_s=median(found.process_restage),
                    restage_copied=found.restage_copied)  # fmt: skip

@@ -69,10 +69,16 @@ def free_port() -> int:
         return port
 
 
+@dataclass(frozen=True)
+class Server:
+    url: str
+    pid: int
+
+
 @contextmanager
-def moto_server(log: Path) -> Iterator[str]:
-    """``moto.server`` on a free loopback port (a process of its own, as an S3 endpoint is); its URL.
-    Its request log goes to the file ``log``: a pipe nobody reads would fill and stall the server."""
+def moto_server(log: Path) -> Iterator[Server]:
+    """``moto.server`` on a free loopback port (a process of its own, as an S3 endpoint is). Its
+    request log goes to the file ``log``: a pipe nobody reads would fill and stall the server."""
     port = free_port()
     with open(log, "w") as log_file:
         process = subprocess.Popen(
@@ -91,7 +97,7 @@ def moto_server(log: Path) -> Iterator[str]:
                 if process.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"moto server did not start: {log.read_text()[-2000:]}") from None
                 time.sleep(0.2)
-        yield url
+        yield Server(url, process.pid)
     finally:
         process.terminate()
         try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import filecmp
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -48,11 +49,13 @@ class Side:
 
 @dataclass
 class Figures:
-    """A side's timings over the repeats (seconds; tunepod's: in the call), tunepod's process times,
-    and any failure."""
+    """A side's timings over the repeats (seconds; tunepod's: in the call), the CPU seconds of its full
+    copies (its own processes', the S3 server's), tunepod's process times, and any failure."""
 
     full: list[float] = field(default_factory=list)
     restage: list[float] = field(default_factory=list)
+    cpu_full: list[float] = field(default_factory=list)
+    server_cpu_full: list[float] = field(default_factory=list)
     process_full: list[float] = field(default_factory=list)
     process_restage: list[float] = field(default_factory=list)
     restage_copied: list[int] = field(default_factory=list)
@@ -109,22 +112,26 @@ def rsync_has_fsync() -> bool:
     return "--fsync" in done.stdout
 
 
-def measure(
-    sides: Sequence[Side],
-    source: Path,
-    work: Path,
-    env: dict[str, str],
-    repeats: int,
-    timeout_s: float,
-    keep: bool,
-    restage: bool = True,
-) -> dict[str, Figures]:
-    """Every side ``repeats`` times, the order rotated each time: a full copy into a fresh folder, then
-    (with ``restage``) a re-stage over it. The first repeat's copies are compared byte by byte with
+@dataclass(frozen=True)
+class Settings:
+    """How the sides run: their environment, how many times, each command's bound, whether the last
+    repeat's copies stay, whether re-stages run, and the S3 server's pid (to take its CPU time)."""
+
+    env: dict[str, str]
+    repeats: int
+    timeout_s: float
+    keep: bool = False
+    restage: bool = True
+    server_pid: int | None = None
+
+
+def measure(sides: Sequence[Side], source: Path, work: Path, settings: Settings) -> dict[str, Figures]:
+    """Every side ``settings.repeats`` times, the order rotated each time: a full copy into a fresh
+    folder, then a re-stage over it. The first repeat's copies are compared byte by byte with
     ``source``. With ``keep``, the last repeat's folders stay in ``work`` (``<side>-<repeat>``)."""
     figures = {side.name: Figures() for side in sides}
     work.mkdir(parents=True, exist_ok=True)
-    for repeat in range(repeats):
+    for repeat in range(settings.repeats):
         order = list(sides[repeat % len(sides) :]) + list(sides[: repeat % len(sides)])
         for side in order:
             found = figures[side.name]
@@ -132,12 +139,12 @@ def measure(
                 continue
             target = work / f"{side.name}-{repeat}"
             try:
-                run_side(side, target, env, timeout_s, found, restage)
+                run_side(side, target, settings, found)
                 if repeat == 0:
                     found.identical = same_tree(source, target)
             except SideFailed as exc:
                 found.error = str(exc)
-            if not (keep and repeat == repeats - 1):
+            if not (settings.keep and repeat == settings.repeats - 1):
                 shutil.rmtree(target, ignore_errors=True)
     return figures
 
@@ -146,41 +153,67 @@ class SideFailed(Exception):
     pass
 
 
-def run_side(
-    side: Side, target: Path, env: dict[str, str], timeout_s: float, found: Figures, restage: bool
-) -> None:
+def run_side(side: Side, target: Path, settings: Settings, found: Figures) -> None:
     shutil.rmtree(target, ignore_errors=True)
-    seconds, out = timed(side.full(target), env, timeout_s)
+    run = timed(side.full(target), settings)
+    found.cpu_full.append(run.cpu_s)
+    if run.server_cpu_s is not None:
+        found.server_cpu_full.append(run.server_cpu_s)
     if side.is_tunepod:
-        found.process_full.append(seconds)
-        seconds = json.loads(out)["seconds"]
-    found.full.append(seconds)
-    if not restage:
+        found.process_full.append(run.seconds)
+    found.full.append(json.loads(run.stdout)["seconds"] if side.is_tunepod else run.seconds)
+    if not settings.restage:
         return
-    seconds, out = timed(side.restage(target), env, timeout_s)
+    run = timed(side.restage(target), settings)
     if side.is_tunepod:
-        found.process_restage.append(seconds)
-        report = json.loads(out)
-        seconds = report["seconds"]
+        found.process_restage.append(run.seconds)
+        report = json.loads(run.stdout)
         found.restage_copied.append(report["copied_files"])
-    found.restage.append(seconds)
+    found.restage.append(json.loads(run.stdout)["seconds"] if side.is_tunepod else run.seconds)
 
 
-def timed(argv: list[str], env: dict[str, str], timeout_s: float) -> tuple[float, str]:
-    """Wall seconds of ``argv`` from its start to its exit, and its stdout. Dirty pages an earlier
-    command left are written out first (not timed), so no side pays for another's writeback."""
+@dataclass(frozen=True)
+class Run:
+    seconds: float
+    cpu_s: float
+    server_cpu_s: float | None
+    stdout: str
+
+
+def timed(argv: list[str], settings: Settings) -> Run:
+    """``argv`` run to its exit: its wall seconds, the CPU seconds of its processes (user + system),
+    the S3 server's CPU seconds meanwhile, and its stdout. Dirty pages an earlier command left are
+    written out first (not timed), so no side pays for another's writeback."""
     os.sync()
+    server_before = cpu_seconds_of(settings.server_pid)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.monotonic()
     try:
         done = subprocess.run(
-            argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s, check=False
-        )
+            argv, cwd=REPO, env=settings.env, capture_output=True, text=True, timeout=settings.timeout_s,
+            check=False,
+        )  # fmt: skip
     except subprocess.TimeoutExpired as exc:
-        raise SideFailed(f"{' '.join(argv)} ran past {timeout_s:.0f} s") from exc
+        raise SideFailed(f"{' '.join(argv)} ran past {settings.timeout_s:.0f} s") from exc
     seconds = time.monotonic() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    server_after = cpu_seconds_of(settings.server_pid)
     if done.returncode != 0:
         raise SideFailed(f"{' '.join(argv)} exited {done.returncode}: {(done.stderr or done.stdout)[-800:]}")
-    return seconds, done.stdout
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    server = None if server_after is None or server_before is None else server_after - server_before
+    return Run(seconds, cpu, server, done.stdout)
+
+
+def cpu_seconds_of(pid: int | None) -> float | None:
+    """User + system CPU seconds of the running process ``pid`` so far (from /proc); ``None`` if unknown."""
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def data_files(root: Path) -> list[str]:
