@@ -61,6 +61,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     parser.add_argument("--target", type=float, help="digits val_accuracy to reach (short 0.967, long 0.974)")
     parser.add_argument("--llm", action="store_true", help="add the tiny LLM workload (on with --long)")
+    parser.add_argument("--no-digits", action="store_true", help="leave the digits workload out")
     parser.add_argument("--llm-seeds", type=int, default=3, help="tiny LLM seeds per arm (3)")
     parser.add_argument("--llm-trials", type=int, default=12, help="tiny LLM trials per study (12)")
     parser.add_argument("--llm-steps", type=int, default=120, help="tiny LLM optimizer steps per trial")
@@ -103,7 +104,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def workloads(args: argparse.Namespace) -> list[Workload]:
-    chosen = [digits(args.trials, args.parallel, args.epochs, args.epoch_s, args.target)]
+    chosen = []
+    if not args.no_digits:
+        chosen.append(digits(args.trials, args.parallel, args.epochs, args.epoch_s, args.target))
     if args.llm:
         chosen.append(tiny_llm(args.llm_trials, args.parallel, args.llm_steps, 20, args.llm_target))
     return chosen

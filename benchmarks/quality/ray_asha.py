@@ -34,6 +34,7 @@ from typing import Any
 from benchmarks.quality.study import StudyFailed, StudyRun, watch_child
 from benchmarks.quality.timing import best_value, first_hit, trial_reports, trials_started_by
 from benchmarks.quality.workloads import RANDOM, RAY_ASHA, REDUCTION_FACTOR, REPO, TUNE_STEP, Workload
+from tunepod.runtime.metrics import Report
 
 FIT_FILE = "fit.json"
 STARTED_FILE = "started"
@@ -97,8 +98,17 @@ def run_ray_study(workload: Workload, seed: int, root: Path, *, stop_at_target: 
         hit=hit,
         end=None if stopped else fit["end"],
         trials_started=trials_started_by(starts, hit.time) if hit else len(starts),
-        pruned=sum(1 for _ in jobs.glob(f"trial-*/{STOPPED_FILE}")),
+        pruned=stopped_early(jobs, reports, workload.max_step),
         best=best_value(reports, workload.goal),
+    )
+
+
+def stopped_early(jobs: Path, reports: dict[int, list[Report]], max_step: int) -> int:
+    """Trials ASHA stopped before their last step (it also stops every trial that reaches ``max_t``)."""
+    return sum(
+        (jobs / f"trial-{number}" / STOPPED_FILE).exists() and max(r.step for r in trial) < max_step
+        for number, trial in reports.items()
+        if trial
     )
 
 
@@ -224,9 +234,8 @@ def child(config: RayStudy) -> None:
             metric=config.metric,
             mode=config.mode,
             num_samples=settings.num_trials,
-            max_concurrent_trials=settings.num_parallel,
             scheduler=scheduler,
-            search_alg=BasicVariantGenerator(random_state=config.seed),
+            search_alg=BasicVariantGenerator(random_state=config.seed, max_concurrent=settings.num_parallel),
         ),
         run_config=tune.RunConfig(storage_path=str(folder / "ray_results"), verbose=0),
     )
