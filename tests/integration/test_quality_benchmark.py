@@ -6,6 +6,7 @@ reports' times, and Optuna's trials, through Optuna's own API."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,12 +21,15 @@ REPO = Path(__file__).resolve().parents[2]
 TARGET = 0.5
 
 
-@pytest.mark.slow  # one pipeline with two trials: ~40 s on 2 busy cores
+# One study of two trials costs 40-95 s on 2 busy cores, past what CI can give one benchmark's test.
+@pytest.mark.skipif(
+    os.environ.get("TUNEPOD_QUALITY_TEST") != "1", reason="40-95 s; run with TUNEPOD_QUALITY_TEST=1"
+)
+@pytest.mark.slow
 def test_time_to_target_is_the_one_the_studys_records_give(tmp_path: Path) -> None:
     root, out = tmp_path / "stores", tmp_path / "quality.json"
     argv = [sys.executable, "-m", "benchmarks.quality", "--seeds", "1", "--trials", "2", "--epochs", "2"]
-    # One arm: each study costs MLflow's and Optuna's start and two trials (20-40 s here); the random
-    # arm differs only by two overrides, which the benchmark's own runs exercise.
+    # One arm: the random arm differs only by two overrides, which the benchmark's own runs exercise.
     argv += ["--arms", "tpe+hyperband", "--epoch-s", "0", "--target", str(TARGET), "--full-budget"]
     argv += ["--root", str(root), "--json", str(out)]
     done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600)
