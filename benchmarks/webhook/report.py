@@ -36,7 +36,8 @@ def print_level(concurrency: int, sides: dict[str, Load], args: argparse.Namespa
     for row in rows.values():
         row["added"] = {k: row[k] - base[k] for k in (*PERCENTILES, "cpu_ms")}
         # A baseline figure of 0 (a few requests inside one CPU clock tick) has no ratio.
-        row["ratio"] = {k: row[k] / base[k] if base[k] else math.nan for k in (*PERCENTILES, "req_s", "cpu_ms")}
+        keys = (*PERCENTILES, "req_s", "cpu_ms")
+        row["ratio"] = {k: row[k] / base[k] if base[k] else math.nan for k in keys}
     table = Table(
         title=f"Signed deliveries, {concurrency} in flight: {args.requests} per side after {args.warmup} "
         f"of warm-up, in {args.rounds} rounds, the sides' order rotating"
