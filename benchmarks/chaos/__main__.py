@@ -44,6 +44,10 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=6, help="epochs (reports, checkpoints) per trial")
     parser.add_argument("--sleep-s", type=float, default=0.5, help="pause per epoch")
     parser.add_argument("--gap-s", type=float, default=10.0, help="mean seconds between two faults")
+    parser.add_argument(
+        "--outage-s", type=float, nargs=2, default=(3.0, 10.0), metavar=("MIN", "MAX"),
+        help="an MLflow outage lasts between MIN and MAX seconds (drawn)",
+    )  # fmt: skip
     parser.add_argument("--max-restarts", type=int, default=3, help="the spec's train.max_restarts")
     parser.add_argument("--prefect-api", help="a running Prefect server (default: a temporary one per run)")
     parser.add_argument(
@@ -92,6 +96,7 @@ def config(args: argparse.Namespace, launcher: str, folder: Path, num_launchers:
         max_restarts=args.max_restarts,
         prefect_api=args.prefect_api,
         overlap=args.overlap,
+        outage_s=(args.outage_s[0], args.outage_s[1]),
     )
 
 

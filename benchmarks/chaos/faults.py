@@ -150,7 +150,14 @@ class FaultDriver:
         return self.rng.choice(candidates) if candidates else None
 
     def _in_flight(self) -> bool:
+        """Some trial has reported: its job, MLflow run and checkpoints are all in play."""
         return any(job.reported() > 0 for job in trial_jobs(self.study))
+
+    def _sent(self) -> bool:
+        """Some trial's job was sent and still runs (reported or still starting): the orchestrator
+        has something to find again after a restart. Wider than ``_in_flight``, so that a short study
+        whose trials are mostly start-up still gives the orchestrator kill a moment."""
+        return any(job_processes(job) for job in trial_jobs(self.study))
 
     # --------------------------------------------------------------------------------- injectors
 
@@ -190,7 +197,7 @@ class FaultDriver:
         return Injection(Fault.REQUEUE, self._elapsed(), job.number, detail)
 
     def _kill_orchestrator(self) -> Injection | None:
-        if self.orchestrator.process is None or not self._in_flight():
+        if self.orchestrator.process is None or not self._sent():
             return None
         if not self.overlap and (self.mlflow_down() or not self.server.ready()):
             return None

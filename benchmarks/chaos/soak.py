@@ -49,6 +49,8 @@ class SoakConfig:
     prefect_api: str | None
     overlap: bool = False
     """Let orchestrator kills and MLflow outages overlap (``FaultDriver.overlap``)."""
+    outage_s: tuple[float, float] = (3.0, 10.0)
+    """Bounds of an MLflow outage's drawn length."""
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,9 @@ def run_soak(config: SoakConfig) -> SoakReport:
         ).write()  # fmt: skip
         orchestrator = Orchestrator(study, env)
         rng = random.Random(f"{config.seed}/{config.launcher}")
-        driver = FaultDriver(study, orchestrator, server, rng, config.gap_s, config.overlap)
+        driver = FaultDriver(
+            study, orchestrator, server, rng, config.gap_s, config.overlap, outage_s=config.outage_s
+        )
         orchestrator.start()
         unfinished = drive(config, orchestrator, driver, started)
         bring_back(server, driver)
@@ -154,4 +158,5 @@ def describe(config: SoakConfig) -> Mapping[str, object]:
         "sleep_s": config.sleep_s,
         "gap_s": config.gap_s,
         "max_restarts": config.max_restarts,
+        "outage_s": config.outage_s,
     }

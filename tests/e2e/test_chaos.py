@@ -49,13 +49,15 @@ def run_soak(tmp_path: Path, launcher: str, *options: str) -> dict[str, object]:
 def test_short_chaos_soak_on_local_jobs(prefect_api: None, tmp_path: Path) -> None:
     """Four two-rank trials of 4 s of training each, two at a time, a fault every ~1.5 s for as long
     as the study runs (the 4-minute window is a bound, not the length): every local kind, every check
-    held. (With 1.5 s of training a trial, the study could end while the orchestrator kill still
-    waited for MLflow to come back.) The Slurm form
+    held. MLflow outages last 2-4 s here (3-10 s in ``make chaos``): the orchestrator is not killed
+    while MLflow is down, and with longer outages the study could end while the orchestrator kill
+    still waited for MLflow to come back. The Slurm form
     (a requeue too) runs in ``make chaos`` and below with TUNEPOD_CHAOS_SLURM=1: in ``make test`` it
     would cost CI minutes the local form already spends on the same checks."""
     report = run_soak(
         tmp_path, "local", "--seed", "3", "--trials", "4", "--epochs", "4", "--sleep-s", "1.0",
         "--minutes", "4", "--gap-s", "1.5", "--drain-minutes", "3",
+        "--outage-s", "2", "4",
     )  # fmt: skip
     injected = report["injected"]
     assert isinstance(injected, dict)
