@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 import httpx
 from ports import free_port
@@ -52,27 +53,34 @@ def put_objects(client: Any, bucket: str, prefix: str, objects: Mapping[str, byt
 @contextmanager
 def moto_server() -> Iterator[MotoServer]:
     """Start ``moto.server`` on a free loopback port; stop it on exit."""
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                httpx.get(f"{url}/moto-api/", timeout=1)
-                break
-            except httpx.TransportError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(  # noqa: B904 (the connection error is expected, not the cause)
-                        f"moto server did not start: {process.stderr.read() if process.stderr else ''}"
-                    )
-                time.sleep(0.2)
-        yield MotoServer(url)
-    finally:
-        process.terminate()
-        process.wait(timeout=10)
+    # Its log to a file, never a pipe: moto logs every request, and a pipe nobody reads fills up and
+    # stalls the server after a few hundred requests.
+    with tempfile.TemporaryFile() as log:
+        port = free_port()
+        process = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+        )
+        try:
+            yield MotoServer(wait_until_up(f"http://127.0.0.1:{port}", process, log))
+        finally:
+            process.terminate()
+            process.wait(timeout=10)
+
+
+def wait_until_up(url: str, process: subprocess.Popen[bytes], log: IO[bytes]) -> str:
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            httpx.get(f"{url}/moto-api/", timeout=1)
+            return url
+        except httpx.TransportError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"moto server did not start: {read_log(log)}") from None
+            time.sleep(0.2)
+
+
+def read_log(log: IO[bytes]) -> str:
+    log.seek(0)
+    return log.read()[-4000:].decode(errors="replace")

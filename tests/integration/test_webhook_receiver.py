@@ -27,10 +27,18 @@ import pytest
 import uvicorn
 import yaml
 from fastapi import FastAPI
+from moto_server import MotoServer
 from prometheus_client import CollectorRegistry
 
+from tunepod.spec.loader import load_spec
 from tunepod.webhook.app import MAX_BODY_BYTES, create_app
-from tunepod.webhook.config import WebhookConfig, WebhookConfigError, load_webhook_config
+from tunepod.webhook.config import (
+    PayloadError,
+    WebhookConfig,
+    WebhookConfigError,
+    load_webhook_config,
+    parse_webhook_config,
+)
 from tunepod.webhook.events import PrefectEventSink
 from tunepod.webhook.signatures import github_headers, new_standard_secret, standard_headers
 
@@ -391,15 +399,65 @@ def test_startup_names_the_hook_and_field_of_every_problem(in_repo: Path, tmp_pa
 
 
 def test_the_example_config_loads_with_its_secrets_set(in_repo: Path) -> None:
-    environ = {
-        name: SECRET
-        for name in ("TUNEPOD_HOOK_S3_SECRET", "TUNEPOD_HOOK_GITHUB_SECRET", "TUNEPOD_HOOK_DIGITS_SECRET")
-    }
-    config = load_webhook_config(in_repo / "deployments/webhooks.yaml", environ)
-    s3_event = {"Records": [{"s3": {"bucket": {"name": "data"}, "object": {"key": "digits/v2"}}}]}
-    assert config.hooks["s3-upload"].render_overrides(s3_event) == [
-        'steps.data.with.source="s3://data/digits/v2"'
+    config = load_webhook_config(in_repo / "deployments/webhooks.yaml", EXAMPLE_SECRETS)
+    assert set(config.hooks) == {"s3-upload", "github-push", "digits"}
+
+
+EXAMPLE_SECRETS = {
+    name: SECRET
+    for name in ("TUNEPOD_HOOK_S3_SECRET", "TUNEPOD_HOOK_GITHUB_SECRET", "TUNEPOD_HOOK_DIGITS_SECRET")
+}
+
+
+def test_the_s3_upload_hook_stages_the_folder_of_the_object_an_s3_event_names(
+    in_repo: Path, moto: MotoServer
+) -> None:
+    """A real S3 event notification: moto's S3 sends it to an SQS queue when an object is put (its
+    key URL-encoded, as S3 does). The example hook turns it into the folder that holds the object,
+    which is a prefix the stage step can copy, and the digits spec accepts the override."""
+    s3, sqs = moto.client("s3"), moto.client("sqs")
+    s3.create_bucket(Bucket="data")
+    queue = sqs.create_queue(QueueName="uploads")["QueueUrl"]
+    arn = sqs.get_queue_attributes(QueueUrl=queue, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+    s3.put_bucket_notification_configuration(
+        Bucket="data",
+        NotificationConfiguration={
+            "QueueConfigurations": [{"QueueArn": arn, "Events": ["s3:ObjectCreated:*"]}]
+        },
+    )
+    s3.put_object(Bucket="data", Key="digits/v 2/train.npz", Body=b"x")
+    messages = sqs.receive_message(QueueUrl=queue, MaxNumberOfMessages=10, WaitTimeSeconds=5)["Messages"]
+    events = [json.loads(m["Body"]) for m in messages]
+    [event] = [
+        e for e in events if e.get("Records", [{}])[0].get("eventName", "").startswith("ObjectCreated")
     ]
+    sent = event["Records"][0]["s3"]["object"]["key"]
+    assert "+" in sent and " " not in sent  # URL form encoded, as S3 sends it (moto encodes '/' too)
+
+    config = load_webhook_config(in_repo / "deployments/webhooks.yaml", EXAMPLE_SECRETS)
+    [override] = config.hooks["s3-upload"].render_overrides(event)
+    assert override == 'steps.data.with.source="s3://data/digits/v 2/"'
+    listed = s3.list_objects_v2(Bucket="data", Prefix="digits/v 2/")["Contents"]
+    assert [item["Key"] for item in listed] == ["digits/v 2/train.npz"]
+    load_spec(in_repo / SPEC, overrides=[override])
+
+
+def test_placeholder_filters_refuse_unknown_names_and_values_that_are_not_text(tmp_path: Path) -> None:
+    hooks = {
+        "f": {
+            "spec": SPEC,
+            "secrets": [{"env": "TEST_DIGITS_SECRET"}],
+            "overrides": ["a.b={payload.k|basename}"],
+        }
+    }
+    with pytest.raises(WebhookConfigError, match=r"unknown filter 'basename'; known: urldecode, dirname"):
+        parse_webhook_config({"hooks": hooks}, "hooks.yaml", ENVIRON)
+    hooks["f"]["overrides"] = ["a.b={payload.k|dirname}"]
+    hook = parse_webhook_config({"hooks": hooks}, "hooks.yaml", ENVIRON).hooks["f"]
+    assert hook.render_overrides({"k": "a/b/c"}) == ['a.b="a/b/"']
+    assert hook.render_overrides({"k": "c"}) == ['a.b=""']
+    with pytest.raises(PayloadError, match=r"payload\.k is 3, not text: filter .dirname. takes text"):
+        hook.render_overrides({"k": 3})
 
 
 # ---------------------------------------------------------------------------------------------- service

@@ -10,7 +10,7 @@
           - file: /run/secrets/s3-hook-previous
         rate_limit_per_min: 30
         overrides:
-          - "steps.data.with.source=s3://{payload.Records[0].s3.bucket.name}/{payload.Records[0].s3.object.key}"
+          - "steps.data.with.source=s3://{payload.Records[0].s3.bucket.name}/{payload.Records[0].s3.object.key|urldecode|dirname}"
 
 The spec of a hook is fixed here; a payload only fills the values of ``--set`` overrides, through
 ``{payload.<path>}`` placeholders. A path is dotted keys with ``[n]`` list indexes; keys containing
@@ -18,8 +18,16 @@ The spec of a hook is fixed here; a payload only fills the values of ``--set`` o
 (a payload never chooses what is set, only the value) and only reaches a string, number, boolean or
 null. A value that is exactly one placeholder keeps the payload's type (``num_trials={payload.n}``
 with ``n: 20`` sets 20); a value that mixes text and placeholders is always a string. ``{{`` and
-``}}`` write literal braces. Spec paths are relative to the directory the receiver runs in, like the
-paths inside a spec.
+``}}`` write literal braces. Spec paths are relative to the directory the receiver runs in, like
+the paths inside a spec.
+
+Filters after ``|`` turn a text value into another text, left to right:
+
+- ``urldecode``: undo URL form encoding (``%2F``, ``+`` for a space). S3 event notifications send
+  object keys encoded this way.
+- ``dirname``: everything up to and including the last ``/`` (empty when there is none): the folder
+  an object was put in, e.g. the dataset prefix an uploaded file belongs to. A filter makes the
+  value text, also in a lone placeholder.
 
 Secrets are read once, when the configuration loads (to rotate: add the new secret, restart, remove the
 old one later). A secret file holds one secret per non-empty line. Secrets are held as
@@ -33,7 +41,8 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping
+import urllib.parse
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -111,12 +120,37 @@ class ConfigFile(BaseModel):
 
 
 @dataclass(frozen=True)
+class Placeholder:
+    """``{payload.<path>|filter|...}``: a path of keys (str) and indexes (int), then text filters."""
+
+    path: tuple[str | int, ...]
+    filters: tuple[str, ...] = ()
+
+    def value(self, payload: Any) -> Scalar:
+        """The payload's value at the path, through the filters; raises ``PayloadError``."""
+        value = _scalar_at(payload, self.path)
+        for name in self.filters:
+            if not isinstance(value, str):
+                where = format_payload_path(self.path)
+                raise PayloadError(f"{where} is {json.dumps(value)}, not text: filter {name!r} takes text")
+            value = FILTERS[name](value)
+        return value
+
+
+#: Text filters a placeholder may name after ``|`` (see the module docstring).
+FILTERS: dict[str, Callable[[str], str]] = {
+    "urldecode": urllib.parse.unquote_plus,
+    "dirname": lambda text: text[: text.rfind("/") + 1],
+}
+
+
+@dataclass(frozen=True)
 class OverrideTemplate:
     """One ``dotted.path=value`` override whose value may hold ``{payload.<path>}`` placeholders."""
 
     key: str
-    # Literal text and payload paths, in order; a path is a tuple of keys (str) and indexes (int).
-    parts: tuple[str | tuple[str | int, ...], ...]
+    # Literal text and placeholders, in order.
+    parts: tuple[str | Placeholder, ...]
 
     @classmethod
     def parse(cls, text: str) -> OverrideTemplate:
@@ -130,13 +164,13 @@ class OverrideTemplate:
 
     def render(self, payload: Any) -> str:
         """The override with the payload's values filled in; raises ``PayloadError``."""
-        if len(self.parts) == 1 and isinstance(self.parts[0], tuple):
+        if len(self.parts) == 1 and isinstance(self.parts[0], Placeholder):
             # A lone placeholder keeps the payload's type; JSON is YAML, and the loader reads YAML.
-            return f"{self.key}={json.dumps(_scalar_at(payload, self.parts[0]))}"
+            return f"{self.key}={json.dumps(self.parts[0].value(payload))}"
         if all(isinstance(part, str) for part in self.parts):
             return f"{self.key}={''.join(str(part) for part in self.parts)}"
         text = "".join(
-            part if isinstance(part, str) else _as_text(_scalar_at(payload, part)) for part in self.parts
+            part if isinstance(part, str) else _as_text(part.value(payload)) for part in self.parts
         )
         # Quoted, so that a payload cannot turn the value into a list or mapping by writing YAML.
         return f"{self.key}={json.dumps(text)}"
@@ -257,8 +291,8 @@ def _valid_keys(loc: tuple[Any, ...]) -> str:
 # ---------------------------------------------------------------------------------------------- templates
 
 
-def _template_parts(value: str) -> list[str | tuple[str | int, ...]]:
-    parts: list[str | tuple[str | int, ...]] = []
+def _template_parts(value: str) -> list[str | Placeholder]:
+    parts: list[str | Placeholder] = []
     position = 0
     for match in _PLACEHOLDER_TOKEN.finditer(value):
         parts.append(value[position : match.start()])
@@ -268,20 +302,30 @@ def _template_parts(value: str) -> list[str | tuple[str | int, ...]]:
         elif match.group(1) is None:
             raise ValueError(f"unmatched {token!r}; write {token * 2} for a literal brace")
         else:
-            parts.append(_payload_path(match.group(1)))
+            parts.append(_placeholder(match.group(1)))
         position = match.end()
     parts.append(value[position:])
     return _join_text([part for part in parts if part != ""])
 
 
-def _join_text(parts: list[str | tuple[str | int, ...]]) -> list[str | tuple[str | int, ...]]:
-    joined: list[str | tuple[str | int, ...]] = []
+def _join_text(parts: list[str | Placeholder]) -> list[str | Placeholder]:
+    joined: list[str | Placeholder] = []
     for part in parts:
         if joined and isinstance(part, str) and isinstance(joined[-1], str):
             joined[-1] += part
         else:
             joined.append(part)
     return joined
+
+
+def _placeholder(text: str) -> Placeholder:
+    path, *filters = text.split("|")
+    for name in filters:
+        if name.strip() not in FILTERS:
+            raise ValueError(
+                f"placeholder {{{text}}}: unknown filter {name.strip()!r}; known: {', '.join(FILTERS)}"
+            )
+    return Placeholder(_payload_path(path.strip()), tuple(name.strip() for name in filters))
 
 
 def _payload_path(text: str) -> tuple[str | int, ...]:
