@@ -8,6 +8,7 @@ process (`python -m tunepod.stack ...`), as a user would run it.
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime as dt
 import os
 import signal
@@ -65,26 +66,55 @@ def test_stop_service_ends_the_whole_group_and_a_reused_pid_is_not_ours(tmp_path
     assert stop_service(record, grace_s=5.0) is False
 
 
-def test_up_refuses_a_port_that_answers_for_a_process_it_did_not_start(tmp_path: Path) -> None:
-    # A plain HTTP server whose /api/health answers 200, where the Prefect server would listen.
-    (tmp_path / "www" / "api").mkdir(parents=True)
-    (tmp_path / "www" / "api" / "health").write_text("true")
+@contextlib.contextmanager
+def squatter(folder: Path, health_path: str) -> Iterator[int]:
+    """A plain HTTP server on a free port whose ``health_path`` answers 200; yields the port."""
+    (folder / health_path).parent.mkdir(parents=True, exist_ok=True)
+    (folder / health_path).write_text("true")
     port = free_port()
-    squatter = subprocess.Popen(
+    server = subprocess.Popen(
         [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
-        cwd=tmp_path / "www",
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+        cwd=folder, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
     try:
-        wait_for(lambda: http_ok(f"http://127.0.0.1:{port}/api/health"), "the squatting server")
+        wait_for(lambda: http_ok(f"http://127.0.0.1:{port}/{health_path}"), "the squatting server")
+        yield port
+    finally:
+        server.terminate()
+        server.wait()
+
+
+def test_up_refuses_a_port_that_answers_for_a_process_it_did_not_start(tmp_path: Path) -> None:
+    with squatter(tmp_path / "www", "api/health") as port:  # where the Prefect server would listen
         config = StackConfig(home=tmp_path / "home", repo=REPO, prefect_port=port, mlflow_port=free_port())
         with pytest.raises(StackError, match="already answers, but tunepod did not start"):
             up(config)
         assert not list((tmp_path / "home" / "stack").glob("*.json"))
-    finally:
-        squatter.terminate()
-        squatter.wait()
+
+
+def test_a_failed_up_stops_what_it_started(tmp_path: Path) -> None:
+    """The Prefect server starts, then MLflow's port turns out taken: the error says so, and the
+    Prefect server this ``up`` started is stopped, its record gone (a rerun starts clean)."""
+    prefect_port = free_port()
+    with squatter(tmp_path / "www", "health") as mlflow_port:
+        config = StackConfig(
+            home=tmp_path / "home", repo=REPO, prefect_port=prefect_port, mlflow_port=mlflow_port
+        )
+        with pytest.raises(StackError, match="already answers") as raised:
+            up(config)
+    assert "Stopped what this `up` had started: prefect-server" in str(raised.value)
+    assert not list((tmp_path / "home" / "stack").glob("*.json"))
+    assert not processes_with_argument(f"{prefect_port}"), "the Prefect server still runs"
+
+
+def processes_with_argument(argument: str) -> list[int]:
+    """Live processes with ``argument`` as one of their command-line arguments."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if entry.name.isdigit() and argument.encode() in (entry / "cmdline").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+    return found
 
 
 # ------------------------------------------------------------------------------------ the whole stack
@@ -185,6 +215,9 @@ def test_deploy_registers_both_deployments_with_inactive_schedule_and_trigger(st
         assert deployment["entrypoint"] == "flows/pipeline.py:pipeline"
         assert deployment["work_pool_name"] == "tunepod-local"
         assert deployment["parameters"] == {"spec_path": spec, "overrides": []}
+        form = deployment["parameter_openapi_schema"]["properties"]  # the run form's typed fields
+        assert form["num_trials"]["anyOf"][0] == {"type": "integer", "minimum": 1}
+        assert set(form) == {"spec_path", "overrides", "num_trials", "num_parallel", "experiment", "launcher"}
         assert deployment["job_variables"]["working_dir"] == str(REPO)
         assert deployment["pull_steps"] == [
             {"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}
@@ -299,7 +332,7 @@ def test_a_run_rides_out_its_prefect_server_killed_and_started_again(stack: Stac
     assert flow_run["state_type"] == "COMPLETED", flow_run["state"]
     query = {"flow_runs": {"id": {"any_": [flow_run["id"]]}}}
     states = {t["name"]: t["state_type"] for t in api_post(stack, "/task_runs/filter", query)}
-    assert sorted(states) == ["data", "search", "trial-0", "trial-1"], states
+    assert sorted(states) == ["data", "search", "search/trial-0", "search/trial-1"], states
     assert set(states.values()) == {"COMPLETED"}, states
 
 

@@ -156,14 +156,23 @@ def register(app: typer.Typer) -> None:
         app.command()(command)
 
 
+#: A note longer than this goes below the table, whole, where a terminal cannot wrap it mid-path.
+_NOTE_IN_TABLE = 60
+
+
 def _print(report: list[ServiceStatus], title: str) -> None:
     table = Table(title=title)
     for column in ("service", "state", "pid", "url", "healthy", "note"):
         table.add_column(column)
     for line in report:
         pid = "" if line.pid is None else str(line.pid)
-        table.add_row(line.name, line.state, pid, line.url, "yes" if line.healthy else "no", line.detail)
-    Console(highlight=False, width=200).print(table)
+        note = line.detail if len(line.detail) <= _NOTE_IN_TABLE else "see below"
+        table.add_row(line.name, line.state, pid, line.url, "yes" if line.healthy else "no", note)
+    console = Console(highlight=False, width=200, soft_wrap=True)
+    console.print(table)
+    for line in report:
+        if len(line.detail) > _NOTE_IN_TABLE:
+            console.print(Text(f"{line.name}: {line.detail}"))
 
 
 app = typer.Typer(name="tunepod-stack", no_args_is_help=True, add_completion=False)

@@ -18,7 +18,8 @@ class StackConfig:
 
     Everything the stack writes lives under ``home``: ``stack/`` (one record per running service),
     ``logs/``, ``prefect/`` (``PREFECT_HOME``, with Prefect's SQLite database), ``mlflow.db`` and
-    ``mlartifacts/`` (the MLflow server's stores), ``webhook/`` (the receiver's delivery ids).
+    ``mlartifacts/`` (the MLflow server's stores), ``webhook/`` (the receiver's delivery ids),
+    ``secrets/`` (hook secrets generated for variables the user did not export).
     """
 
     home: Path
@@ -49,6 +50,10 @@ class StackConfig:
     @property
     def records_dir(self) -> Path:
         return self.home / "stack"
+
+    @property
+    def secrets_dir(self) -> Path:
+        return self.home / "secrets"
 
     @property
     def logs_dir(self) -> Path:

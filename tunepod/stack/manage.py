@@ -20,9 +20,12 @@ from tunepod.launch.paths import tail_lines
 from tunepod.stack import services
 from tunepod.stack.config import StackConfig
 from tunepod.stack.processes import Service, ServiceRecord, is_alive, start_service, stop_service
+from tunepod.stack.secrets import GeneratedSecrets, generate_missing
 
 _POLL_S = 0.5
 _LOG_TAIL = 20
+#: Each service's record by name.
+Records = dict[str, ServiceRecord]
 _ORDER = (services.PREFECT_SERVER, services.PREFECT_WORKER, services.MLFLOW_SERVER, services.WEBHOOK)
 
 
@@ -48,15 +51,44 @@ def up(config: StackConfig) -> list[ServiceStatus]:
 
     Raises ``StackError`` (with the service's log tail) when a service exits or stays unhealthy for
     ``config.startup_timeout_s``, or when a port already answers for a process tunepod did not start.
+    A failed (or interrupted) ``up`` stops what it started itself and leaves alone what already ran,
+    so that it can simply be run again.
     """
     for folder in (config.records_dir, config.logs_dir, config.prefect_home):
         folder.mkdir(parents=True, exist_ok=True)
     started: dict[str, bool] = {}
     records: dict[str, ServiceRecord] = {}
+    try:
+        skipped, generated = _start_all(config, records, started)
+    except BaseException as exc:
+        stopped = _stop_started(config, records, started)
+        if isinstance(exc, StackError) and stopped:
+            raise StackError(f"{exc}\nStopped what this `up` had started: {', '.join(stopped)}.") from None
+        raise
+    notes = {services.WEBHOOK: generated.note()}
+    report = [
+        ServiceStatus(
+            r.name, "started" if started[r.name] else "running", r.pid, r.url, True, notes.get(r.name, "")
+        )
+        for r in _in_order(records)
+    ]
+    if skipped is not None:
+        report.append(ServiceStatus(services.WEBHOOK, "skipped", None, config.webhook_url, False, skipped))
+    return report
+
+
+def _start_all(
+    config: StackConfig, records: Records, started: dict[str, bool]
+) -> tuple[str | None, GeneratedSecrets]:
+    """Start every service in order and wait until each is healthy, filling ``records`` and ``started``
+    as it goes (so that a failure part-way knows what to stop). Returns why the webhook was skipped,
+    and the hook secrets generated for it."""
     wanted = [services.prefect_server(config), services.mlflow_server(config)]
     skipped = services.webhook_unavailable(config)
+    generated = GeneratedSecrets({}, {})
     if skipped is None:
-        wanted.append(services.webhook_receiver(config))
+        generated = generate_missing(config.webhook_config, config.secrets_dir)
+        wanted.append(services.webhook_receiver(config, generated.env))
     for service in wanted:
         records[service.name], started[service.name] = _ensure_running(config, service)
     _wait_healthy(config, records[services.PREFECT_SERVER])
@@ -65,13 +97,18 @@ def up(config: StackConfig) -> list[ServiceStatus]:
     records[worker.name], started[worker.name] = _ensure_running(config, worker)
     for record in records.values():
         _wait_healthy(config, record)
-    report = [
-        ServiceStatus(r.name, "started" if started[r.name] else "running", r.pid, r.url, True)
-        for r in _in_order(records)
-    ]
-    if skipped is not None:
-        report.append(ServiceStatus(services.WEBHOOK, "skipped", None, config.webhook_url, False, skipped))
-    return report
+    return skipped, generated
+
+
+def _stop_started(config: StackConfig, records: Records, started: dict[str, bool]) -> list[str]:
+    """Stop the services this ``up`` started (worker first) and remove their records; returns their names."""
+    stopped = []
+    for record in reversed(_in_order(records)):
+        if started.get(record.name):
+            stop_service(record, grace_s=5.0)
+            _record_path(config, record.name).unlink(missing_ok=True)
+            stopped.append(record.name)
+    return stopped
 
 
 def down(config: StackConfig, grace_s: float = 10.0) -> list[ServiceStatus]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import secrets
+from collections.abc import Mapping
 
 import httpx
 
@@ -69,12 +70,14 @@ def mlflow_server(config: StackConfig) -> Service:
     return Service(MLFLOW_SERVER, argv, env, config.mlflow_url, f"{config.mlflow_url}/health")
 
 
-def webhook_receiver(config: StackConfig) -> Service:
+def webhook_receiver(config: StackConfig, secrets: Mapping[str, str]) -> Service:
+    """The receiver, with ``secrets`` (variable -> secret, generated for hooks whose variable the user
+    did not export) added to its environment."""
     argv = [config.python, "-m", "tunepod.webhook", "serve", "--config", str(config.webhook_config)]
     argv += ["--host", config.host, "--port", str(config.webhook_port)]
     argv += ["--state-dir", str(config.home / "webhook")]
     health = f"{config.webhook_url}/healthz"
-    return Service(WEBHOOK, argv, prefect_env(config), config.webhook_url, health)
+    return Service(WEBHOOK, argv, {**prefect_env(config), **secrets}, config.webhook_url, health)
 
 
 def webhook_unavailable(config: StackConfig) -> str | None:
