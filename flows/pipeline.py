@@ -7,6 +7,7 @@ python -m flows.pipeline examples/digits/pipeline.yaml
 from __future__ import annotations
 
 import sys
+from typing import Annotated
 
 import httpx
 from prefect import flow, get_run_logger
@@ -18,14 +19,35 @@ from prefect.runtime import flow_run
 from tasks.steps import run_step, step_retries
 from tunepod.outputs import StepOutput
 from tunepod.pipeline import PipelineRun, PipelineSummary, TrialRow
+from tunepod.run_form import LauncherKind, RunForm
 
 
 @flow(name="tunepod-pipeline", flow_run_name="{spec_path}", log_prints=True)
-def pipeline(spec_path: str, overrides: list[str] | None = None) -> PipelineSummary:
-    """Run the pipeline declared in ``spec_path``; ``overrides`` are ``dotted.path=value`` settings."""
+def pipeline(
+    spec_path: str,
+    overrides: list[str] | None = None,
+    num_trials: Annotated[int | None, RunForm.model_fields["num_trials"]] = None,
+    num_parallel: Annotated[int | None, RunForm.model_fields["num_parallel"]] = None,
+    experiment: Annotated[str | None, RunForm.model_fields["experiment"]] = None,
+    launcher: Annotated[LauncherKind | None, RunForm.model_fields["launcher"]] = None,
+) -> PipelineSummary:
+    """Run the pipeline declared in ``spec_path``. The typed fields are the common overrides (the
+    deployment's run form shows them as fields, and Prefect checks them before the run starts);
+    ``overrides`` are ``dotted.path=value`` settings for the rest, applied after them (second, so
+    that ``pipeline(spec, overrides)`` keeps working).
+
+    Args:
+        spec_path: Pipeline spec (YAML), relative to the repository root.
+        overrides: Any other setting, as dotted.path=value (value read as YAML), applied last.
+        num_trials: Finished trials each tune step's study should hold (empty: the spec's).
+        num_parallel: Trials in flight at once in each tune step (empty: the spec's).
+        experiment: MLflow experiment of the pipeline run (empty: the spec's).
+        launcher: Run the jobs on this launcher with its defaults, replacing the spec's launcher block.
+    """
+    form = RunForm(num_trials=num_trials, num_parallel=num_parallel, experiment=experiment, launcher=launcher)
     run = PipelineRun.start(
         spec_path,
-        overrides,
+        [*form.overrides(spec_path), *(overrides or [])],
         tags={"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_url": _ui_url()},
     )
     futures: dict[str, PrefectFuture[StepOutput]] = {}
@@ -68,17 +90,19 @@ def _publish(summary: PipelineSummary) -> None:
         summary.run_url,
         link_text="MLflow pipeline run",
         key="mlflow-run",
-        description=f"Open it with: {summary.mlflow_ui_command}",
+        description=f"Serve the UI with: {summary.mlflow_ui_command}" if summary.mlflow_ui_command else None,
     )
 
 
 def _trial_row(trial: TrialRow, objectives: list[str]) -> dict[str, object]:
     """One row of the trial table: every objective's value and the front's mark in a multi-objective
-    study, the objective's value otherwise, then the parameters."""
+    study, the objective's value otherwise, whether it met the constraints (if any), then the parameters."""
     values: dict[str, object] = {"value": trial.value}
     if objectives:
         values = {m: trial.values.get(m) for m in objectives}
         values["pareto_front"] = trial.pareto_front
+    if trial.feasible is not None:
+        values["feasible"] = trial.feasible
     params = {k: str(v) for k, v in trial.params.items()}
     return {"trial": trial.number, "outcome": trial.outcome, **values, **params}
 

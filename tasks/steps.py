@@ -35,8 +35,9 @@ def run_trial(tuner: Tuner, number: int) -> TrialRecord:
 
 
 def submit_trial(tuner: Tuner, number: int) -> Future[TrialRecord]:
-    """Run one trial as its own task run, named after the trial, and hand back a plain future."""
-    name = f"trial-{number}"
+    """Run one trial as its own task run, named after its step and number (two tune steps of one
+    flow each have a trial 0), and hand back a plain future."""
+    name = f"{tuner.step}/trial-{number}"
     prefect_future = run_trial.with_options(name=name, task_run_name=name).submit(tuner, number)
     future: Future[TrialRecord] = Future()
 

@@ -2,6 +2,8 @@
 
     tunepod validate examples/digits/pipeline.yaml --set steps.search.with.num_trials=40
     tunepod graph examples/digits/pipeline.yaml > pipeline.mmd
+    tunepod schema > pipeline.schema.json
+    tunepod dashboard examples/digits/pipeline.yaml --port 8080
 
 Exit codes: 0 success, 2 an invalid spec or a spec file that cannot be read (usage errors are 2 too,
 as in every click program). Error reports go to stderr, results to stdout.
@@ -92,10 +94,54 @@ def validate(spec: SpecArgument, set_: SetOption = None) -> None:
 
 
 @app.command()
+def schema() -> None:
+    """Print the JSON Schema of a pipeline spec (editors: # yaml-language-server: $schema=<file>)."""
+    from tunepod.spec.schema import spec_json_schema_text
+
+    typer.echo(spec_json_schema_text(), nl=False)
+
+
+@app.command()
 def graph(spec: SpecArgument, set_: SetOption = None) -> None:
     """Print the spec's DAG as Mermaid text (paste it into any Mermaid renderer, or a Markdown file)."""
     _, dag = _load(spec, set_)
     typer.echo(dag.to_mermaid(), nl=False)
+
+
+@app.command()
+def dashboard(
+    spec: SpecArgument,
+    set_: SetOption = None,
+    step: Annotated[str | None, typer.Option(help="The tune step whose study to show.")] = None,
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8080,
+) -> None:
+    """Serve optuna-dashboard on the storage of the spec's study (live while the pipeline runs)."""
+    pipeline_spec, _ = _load(spec, set_)
+    storage = _study_storage(pipeline_spec, step)
+    import optuna_dashboard  # seconds of imports: for this command only
+
+    from tunepod.hpo.study import make_storage
+
+    typer.echo(f"optuna-dashboard on {storage}: http://{host}:{port}/dashboard/ (Ctrl+C stops it)")
+    optuna_dashboard.run_server(make_storage(storage), host=host, port=port)
+
+
+def _study_storage(spec: PipelineSpec, step: str | None) -> str:
+    """The study storage of the tune step ``step``, or of the only tune step; exit 2 naming the choice."""
+    tunes = {name: s.with_.study.storage for name, s in spec.steps.items() if s.uses == "tune"}
+    if step is not None and step not in tunes:
+        _exit_with(
+            f"--step {step}: not a tune step of this spec; its tune steps: {', '.join(tunes) or 'none'}"
+        )
+    if step is None and len(set(tunes.values())) != 1:
+        _exit_with(f"the spec has {len(tunes)} tune steps; fix: choose one with --step ({', '.join(tunes)})")
+    return tunes[step] if step is not None else next(iter(tunes.values()))
+
+
+def _exit_with(message: str) -> None:
+    Console(stderr=True, soft_wrap=True, highlight=False).print(Text(message, "red"))
+    raise typer.Exit(EXIT_INVALID_SPEC)
 
 
 # ---------------------------------------------------------------------------------------------- run
@@ -225,7 +271,8 @@ def print_summary(summary: PipelineSummary) -> None:
             f"alias {reg.alias} {moved}"
         )
     console.print(f"MLflow store: {summary.tracking_uri} (pipeline run {summary.run_id})")
-    console.print(f"Browse it:    {summary.mlflow_ui_command}  then open {summary.run_url}")
+    serve = f"{summary.mlflow_ui_command}  then open " if summary.mlflow_ui_command else "open "
+    console.print(f"Browse it:    {serve}{summary.run_url}")
 
 
 def _short(value: object) -> str:

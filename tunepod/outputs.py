@@ -59,6 +59,9 @@ class TrialRecord(BaseModel):
     checkpoint_dir: str
     model_id: str | None = Field(None, description="MLflow logged model of the final checkpoint.")
     error: str | None = None
+    feasible: bool | None = Field(
+        None, description="A completed trial of a study with constraints: whether it met them all."
+    )
 
 
 class Goal(BaseModel):
@@ -90,12 +93,17 @@ class TrialSet(BaseModel):
     def completed(self) -> list[TrialRecord]:
         return [t for t in self.trials if t.outcome == "COMPLETE"]
 
+    def eligible(self) -> list[TrialRecord]:
+        """The completed trials that met the study's constraints: the only ones ranked, evaluated,
+        trained from or registered."""
+        return [t for t in self.completed() if t.feasible is not False]
+
     @property
     def multi_objective(self) -> bool:
         return len(self.objectives) > 1
 
     def best(self, k: int = 1) -> list[TrialRecord]:
-        """The ``k`` best completed trials, best first (ties by trial number; no value sorts last).
+        """The ``k`` best eligible trials, best first (ties by trial number; no value sorts last).
 
         With several objectives "best" is the Pareto front first, ordered by the primary objective,
         then the dominated trials by the primary objective: the steps downstream (evaluate's
@@ -107,14 +115,14 @@ class TrialSet(BaseModel):
         def rank(t: TrialRecord) -> tuple[bool, bool, float, int]:
             return (t.number not in front, t.value is None, primary.sign() * (t.value or 0.0), t.number)
 
-        return sorted(self.completed(), key=rank)[:k]
+        return sorted(self.eligible(), key=rank)[:k]
 
     def pareto_front(self) -> list[TrialRecord]:
-        """The completed trials no other completed trial dominates (better or equal in every
+        """The eligible trials no other eligible trial dominates (better or equal in every
         objective, better in one), by trial number. One objective: the best trials (ties kept)."""
         goals = self.objectives or [Goal(metric=self.metric, direction=self.direction)]
         # Signed so that smaller is better in every objective; trials missing a value stay off the front.
-        scored = [(t, tuple(g.sign() * self.value_of(t, g.metric) for g in goals)) for t in self.completed()]
+        scored = [(t, tuple(g.sign() * self.value_of(t, g.metric) for g in goals)) for t in self.eligible()]
         scored = [(t, v) for t, v in scored if all(math.isfinite(x) for x in v)]
 
         def dominates(a: tuple[float, ...], b: tuple[float, ...]) -> bool:

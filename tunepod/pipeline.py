@@ -35,8 +35,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MLFLOW_UI = "http://127.0.0.1:5000"
-
 
 @dataclass
 class PipelineRun:
@@ -117,6 +115,7 @@ class TrialRow(BaseModel):
     run_id: str | None
     values: dict[str, float] = {}
     pareto_front: bool = False
+    feasible: bool | None = None
 
 
 class PipelineSummary(BaseModel):
@@ -127,6 +126,7 @@ class PipelineSummary(BaseModel):
     tracking_uri: str
     experiment_id: str
     mlflow_ui_command: str
+    """How to serve the MLflow UI over a local store (empty when the tracking URI is a server)."""
     run_url: str
     trials: list[TrialRow]
     metric: str | None = None
@@ -152,6 +152,7 @@ class PipelineSummary(BaseModel):
                 run_id=t.run_id,
                 values=t.values,
                 pareto_front=(ts.step, t.number) in front,
+                feasible=t.feasible,
             )
             for ts in trial_sets
             for t in ts.trials
@@ -164,8 +165,8 @@ class PipelineSummary(BaseModel):
             run_id=run.run_id,
             tracking_uri=run.tracker.tracking_uri,
             experiment_id=run.tracker.experiment_id,
-            mlflow_ui_command=f"{_mlflow_cli()} ui --backend-store-uri {run.tracker.tracking_uri}",
-            run_url=run.tracker.run_url(run.run_id, DEFAULT_MLFLOW_UI),
+            mlflow_ui_command=_ui_command(run.tracker.tracking_uri),
+            run_url=run.tracker.run_url(run.run_id, run.spec.tracking.browse_url),
             trials=rows,
             metric=trial_sets[0].metric if trial_sets else None,
             objectives=[g.metric for g in trial_sets[0].objectives] if trial_sets else [],
@@ -176,6 +177,14 @@ class PipelineSummary(BaseModel):
             evaluation={f"trial-{c.trial.number}": c.value for e in evaluations for c in e.candidates},
             registration=registrations[0] if registrations else None,
         )
+
+
+def _ui_command(tracking_uri: str) -> str:
+    """The command that serves the MLflow UI over a local store; empty for a tracking server, which
+    serves its UI itself."""
+    if tracking_uri.startswith(("http://", "https://")):
+        return ""
+    return f"{_mlflow_cli()} ui --backend-store-uri {tracking_uri}"
 
 
 def _mlflow_cli() -> str:

@@ -121,3 +121,48 @@ def test_a_two_objective_study_records_its_pareto_front(
     summary = run.summary({"data": data, "search": search})
     assert summary.objectives == ["score", "cost"]
     assert {row.number for row in summary.trials if row.pareto_front} == front
+
+
+def test_constraints_mark_infeasible_trials_and_keep_them_from_every_later_step(
+    in_repo: Path, isolated_overrides: list[str], tmp_path: Path
+) -> None:
+    """``cost >= 5`` (cost = 10 x) rules out the best score (x near 0.3): infeasible trials are marked
+    in Optuna (through its constraint API, which the samplers read), on their MLflow runs and in the
+    summary, and the train, evaluate and register steps only ever see feasible ones."""
+    overrides = [
+        *isolated_overrides,
+        f"steps.search.with.study.storage=journal://{tmp_path}/optuna.log",
+        "steps.search.with.num_trials=6",
+        "steps.search.with.num_parallel=3",
+        "steps.search.with.constraints=['cost >= 5']",
+        "steps.search.with.sampler=tpe",  # a sampler that takes constraints (its first 10 are random)
+    ]
+    run = PipelineRun.start(SPEC, overrides)
+    outputs: dict[str, StepOutput] = {}
+    for name in run.dag.order:
+        outputs[name] = run.run_step(name, {need: outputs[need] for need in run.spec.steps[name].needs})
+    run.finish(ok=True)
+
+    search = outputs["search"]
+    assert isinstance(search, TrialSet) and len(search.completed()) == 6
+    feasible = {t.number: float(t.params["x"]) >= 0.5 for t in search.trials}  # type: ignore[arg-type]
+    assert set(feasible.values()) == {True, False}, "the seed should draw both kinds"
+    assert {t.number: t.feasible for t in search.trials} == feasible
+    study = optuna.load_study(study_name="steps", storage=make_storage(f"journal://{tmp_path}/optuna.log"))
+    for trial in study.trials:
+        assert trial.constraints == {"cost >= 5": 5 - 10 * trial.params["x"]}  # Optuna's constraint API
+
+    best = search.best(1)[0]
+    assert best.feasible and best.value == max(t.value or 0 for t in search.trials if t.feasible)
+    final = outputs["final"]
+    assert isinstance(final, TrialSet) and final.trials[0].params["x"] == best.params["x"]
+    client = MlflowClient(run.tracker.tracking_uri)
+    for trial in search.trials:
+        assert (
+            client.get_run(trial.run_id or "").data.tags["tunepod.feasible"]
+            == str(feasible[trial.number]).lower()
+        )
+    summary = run.summary(outputs)
+    assert {
+        row.number: row.feasible for row in summary.trials if row.run_id in {t.run_id for t in search.trials}
+    } == feasible

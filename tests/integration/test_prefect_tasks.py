@@ -1,14 +1,16 @@
-"""The Prefect layer against a real Prefect API: trials are task runs named after the trial, and
+"""The Prefect layer against a real Prefect API: trials are task runs named after the step and trial, and
 only transient errors are retried."""
 
 from __future__ import annotations
 
 import sqlite3
+from pathlib import Path
 from typing import Any
 
 import pytest
 from prefect import flow
 from prefect.client.orchestration import get_client
+from prefect.utilities.callables import parameter_schema
 
 from tasks.steps import run_trial, submit_trial
 from tunepod.errors import JobError, TransientError
@@ -18,6 +20,8 @@ from tunepod.outputs import TrialRecord
 class ScriptedTuner:
     """Stands in for ``Tuner.run_trial`` only, to raise chosen errors before succeeding; the retry
     policy under test is Prefect's, run for real."""
+
+    step = "search"
 
     def __init__(self, *errors: BaseException) -> None:
         self.errors = list(errors)
@@ -66,9 +70,30 @@ def test_other_errors_fail_at_once(prefect_api: None) -> None:
         state.result()
 
 
-def test_each_trial_is_a_task_run_named_after_it(prefect_api: None) -> None:
+def test_each_trial_is_a_task_run_named_after_its_step_and_number(prefect_api: None) -> None:
     state = one_trial(ScriptedTuner(), 7, return_state=True)
     with get_client(sync_client=True) as client:
         runs = [t for t in client.read_task_runs() if t.flow_run_id == state.state_details.flow_run_id]
-    assert [t.name for t in runs] == ["trial-7"]
+    assert [t.name for t in runs] == ["search/trial-7"]
     assert runs[0].state is not None and runs[0].state.is_completed()
+
+
+def test_the_run_form_has_typed_fields_and_a_bad_value_stops_the_run_before_it_starts(
+    prefect_api: None, in_repo: Path, tmp_path: Path
+) -> None:
+    """The deployment's form in the Prefect UI is the flow's parameter schema: typed, described, with
+    the launcher as a choice. Prefect checks a value against it before the flow body runs: nothing is
+    tracked (the flow's first act would be to open the MLflow run)."""
+    from flows.pipeline import pipeline
+
+    schema = parameter_schema(pipeline.fn).model_dump()["properties"]
+    assert schema["num_trials"]["anyOf"][0] == {"type": "integer", "minimum": 1}
+    assert schema["launcher"]["anyOf"][0]["enum"] == ["local", "slurm", "hyperpod_eks", "sagemaker"]
+    assert all(schema[name].get("description") for name in schema), schema
+    store = tmp_path / "mlflow.db"
+    state = pipeline(
+        "examples/digits/pipeline.yaml", [f"tracking.uri=sqlite:///{store}"], num_trials=0, return_state=True
+    )
+    assert state.is_failed()
+    assert "num_trials" in str(state.message) and "greater than or equal to 1" in str(state.message)
+    assert not store.exists()

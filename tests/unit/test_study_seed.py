@@ -8,7 +8,7 @@ from tunepod.hpo.study import distributions, open_study, reseed_for_next_trial
 from tunepod.spec.models import TuneSettings
 
 
-def settings(tmp_path: Path, sampler: str) -> TuneSettings:
+def settings(tmp_path: Path, sampler: str, seed: int = 7) -> TuneSettings:
     return TuneSettings.model_validate(
         {
             "train": {"entrypoint": "train.py"},
@@ -16,7 +16,7 @@ def settings(tmp_path: Path, sampler: str) -> TuneSettings:
             "space": {"x": {"type": "float", "low": 0.0, "high": 1.0}},
             "num_trials": 4,
             "sampler": sampler,
-            "seed": 7,
+            "seed": seed,
         }
     )
 
@@ -41,3 +41,10 @@ def test_a_rerun_does_not_suggest_the_first_trials_again(tmp_path: Path) -> None
 
 def test_one_orchestrator_with_a_seed_is_reproducible(tmp_path: Path) -> None:
     assert ask(settings(tmp_path / "a", "random"), 3) == ask(settings(tmp_path / "b", "random"), 3)
+
+
+def test_neighbouring_seeds_draw_different_sequences(tmp_path: Path) -> None:
+    """Seed 8 must not repeat seed 7's suggestions one trial later (it did with ``seed + n``)."""
+    seven = ask(settings(tmp_path / "7", "random", seed=7), 4)
+    eight = ask(settings(tmp_path / "8", "random", seed=8), 4)
+    assert not set(seven) & set(eight), (seven, eight)

@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import optuna
 from optuna.distributions import (
     BaseDistribution,
@@ -21,6 +22,7 @@ from optuna.storages.journal import JournalFileBackend, JournalStorage
 
 # Optuna's journal backend takes any lock of this base; it is only importable from its module.
 from optuna.storages.journal._file import BaseJournalFileLock
+from optuna.trial import TrialState
 
 from tunepod.errors import TunepodError
 from tunepod.runtime.files import append_whole, disk_full_explained
@@ -31,6 +33,7 @@ from tunepod.spec.models import (
     SearchParam,
     StudySpec,
     TuneSettings,
+    WarmStart,
 )
 
 JOURNAL_SCHEME = "journal://"
@@ -118,15 +121,50 @@ class FlockJournalLock(BaseJournalFileLock):
         os.close(self._held.fd)
 
 
+def is_feasible(frozen: optuna.trial.FrozenTrial) -> bool | None:
+    """Whether a finished trial met every constraint set on it; None when it has none."""
+    constraints = frozen.constraints
+    return None if not constraints else all(value <= 0 for value in constraints.values())
+
+
+#: Random trials before the model is used, when the spec does not say: Optuna's own defaults.
+_STARTUP_TRIALS = {"tpe": 10, "gp": 10, "cmaes": 1}
+
+
 def make_sampler(settings: TuneSettings, *, seed: int | None = None) -> optuna.samplers.BaseSampler:
-    """The study's sampler; ``seed`` (default: the spec's) seeds its random numbers."""
+    """The study's sampler; ``seed`` (default: the spec's) seeds its random numbers. The samplers that
+    use constraints (tpe, gp, nsga2) read those the tuner sets on each trial (``set_constraints``)."""
     seed = settings.seed if seed is None else seed
-    if settings.sampler == "random":
+    spec = settings.sampler
+    startup = (
+        spec.n_startup_trials if spec.n_startup_trials is not None else _STARTUP_TRIALS.get(spec.kind, 0)
+    )
+    if spec.kind == "random":
         return optuna.samplers.RandomSampler(seed=seed)
-    if settings.sampler == "nsga2":
-        return optuna.samplers.NSGAIISampler(seed=seed)
+    if spec.kind == "gp":
+        return optuna.samplers.GPSampler(
+            seed=seed, n_startup_trials=startup, deterministic_objective=spec.deterministic_objective,
+        )  # fmt: skip
+    if spec.kind == "cmaes":
+        return optuna.samplers.CmaEsSampler(
+            seed=seed, n_startup_trials=startup, popsize=spec.popsize,
+            use_separable_cma=spec.use_separable_cma, with_margin=spec.with_margin, lr_adapt=spec.lr_adapt,
+            warn_independent_sampling=False,
+        )  # fmt: skip
+    if spec.kind == "qmc":
+        # One orchestrator asks in order; a second on the same study may repeat points (Optuna warns).
+        return optuna.samplers.QMCSampler(
+            qmc_type=spec.qmc_type, scramble=spec.scramble, seed=seed, warn_asynchronous_seeding=False
+        )
+    if spec.kind == "nsga2":
+        return optuna.samplers.NSGAIISampler(
+            seed=seed, population_size=spec.population_size, crossover_prob=spec.crossover_prob,
+            mutation_prob=spec.mutation_prob,
+        )  # fmt: skip
     # Multivariate TPE with the constant liar, so trials in flight are not suggested twice.
-    return optuna.samplers.TPESampler(seed=seed, multivariate=True, constant_liar=True)
+    return optuna.samplers.TPESampler(
+        seed=seed, n_startup_trials=startup, multivariate=spec.multivariate, constant_liar=True,
+    )  # fmt: skip
 
 
 def reseed_for_next_trial(study: optuna.Study, settings: TuneSettings, num_trials: int) -> None:
@@ -134,7 +172,14 @@ def reseed_for_next_trial(study: optuna.Study, settings: TuneSettings, num_trial
     study holds: a rerun, or a second orchestrator on the study, then continues the sequence instead
     of suggesting the first trials' parameters again, and one orchestrator stays reproducible."""
     if settings.seed is not None:
-        study.sampler = make_sampler(settings, seed=settings.seed + num_trials)
+        study.sampler = make_sampler(settings, seed=trial_seed(settings.seed, num_trials))
+
+
+def trial_seed(seed: int, num_trials: int) -> int:
+    """A sampler seed drawn from the pair (study seed, trials so far). Not ``seed + num_trials``:
+    with that, seed s+1 drew at trial n what seed s drew at trial n+1, so studies with neighbouring
+    seeds shared nearly all their suggestions."""
+    return int(np.random.SeedSequence([seed, num_trials]).generate_state(1)[0])
 
 
 class ThreadSafeHyperbandPruner(optuna.pruners.HyperbandPruner):
@@ -164,8 +209,18 @@ def make_pruner(spec: PrunerSpec) -> optuna.pruners.BasePruner:
         return ThreadSafeHyperbandPruner(
             min_resource=spec.min_resource, reduction_factor=spec.reduction_factor
         )
+    if spec.kind == "successive_halving":
+        return optuna.pruners.SuccessiveHalvingPruner(
+            min_resource=spec.min_resource, reduction_factor=spec.reduction_factor
+        )
     if spec.kind == "median":
         return optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=spec.warmup_steps)
+    if spec.kind == "threshold":
+        return optuna.pruners.ThresholdPruner(
+            lower=spec.lower, upper=spec.upper, n_warmup_steps=spec.warmup_steps
+        )
+    if spec.kind == "wilcoxon":
+        return optuna.pruners.WilcoxonPruner(p_threshold=spec.p_threshold, n_startup_steps=spec.warmup_steps)
     return optuna.pruners.NopPruner()
 
 
@@ -190,3 +245,57 @@ def open_study(settings: TuneSettings) -> optuna.Study:
             f"or declare {len(stored)} objective(s) with these directions: {', '.join(stored)}"
         )
     return study
+
+
+def enqueue_first_trials(study: optuna.Study, settings: TuneSettings) -> list[str]:
+    """Put the spec's ``enqueue`` configurations, then the best trials of each ``warm_start`` study,
+    in the study's queue; the next asks take them in order. A configuration the study holds already
+    (queued, running or finished: a rerun, a second orchestrator) is not queued again. Returns what
+    was done, one line per source, for the log."""
+    said = []
+    queued = sum(_enqueue(study, params) for params in settings.enqueue)
+    if settings.enqueue:
+        said.append(
+            f"enqueue: {queued} of {len(settings.enqueue)} configurations queued (the rest ran before)"
+        )
+    for source in settings.warm_start:
+        fits, unfit = _warm_start_params(source, settings)
+        queued = sum(_enqueue(study, params) for params in fits)
+        line = f"warm start from {source.study}: {queued} of its best {len(fits) + len(unfit)} queued"
+        said.append(line + (f"; not carried: {'; '.join(unfit)}" if unfit else ""))
+    return said
+
+
+def _enqueue(study: optuna.Study, params: dict[str, Any]) -> bool:
+    """Queue ``params`` unless the study holds them already; whether it was queued."""
+    before = len(study.get_trials(deepcopy=False))
+    study.enqueue_trial(params, skip_if_exists=True)
+    return len(study.get_trials(deepcopy=False)) > before
+
+
+def _warm_start_params(source: WarmStart, settings: TuneSettings) -> tuple[list[dict[str, Any]], list[str]]:
+    """The parameters of ``source``'s ``top_k`` best completed trials that fit ``settings.space``
+    (parameters the space does not have are dropped), and why each of the others does not fit."""
+    storage = source.storage or settings.study.storage
+    try:
+        earlier = optuna.load_study(study_name=source.study, storage=make_storage(storage))
+    except KeyError:
+        raise TunepodError(
+            f"warm_start: no study {source.study!r} in {storage}; fix: name a study that exists there "
+            "(optuna studies list), or set warm_start[].storage to where it is"
+        ) from None
+    completed = earlier.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    if len(earlier.directions) > 1:
+        best = earlier.best_trials
+    else:
+        sign = -1.0 if earlier.direction is optuna.study.StudyDirection.MAXIMIZE else 1.0
+        best = sorted(completed, key=lambda t: (sign * float(t.value or 0.0), t.number))
+    fits, unfit = [], []
+    for trial in best[: source.top_k]:
+        kept = {name: value for name, value in trial.params.items() if name in settings.space}
+        misfits = [why for name, value in kept.items() if (why := settings.space[name].misfit(value))]
+        if misfits:
+            unfit.append(f"trial {trial.number} ({', '.join(misfits)})")
+        else:
+            fits.append(kept)
+    return fits, unfit

@@ -54,6 +54,15 @@ class StudyTrials:
         storage = self.study._storage
         retried(lambda: storage.set_trial_user_attr(frozen._trial_id, key, value))
 
+    def set_constraints(self, number: int, violations: dict[str, float]) -> None:
+        """Each constraint's violation (at most 0 where it holds) on a RUNNING trial, through Optuna's
+        constraint API, before it is told: samplers that use constraints read them then."""
+        if self.frozen(number).state in FINISHED:
+            return
+        live = self.live(number)
+        for key, value in violations.items():
+            retried(lambda key=key, value=value: live.set_constraint(key, value))  # type: ignore[misc]
+
     def tell(self, number: int, state: TrialState, value: float | Sequence[float] | None = None) -> None:
         """Record a trial's outcome once (a finished trial keeps the outcome it has); ``value`` is a
         list for a multi-objective study."""

@@ -28,7 +28,13 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from tunepod.errors import JobError, TunepodError
-from tunepod.hpo.study import distributions, open_study, reseed_for_next_trial
+from tunepod.hpo.study import (
+    distributions,
+    enqueue_first_trials,
+    is_feasible,
+    open_study,
+    reseed_for_next_trial,
+)
 from tunepod.hpo.trials import FINISHED, StudyTrials, retried
 from tunepod.launch.base import JobHandle, JobSpec, Launcher
 from tunepod.launch.contract import contract_env
@@ -119,11 +125,17 @@ class Tuner:
         self._following: frozenset[int] = frozenset()
         self._lock = threading.Lock()
 
+    @property
+    def step(self) -> str:
+        """The pipeline step this study runs in."""
+        return self.ctx.step
+
     # ------------------------------------------------------------------------------------ the loop
 
     def run(self, submit: TrialSubmitter | None = None) -> TrialSet:
         """Bring the study to ``num_trials`` finished trials, ``num_parallel`` at a time."""
         self._catch_up_tracking()
+        self._enqueue_first_trials()
         self._metrics.count_trials(self.study)
         workers = self.settings.num_parallel + len(self._running()) + 16
         with ThreadPoolExecutor(workers, "trial") as pool:
@@ -150,6 +162,16 @@ class Tuner:
                 f"Run the pipeline again to re-attach to them.\n{listed}"
             )
         return self.trial_set()
+
+    def _enqueue_first_trials(self) -> None:
+        """The spec's known-good configurations and warm-start trials, queued once (under the study
+        lock, so two orchestrators starting together queue each once)."""
+        if not (self.settings.enqueue or self.settings.warm_start):
+            return
+        self.ctx.jobs_dir.mkdir(parents=True, exist_ok=True)
+        with locked(self.ctx.jobs_dir / ".study.lock"):
+            for line in enqueue_first_trials(self.study, self.settings):
+                log.info("study %s: %s", self.settings.study.name, line)
 
     def _schedule(self, mine: set[int]) -> tuple[list[int], list[int], int]:
         """Under the study lock: claim unfinished trials nobody drives, ask new ones while there is
@@ -326,13 +348,21 @@ class Tuner:
         """Tell Optuna the outcome (the truth), then hand the final record to the outbox."""
         feed.tell_last_step()
         frozen = self.trials.frozen(number)
+        constrained = {c.metric: feed.objective(driven, c.metric) for c in self.settings.parsed_constraints}
+        if driven.outcome in (Outcome.COMPLETED, Outcome.PRUNED) and None not in constrained.values():
+            violations = {
+                str(c): c.violation(constrained[c.metric] or 0.0) for c in self.settings.parsed_constraints
+            }
+            self.trials.set_constraints(number, violations)  # before the tell: samplers read them then
         if driven.outcome is Outcome.COMPLETED:
             values = {goal.metric: feed.objective(driven, goal.metric) for goal in self.settings.study.goals}
-            missing = [metric for metric, value in values.items() if value is None]
+            missing = [metric for metric, value in (values | constrained).items() if value is None]
             if feed.last_step is not None and self.settings.study.multi_objective:
                 self.trials.set_attr(number, ATTR_LAST_STEP, feed.last_step)
             if not missing:
                 self.trials.tell(number, TrialState.COMPLETE, [v for v in values.values() if v is not None])
+                if is_feasible(self.trials.frozen(number)) is False:
+                    log.info("trial %d is infeasible (%s)", number, "; ".join(self.settings.constraints))
             else:
                 listed = ", ".join(f"{m}=..." for m in missing)
                 self._fail(
@@ -409,8 +439,9 @@ class Tuner:
             params = {**self.settings.train.args, **frozen.params}
             name = f"{self.settings.study.name}-trial-{frozen.number}"
             model = ModelPlan(latest.path, name=name, step=latest.step, params=params)
+        feasible = is_feasible(frozen)
         return Final(
-            tags={tags.STATE: state},
+            tags={tags.STATE: state} | ({} if feasible is None else {tags.FEASIBLE: str(feasible).lower()}),
             status=status,
             metrics=objectives,
             model=model,
@@ -457,6 +488,7 @@ class Tuner:
             checkpoint_dir=str(JobPaths(job_dir).checkpoints),
             model_id=mirrored.model_id,
             error=frozen.user_attrs.get(ATTR_ERROR),
+            feasible=is_feasible(frozen) if completed else None,
         )
 
     def trial_set(self) -> TrialSet:
@@ -477,8 +509,8 @@ class Tuner:
 class ReportFeed:
     """A trial's reports -> Optuna and the outbox; the driver calls it with the reports that appeared
     since its last call (all of them again after an orchestrator restart), and it answers True when
-    the pruner says stop. It keeps each objective's last reported value for ``objective``: Optuna
-    stores intermediate values for single-objective studies only.
+    the pruner says stop. It keeps each objective's (and constrained metric's) last reported value for
+    ``objective``: Optuna stores intermediate values for single-objective studies only.
 
     Optuna is told the primary metric's value at the steps ``next_step_to_tell`` picks (every step of
     a trial's first 1,000, then about 900 per tenfold), and at the trial's last step when it ends
@@ -496,7 +528,9 @@ class ReportFeed:
         self._untold: Report | None = None
         self._live: optuna.trial.Trial | None = None
         self._prunes = tuner.settings.pruner.kind != "none"
-        self._metrics = [goal.metric for goal in self._study.goals]
+        # The objectives' and the constraints' metrics: their last reports are the trial's values.
+        constrained = [c.metric for c in tuner.settings.parsed_constraints]
+        self._metrics = list(dict.fromkeys([goal.metric for goal in self._study.goals] + constrained))
         self.last_step: int | None = None
         self.latest: dict[str, float] = {}
 
@@ -577,9 +611,16 @@ def _set_aside_stale(job_dir: Path) -> None:
 
 
 def require_completed(trials: TrialSet) -> TrialSet:
-    """Fail the tune step when no trial completed, quoting the first failure."""
-    if trials.completed():
+    """Fail the tune step when no trial completed, quoting the first failure, or when none that
+    completed met the study's constraints."""
+    if trials.eligible():
         return trials
+    if trials.completed():
+        raise JobError(
+            f"study {trials.study}: {len(trials.completed())} trials completed and none met the study's "
+            "constraints (each trial's MLflow run has its tunepod.feasible tag); fix: loosen the "
+            "constraints or move the search space toward feasible values, then run again to add trials"
+        )
     failures = [t for t in trials.trials if t.outcome == "FAIL"]
     detail = failures[0].error if failures and failures[0].error else "every trial was pruned"
     raise JobError(

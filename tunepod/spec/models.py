@@ -10,7 +10,15 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from tunepod.spec.parallelism import ParallelismSpec, check_space, job_layout
 from tunepod.spec.resources import Resources
@@ -30,12 +38,30 @@ class TrackingSpec(Strict):
         "sqlite:///.tunepod/mlflow.db", description="MLflow tracking URI (sqlite:///..., http://...)."
     )
     experiment: str = Field(..., min_length=1, description="MLflow experiment that holds the pipeline runs.")
+    ui_url: str | None = Field(
+        None,
+        pattern=r"^https?://",
+        description="Base URL of the MLflow UI that links point at (e.g. https://mlflow.example.com). "
+        "Default: the tracking URI when it is an http(s) server (it serves the UI too), else "
+        "http://127.0.0.1:5000, where `mlflow ui` listens.",
+    )
     flush_timeout_s: float = Field(
         600.0,
         gt=0,
         description="How long a step waits at its end for MLflow to take what jobs reported while it was "
         "unreachable (jobs never wait for MLflow); a later run brings over what is still missing.",
     )
+
+    @property
+    def browse_url(self) -> str:
+        """The MLflow UI's base URL (``ui_url``, or its default)."""
+        if self.ui_url:
+            return self.ui_url
+        return self.uri if self.uri.startswith(("http://", "https://")) else LOCAL_MLFLOW_UI
+
+
+#: Where ``mlflow ui`` listens by default.
+LOCAL_MLFLOW_UI = "http://127.0.0.1:5000"
 
 
 # ---------------------------------------------------------------------------------------------- launchers
@@ -365,6 +391,12 @@ class FloatParam(Strict):
             raise ValueError("step and log=true cannot be combined; fix: remove one of them")
         return self
 
+    def misfit(self, value: Any) -> str | None:
+        """Why ``value`` is not in this range (None when it is)."""
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return f"{value!r} is not a number"
+        return None if self.low <= value <= self.high else f"{value} is outside [{self.low}, {self.high}]"
+
 
 class IntParam(Strict):
     type: Literal["int"]
@@ -382,10 +414,26 @@ class IntParam(Strict):
             raise ValueError("step and log=true cannot be combined; fix: remove one of them")
         return self
 
+    def misfit(self, value: Any) -> str | None:
+        """Why ``value`` is not in this range (None when it is)."""
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"{value!r} is not an integer"
+        if not self.low <= value <= self.high:
+            return f"{value} is outside [{self.low}, {self.high}]"
+        return (
+            None
+            if (value - self.low) % self.step == 0
+            else f"{value} is off the step {self.step} from {self.low}"
+        )
+
 
 class CategoricalParam(Strict):
     type: Literal["categorical"]
     choices: list[str | int | float | bool | None] = Field(..., min_length=1)
+
+    def misfit(self, value: Any) -> str | None:
+        """Why ``value`` is not one of the choices (None when it is)."""
+        return None if value in self.choices else f"{value!r} is not one of {self.choices}"
 
 
 def _check_bounds(low: float, high: float) -> None:
@@ -483,11 +531,166 @@ class StudySpec(Strict):
         return len(self.goals) > 1
 
 
+def _options_fit_kind(spec: BaseModel, kind: str, applies: dict[str, tuple[str, ...]], what: str) -> None:
+    """Refuse an option set for a kind it does not apply to (it would silently do nothing). An option
+    left at its default passes: a dumped spec (``dump_spec``) writes every option out."""
+    for option in sorted(spec.model_fields_set - {"kind"}):
+        kinds = applies.get(option, ())
+        default = type(spec).model_fields[option].get_default(call_default_factory=True)
+        if kind not in kinds and getattr(spec, option) != default:
+            raise ValueError(
+                f"{what}.{option} applies to {what} kind {' or '.join(kinds)}, not {kind}; fix: remove "
+                f"{option}, or set kind: {kinds[0]}"
+            )
+
+
+SamplerKind = Literal["tpe", "random", "gp", "cmaes", "qmc", "nsga2"]
+
+
+#: Which sampler kinds each option of ``SamplerSpec`` applies to.
+SAMPLER_OPTIONS: dict[str, tuple[str, ...]] = {
+    "n_startup_trials": ("tpe", "gp", "cmaes"),
+    "multivariate": ("tpe",),
+    "deterministic_objective": ("gp",),
+    "popsize": ("cmaes",),
+    "use_separable_cma": ("cmaes",),
+    "with_margin": ("cmaes",),
+    "lr_adapt": ("cmaes",),
+    "qmc_type": ("qmc",),
+    "scramble": ("qmc",),
+    "population_size": ("nsga2",),
+    "crossover_prob": ("nsga2",),
+    "mutation_prob": ("nsga2",),
+}
+
+
+class SamplerSpec(Strict):
+    """How the study suggests parameters. ``sampler: tpe`` is short for ``sampler: {kind: tpe}``.
+
+    tpe: multivariate TPE with the constant liar (one or several objectives); random; gp: Gaussian
+    process with expected improvement (good for few, expensive trials); cmaes: CMA-ES (one objective,
+    numeric parameters; categorical ones are drawn at random); qmc: quasi-Monte Carlo (Sobol or Halton,
+    an even spread, no model); nsga2: NSGA-II (several objectives).
+    """
+
+    kind: SamplerKind = "tpe"
+    n_startup_trials: int | None = Field(
+        None, ge=0, description="tpe, gp, cmaes: trials drawn at random before the model is used."
+    )
+    multivariate: bool = Field(True, description="tpe: model the parameters jointly.")
+    deterministic_objective: bool = Field(
+        False, description="gp: the metric has no noise (same parameters, same value)."
+    )
+    popsize: int | None = Field(
+        None, ge=2, description="cmaes: population size (default from the dimension)."
+    )
+    use_separable_cma: bool = Field(False, description="cmaes: diagonal covariance (many parameters).")
+    with_margin: bool = Field(False, description="cmaes: keep integer parameters from getting stuck.")
+    lr_adapt: bool = Field(False, description="cmaes: adapt the learning rate (noisy or multimodal metrics).")
+    qmc_type: Literal["sobol", "halton"] = Field("sobol", description="qmc: the low-discrepancy sequence.")
+    scramble: bool = Field(False, description="qmc: scramble the sequence (seeded by seed).")
+    population_size: int = Field(50, ge=2, description="nsga2: trials per generation.")
+    crossover_prob: float = Field(0.9, ge=0, le=1, description="nsga2: chance of a crossover.")
+    mutation_prob: float | None = Field(None, ge=0, le=1, description="nsga2: chance to mutate a parameter.")
+
+    @model_validator(mode="after")
+    def _options_fit(self) -> SamplerSpec:
+        _options_fit_kind(self, self.kind, SAMPLER_OPTIONS, "sampler")
+        return self
+
+
+def _sampler_shorthand(value: Any) -> Any:
+    return {"kind": value} if isinstance(value, str) else value
+
+
+PrunerKind = Literal["hyperband", "successive_halving", "median", "threshold", "wilcoxon", "none"]
+
+
+#: Which pruner kinds each option of ``PrunerSpec`` applies to.
+PRUNER_OPTIONS: dict[str, tuple[str, ...]] = {
+    "min_resource": ("hyperband", "successive_halving"),
+    "reduction_factor": ("hyperband", "successive_halving"),
+    "warmup_steps": ("median", "threshold", "wilcoxon"),
+    "lower": ("threshold",),
+    "upper": ("threshold",),
+    "p_threshold": ("wilcoxon",),
+}
+
+
 class PrunerSpec(Strict):
-    kind: Literal["hyperband", "median", "none"] = "none"
-    min_resource: int = Field(1, ge=1, description="Epochs a trial runs before it can be pruned.")
-    reduction_factor: int = Field(3, ge=2, description="Hyperband's reduction factor.")
-    warmup_steps: int = Field(0, ge=0, description="Median pruner: steps reported before pruning starts.")
+    """When a running trial is stopped early (its job cancelled), from the values it reports.
+
+    hyperband and successive_halving: keep the top 1/reduction_factor at each rung of min_resource x
+    reduction_factor^k steps; median: below the median of earlier trials at the same step; threshold:
+    outside [lower, upper]; wilcoxon: a Wilcoxon signed-rank test against the best trial over the
+    steps both reported (meant for steps that are folds or instances, not epochs)."""
+
+    kind: PrunerKind = "none"
+    min_resource: int = Field(
+        1, ge=1, description="hyperband, successive_halving: steps a trial runs before it can be pruned."
+    )
+    reduction_factor: int = Field(3, ge=2, description="hyperband, successive_halving: reduction factor.")
+    warmup_steps: int = Field(
+        0, ge=0, description="median, threshold, wilcoxon: steps reported before pruning starts."
+    )
+    lower: float | None = Field(None, description="threshold: prune a trial whose value falls below.")
+    upper: float | None = Field(None, description="threshold: prune a trial whose value rises above.")
+    p_threshold: float = Field(0.1, gt=0, lt=1, description="wilcoxon: prune below this p-value.")
+
+    @model_validator(mode="after")
+    def _options_fit(self) -> PrunerSpec:
+        _options_fit_kind(self, self.kind, PRUNER_OPTIONS, "pruner")
+        if self.kind == "threshold" and self.lower is None and self.upper is None:
+            raise ValueError("pruner kind threshold needs a bound; fix: set lower, upper or both")
+        return self
+
+
+_CONSTRAINT = re.compile(r"^\s*(?P<metric>[A-Za-z_][\w./-]*)\s*(?P<op><=|>=)\s*(?P<bound>\S+)\s*$")
+
+
+class Constraint(BaseModel):
+    """``<metric> <= <number>`` or ``<metric> >= <number>``: a trial is feasible when the value its job
+    reported last (or passed to ``finish``) holds it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    metric: str
+    op: Literal["<=", ">="]
+    bound: float
+
+    @classmethod
+    def parse(cls, text: str) -> Constraint:
+        match = _CONSTRAINT.match(text)
+        bound = _as_float(match.group("bound")) if match else None
+        if match is None or bound is None:
+            raise ValueError(
+                f"constraint {text!r} is not '<metric> <= <number>' or '<metric> >= <number>'; fix: "
+                "write it like 'peak_memory_gb <= 60'"
+            )
+        return cls(metric=match.group("metric"), op=match.group("op"), bound=bound)
+
+    def violation(self, value: float) -> float:
+        """Optuna's convention: at most 0 when the constraint holds, by how much it is broken otherwise."""
+        return value - self.bound if self.op == "<=" else self.bound - value
+
+    def __str__(self) -> str:
+        return f"{self.metric} {self.op} {self.bound:g}"
+
+
+def _as_float(text: str) -> float | None:
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if value == value and abs(value) != float("inf") else None
+
+
+class WarmStart(Strict):
+    """An earlier study whose best trials this one runs first (their parameters, measured again here)."""
+
+    study: str = Field(..., min_length=1, description="The earlier study's name.")
+    storage: str | None = Field(None, description="Its storage; default: this study's storage.")
+    top_k: int = Field(5, ge=1, description="How many of its best completed trials to run first.")
 
 
 class TuneSettings(Strict):
@@ -500,11 +703,29 @@ class TuneSettings(Strict):
         ..., ge=1, description="Finished trials the study should hold, counting earlier runs."
     )
     num_parallel: int = Field(1, ge=1, description="Trials in flight at once.")
-    sampler: Literal["tpe", "random", "nsga2"] = Field(
-        "tpe", description="tpe (one or several objectives), random, or nsga2 (NSGA-II, several objectives)."
+    sampler: Annotated[
+        SamplerSpec, BeforeValidator(_sampler_shorthand, json_schema_input_type=SamplerKind | SamplerSpec)
+    ] = Field(
+        default_factory=SamplerSpec,
+        description="tpe, random, gp, cmaes, qmc or nsga2; or {kind: ..., options} (see SamplerSpec).",
     )
     seed: int | None = Field(None, description="Sampler seed, for reproducible suggestions.")
     pruner: PrunerSpec = Field(default_factory=PrunerSpec)
+    enqueue: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="Known-good parameters to run first, in order (a parameter left out is sampled); "
+        "a configuration the study already holds is not run again.",
+    )
+    warm_start: list[WarmStart] = Field(
+        default_factory=list,
+        description="Earlier studies whose best trials' parameters run first (after enqueue), where "
+        "they fit this space; their values are measured again on this study's data.",
+    )
+    constraints: list[str] = Field(
+        default_factory=list,
+        description="Feasibility from reported metrics, e.g. 'peak_memory_gb <= 60': an infeasible "
+        "trial is marked, steered away from (tpe, gp, nsga2) and never evaluated or registered.",
+    )
     poll_s: float = Field(0.5, gt=0, description="Seconds between polls of running jobs.")
 
     @model_validator(mode="after")
@@ -515,6 +736,50 @@ class TuneSettings(Strict):
                 f"{', '.join(clash)} is both tuned (space) and fixed (train.args); fix: remove it from one"
             )
         check_space(self.train.parallelism, self.train.resources, self.space, self.train.args)
+        return self
+
+    @model_validator(mode="after")
+    def _check_enqueue_fits_space(self) -> TuneSettings:
+        problems = []
+        for index, params in enumerate(self.enqueue):
+            for name, value in params.items():
+                param = self.space.get(name)
+                why = (
+                    f"{name} is not in space ({', '.join(self.space)})"
+                    if param is None
+                    else param.misfit(value)
+                )
+                if why is not None:
+                    problems.append(f"enqueue[{index}].{name}: {why}")
+        if problems:
+            raise ValueError("; ".join(problems) + "; fix: enqueue values of the search space only")
+        return self
+
+    @field_validator("constraints")
+    @classmethod
+    def _parse_constraints(cls, constraints: list[str]) -> list[str]:
+        for text in constraints:
+            Constraint.parse(text)
+        return constraints
+
+    @property
+    def parsed_constraints(self) -> list[Constraint]:
+        return [Constraint.parse(text) for text in self.constraints]
+
+    @model_validator(mode="after")
+    def _check_sampler_fits(self) -> TuneSettings:
+        kind = self.sampler.kind
+        if kind == "cmaes" and self.study.multi_objective:
+            raise ValueError(
+                f"sampler cmaes optimizes one objective, the study has {len(self.study.goals)}; fix: "
+                "use sampler nsga2, tpe or gp, or keep one objective"
+            )
+        numeric = [name for name, param in self.space.items() if not isinstance(param, CategoricalParam)]
+        if kind == "cmaes" and not numeric:
+            raise ValueError(
+                "sampler cmaes searches numeric parameters and every parameter of space is categorical "
+                "(each would be drawn at random); fix: use sampler tpe or gp"
+            )
         return self
 
     @field_validator("pruner")

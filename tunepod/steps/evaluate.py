@@ -32,7 +32,8 @@ def run(
     trials = only_input(inputs, TrialSet, name)
     chosen = trials.best(settings.top_k)
     if not chosen:
-        raise JobError(f"step {name}: {trials.step} has no completed trial to evaluate")
+        met = " that met the study's constraints" if trials.completed() else ""
+        raise JobError(f"step {name}: {trials.step} has no completed trial{met} to evaluate")
     with ThreadPoolExecutor(min(settings.num_parallel, len(chosen)), f"{name}-eval") as pool:
         futures = {pool.submit(_evaluate, run, name, settings, trials, t): t for t in chosen}
     scored, failures = [], []

@@ -31,6 +31,7 @@ MODEL_ID = "tunepod.model_id"
 CHECKPOINTS = "tunepod.checkpoints"
 PRUNED_AT_STEP = "tunepod.pruned_at_step"
 PARETO_FRONT = "tunepod.pareto_front"
+FEASIBLE = "tunepod.feasible"  # a completed trial of a study with constraints: true or false
 """true or false on each completed trial of a multi-objective study."""
 CHECKPOINT_S3 = "tunepod.checkpoint_s3"
 
