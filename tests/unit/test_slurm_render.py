@@ -61,7 +61,13 @@ def job(**fields: Any) -> JobSpec:
 
 
 def test_minimal_job_renders_the_defaults() -> None:
+    """One process on one node: srun starts the interpreter with torchrun's variables."""
     assert_matches_golden("minimal", render_sbatch(job(), spec(), hyperpod=False))
+
+
+def test_a_single_process_keeps_torchrun_when_the_spec_asks() -> None:
+    script = render_sbatch(job(), spec(direct_single_process=False), hyperpod=False)
+    assert_matches_golden("minimal_torchrun", script)
 
 
 def test_every_option_set_on_hyperpod() -> None:

@@ -73,6 +73,27 @@ __all__ = [
 ]
 
 
+# What torchrun --standalone exports to its only worker: a job of one process on one node starts the
+# interpreter directly with these (local and Slurm launchers), saving torchrun's seconds of start-up.
+# MASTER_PORT=0: a one-process job that still calls init_process_group binds a free port (world size 1:
+# no peer has to find it).
+SINGLE_PROCESS_ENV = {
+    "RANK": "0",
+    "LOCAL_RANK": "0",
+    "WORLD_SIZE": "1",
+    "LOCAL_WORLD_SIZE": "1",
+    "GROUP_RANK": "0",
+    "GROUP_WORLD_SIZE": "1",
+    "ROLE_RANK": "0",
+    "ROLE_WORLD_SIZE": "1",
+    "ROLE_NAME": "default",
+    "MASTER_ADDR": "localhost",
+    "MASTER_PORT": "0",
+    "TORCHELASTIC_RESTART_COUNT": "0",
+    "TORCHELASTIC_MAX_RESTARTS": "0",
+}
+
+
 @dataclass(frozen=True)
 class JobSpec:
     """One job to run: a Python entrypoint under torchrun, its arguments and environment."""

@@ -11,7 +11,7 @@ that restarted and was never the parent of the job; the submission id says which
 
 from __future__ import annotations
 
-from tunepod.launch.base import JobSpec
+from tunepod.launch.base import SINGLE_PROCESS_ENV, JobSpec
 from tunepod.launch.paths import JobPaths
 
 # "$1"/"$2"/"$3" are the exit-code paths and the submission id, the rest is the command: passed as
@@ -30,25 +30,6 @@ exit "$code"
 """
 
 
-# What torchrun --standalone exports to its only worker. MASTER_PORT=0: a one-process job that still
-# calls init_process_group binds a free port (world size 1: no peer has to find it).
-_SINGLE_PROCESS_ENV = {
-    "RANK": "0",
-    "LOCAL_RANK": "0",
-    "WORLD_SIZE": "1",
-    "LOCAL_WORLD_SIZE": "1",
-    "GROUP_RANK": "0",
-    "GROUP_WORLD_SIZE": "1",
-    "ROLE_RANK": "0",
-    "ROLE_WORLD_SIZE": "1",
-    "ROLE_NAME": "default",
-    "MASTER_ADDR": "localhost",
-    "MASTER_PORT": "0",
-    "TORCHELASTIC_RESTART_COUNT": "0",
-    "TORCHELASTIC_MAX_RESTARTS": "0",
-}
-
-
 def job_argv(job: JobSpec, python: str, *, direct_single_process: bool = True) -> list[str]:
     """The command that runs ``job`` here: the interpreter itself for one process (when
     ``direct_single_process``), else torchrun."""
@@ -60,7 +41,7 @@ def job_argv(job: JobSpec, python: str, *, direct_single_process: bool = True) -
 def direct_argv(job: JobSpec, python: str) -> list[str]:
     """One process without torchrun: ``env`` sets torchrun's variables, then execs the interpreter.
     An absolute ``env``: the job's environment may replace PATH."""
-    variables = [f"{name}={value}" for name, value in _SINGLE_PROCESS_ENV.items()]
+    variables = [f"{name}={value}" for name, value in SINGLE_PROCESS_ENV.items()]
     return ["/usr/bin/env", *variables, python, str(job.entrypoint), *job.args]
 
 

@@ -1,9 +1,11 @@
 """The batch script of a Slurm job (pure, golden-tested in ``tests/unit/golden/*.sbatch``).
 
 The script runs one task per node, and that task is ``torchrun`` with ``procs_per_node`` workers and
-a c10d rendezvous on the first node of the allocation. Jobs are submitted with ``--requeue`` and
-``--open-mode=append``: a requeued (or HyperPod auto-resumed) job starts again in the same job dir,
-appends to the same logs and resumes from its own checkpoints.
+a c10d rendezvous on the first node of the allocation; a job of one process on one node runs the
+interpreter directly instead, with the variables torchrun would set (``direct_single_process``).
+Jobs are submitted with ``--requeue`` and ``--open-mode=append``: a requeued (or HyperPod
+auto-resumed) job starts again in the same job dir, appends to the same logs and resumes from its own
+checkpoints.
 
 A job whose environment carries ``SUBMISSION_ID_ENV`` (every job the launcher sends) also carries
 ``--comment=tunepod:<submission id>``: the job name is the same for every attempt in a job dir, and
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tunepod.errors import TunepodError
-from tunepod.launch.base import SUBMISSION_ID_ENV, JobSpec, Resources
+from tunepod.launch.base import SINGLE_PROCESS_ENV, SUBMISSION_ID_ENV, JobSpec, Resources
 from tunepod.launch.paths import JobPaths
 from tunepod.spec.models import SlurmLauncherSpec
 
@@ -152,13 +154,8 @@ def torchrun_command(job: JobSpec, spec: SlurmLauncherSpec, *, hyperpod: bool) -
     """The ``srun ... torchrun`` command (continued over lines): one torchrun per node, rendezvous on
     the first node."""
     res = slurm_resources(job.resources, spec)
-    srun = ["srun", "--auto-resume=1"] if hyperpod else ["srun"]
-    if spec.cpus_per_node is not None:
-        # Slurm 22.05's srun no longer inherits --cpus-per-task from the batch job: without this the
-        # torchrun task, and every worker it starts, would be bound to a single CPU.
-        srun.append(f"--cpus-per-task={spec.cpus_per_node}")
     lines = [
-        " ".join(srun),
+        " ".join(_srun(spec, hyperpod=hyperpod)),
         f"{shlex.quote(spec.python)} -m torch.distributed.run",
         f'--nnodes "$SLURM_NNODES" --nproc-per-node {res.procs_per_node}',
         '--rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d --rdzv-endpoint "$head_node:$rdzv_port"',
@@ -167,18 +164,46 @@ def torchrun_command(job: JobSpec, spec: SlurmLauncherSpec, *, hyperpod: bool) -
     return " \\\n  ".join(lines)
 
 
+def direct_command(job: JobSpec, spec: SlurmLauncherSpec, *, hyperpod: bool) -> str:
+    """``srun`` starting the interpreter itself, with the variables torchrun would set for its only
+    worker: a job of one process on one node needs no rendezvous, and torchrun costs seconds."""
+    variables = [f"{name}={value}" for name, value in SINGLE_PROCESS_ENV.items()]
+    lines = [
+        " ".join(_srun(spec, hyperpod=hyperpod)),
+        shlex.join(["/usr/bin/env", *variables]),
+        shlex.join([spec.python, str(job.entrypoint), *job.args]),
+    ]
+    return " \\\n  ".join(lines)
+
+
+def _srun(spec: SlurmLauncherSpec, *, hyperpod: bool) -> list[str]:
+    srun = ["srun", "--auto-resume=1"] if hyperpod else ["srun"]
+    if spec.cpus_per_node is not None:
+        # Slurm 22.05's srun no longer inherits --cpus-per-task from the batch job: without this the
+        # task, and every worker it starts, would be bound to a single CPU.
+        srun.append(f"--cpus-per-task={spec.cpus_per_node}")
+    return srun
+
+
 def render_sbatch(job: JobSpec, spec: SlurmLauncherSpec, *, hyperpod: bool) -> str:
     """The batch script that runs ``job`` (pure). Raises ``TunepodError`` for what it cannot express."""
     header = ["#!/bin/bash", *(f"#SBATCH {option}" for option in sbatch_directives(job, spec))]
     exports = [f"export {name}={shlex.quote(value)}" for name, value in job_environment(job, spec).items()]
-    launch = [
-        "# torchrun's c10d rendezvous is served from the first node; the port follows the job id so",
-        "# that jobs sharing a node do not collide. No `| head -n 1`: under pipefail, a long node list",
-        "# would kill scontrol with SIGPIPE, and the script with it.",
-        'nodes=$(scontrol show hostnames "$SLURM_JOB_NODELIST")',
-        "head_node=${nodes%%$'\\n'*}",
-        f"rdzv_port=$(({RDZV_BASE_PORT} + SLURM_JOB_ID % {RDZV_PORT_RANGE}))",
-        torchrun_command(job, spec, hyperpod=hyperpod),
-    ]
+    res = slurm_resources(job.resources, spec)
+    if spec.direct_single_process and res.nodes == 1 and res.procs_per_node == 1:
+        launch = [
+            "# One process on one node: no torchrun, no rendezvous.",
+            direct_command(job, spec, hyperpod=hyperpod),
+        ]
+    else:
+        launch = [
+            "# torchrun's c10d rendezvous is served from the first node; the port follows the job id so",
+            "# that jobs sharing a node do not collide. No `| head -n 1`: under pipefail, a long node list",
+            "# would kill scontrol with SIGPIPE, and the script with it.",
+            'nodes=$(scontrol show hostnames "$SLURM_JOB_NODELIST")',
+            "head_node=${nodes%%$'\\n'*}",
+            f"rdzv_port=$(({RDZV_BASE_PORT} + SLURM_JOB_ID % {RDZV_PORT_RANGE}))",
+            torchrun_command(job, spec, hyperpod=hyperpod),
+        ]
     blocks = [header, ["set -euo pipefail"], exports, list(spec.setup), launch]
     return "\n\n".join("\n".join(block) for block in blocks if block) + "\n"
