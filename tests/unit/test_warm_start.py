@@ -94,3 +94,33 @@ def test_a_warm_start_study_that_does_not_exist_is_named_with_the_fix(tmp_path: 
 def test_enqueued_values_outside_the_space_are_refused(tmp_path: Path, enqueue: Any, message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         settings(tmp_path / "o.log", enqueue=enqueue)
+
+
+def test_a_resumed_study_takes_a_wider_range_and_refuses_other_choices_with_the_warm_start_fix(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    first = settings(tmp_path / "o.log")
+    ask_all(first, 3)
+    wider = first.model_copy(deep=True)
+    wider.space["lr"] = wider.space["lr"].model_copy(update={"high": 0.5})
+    narrower = first.model_copy(deep=True)
+    narrower.space["hidden"] = narrower.space["hidden"].model_copy(update={"high": 16})
+    assert len(ask_all(wider, 1)) == 1  # Optuna's samplers take the earlier trials as they are
+    with caplog.at_level("WARNING"):
+        open_study(narrower)
+    assert "earlier trial(s) have hidden outside the space's new range; kept" in caplog.text
+
+    other = TuneSettings.model_validate(
+        first.model_dump(by_alias=True)
+        | {
+            "space": {
+                "lr": {"type": "categorical", "choices": [0.01, 0.1]},
+                "hidden": {"type": "int", "low": 16, "high": 256, "step": 16},
+            }
+        }
+    )
+    with pytest.raises(TunepodError) as raised:
+        open_study(other)
+    message = str(raised.value)
+    assert "lr: was float [0.0001, 0.1], log, the spec says choices [0.01, 0.1]" in message
+    assert "Fix: give the study a new name and add warm_start: [{study: now}]" in message

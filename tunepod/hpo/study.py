@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import threading
 from pathlib import Path
@@ -37,6 +38,7 @@ from tunepod.spec.models import (
 )
 
 JOURNAL_SCHEME = "journal://"
+log = logging.getLogger(__name__)
 
 
 def distributions(space: dict[str, SearchParam]) -> dict[str, BaseDistribution]:
@@ -244,7 +246,53 @@ def open_study(settings: TuneSettings) -> optuna.Study:
             f"({len(stored)} objective(s)), but the spec says {wanted}; fix: use another study name, "
             f"or declare {len(stored)} objective(s) with these directions: {', '.join(stored)}"
         )
+    check_space_change(study, settings)
     return study
+
+
+def check_space_change(study: optuna.Study, settings: TuneSettings) -> None:
+    """A resumed study whose search space changed: a wider or narrower range, or another step, is
+    carried over (Optuna's samplers take the earlier trials as they are; those outside the new range
+    are named in the log); a change Optuna cannot mix in one study (other categorical choices, log
+    scale switched, another type) is refused with the way to carry the trials over instead."""
+    wanted = distributions(settings.space)
+    earlier: dict[str, BaseDistribution] = {}
+    outside: dict[str, int] = {}
+    for trial in study.get_trials(deepcopy=False):
+        for name, value in trial.params.items():
+            if name not in wanted:
+                continue
+            earlier.setdefault(name, trial.distributions[name])
+            if settings.space[name].misfit(value) is not None:
+                outside[name] = outside.get(name, 0) + 1
+    clashes = []
+    for name, before in earlier.items():
+        try:
+            optuna.distributions.check_distribution_compatibility(before, wanted[name])
+        except ValueError as exc:
+            clashes.append(f"{name}: was {_shown(before)}, the spec says {_shown(wanted[name])} ({exc})")
+    name = settings.study.name
+    if clashes:
+        raise TunepodError(
+            f"study {name!r} in {settings.study.storage} was searched over another space, which Optuna "
+            f"cannot mix with the spec's in one study: {'; '.join(clashes)}. Fix: give the study a new "
+            f"name and add warm_start: [{{study: {name}}}]: its best trials that fit the new space run "
+            "first, and those that do not are named"
+        )
+    for param, count in sorted(outside.items()):
+        log.warning(
+            "study %s: %d earlier trial(s) have %s outside the space's new range; kept", name, count, param
+        )
+
+
+def _shown(distribution: BaseDistribution) -> str:
+    if isinstance(distribution, CategoricalDistribution):
+        return f"choices {list(distribution.choices)}"
+    if isinstance(distribution, FloatDistribution | IntDistribution):
+        kind = "float" if isinstance(distribution, FloatDistribution) else "int"
+        scale = ", log" if distribution.log else ""
+        return f"{kind} [{distribution.low}, {distribution.high}]{scale}"
+    return repr(distribution)
 
 
 def enqueue_first_trials(study: optuna.Study, settings: TuneSettings) -> list[str]:
