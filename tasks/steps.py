@@ -1,21 +1,42 @@
-"""One task per pipeline step, one per tuning trial."""
+"""One task per pipeline step, one per tuning trial; a tune step's progress shows while it runs."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextvars
+import logging
+import re
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
+from typing import TypeVar
+from uuid import UUID
 
 from prefect import task
+from prefect.artifacts import (
+    create_link_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFuture
+from prefect.runtime import task_run
 
 from tasks.retry import transient_only
-from tunepod.hpo.tuner import Tuner
+from tunepod.hpo.tuner import TrialLinks, Tuner
 from tunepod.outputs import StepOutput, TrialRecord
 from tunepod.pipeline import PipelineRun
 from tunepod.steps import STEP_KINDS
 
 RETRIES = 2
+#: The live trial table is written again at most this often (and when the last trial finishes): a
+#: thousand-trial study must not send a thousand tables of up to a thousand rows.
+TABLE_EVERY_S = 5.0
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @task(cache_policy=NO_CACHE, retries=RETRIES, retry_delay_seconds=5, retry_condition_fn=transient_only)
@@ -31,21 +52,113 @@ def step_retries(uses: str) -> int:
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5, retry_condition_fn=transient_only)
 def run_trial(tuner: Tuner, number: int) -> TrialRecord:
     # Idempotent: a retry re-attaches to the job the first attempt started.
-    return tuner.run_trial(number)
+    return tuner.run_trial(number, _links(tuner))
+
+
+def _links(tuner: Tuner) -> TrialLinks:
+    """The trial's MLflow run carries this task run's id and URL; this task run links the MLflow run."""
+    ui_url = task_run.ui_url
+    tags = {"prefect.task_run_id": str(task_run.id), **({"prefect.task_run_url": ui_url} if ui_url else {})}
+
+    def link(run_id: str) -> None:
+        create_link_artifact(
+            tuner.run_url(run_id), link_text=f"MLflow run {run_id}", description="The trial in MLflow"
+        )
+
+    return TrialLinks(tags=tags, on_run=link)
+
+
+#: The board of each tune step's tuner, made when its first trial is submitted.
+_boards: weakref.WeakKeyDictionary[Tuner, TrialBoard] = weakref.WeakKeyDictionary()
+_boards_lock = threading.Lock()
 
 
 def submit_trial(tuner: Tuner, number: int) -> Future[TrialRecord]:
     """Run one trial as its own task run, named after its step and number (two tune steps of one
-    flow each have a trial 0), and hand back a plain future."""
+    flow each have a trial 0), and hand back a plain future; the step's board shows it finish."""
+    with _boards_lock:  # two tune steps may run at once
+        board = _boards.get(tuner)
+        if board is None:
+            board = _boards[tuner] = TrialBoard(tuner)
     name = f"{tuner.step}/trial-{number}"
     prefect_future = run_trial.with_options(name=name, task_run_name=name).submit(tuner, number)
     future: Future[TrialRecord] = Future()
 
     def settle(done: PrefectFuture[TrialRecord]) -> None:
         try:
-            future.set_result(done.result())
+            record = done.result()
         except BaseException as exc:
+            board.failed(number, exc)
             future.set_exception(exc)
+        else:
+            board.finished(record)
+            future.set_result(record)
 
     prefect_future.add_done_callback(settle)
     return future
+
+
+class TrialBoard:
+    """A tune step's live view in Prefect: a progress artifact (finished trials of ``num_trials``)
+    and a trial table, both on the step's task run, updated as each trial finishes or fails (so a
+    run that fails still shows how far it got). Made in the step's task (its run context is kept
+    for the updates, which come from Prefect's future callbacks); a failed update is logged and
+    never fails the study."""
+
+    def __init__(self, tuner: Tuner) -> None:
+        self._step = tuner.step
+        self._key = re.sub(r"[^a-z0-9-]+", "-", tuner.step.lower())
+        self._num_trials = tuner.settings.num_trials
+        self._rows = {t.number: _row(t) for t in tuner.trial_set().trials}
+        self._lock = threading.Lock()
+        self._table_at = 0.0
+        self._context = contextvars.copy_context()
+        created = self._safely(
+            lambda: create_progress_artifact(
+                self._percent(),
+                key=f"{self._key}-progress",
+                description=f"Finished trials of step {self._step}",
+            )
+        )
+        self._progress = created if isinstance(created, UUID) else None  # sync: a UUID
+
+    def finished(self, record: TrialRecord) -> None:
+        self._update(record.number, _row(record))
+
+    def failed(self, number: int, error: BaseException) -> None:
+        self._update(number, {"trial": number, "outcome": "ERROR", "error": str(error)[:200]})
+
+    def _update(self, number: int, row: dict[str, object]) -> None:
+        with self._lock:
+            self._rows[number] = row
+            if self._progress is not None:
+                progress = self._progress
+                self._safely(lambda: update_progress_artifact(progress, self._percent()))
+            done = self._percent() >= 100.0
+            if done or time.monotonic() - self._table_at >= TABLE_EVERY_S:
+                self._table_at = time.monotonic()
+                rows = [self._rows[n] for n in sorted(self._rows)]
+                self._safely(
+                    lambda: create_table_artifact(
+                        rows, key=f"{self._key}-trials", description=f"Trials of step {self._step}, so far"
+                    )
+                )
+
+    def _percent(self) -> float:
+        finished = sum(row["outcome"] in ("COMPLETE", "PRUNED", "FAIL") for row in self._rows.values())
+        return min(100.0, 100.0 * finished / self._num_trials)
+
+    def _safely(self, call: Callable[[], T]) -> T | None:
+        """``call()`` in the step task's run context; None (and a warning) if Prefect refused it."""
+        try:
+            return self._context.copy().run(call)
+        except Exception as exc:
+            log.warning("step %s: live progress not updated in Prefect: %s", self._step, exc)
+            return None
+
+
+def _row(record: TrialRecord) -> dict[str, object]:
+    row: dict[str, object] = {"trial": record.number, "outcome": record.outcome, "value": record.value}
+    if record.feasible is not None:
+        row["feasible"] = record.feasible
+    return row | {k: str(v) for k, v in record.params.items()}

@@ -83,9 +83,10 @@ def assert_pipeline_recorded(state: Any, tmp_path: Path, num_trials: int) -> Pip
     assert flow_run.state is not None and flow_run.state.type.value == "COMPLETED"
     names = {t.name for t in task_runs if t.flow_run_id == flow_run.id}
     assert {"data", "search", "check", "promote"} <= names
-    assert {f"trial-{n}" for n in range(num_trials)} <= names
+    assert {f"search/trial-{n}" for n in range(num_trials)} <= names
     by_key = {a.key: a for a in artifacts}
-    assert {"trials", "mlflow-run"} <= set(by_key)
+    assert {"trials", "mlflow-run", "search-progress", "search-trials"} <= set(by_key)
+    assert float(by_key["search-progress"].data) == 100.0  # type: ignore[arg-type]  # the live view's end
     assert parent.info.run_id in str(by_key["mlflow-run"].data)
     assert "trial" in str(by_key["trials"].data) and "COMPLETE" in str(by_key["trials"].data)
     return summary

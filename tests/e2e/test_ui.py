@@ -117,6 +117,8 @@ def write_webhook_config(path: Path, home: Path, tmp: Path) -> None:
     overrides = [
         "steps.search.with.num_trials={payload.num_trials}",
         "steps.search.with.train.args.epochs=2",
+        # One process a trial (started without torchrun): this test is about the UIs, DDP runs elsewhere.
+        "steps.search.with.train.resources.procs_per_node=1",
         "steps.check.with.top_k=1",
         f"tracking.uri=sqlite:///{home}/mlflow.db",
         f"launcher.root={tmp}/shared",
@@ -283,6 +285,24 @@ def test_prefect_ui_shows_the_triggered_flow_run_completed(
     expect(page.get_by_role("link", name=DEPLOYMENT).first).to_be_visible()
     expect(page.get_by_text(f"{DEPLOYMENT}__automation_1")).to_be_visible()
     screenshot(page, "prefect-flow-run")
+
+
+def test_prefect_ui_shows_the_tune_steps_progress_and_trial_table(
+    stack: Stack, triggered: Triggered, page: Page
+) -> None:
+    """The live view a tune step keeps while it runs (its last state, once the run is over; the
+    values are checked through the API in tests/integration/test_prefect_tasks.py)."""
+    from playwright.sync_api import expect
+
+    for key, description in [
+        ("search-progress", "Finished trials of step search"),
+        ("search-trials", "Trials of step search, so far"),
+    ]:
+        open_page(page, f"{stack.prefect_url}/artifacts/key/{key}")
+        expect(page.get_by_text(description).first).to_be_visible()
+        # On the tune step's task run, of the triggered flow run.
+        expect(page.get_by_role("link", name="search", exact=True).first).to_be_visible()
+        screenshot(page, f"prefect-{key}")
 
 
 # ------------------------------------------------------------------------------------ MLflow

@@ -3,8 +3,10 @@ only transient errors are retried."""
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -22,12 +24,16 @@ class ScriptedTuner:
     policy under test is Prefect's, run for real."""
 
     step = "search"
+    settings = SimpleNamespace(num_trials=1)
 
     def __init__(self, *errors: BaseException) -> None:
         self.errors = list(errors)
         self.calls = 0
 
-    def run_trial(self, number: int) -> TrialRecord:
+    def trial_set(self) -> SimpleNamespace:
+        return SimpleNamespace(trials=[])
+
+    def run_trial(self, number: int, links: object = None) -> TrialRecord:
         self.calls += 1
         if self.errors:
             raise self.errors.pop(0)
@@ -97,3 +103,52 @@ def test_the_run_form_has_typed_fields_and_a_bad_value_stops_the_run_before_it_s
     assert state.is_failed()
     assert "num_trials" in str(state.message) and "greater than or equal to 1" in str(state.message)
     assert not store.exists()
+
+
+def test_a_tune_step_shows_live_progress_and_links_each_trial_to_mlflow_and_back(
+    prefect_api: None, in_repo: Path, isolated_overrides: list[str], tmp_path: Path
+) -> None:
+    """The flow on a quick spec (three trials): the tune step's task run carries a progress artifact
+    that reached 100 and a trial table written as trials finished (the latest version holds every
+    trial); each trial's task run links its MLflow run, and that run carries the task run's id."""
+    from mlflow import MlflowClient
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    from flows.pipeline import pipeline
+
+    storage = f"steps.search.with.study.storage=journal://{tmp_path}/optuna.log"
+    spec = "tests/fixtures/specs/steps_pipeline.yaml"
+    state = pipeline(spec, [*isolated_overrides, storage], return_state=True)
+    assert state.is_completed(), state.message
+    flow_run_id = state.state_details.flow_run_id
+    with get_client(sync_client=True) as client:
+        ours = ArtifactFilterFlowRunId(any_=[flow_run_id])  # the session server holds other runs' too
+        by_key = {
+            key: client.read_artifacts(
+                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key]), flow_run_id=ours)
+            )
+            for key in ("search-progress", "search-trials")
+        }
+        [progress] = by_key["search-progress"]
+        task_runs = {t.name: t for t in client.read_task_runs() if t.flow_run_id == flow_run_id}
+        markdown = [
+            a
+            for a in client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ours))
+            if a.type == "markdown"
+        ]
+    assert float(progress.data) == 100.0  # type: ignore[arg-type]
+    assert progress.task_run_id == task_runs["search"].id
+    latest = max(by_key["search-trials"], key=lambda a: str(a.created))
+    rows = json.loads(str(latest.data))  # a table artifact's data is its JSON text
+    assert sorted(row["trial"] for row in rows) == [0, 1, 2]
+
+    mlflow = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    trial_runs = mlflow.search_runs(
+        [mlflow.get_experiment_by_name("steps").experiment_id], "tags.`tunepod.step` = 'search'"
+    )
+    assert len(trial_runs) == 3
+    for trial_run in trial_runs:
+        task = task_runs[f"search/trial-{trial_run.data.tags['tunepod.trial']}"]
+        assert trial_run.data.tags["prefect.task_run_id"] == str(task.id)
+        [link] = [a for a in markdown if a.task_run_id == task.id]
+        assert trial_run.info.run_id in str(link.data)

@@ -1,21 +1,20 @@
 """The local stack (`tunepod up/status/deploy/down`): real processes, free ports, state in a temp folder.
 
-The slow tests share one stack (module fixture) and run in file order: up, up again, status, deploy, a
-webhook event that runs the digits pipeline through the worker, down. Each command runs as its own
-process (`python -m tunepod.stack ...`), as a user would run it.
+The slow tests share one stack (module fixture) and run in file order: up, up again, status, deploy,
+runs that use the stack's server, down. Each command runs as its own process (`python -m tunepod.stack
+...`), as a user would run it. A signed webhook delivery that runs a deployment through the worker,
+with the shipped trigger template, is tests/e2e/test_ui.py's.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
-import datetime as dt
 import os
 import signal
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -232,38 +231,6 @@ def test_deploy_registers_both_deployments_with_inactive_schedule_and_trigger(st
 
 
 @pytest.mark.slow
-def test_a_webhook_event_runs_the_digits_deployment_with_the_payload_overrides(
-    stack: Stack, tmp_path: Path
-) -> None:
-    """The `digits` deployment of deployments/prefect.yaml runs whatever spec and overrides the event
-    carries; here a tiny study (the digits flow itself runs through the stack in tests/e2e/test_ui.py),
-    with one override that only the payload sets."""
-    mlflow = stack.records()["mlflow-server"].url  # already set up: no SQLite migrations in the run
-    spec_file, _, journal = write_tiny_study(tmp_path, mlflow, 1, epochs=1)
-    spec_path = str(spec_file)
-    overrides = ["steps.search.with.study.name=from-the-payload"]
-    deployment = api_get(stack, "/deployments/name/tunepod-pipeline/digits")
-    event = {
-        "id": str(uuid.uuid4()),
-        "occurred": dt.datetime.now(dt.UTC).isoformat(),
-        "event": "tunepod.webhook.digits",
-        "resource": {"prefect.resource.id": "tunepod.webhook.digits"},
-        # The shape the webhook receiver posts (tunepod/webhook/events.py).
-        "payload": {"hook": "digits", "spec_path": spec_path, "overrides": overrides},
-    }
-    response = httpx.post(f"{stack.api}/events", json=[event], timeout=10.0)
-    assert response.is_success, response.text
-
-    flow_run = wait_for_flow_run(stack, deployment["id"])
-    assert flow_run["state_type"] == "COMPLETED", flow_run["state"]
-    assert flow_run["parameters"] == {"spec_path": spec_path, "overrides": overrides}
-
-    # The payload's override reached the run: its study carries the name only the payload gave.
-    study = optuna.load_study(study_name="from-the-payload", storage=make_storage(f"journal://{journal}"))
-    assert [trial.state for trial in study.trials] == [optuna.trial.TrialState.COMPLETE]
-
-
-@pytest.mark.slow
 def test_tunepod_run_uses_the_running_stack_when_no_prefect_api_is_set(stack: Stack, tmp_path: Path) -> None:
     env = {name: value for name, value in stack.env.items() if name != "PREFECT_API_URL"}
     mlflow = stack.records()["mlflow-server"].url  # already set up: no SQLite migrations in the run
@@ -317,8 +284,6 @@ def test_a_run_rides_out_its_prefect_server_killed_and_started_again(stack: Stac
     assert "Traceback" not in output, output
     restarted = stack.records()["prefect-server"]
     assert restarted.pid != server.pid and is_alive(restarted), again.stdout
-
-    import optuna
 
     trials = optuna.load_study(study_name="tiny", storage=make_storage(f"journal://{journal}")).get_trials()
     assert [(t.number, t.state.name) for t in trials] == [(0, "COMPLETE"), (1, "COMPLETE")]
@@ -414,20 +379,6 @@ def automations_of(stack: Stack, deployment_id: str) -> list[dict[str, Any]]:
     assert response.is_success, response.text
     automations: list[dict[str, Any]] = response.json()
     return automations
-
-
-def wait_for_flow_run(stack: Stack, deployment_id: str) -> dict[str, Any]:
-    """The deployment's one flow run once it is final; fails with the worker's log after the limit."""
-    query = {"deployments": {"id": {"any_": [deployment_id]}}}
-    deadline = time.monotonic() + FLOW_RUN_LIMIT_S
-    while time.monotonic() < deadline:
-        runs = httpx.post(f"{stack.api}/flow_runs/filter", json=query, timeout=10.0).json()
-        if runs and runs[0]["state_type"] in {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}:
-            assert len(runs) == 1, runs
-            return dict(runs[0])
-        time.sleep(1.0)
-    worker_log = (stack.home / "logs" / "prefect-worker.log").read_text()[-4000:]
-    pytest.fail(f"no final flow run of the digits deployment after {FLOW_RUN_LIMIT_S}s:\n{worker_log}")
 
 
 def wait_for(condition: Any, what: str, limit_s: float = 30.0) -> None:

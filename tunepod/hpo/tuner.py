@@ -19,9 +19,9 @@ import math
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import optuna
@@ -48,7 +48,7 @@ from tunepod.metrics import default_metrics
 from tunepod.outputs import Dataset, Goal, TrialOutcome, TrialRecord, TrialSet
 from tunepod.runtime import Parallelism, Report
 from tunepod.runtime.checkpoints import saved_checkpoints
-from tunepod.spec.models import TuneSettings
+from tunepod.spec.models import LOCAL_MLFLOW_UI, TuneSettings
 from tunepod.spec.parallelism import job_layout, script_params
 from tunepod.tracking import MlflowTracker, tags
 from tunepod.tracking.mirror import Final, FinalMetric, ModelPlan, RunMirror, RunPlan, read_mirror_state
@@ -101,6 +101,17 @@ class TuneContext:
     parent_run_id: str
     pipeline: str
     flush_timeout_s: float = 600.0
+    mlflow_ui_url: str = LOCAL_MLFLOW_UI
+
+
+@dataclass(frozen=True)
+class TrialLinks:
+    """How a trial shows in an orchestrator's UI (Prefect's, for the flow): tags for its MLflow run
+    (the UI's id and URL of the trial), and a call with the MLflow run id once that run exists (to
+    link it from the UI). A failing call is logged, never the trial's failure."""
+
+    tags: Mapping[str, str] = field(default_factory=dict)
+    on_run: Callable[[str], None] | None = None
 
 
 class TrialDrivenElsewhere(JobError):
@@ -243,25 +254,28 @@ class Tuner:
 
     # ------------------------------------------------------------------------------------ one trial
 
-    def run_trial(self, number: int) -> TrialRecord:
+    def run_trial(self, number: int, links: TrialLinks | None = None) -> TrialRecord:
         """Drive trial ``number`` to a final state and return its record. Idempotent: a retry
         re-attaches to the job it started, and a finished trial is only read back."""
         lease = self._lease(number)
+        links = links or TrialLinks()
         try:
             frozen = self.trials.frozen(number)
             if frozen.state in FINISHED:
                 return self._record(frozen)
             params = {**self.settings.train.args, **frozen.params}
-            mirror = self._mirror(frozen, params)
+            mirror = self._mirror(frozen, params, links.tags)
             try:
                 layout = job_layout(self.settings.train.parallelism, self.settings.train.resources, params)
             except ValueError as exc:
                 self._prune_unfit_layout(number, mirror, str(exc))
                 return self._record(self.trials.frozen(number))
             feed = ReportFeed(self, frozen, mirror)
+            job = self._job_spec(number, params, mirror, layout)
+            _announce_run(number, mirror, links)
             driver = JobDriver(
                 self.ctx.launcher,
-                self._job_spec(number, params, mirror, layout),
+                job,
                 DriveSettings(poll_s=self.settings.poll_s, max_restarts=self.settings.train.max_restarts),
                 what=f"Trial {number} of study {self.settings.study.name}",
                 on_reports=feed,
@@ -294,7 +308,13 @@ class Tuner:
 
         return observe
 
-    def _mirror(self, frozen: FrozenTrial, params: dict[str, object]) -> RunMirror:
+    def run_url(self, run_id: str) -> str:
+        """A trial's MLflow run in the MLflow UI."""
+        return self.ctx.tracker.run_url(run_id, self.ctx.mlflow_ui_url)
+
+    def _mirror(
+        self, frozen: FrozenTrial, params: dict[str, object], extra_tags: Mapping[str, str]
+    ) -> RunMirror:
         """The trial's MLflow run, found or created by the outbox (never by this thread)."""
         number = frozen.number
         plan = RunPlan(
@@ -307,6 +327,7 @@ class Tuner:
                 tags.STEP: self.ctx.step,
                 tags.STATE: "RUNNING",
                 tags.LAUNCHER: self.ctx.launcher.kind,
+                **extra_tags,
             },
             params=params,
         )
@@ -457,7 +478,7 @@ class Tuner:
             if not JobPaths(job_dir).tracking.exists() or read_mirror_state(job_dir).finalized:
                 continue
             params = {**self.settings.train.args, **frozen.params}
-            mirror = self._mirror(frozen, params)
+            mirror = self._mirror(frozen, params, {})
             mirror.finish(self._final(frozen))
             self.ctx.outbox.add(mirror)
 
@@ -584,6 +605,18 @@ class ReportFeed:
         if metric == self._study.primary.metric and frozen.intermediate_values:
             return float(frozen.intermediate_values[max(frozen.intermediate_values)])
         return None
+
+
+def _announce_run(number: int, mirror: RunMirror, links: TrialLinks) -> None:
+    """Tell ``links`` the trial's MLflow run, if it exists by now (MLflow may be away: then the UI
+    goes without the link, and the trial without waiting)."""
+    run_id = mirror.run_id
+    if links.on_run is None or run_id is None:
+        return
+    try:
+        links.on_run(run_id)
+    except Exception as exc:  # a UI link is never worth a trial
+        log.warning("trial %d: could not link its MLflow run %s: %s", number, run_id, exc)
 
 
 def _last_step(frozen: FrozenTrial) -> int | None:

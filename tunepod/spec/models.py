@@ -118,6 +118,11 @@ class SlurmLauncherSpec(Strict):
     poll_cache_s: float = Field(
         1.0, ge=0, description="One squeue/scontrol call answers every job's state for this long."
     )
+    direct_single_process: bool = Field(
+        True,
+        description="A job of one process on one node runs `srun python script` with the variables "
+        "torchrun would set, without torchrun's start-up; false keeps torchrun for every job.",
+    )
 
 
 class LogMonitoringRuleSpec(Strict):

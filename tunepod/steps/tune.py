@@ -26,6 +26,7 @@ def tuner(run: StepContext, name: str, settings: TuneSettings, inputs: Mapping[s
             parent_run_id=run.run_id,
             pipeline=run.spec.name,
             flush_timeout_s=run.spec.tracking.flush_timeout_s,
+            mlflow_ui_url=run.spec.tracking.browse_url,
         )
     )
 

@@ -24,7 +24,9 @@ _FIRST_BACKOFF_S = 1.0
 class TrackingOutbox:
     """Mirrors waiting to be synced, and the one thread that syncs them. Thread safe."""
 
-    def __init__(self, *, max_backoff_s: float = 30.0) -> None:
+    # 10 s: a tracking server that is back gets its backlog within seconds, and one failed attempt
+    # every 10 s costs a down server nothing.
+    def __init__(self, *, max_backoff_s: float = 10.0) -> None:
         self.max_backoff_s = max_backoff_s
         self._waiting: dict[int, tuple[RunMirror, int]] = {}
         self._version = 0
