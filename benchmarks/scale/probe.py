@@ -68,12 +68,12 @@ def _instrument() -> None:
 
     run_trial = Tuner.run_trial
 
-    def timed_trial(self: Tuner, number: int) -> Any:
+    def timed_trial(self: Tuner, number: int, *args: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
         if number in _submitted:
             _add("Prefect task run", started - _submitted.pop(number))
         try:
-            return run_trial(self, number)
+            return run_trial(self, number, *args, **kwargs)
         finally:
             _ended[number] = time.perf_counter()
 
