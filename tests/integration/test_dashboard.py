@@ -3,6 +3,7 @@ storage, read over HTTP; and the choice of study when it is not clear."""
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 import time
@@ -10,8 +11,11 @@ from pathlib import Path
 
 import httpx
 import optuna
+import yaml
 from ports import free_port
+from typer.testing import CliRunner
 
+from tunepod.cli import app
 from tunepod.hpo.study import make_storage
 
 REPO = Path(__file__).resolve().parents[2]
@@ -67,3 +71,15 @@ def wait_for_json(url: str, server: subprocess.Popen[str], limit_s: float = 60.0
             pass
         time.sleep(0.3)
     raise AssertionError(f"{url} did not answer within {limit_s} s")
+
+
+def test_two_tune_steps_on_different_storages_need_a_step(in_repo: Path, tmp_path: Path) -> None:
+    spec = yaml.safe_load(Path("tests/fixtures/specs/steps_pipeline.yaml").read_text())
+    second = copy.deepcopy(spec["steps"]["search"])
+    second["with"]["study"]["storage"] = f"journal://{tmp_path}/other.log"
+    spec["steps"]["search2"] = second
+    path = tmp_path / "two.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    done = CliRunner().invoke(app, ["dashboard", str(path)])
+    assert done.exit_code == 2
+    assert "the spec has 2 tune steps; fix: choose one with --step (search, search2)" in done.stderr

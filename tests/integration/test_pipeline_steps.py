@@ -7,8 +7,10 @@ import json
 from pathlib import Path
 
 import optuna
+import pytest
 from mlflow import MlflowClient
 
+from tunepod.errors import JobError
 from tunepod.hpo.study import make_storage
 from tunepod.outputs import Dataset, Evaluation, Registration, StepOutput, TrialSet
 from tunepod.pipeline import PipelineRun
@@ -166,3 +168,23 @@ def test_constraints_mark_infeasible_trials_and_keep_them_from_every_later_step(
     assert {
         row.number: row.feasible for row in summary.trials if row.run_id in {t.run_id for t in search.trials}
     } == feasible
+
+
+def test_an_unreported_constrained_metric_fails_the_trials_and_none_feasible_fails_the_step(
+    in_repo: Path, isolated_overrides: list[str], tmp_path: Path
+) -> None:
+    base = [*isolated_overrides, f"steps.search.with.study.storage=journal://{tmp_path}/optuna.log"]
+    run = PipelineRun.start(
+        SPEC, [*base, "steps.search.with.num_trials=2", "steps.search.with.constraints=['mem <= 1']"]
+    )
+    data = run.run_step("data", {})
+    with pytest.raises(JobError, match="none of 2 trials completed") as raised:
+        run.run_step("search", {"data": data})
+    assert "finished without reporting 'mem'; fix: report it with ctx.report(step, mem=...)" in str(
+        raised.value
+    )
+
+    overrides = [*base, "steps.search.with.study.name=never", "steps.search.with.constraints=['cost >= 100']"]
+    run = PipelineRun.start(SPEC, [*overrides, "steps.search.with.num_trials=2"])
+    with pytest.raises(JobError, match="2 trials completed and none met the study's constraints"):
+        run.run_step("search", {"data": data})

@@ -136,3 +136,9 @@ def test_each_pruner_stops_a_clearly_worse_trial_and_keeps_a_good_one(
 def test_unsuitable_pruner_options_are_refused_with_the_fix(pruner: dict[str, Any], message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         PrunerSpec.model_validate(pruner)
+
+
+@pytest.mark.parametrize("text", ["cost < 5", "cost <= five", "<= 5", "cost <= nan"])
+def test_a_constraint_that_does_not_parse_is_refused_with_its_form(tmp_path: Path, text: str) -> None:
+    with pytest.raises(ValidationError, match=r"is not '<metric> <= <number>' or '<metric> >= <number>'"):
+        settings(tmp_path, "tpe", constraints=[text])
