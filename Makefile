@@ -6,7 +6,8 @@ SPEC ?= examples/digits/pipeline.yaml
 # Two pytest workers: most tests wait on subprocesses and servers, so two overlap well even on two cores.
 TEST_WORKERS ?= 2
 
-.PHONY: venv demo test lint services bench bench-overhead bench-checkpoints chaos clean slurm-up slurm-down
+.PHONY: venv demo test lint services bench bench-overhead bench-checkpoints chaos clean slurm-up slurm-down \
+	postgres-up postgres-down
 
 # torch==2.13.0 first, with pip: it is the CPU build (pip finds it on this kind of machine's disk); a
 # bare `torch` requirement could pull a multi-GB CUDA build. The rest with uv, which installs the same
@@ -27,8 +28,8 @@ lint: venv
 	$(VENV)/bin/mypy
 
 # The slurm-marked tests need the local one-node Slurm cluster (and, over ssh, an sshd on 127.0.0.1:2222),
-# the metrics test Debian's prometheus, the UI tests Debian's chromium (root: the scripts install Debian
-# packages when missing). Without them those tests skip with the reason,
+# the metrics test Debian's prometheus, the UI tests Debian's chromium, the stack and production-store
+# tests Debian's PostgreSQL (root: the scripts install Debian packages when missing). Without them those tests skip with the reason,
 # except under CI=true where they fail. Lint runs beside the services' start (mypy alone takes a
 # minute on a fresh clone; the scripts mostly wait on Debian's installs).
 test: venv
@@ -40,6 +41,7 @@ services:
 	scripts/prometheus-up || echo "warning: no prometheus; its test will skip (fail under CI=true)" >&2
 	scripts/browser-up || echo "warning: no chromium; the UI tests will skip (fail under CI=true)" >&2
 	scripts/sshd-up || echo "warning: no test sshd; the slurm-over-ssh tests will skip (fail under CI=true)" >&2
+	scripts/postgres-up || echo "warning: no PostgreSQL; the production-store tests will skip (fail under CI=true)" >&2
 
 # The local one-node Slurm cluster the slurm-marked tests use (root; installs Debian packages if missing).
 slurm-up:
@@ -47,6 +49,13 @@ slurm-up:
 
 slurm-down:
 	scripts/slurm-down
+
+# A PostgreSQL on 127.0.0.1:5433 for trying the stack on production stores (README "Production stores").
+postgres-up:
+	scripts/postgres-up
+
+postgres-down:
+	scripts/postgres-down
 
 # Every benchmark side by side with its baseline, short forms (under 15 minutes on 2 cores); the long
 # forms: make bench BENCH_ARGS=--long; a subset: make bench BENCH_ARGS="--only scale,staging".

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from local_stack import Stack, running_stack
 from moto_server import MotoServer, moto_server
 from slurm_cluster import apply_slurm_marker
 
@@ -26,6 +27,13 @@ def prefect_api() -> Iterator[None]:
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+@pytest.fixture(scope="session")
+def local_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """`tunepod up` on PostgreSQL and S3 (tests/local_stack.py), for every test that needs a stack."""
+    with running_stack(tmp_path_factory.mktemp("stack")) as stack:
+        yield stack
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +66,17 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Groups for ``pytest -n N --dist loadgroup`` (what `make test` runs): a module's tests stay on one
-    worker, so a module-scoped server (the UI stack, moto) starts once; every Slurm test shares one
-    group, so tests never queue behind each other on the one-node cluster, nor see its sshd stopped
-    by the head-node-unreachable test."""
+    worker, so a module-scoped server (moto) starts once; the tests that use the session's local
+    stack share a worker, so it starts once; every Slurm test shares one group, so tests never queue
+    behind each other on the one-node cluster, nor see its sshd stopped by the head-node-unreachable
+    test."""
     for item in items:
-        group = "slurm" if item.get_closest_marker("slurm") else item.nodeid.split("::")[0]
+        if item.get_closest_marker("slurm"):
+            group = "slurm"
+        elif "local_stack" in getattr(item, "fixturenames", ()):
+            group = "local-stack"
+        else:
+            group = item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(group))
 
 

@@ -68,6 +68,8 @@ class FaultStudy:
     """More trainer parameters, besides epochs and sleep_s."""
     train: Mapping[str, Any] = field(default_factory=dict)
     """More of the spec's ``train`` section (resources, max_restarts, hang_timeout_s)."""
+    storage_url: str | None = None
+    """The Optuna storage (e.g. a PostgreSQL database); default: a journal file under ``tmp``."""
 
     @property
     def spec(self) -> Path:
@@ -84,6 +86,10 @@ class FaultStudy:
     @property
     def journal(self) -> Path:
         return self.tmp / "optuna.log"
+
+    @property
+    def storage(self) -> str:
+        return self.storage_url or f"journal://{self.journal}"
 
     def write(self) -> FaultStudy:
         launcher: dict[str, Any] = {"kind": self.launcher, "root": str(self.root)}
@@ -106,7 +112,7 @@ class FaultStudy:
                             "args": {"epochs": self.epochs, "sleep_s": self.sleep_s, **self.args},
                             **self.train,
                         },
-                        "study": {"name": STUDY, "storage": f"journal://{self.journal}", "metric": METRIC},
+                        "study": {"name": STUDY, "storage": self.storage, "metric": METRIC},
                         "space": {"x": {"type": "float", "low": 0.0, "high": 1.0}},
                         "num_trials": self.num_trials,
                         "num_parallel": self.num_parallel,
@@ -142,8 +148,8 @@ class FaultStudy:
         return {n: d for n, d in self.job_dirs().items() if (d / "starts.log").exists()}
 
     def trials(self) -> list[FrozenTrial]:
-        """The study's trials, as the Optuna journal holds them (read with optuna itself)."""
-        study = optuna.load_study(study_name=STUDY, storage=make_storage(f"journal://{self.journal}"))
+        """The study's trials, as its storage holds them (read with optuna itself)."""
+        study = optuna.load_study(study_name=STUDY, storage=make_storage(self.storage))
         return sorted(study.get_trials(deepcopy=False), key=lambda t: t.number)
 
 

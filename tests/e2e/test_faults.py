@@ -43,6 +43,7 @@ from faults_support import (
 )
 from mlflow_server import mlflow_server
 from optuna.trial import TrialState
+from postgres import fresh_database
 
 from tunepod.launch.paths import JobPaths
 from tunepod.runtime import read_reports
@@ -163,21 +164,21 @@ def test_mlflow_server_killed_mid_study_longer_than_the_retry_budget(runs: MakeR
 
 
 def test_two_tunepod_runs_on_one_study_at_once(runs: MakeRuns, tmp_path: Path) -> None:
-    """Fault: two `tunepod run` processes on the same spec (same study, journal, MLflow store and shared
-    root) started together, as two users, or a cron job and a person, would.
+    """Fault: two `tunepod run` processes on the same spec (same study, in a new PostgreSQL database as
+    in production; same MLflow store and shared root) started together, as two users, or a cron job
+    and a person, would. (Two orchestrators on a journal: tests/integration/test_exactly_once.py.)
 
-    Proves: both exit 0, the study ends with exactly num_trials trials (not one batch per
-    orchestrator), each trial was driven and trained once (one start each), and MLflow holds one run
-    per trial with every epoch once.
+    Proves: both exit 0 (both create the study's tables at once on the empty database), the study
+    ends with exactly num_trials trials (not one batch per orchestrator), each trial was driven and
+    trained once (one start each), and MLflow holds one run per trial with every epoch once.
     """
-    study = FaultStudy(tmp_path, "local", sqlite_tracking(tmp_path))
-    tunepod = runs(study)
-    both = [tunepod.start("a"), tunepod.start("b")]
-
-    codes = {o.name: o.wait() for o in both}
-
-    assert codes == {"a": 0, "b": 0}, "\n".join(o.tail() for o in both)
-    trials = assert_study_complete(study)
+    with fresh_database("two_orchestrators") as database:
+        study = FaultStudy(tmp_path, "local", sqlite_tracking(tmp_path), storage_url=database)
+        tunepod = runs(study)
+        both = [tunepod.start("a"), tunepod.start("b")]
+        codes = {o.name: o.wait() for o in both}
+        assert codes == {"a": 0, "b": 0}, "\n".join(o.tail() for o in both)
+        trials = assert_study_complete(study)
     assert_trained_once(study)
     assert_tracked_once(study, trials)
     assert_nothing_left(study)

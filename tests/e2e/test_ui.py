@@ -1,9 +1,10 @@
 """Both UIs in a real browser, after a signed webhook ran the digits pipeline through the real stack.
 
-One stack for the module (`python -m tunepod.stack up`, free ports, state under tmp): its receiver has a
-test hook `ui` whose overrides give the digits spec a tiny budget and keep every store under tmp (MLflow
-in the very `mlflow.db` the stack's MLflow server serves), and its Prefect server has a copy of the
-`digits` deployment of deployments/prefect.yaml whose trigger expects `tunepod.webhook.ui`. The tests run
+The session's stack (tests/local_stack.py: `python -m tunepod.stack up` on free ports, Prefect and MLflow
+on PostgreSQL, MLflow's artifacts in S3): its receiver has a test hook `ui` whose overrides give the
+digits spec a tiny budget, track in the stack's MLflow server and keep the Optuna study in PostgreSQL;
+this module registers a copy of the `digits` deployment of deployments/prefect.yaml whose trigger
+expects `tunepod.webhook.ui`. The tests run
 in file order: a signed POST to the receiver starts the deployment and its flow run completes; then
 Debian's Chromium, driven by Playwright, checks what the Prefect UI and the MLflow UI show of it. Every
 page asserted on is saved as a PNG in `.tunepod/screenshots/` (git-ignored) for a human to look at.
@@ -17,8 +18,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,10 +27,9 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 import yaml
+from local_stack import UI_HOOK, UI_SECRET_ENV, Stack
 from needs import skip_or_fail
-from ports import free_port
 
-from tunepod.stack.processes import ServiceRecord, group_members, is_alive
 from tunepod.webhook.signatures import standard_headers
 
 if TYPE_CHECKING:
@@ -51,9 +49,9 @@ CHROMIUM_ARGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
-HOOK = "ui"
+HOOK = UI_HOOK
 DEPLOYMENT = "digits-ui"
-SECRET_ENV = "TUNEPOD_HOOK_UI_SECRET"
+SECRET_ENV = UI_SECRET_ENV
 NUM_TRIALS = 2
 FLOW_RUN_LIMIT_S = 300.0
 UI_WAIT_MS = 30_000
@@ -84,50 +82,6 @@ pytestmark = pytest.mark.slow
 # ------------------------------------------------------------------------------------ the stack
 
 
-@dataclass(frozen=True)
-class Stack:
-    home: Path
-    env: dict[str, str]
-    prefect_url: str
-    mlflow_url: str
-    webhook_url: str
-
-    @property
-    def api(self) -> str:
-        return f"{self.prefect_url}/api"
-
-    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "tunepod.stack", *args],
-            cwd=REPO,
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
-
-    def records(self) -> list[ServiceRecord]:
-        found = [ServiceRecord.read(p) for p in sorted((self.home / "stack").glob("*.json"))]
-        return [record for record in found if record is not None]
-
-
-def write_webhook_config(path: Path, home: Path, tmp: Path) -> None:
-    """The hook `ui`: the digits spec on a tiny budget, every store under tmp (MLflow: the server's db)."""
-    overrides = [
-        "steps.search.with.num_trials={payload.num_trials}",
-        "steps.search.with.train.args.epochs=2",
-        # One process a trial (started without torchrun): this test is about the UIs, DDP runs elsewhere.
-        "steps.search.with.train.resources.procs_per_node=1",
-        "steps.check.with.top_k=1",
-        f"tracking.uri=sqlite:///{home}/mlflow.db",
-        f"launcher.root={tmp}/shared",
-        f"steps.search.with.study.storage=journal://{tmp}/optuna.log",
-    ]
-    hook = {"spec": "examples/digits/pipeline.yaml", "secrets": [{"env": SECRET_ENV}], "overrides": overrides}
-    path.write_text(yaml.safe_dump({"hooks": {HOOK: hook}}, sort_keys=False))
-
-
 def write_prefect_file(path: Path) -> None:
     """deployments/prefect.yaml's `digits` deployment, renamed, triggered by `tunepod.webhook.ui` only."""
     project = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
@@ -141,43 +95,15 @@ def write_prefect_file(path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    tmp = tmp_path_factory.mktemp("ui")
-    home = tmp / "tunepod"
-    webhook_config, prefect_file = tmp / "webhooks.yaml", tmp / "prefect.yaml"
-    write_webhook_config(webhook_config, home, tmp)
+def stack(local_stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Stack:
+    """The session's stack (tests/local_stack.py), with the `digits-ui` deployment registered."""
+    assert f"generated secrets for {SECRET_ENV} in {local_stack.home / 'secrets'}/" in local_stack.first_up
+    assert set(local_stack.records()) == {"prefect-server", "prefect-worker", "mlflow-server", "webhook"}
+    prefect_file = tmp_path_factory.mktemp("ui") / "prefect.yaml"
     write_prefect_file(prefect_file)
-    ports = {name: free_port() for name in ("PREFECT", "MLFLOW", "WEBHOOK")}
-    # The hook's secret variable is not exported: `up` generates the secret into the stack's home.
-    env = {
-        **{name: value for name, value in os.environ.items() if name != SECRET_ENV},
-        "TUNEPOD_HOME": str(home),
-        "COLUMNS": "250",
-        **{f"TUNEPOD_{name}_PORT": str(port) for name, port in ports.items()},
-    }
-    host = "http://127.0.0.1"
-    stack = Stack(
-        home, env, f"{host}:{ports['PREFECT']}", f"{host}:{ports['MLFLOW']}", f"{host}:{ports['WEBHOOK']}"
-    )
-    try:
-        started = stack.cli("up", "--webhook-config", str(webhook_config))
-        assert started.returncode == 0, started.stdout + started.stderr
-        assert f"generated secrets for {SECRET_ENV} in {home / 'secrets'}/" in started.stdout
-        assert {r.name for r in stack.records()} == {
-            "prefect-server",
-            "prefect-worker",
-            "mlflow-server",
-            "webhook",
-        }
-        deployed = stack.cli("deploy", "--prefect-file", str(prefect_file))
-        assert deployed.returncode == 0, deployed.stdout + deployed.stderr
-        yield stack
-    finally:
-        records = stack.records()
-        stopped = stack.cli("down")
-        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-        left = {r.name: group_members(r.pid) for r in records if is_alive(r) or group_members(r.pid)}
-        assert not left, f"processes left after down: {left}"
+    deployed = local_stack.cli("deploy", "--prefect-file", str(prefect_file))
+    assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+    return local_stack
 
 
 @dataclass(frozen=True)
@@ -215,6 +141,24 @@ def test_a_signed_webhook_runs_the_deployment_to_completion(stack: Stack, trigge
         f"{stack.webhook_url}/hooks/{HOOK}", content=b"{}", headers={"content-type": "application/json"}
     )
     assert unsigned.status_code == 401, unsigned.text
+
+
+def test_the_triggered_run_kept_its_study_in_postgresql_and_its_model_in_s3(
+    stack: Stack, triggered: Triggered
+) -> None:
+    import optuna
+    from mlflow import MlflowClient
+
+    from tunepod.hpo.study import make_storage
+
+    assert triggered.flow_run["state_type"] == "COMPLETED", triggered.flow_run["state"]
+    study = optuna.load_study(study_name="digits", storage=make_storage(stack.databases["optuna"]))
+    assert [t.state.name for t in study.get_trials()] == ["COMPLETE"] * NUM_TRIALS
+    version = MlflowClient(stack.mlflow_url).get_model_version_by_alias("digits-mlp", "champion")
+    assert version.source.startswith("models:/"), version.source
+    model_id = version.source.removeprefix("models:/")
+    keys = stack.artifact_keys()
+    assert any(f"/models/{model_id}/artifacts/" in key for key in keys), keys
 
 
 # ------------------------------------------------------------------------------------ the browser

@@ -1,14 +1,14 @@
 """The local stack (`tunepod up/status/deploy/down`): real processes, free ports, state in a temp folder.
 
-The slow tests share one stack (module fixture) and run in file order: up, up again, status, deploy,
-runs that use the stack's server, down. Each command runs as its own process (`python -m tunepod.stack
-...`), as a user would run it. A signed webhook delivery that runs a deployment through the worker,
-with the shipped trigger template, is tests/e2e/test_ui.py's.
+The slow tests share the session's stack (tests/local_stack.py: Prefect and MLflow on PostgreSQL,
+MLflow's artifacts in S3) and run in file order, after the UI tests that share it too: up, up again,
+status, deploy, runs that use the stack's server, down. Each command runs as its own process
+(`python -m tunepod.stack ...`), as a user would run it. A signed webhook delivery that runs a
+deployment through the worker, with the shipped trigger template, is tests/e2e/test_ui.py's.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import os
 import signal
@@ -16,14 +16,15 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import optuna
 import pytest
 import yaml
+from local_stack import ARTIFACT_BUCKET, Stack
 from ports import free_port
 
 from tunepod.hpo.study import make_storage
@@ -42,7 +43,6 @@ from tunepod.stack.processes import (
 
 REPO = Path(__file__).resolve().parents[2]
 FLOW_RUN_LIMIT_S = 300.0
-WEBHOOK_SECRET = "whsec_" + base64.b64encode(b"tunepod-stack-test-secret-24").decode()
 
 
 # ------------------------------------------------------------------------------------ process records
@@ -119,50 +119,10 @@ def processes_with_argument(argument: str) -> list[int]:
 # ------------------------------------------------------------------------------------ the whole stack
 
 
-@dataclass(frozen=True)
-class Stack:
-    home: Path
-    env: dict[str, str]
-    api: str
-    first_up: str
-
-    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "tunepod.stack", *args],
-            cwd=REPO,
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
-
-    def records(self) -> dict[str, ServiceRecord]:
-        found = {p.stem: ServiceRecord.read(p) for p in sorted((self.home / "stack").glob("*.json"))}
-        return {name: record for name, record in found.items() if record is not None}
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    home = tmp_path_factory.mktemp("stack") / "tunepod"
-    ports = {name: free_port() for name in ("PREFECT", "MLFLOW", "WEBHOOK")}
-    env = {
-        **os.environ,
-        "TUNEPOD_HOME": str(home),
-        "COLUMNS": "250",
-        # The receiver refuses to start without the secrets deployments/webhooks.yaml names.
-        **{f"TUNEPOD_HOOK_{hook}_SECRET": WEBHOOK_SECRET for hook in ("S3", "GITHUB", "DIGITS")},
-        **{f"TUNEPOD_{name}_PORT": str(port) for name, port in ports.items()},
-    }
-    api = f"http://127.0.0.1:{ports['PREFECT']}/api"
-    probe = Stack(home, env, api, "")
-    first = probe.cli("up")
-    stack = Stack(home, env, api, first.stdout + first.stderr)
-    try:
-        assert first.returncode == 0, stack.first_up
-        yield stack
-    finally:
-        stack.cli("down")  # whatever a failed test left running
+@pytest.fixture
+def stack(local_stack: Stack) -> Stack:
+    """The session's stack (tests/local_stack.py): Prefect and MLflow on PostgreSQL, artifacts in S3."""
+    return local_stack
 
 
 @pytest.mark.slow
@@ -176,10 +136,26 @@ def test_up_brings_every_service_to_healthy_and_records_it(stack: Stack) -> None
     assert http_ok(f"{records['mlflow-server'].url}/health")
     assert records["prefect-server"].url in stack.first_up
     assert "started" in stack.first_up
-    if "webhook" in records:
-        assert http_ok(f"{records['webhook'].url}/healthz")
-    else:
-        print(f"webhook receiver not started:\n{stack.first_up}")
+    assert http_ok(f"{records['webhook'].url}/healthz")
+
+
+@pytest.mark.slow
+def test_up_puts_prefect_and_mlflow_on_postgresql_and_says_so_without_the_password(stack: Stack) -> None:
+    """The servers' tables are in their PostgreSQL databases (nothing fell back to SQLite under the
+    home), and `up` names each store with the password hidden, never in a service record."""
+    assert table_count(stack.databases["prefect"], "flow_run") == 1
+    assert table_count(stack.databases["mlflow"], "experiments") == 1
+    assert not (stack.home / "mlflow.db").exists()
+    assert not list((stack.home / "prefect").glob("*.db"))
+    password = urlsplit(stack.databases["prefect"]).password
+    assert password and password not in stack.first_up
+    for path in (stack.home / "stack").glob("*.json"):
+        assert password not in path.read_text(), path
+    prefect_db = urlsplit(stack.databases["prefect"])
+    assert f"database: postgresql://tunepod:***@{prefect_db.netloc.split('@')[1]}{prefect_db.path}" in (
+        stack.first_up
+    )
+    assert f"artifacts: s3://{ARTIFACT_BUCKET}/mlflow" in stack.first_up
 
 
 @pytest.mark.slow
@@ -243,6 +219,16 @@ def test_tunepod_run_uses_the_running_stack_when_no_prefect_api_is_set(stack: St
     query = {"flow_runs": {"name": {"any_": [str(spec)]}}}
     runs = httpx.post(f"{stack.api}/flow_runs/filter", json=query, timeout=10.0).json()
     assert [(run["state_type"], run["deployment_id"]) for run in runs] == [("COMPLETED", None)]
+
+    # The pipeline run's spec went through the MLflow server into its S3 bucket.
+    from mlflow import MlflowClient
+
+    client = MlflowClient(mlflow)
+    experiment = client.get_experiment_by_name("tiny")
+    assert experiment is not None
+    [parent] = client.search_runs([experiment.experiment_id], "tags.`mlflow.runName` = 'tiny'")
+    key = f"mlflow/{experiment.experiment_id}/{parent.info.run_id}/artifacts/spec.yaml"
+    assert key in stack.artifact_keys()
 
 
 @pytest.mark.slow
@@ -319,6 +305,18 @@ def test_down_stops_everything_and_leaves_no_process(stack: Stack) -> None:
 
 
 # ------------------------------------------------------------------------------------ helpers
+
+
+def table_count(database: str, table: str) -> int:
+    """How many tables named ``table`` the PostgreSQL database ``database`` holds."""
+    import psycopg
+
+    with psycopg.connect(database) as connection:
+        row = connection.execute(
+            "SELECT count(*) FROM information_schema.tables WHERE table_name = %s", (table,)
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
 
 
 def record_files(stack: Stack) -> list[tuple[str, Path]]:

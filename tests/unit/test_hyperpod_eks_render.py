@@ -112,7 +112,10 @@ FULL = {
 GPU_JOB = job(
     args=("--epochs", "12"),
     resources=Resources(
-        num_nodes=4, procs_per_node=8, gpus_per_node=8, instance_type="ml.p5.48xlarge",
+        num_nodes=4,
+        procs_per_node=8,
+        gpus_per_node=8,
+        instance_type="ml.p5.48xlarge",
         timeout_min=90.5,
         stop_grace_s=120,
     ),

@@ -36,6 +36,7 @@ from tunepod.spec.models import (
     TuneSettings,
     WarmStart,
 )
+from tunepod.stores import schema_lock, sync_sqlalchemy_url
 
 JOURNAL_SCHEME = "journal://"
 log = logging.getLogger(__name__)
@@ -55,7 +56,8 @@ def _distribution(param: SearchParam) -> BaseDistribution:
 
 
 def make_storage(uri: str) -> BaseStorage:
-    """``journal://<file>`` (a journal file, safe on a shared filesystem) or any SQLAlchemy URL."""
+    """``journal://<file>`` (a journal file, safe on a shared filesystem), ``sqlite:///<file>``, or a
+    database URL (``postgresql://user:password@host/db`` is opened through psycopg 3)."""
     if uri.startswith(JOURNAL_SCHEME):
         path = Path(uri[len(JOURNAL_SCHEME) :]).expanduser()
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -64,7 +66,9 @@ def make_storage(uri: str) -> BaseStorage:
         Path(uri[len("sqlite:///") :]).expanduser().parent.mkdir(parents=True, exist_ok=True)
         # Trials report from several threads at once; wait for SQLite's lock instead of failing.
         return RDBStorage(uri, engine_kwargs={"connect_args": {"timeout": 30}})
-    return RDBStorage(uri)
+    with schema_lock(uri, "optuna"):
+        # A pooled connection dropped by the server (a restart, an RDS failover) is replaced, not raised.
+        return RDBStorage(sync_sqlalchemy_url(uri), engine_kwargs={"pool_pre_ping": True})
 
 
 class WholeLinesJournalBackend(JournalFileBackend):

@@ -22,6 +22,7 @@ from pydantic import (
 
 from tunepod.spec.parallelism import ParallelismSpec, check_space, job_layout
 from tunepod.spec.resources import Resources
+from tunepod.stores import is_postgres, redacted
 
 
 class Strict(BaseModel):
@@ -474,7 +475,8 @@ class StudySpec(Strict):
     name: str = Field(..., min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     storage: str = Field(
         "journal://.tunepod/optuna.log",
-        description="journal://<file> (default, safe on a shared filesystem) or sqlite:///<file>, postgresql://...",
+        description="journal://<file> (default, safe on a shared filesystem), sqlite:///<file>, or "
+        "postgresql://user:password@host:5432/db (several orchestrators on several machines).",
     )
     direction: Direction = "maximize"
     metric: str | None = Field(
@@ -488,10 +490,10 @@ class StudySpec(Strict):
 
     @model_validator(mode="after")
     def _check_storage(self) -> StudySpec:
-        schemes = ("journal://", "sqlite:///", "postgresql://", "postgresql+psycopg2://", "mysql://")
-        if not self.storage.startswith(schemes):
+        if not (self.storage.startswith(("journal://", "sqlite:///")) or is_postgres(self.storage)):
             raise ValueError(
-                f"storage {self.storage!r} is not supported; fix: use journal://<file> or sqlite:///<file>"
+                f"storage {redacted(self.storage)!r} is not supported; fix: use journal://<file>, "
+                "sqlite:///<file> or postgresql://user:password@host:5432/db"
             )
         return self
 

@@ -12,6 +12,7 @@ start (the message has its log tail), or, for ``status``, a recorded service tha
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -51,6 +52,36 @@ PrefectFileOption = Annotated[
         help="The deployments to register; relative to --repo.",
     ),
 ]
+PrefectDatabaseOption = Annotated[
+    str | None,
+    typer.Option(
+        "--prefect-database",
+        envvar="TUNEPOD_PREFECT_DATABASE",
+        help="The Prefect server's database, postgresql://user:password@host:5432/db "
+        "(default: SQLite under --home).",
+        show_default=False,
+    ),
+]
+MlflowDatabaseOption = Annotated[
+    str | None,
+    typer.Option(
+        "--mlflow-database",
+        envvar="TUNEPOD_MLFLOW_DATABASE",
+        help="The MLflow server's backend store, postgresql://user:password@host:5432/db "
+        "(default: SQLite under --home). Not the Prefect database: each keeps its own schema.",
+        show_default=False,
+    ),
+]
+MlflowArtifactsOption = Annotated[
+    str | None,
+    typer.Option(
+        "--mlflow-artifacts",
+        envvar="TUNEPOD_MLFLOW_ARTIFACTS",
+        help="Where the MLflow server keeps artifacts, e.g. s3://bucket/mlflow (AWS credentials and "
+        "MLFLOW_S3_ENDPOINT_URL from the environment; default: a folder under --home).",
+        show_default=False,
+    ),
+]
 TimeoutOption = Annotated[
     float, typer.Option("--timeout-s", help="How long to wait for each service to become healthy.")
 ]
@@ -86,9 +117,17 @@ def up(
     webhook_port: WebhookPort = 8787,
     timeout_s: TimeoutOption = 180.0,
     webhook_config: WebhookConfigOption = DEFAULT_WEBHOOK_CONFIG,
+    prefect_database: PrefectDatabaseOption = None,
+    mlflow_database: MlflowDatabaseOption = None,
+    mlflow_artifacts: MlflowArtifactsOption = None,
 ) -> None:
     """Start the local stack (what already runs is left alone) and print where each service listens."""
-    config = _config(home, repo, prefect_port, mlflow_port, webhook_port, timeout_s, webhook_config)
+    config = replace(
+        _config(home, repo, prefect_port, mlflow_port, webhook_port, timeout_s, webhook_config),
+        prefect_database=prefect_database,
+        mlflow_database=mlflow_database,
+        mlflow_artifacts=mlflow_artifacts,
+    )
     try:
         report = manage.up(config)
     except StackError as exc:

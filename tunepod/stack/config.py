@@ -18,7 +18,8 @@ class StackConfig:
 
     Everything the stack writes lives under ``home``: ``stack/`` (one record per running service),
     ``logs/``, ``prefect/`` (``PREFECT_HOME``, with Prefect's SQLite database), ``mlflow.db`` and
-    ``mlartifacts/`` (the MLflow server's stores), ``webhook/`` (the receiver's delivery ids),
+    ``mlartifacts/`` (the MLflow server's stores, unless ``mlflow_database``/``mlflow_artifacts`` put them
+    elsewhere), ``webhook/`` (the receiver's delivery ids),
     ``secrets/`` (hook secrets generated for variables the user did not export).
     """
 
@@ -39,6 +40,12 @@ class StackConfig:
     """The receiver's hooks (``tunepod webhook serve --config``); relative paths are from ``repo``."""
     prefect_file: Path = DEFAULT_PREFECT_FILE
     """What ``deploy`` registers (``prefect deploy --prefect-file``); relative paths are from ``repo``."""
+    prefect_database: str | None = None
+    """The Prefect server's database (``postgresql://...``); default: SQLite under ``prefect_home``."""
+    mlflow_database: str | None = None
+    """The MLflow server's backend store (``postgresql://...``); default: ``<home>/mlflow.db``."""
+    mlflow_artifacts: str | None = None
+    """Where the MLflow server keeps artifacts (``s3://bucket/prefix``); default: ``<home>/mlartifacts``."""
 
     def __post_init__(self) -> None:
         # Absolute paths: the services run with cwd=repo and later commands may run from elsewhere.

@@ -49,11 +49,15 @@ class ServiceStatus:
 def up(config: StackConfig) -> list[ServiceStatus]:
     """Start what does not run yet, wait until every service is healthy, and say what runs where.
 
-    Raises ``StackError`` (with the service's log tail) when a service exits or stays unhealthy for
+    Raises ``StackError`` before starting anything when a database or artifact setting is unusable;
+    (with the service's log tail) when a service exits or stays unhealthy for
     ``config.startup_timeout_s``, or when a port already answers for a process tunepod did not start.
     A failed (or interrupted) ``up`` stops what it started itself and leaves alone what already ran,
     so that it can simply be run again.
     """
+    errors = services.store_setting_errors(config)
+    if errors:
+        raise StackError("\n".join(errors))
     for folder in (config.records_dir, config.logs_dir, config.prefect_home):
         folder.mkdir(parents=True, exist_ok=True)
     started: dict[str, bool] = {}
@@ -65,7 +69,7 @@ def up(config: StackConfig) -> list[ServiceStatus]:
         if isinstance(exc, StackError) and stopped:
             raise StackError(f"{exc}\nStopped what this `up` had started: {', '.join(stopped)}.") from None
         raise
-    notes = {services.WEBHOOK: generated.note()}
+    notes = {**services.store_notes(config), services.WEBHOOK: generated.note()}
     report = [
         ServiceStatus(
             r.name, "started" if started[r.name] else "running", r.pid, r.url, True, notes.get(r.name, "")

@@ -16,6 +16,13 @@ import httpx
 from tunepod.stack.config import StackConfig
 from tunepod.stack.processes import Service
 from tunepod.stack.watch import CLIENT_MAX_RETRIES
+from tunepod.stores import (
+    StoreUrlError,
+    is_postgres,
+    prefect_database_url,
+    redacted,
+    sync_sqlalchemy_url,
+)
 
 PREFECT_SERVER = "prefect-server"
 PREFECT_WORKER = "prefect-worker"
@@ -42,7 +49,11 @@ def prefect_server(config: StackConfig) -> Service:
     argv = [config.python, "-m", "prefect", "server", "start"]
     argv += ["--host", config.host, "--port", str(config.prefect_port)]
     health = f"{config.prefect_api_url}/health"
-    return Service(PREFECT_SERVER, argv, prefect_env(config), config.prefect_url, health)
+    env = prefect_env(config)
+    if config.prefect_database:
+        # In the environment, not argv: the URL holds a password and argv is in the service record.
+        env["PREFECT_API_DATABASE_CONNECTION_URL"] = prefect_database_url(config.prefect_database)
+    return Service(PREFECT_SERVER, argv, env, config.prefect_url, health)
 
 
 def prefect_worker(config: StackConfig) -> Service:
@@ -61,13 +72,55 @@ def worker_name(argv: list[str]) -> str:
 
 
 def mlflow_server(config: StackConfig) -> Service:
+    """MLflow's tracking server, serving artifacts itself (clients upload through it, so they need no
+    S3 credentials of their own). Its stores go through the environment, not argv: a database URL holds
+    a password and argv is in the service record."""
     argv = [config.python, "-m", "mlflow", "server"]
-    argv += ["--backend-store-uri", f"sqlite:///{config.home / 'mlflow.db'}"]
-    argv += ["--artifacts-destination", str(config.home / "mlartifacts")]
     argv += ["--host", config.host, "--port", str(config.mlflow_port)]
-    # Without this the server starts ~7 job-execution workers (1.7 GB) that tunepod never uses.
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    database = config.mlflow_database or f"sqlite:///{config.home / 'mlflow.db'}"
+    env = {
+        **os.environ,
+        "MLFLOW_BACKEND_STORE_URI": sync_sqlalchemy_url(database),
+        "MLFLOW_ARTIFACTS_DESTINATION": config.mlflow_artifacts or str(config.home / "mlartifacts"),
+        # Without this the server starts ~7 job-execution workers (1.7 GB) that tunepod never uses.
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+    }
     return Service(MLFLOW_SERVER, argv, env, config.mlflow_url, f"{config.mlflow_url}/health")
+
+
+def store_setting_errors(config: StackConfig) -> list[str]:
+    """What is wrong with the stack's database and artifact settings (empty when nothing is), each
+    naming the ``tunepod up`` option and the fix; checked before anything starts."""
+    errors = []
+    if config.prefect_database:
+        try:
+            prefect_database_url(config.prefect_database)
+        except StoreUrlError as exc:
+            errors.append(f"--prefect-database {exc}")
+    database = config.mlflow_database
+    if database and not (is_postgres(database) or database.startswith("sqlite:///")):
+        errors.append(
+            f"--mlflow-database {redacted(database)!r}: tunepod runs MLflow's server on PostgreSQL or "
+            "SQLite; fix: give postgresql://user:password@host:5432/db (or sqlite:////absolute/path.db)"
+        )
+    artifacts = config.mlflow_artifacts
+    if artifacts and artifacts.startswith("s3://") and importlib.util.find_spec("boto3") is None:
+        errors.append(
+            f"--mlflow-artifacts {artifacts}: the MLflow server needs boto3 for S3; "
+            "fix: pip install 'tunepod[aws]'"
+        )
+    return errors
+
+
+def store_notes(config: StackConfig) -> dict[str, str]:
+    """Where the servers keep their data, for ``up``'s table (passwords hidden)."""
+    prefect = config.prefect_database or f"sqlite under {config.prefect_home}"
+    mlflow = config.mlflow_database or f"sqlite:///{config.home / 'mlflow.db'}"
+    artifacts = config.mlflow_artifacts or str(config.home / "mlartifacts")
+    return {
+        PREFECT_SERVER: f"database: {redacted(prefect)}",
+        MLFLOW_SERVER: f"store: {redacted(mlflow)}; artifacts: {artifacts}",
+    }
 
 
 def webhook_receiver(config: StackConfig, secrets: Mapping[str, str]) -> Service:

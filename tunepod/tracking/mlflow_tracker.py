@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
@@ -11,8 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from tunepod.errors import TunepodError
-from tunepod.locks import locked
 from tunepod.runtime import Report
+from tunepod.stores import schema_lock, sync_sqlalchemy_url
 from tunepod.tracking import tags as tag_names
 
 if TYPE_CHECKING:
@@ -26,9 +25,10 @@ MAX_PARAM_CHARS = 6000
 
 
 def absolute_tracking_uri(uri: str) -> str:
-    """Jobs run in other directories (or on other machines): hand them an absolute SQLite path."""
+    """Jobs run in other directories (or on other machines): hand them an absolute SQLite path. A
+    PostgreSQL store is opened through psycopg 3 (``postgresql://`` would mean psycopg2)."""
     if not uri.startswith("sqlite:///"):
-        return uri
+        return sync_sqlalchemy_url(uri)
     return f"sqlite:///{Path(uri[len('sqlite:///') :]).expanduser().resolve()}"
 
 
@@ -48,9 +48,9 @@ class MlflowTracker:
 
         tracking_uri = absolute_tracking_uri(tracking_uri)
         self.tracking_uri = tracking_uri
-        with _first_open_lock(tracking_uri):
-            # Opening a SQLite store creates (or migrates) its tables: two pipelines starting at once
-            # on a new store would both run the migration and leave it broken for good.
+        with schema_lock(tracking_uri, "mlflow"):
+            # Opening a database store creates (or migrates) its tables: two pipelines starting at
+            # once on a new store would both run the migration and one fail, or break the store.
             self.client: MlflowClient = MlflowClient(tracking_uri)
             self.experiment_id = self._experiment_id(experiment)
 
@@ -227,15 +227,6 @@ class MlflowTracker:
 
     def set_alias(self, name: str, alias: str, version: str) -> None:
         self.client.set_registered_model_alias(name, alias, version)
-
-
-def _first_open_lock(tracking_uri: str) -> contextlib.AbstractContextManager[None]:
-    """A lock beside a SQLite store (``<db>.lock``); nothing for a tracking server, which serializes
-    its own schema work."""
-    if not tracking_uri.startswith("sqlite:///"):
-        return contextlib.nullcontext()
-    db = Path(tracking_uri[len("sqlite:///") :])
-    return locked(db.with_name(db.name + ".lock"))
 
 
 def _quoted(value: str) -> str:
