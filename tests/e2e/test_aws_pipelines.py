@@ -214,7 +214,9 @@ def test_digits_pipeline_on_sagemaker(
         "kind": "sagemaker",
         "root": str(root),
         "role_arn": "arn:aws:iam::123456789012:role/tunepod-test",
-        "image_uri": "763104351884.dkr.ecr.us-east-1.amazonaws.com/pytorch-training:2.5.1-cpu-py311",
+        # The image is looked up by the SageMaker Python SDK for the version, region and instance type.
+        "framework_version": "2.5",
+        "region": "us-east-1",
         "output_s3_uri": "s3://tunepod-test/output/",
         "instance_type": "ml.m5.xlarge",  # a CPU type: one process per job
         "fsx": {"file_system_id": FILE_SYSTEM[0], "directory_path": FILE_SYSTEM[1]},
@@ -234,6 +236,8 @@ def test_digits_pipeline_on_sagemaker(
     for job_id, program in [*((j, "train.py") for j in job_ids), (evaluation_job_id, "evaluate.py")]:
         job = sagemaker.jobs[job_id]
         assert job.status == "Completed", job.failure_reason
+        image = job.request["AlgorithmSpecification"]["TrainingImage"]
+        assert image == "763104351884.dkr.ecr.us-east-1.amazonaws.com/pytorch-training:2.5-cpu-py311"
         assert job.hyperparameters["sagemaker_program"] == program
         # The code came from the checkout on the channel, as did tunepod (PYTHONPATH) and the data.
         assert (

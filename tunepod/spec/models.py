@@ -6,6 +6,7 @@ that silently does nothing. Cross-field checks say how to fix what they reject.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from typing import Annotated, Any, Literal
@@ -269,7 +270,21 @@ class SageMakerLauncherSpec(Strict):
     kind: Literal["sagemaker"]
     root: str = Field(..., description="Local mount of fsx.directory_path (e.g. /fsx/tunepod).")
     role_arn: str = Field(..., pattern=r"^arn:aws[a-z-]*:iam::\d{12}:role/", description="Execution role.")
-    image_uri: str = Field(..., description="Training image (a SageMaker PyTorch container or derived).")
+    image_uri: str | None = Field(
+        None, description="Training image (a SageMaker PyTorch container or derived); or framework_version."
+    )
+    framework_version: str | None = Field(
+        None,
+        pattern=r"^\d+\.\d+(\.\d+)?$",
+        description="PyTorch version (e.g. 2.5) whose SageMaker training image the jobs run, looked up by "
+        "the SageMaker Python SDK for the region and each job's instance type (CPU or GPU); instead "
+        "of image_uri.",
+    )
+    py_version: str | None = Field(
+        None,
+        pattern=r"^py3\d*$",
+        description="Python of that image (e.g. py311); default: the newest the version ships.",
+    )
     output_s3_uri: str = Field(..., pattern=r"^s3://", description="OutputDataConfig.S3OutputPath.")
     checkpoint_s3_uri: str | None = Field(
         None,
@@ -311,6 +326,20 @@ class SageMakerLauncherSpec(Strict):
                 "(SMP v2's tensor_parallel_degree and hybrid_shard_degree are rendered from it)"
             )
         return data
+
+    @model_validator(mode="after")
+    def _one_image(self) -> SageMakerLauncherSpec:
+        if (self.image_uri is None) == (self.framework_version is None):
+            raise ValueError(
+                "name the training image once; fix: set image_uri (an ECR URI) or framework_version "
+                '(e.g. "2.5": the SageMaker PyTorch training image is looked up), not both'
+                if self.image_uri
+                else 'the jobs need a training image; fix: set framework_version (e.g. "2.5") or '
+                "image_uri (an ECR URI)"
+            )
+        if self.py_version is not None and self.framework_version is None:
+            raise ValueError("py_version picks among framework_version's images; fix: set framework_version")
+        return self
 
     @model_validator(mode="after")
     def _check_vpc(self) -> SageMakerLauncherSpec:
@@ -769,8 +798,9 @@ class TuneSettings(Strict):
             Constraint.parse(text)
         return constraints
 
-    @property
+    @functools.cached_property
     def parsed_constraints(self) -> list[Constraint]:
+        """``constraints`` parsed (once: each trial's report reads them)."""
         return [Constraint.parse(text) for text in self.constraints]
 
     @model_validator(mode="after")

@@ -36,6 +36,7 @@ from typing import Any
 from tunepod.errors import JobError, TransientError, TunepodError
 from tunepod.launch.base import SUBMISSION_ID_ENV, Accepted, Job, JobSpec, LauncherBase, NameTaken, Rendered
 from tunepod.launch.sagemaker.clients import aws_client, aws_error, error_code, is_not_found, sagemaker_client
+from tunepod.launch.sagemaker.images import training_image
 from tunepod.launch.sagemaker.logs import CloudWatchLogReader, log_hint
 from tunepod.launch.sagemaker.render import (
     REQUEST_FILE,
@@ -54,6 +55,8 @@ _CANCEL_POLL_S = 2.0
 # Concurrent DescribeTrainingJob calls per refresh: enough for a study's trials, well under the
 # API's request rate (throttling would only turn into stale states).
 _DESCRIBE_THREADS = 8
+# Any CPU type: a framework version's image is checked against it when the spec sets no instance type.
+_ANY_CPU_INSTANCE = "ml.c5.xlarge"
 _JOB_NAME = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")
 
 
@@ -103,14 +106,18 @@ class SageMakerLauncher(LauncherBase[TrainingJobStatus]):
         self.spec = spec
         self.client = client if client is not None else sagemaker_client(spec.region)
         region = spec.region or getattr(getattr(self.client, "meta", None), "region_name", None)
+        self.region: str | None = region
         self.log_reader = CloudWatchLogReader(
             (lambda: logs_client) if logs_client is not None else (lambda: aws_client("logs", region))
         )
+        if spec.framework_version is not None:
+            # A version with no image fails here, before any job is sent (the default type's image).
+            training_image(spec, spec.instance_type or _ANY_CPU_INSTANCE, region)
 
     # ------------------------------------------------------------------------------------ hooks
 
     def render(self, job: JobSpec, attempt: int, variant: int = 0) -> Rendered:
-        request = render_training_job(job, self.spec, attempt=attempt, variant=variant)
+        request = render_training_job(job, self.spec, attempt=attempt, variant=variant, region=self.region)
         return Rendered(
             name=request["TrainingJobName"],
             payload=request,

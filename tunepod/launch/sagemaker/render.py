@@ -50,6 +50,7 @@ from typing import Any
 from tunepod import runtime
 from tunepod.errors import TunepodError
 from tunepod.launch.base import JobSpec, Resources
+from tunepod.launch.sagemaker.images import training_image
 from tunepod.runtime.parallel import read_parallelism
 from tunepod.spec.models import SageMakerLauncherSpec
 
@@ -286,21 +287,29 @@ def fsx_channel(spec: SageMakerLauncherSpec) -> list[dict[str, Any]]:
 
 
 def render_training_job(
-    job: JobSpec, spec: SageMakerLauncherSpec, *, attempt: int = 1, variant: int = 0
+    job: JobSpec,
+    spec: SageMakerLauncherSpec,
+    *,
+    attempt: int = 1,
+    variant: int = 0,
+    region: str | None = None,
 ) -> dict[str, Any]:
-    """The ``CreateTrainingJob`` request for attempt ``attempt`` (name variant ``variant``) of ``job`` (pure).
+    """The ``CreateTrainingJob`` request for attempt ``attempt`` (name variant ``variant``) of ``job`` (pure
+    but for the image lookup of a ``framework_version``, in ``region``, from the SDK's own tables).
 
     Raises ``TunepodError`` for what a training job cannot express (argv, paths SageMaker cannot see,
-    no instance type, inconsistent parallelism).
+    no instance type, inconsistent parallelism, no image for the framework version).
     """
+    instance = instance_type(job.resources, spec)
+    image = training_image(spec, instance, region or spec.region)
     request: dict[str, Any] = {
         "TrainingJobName": training_job_name(job.name, attempt, variant),
         "RoleArn": spec.role_arn,
-        "AlgorithmSpecification": {"TrainingImage": spec.image_uri, "TrainingInputMode": spec.input_mode},
+        "AlgorithmSpecification": {"TrainingImage": image, "TrainingInputMode": spec.input_mode},
         "HyperParameters": hyperparameters(job, spec),
         "Environment": environment(job, spec),
         "ResourceConfig": {
-            "InstanceType": instance_type(job.resources, spec),
+            "InstanceType": instance,
             "InstanceCount": job.resources.num_nodes,
             "VolumeSizeInGB": spec.volume_size_gb,
         },
