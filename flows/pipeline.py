@@ -18,7 +18,7 @@ from prefect.runtime import flow_run
 
 from tasks.steps import run_step, step_retries
 from tunepod.outputs import StepOutput
-from tunepod.pipeline import PipelineRun, PipelineSummary, TrialRow
+from tunepod.pipeline import PipelineRun, PipelineSummary
 from tunepod.run_form import LauncherKind, RunForm
 
 
@@ -77,7 +77,7 @@ def pipeline(
 def _publish(summary: PipelineSummary) -> None:
     """The trial table and a link to the MLflow run, as Prefect artifacts on the flow run."""
     objectives = summary.objectives
-    rows = [_trial_row(t, objectives) for t in summary.trials]
+    rows = [t.table_row(objectives) for t in summary.trials]
     if rows:
         measured = ", ".join(objectives) or summary.metric
         create_table_artifact(rows, key="trials", description=f"Trials of {summary.pipeline} ({measured})")
@@ -92,19 +92,6 @@ def _publish(summary: PipelineSummary) -> None:
         key="mlflow-run",
         description=f"Serve the UI with: {summary.mlflow_ui_command}" if summary.mlflow_ui_command else None,
     )
-
-
-def _trial_row(trial: TrialRow, objectives: list[str]) -> dict[str, object]:
-    """One row of the trial table: every objective's value and the front's mark in a multi-objective
-    study, the objective's value otherwise, whether it met the constraints (if any), then the parameters."""
-    values: dict[str, object] = {"value": trial.value}
-    if objectives:
-        values = {m: trial.values.get(m) for m in objectives}
-        values["pareto_front"] = trial.pareto_front
-    if trial.feasible is not None:
-        values["feasible"] = trial.feasible
-    params = {k: str(v) for k, v in trial.params.items()}
-    return {"trial": trial.number, "outcome": trial.outcome, **values, **params}
 
 
 def _announce(summary: PipelineSummary) -> None:

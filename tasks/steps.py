@@ -27,7 +27,7 @@ from prefect.runtime import task_run
 from tasks.retry import transient_only
 from tunepod.hpo.tuner import TrialLinks, Tuner
 from tunepod.outputs import StepOutput, TrialRecord
-from tunepod.pipeline import PipelineRun
+from tunepod.pipeline import PipelineRun, TrialRow
 from tunepod.steps import STEP_KINDS
 
 RETRIES = 2
@@ -109,7 +109,9 @@ class TrialBoard:
         self._step = tuner.step
         self._key = re.sub(r"[^a-z0-9-]+", "-", tuner.step.lower())
         self._num_trials = tuner.settings.num_trials
-        self._rows = {t.number: _row(t) for t in tuner.trial_set().trials}
+        trials = tuner.trial_set()
+        self._objectives = [goal.metric for goal in trials.objectives]
+        self._rows = {t.number: self._row(t) for t in trials.trials}
         self._lock = threading.Lock()
         self._table_at = 0.0
         self._context = contextvars.copy_context()
@@ -123,7 +125,11 @@ class TrialBoard:
         self._progress = created if isinstance(created, UUID) else None  # sync: a UUID
 
     def finished(self, record: TrialRecord) -> None:
-        self._update(record.number, _row(record))
+        self._update(record.number, self._row(record))
+
+    def _row(self, record: TrialRecord) -> dict[str, object]:
+        # The front is the study's, known at its end: the final table marks it, this one cannot.
+        return TrialRow.of(record).table_row(self._objectives)
 
     def failed(self, number: int, error: BaseException) -> None:
         self._update(number, {"trial": number, "outcome": "ERROR", "error": str(error)[:200]})
@@ -155,10 +161,3 @@ class TrialBoard:
         except Exception as exc:
             log.warning("step %s: live progress not updated in Prefect: %s", self._step, exc)
             return None
-
-
-def _row(record: TrialRecord) -> dict[str, object]:
-    row: dict[str, object] = {"trial": record.number, "outcome": record.outcome, "value": record.value}
-    if record.feasible is not None:
-        row["feasible"] = record.feasible
-    return row | {k: str(v) for k, v in record.params.items()}

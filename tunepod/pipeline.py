@@ -10,7 +10,7 @@ import logging
 import shutil
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,7 +22,7 @@ from tunepod.launch.base import Launcher
 from tunepod.launch.factory import make_launcher
 from tunepod.launch.paths import SharedRoot
 from tunepod.metrics import PipelineMetrics, open_pipeline_metrics
-from tunepod.outputs import Evaluation, Registration, StepOutput, TrialSet
+from tunepod.outputs import Evaluation, Registration, StepOutput, TrialRecord, TrialSet
 from tunepod.spec.loader import dump_spec, load_spec, spec_hash
 from tunepod.spec.models import PipelineSpec
 from tunepod.steps import run_step
@@ -114,8 +114,36 @@ class TrialRow(BaseModel):
     params: dict[str, object]
     run_id: str | None
     values: dict[str, float] = {}
-    pareto_front: bool = False
+    pareto_front: bool | None = None
+    """Whether it is on a multi-objective study's Pareto front; None where that is not known yet."""
     feasible: bool | None = None
+
+    @classmethod
+    def of(cls, trial: TrialRecord, pareto_front: bool | None = None) -> TrialRow:
+        return cls(
+            number=trial.number,
+            outcome=trial.outcome,
+            value=trial.value,
+            params=trial.params,
+            run_id=trial.run_id,
+            values=trial.values,
+            pareto_front=pareto_front,
+            feasible=trial.feasible,
+        )
+
+    def table_row(self, objectives: Sequence[str]) -> dict[str, object]:
+        """One row of a trial table (the live one of a tune step, the final one of a pipeline): every
+        objective's value (and the front's mark, once known) in a multi-objective study, the
+        objective's value otherwise, whether it met the constraints (if any), then the parameters."""
+        values: dict[str, object] = {"value": self.value}
+        if objectives:
+            values = {m: self.values.get(m) for m in objectives}
+            if self.pareto_front is not None:
+                values["pareto_front"] = self.pareto_front
+        if self.feasible is not None:
+            values["feasible"] = self.feasible
+        params = {k: str(v) for k, v in self.params.items()}
+        return {"trial": self.number, "outcome": self.outcome, **values, **params}
 
 
 class PipelineSummary(BaseModel):
@@ -144,16 +172,7 @@ class PipelineSummary(BaseModel):
         trials = [t for ts in trial_sets for t in ts.trials]
         front = {(ts.step, t.number) for ts in trial_sets if ts.multi_objective for t in ts.pareto_front()}
         rows = [
-            TrialRow(
-                number=t.number,
-                outcome=t.outcome,
-                value=t.value,
-                params=t.params,
-                run_id=t.run_id,
-                values=t.values,
-                pareto_front=(ts.step, t.number) in front,
-                feasible=t.feasible,
-            )
+            TrialRow.of(t, pareto_front=(ts.step, t.number) in front if ts.multi_objective else None)
             for ts in trial_sets
             for t in ts.trials
         ]
