@@ -1,7 +1,7 @@
 """The webhook receiver as senders meet it: a real uvicorn server on a loopback port, a real httpx
 client, events posted to the real Prefect API of the ``prefect_api`` fixture and read back from it.
 
-Covers every answer of POST /hooks/{hook} (202, 200 duplicate, 401, 404, 413, 415, 422, 429, 502),
+Covers every answer of POST /hooks/{hook} (202, 200 duplicate, 401, 404, 413, 415, 422, 429),
 dedupe across a restart, secrets kept out of logs and responses, startup checks of the configuration,
 metrics, and the ``sign`` / ``serve`` commands.
 """
@@ -29,6 +29,7 @@ import yaml
 from fastapi import FastAPI
 from moto_server import MotoServer
 from prometheus_client import CollectorRegistry
+from tcp_forward import forwarding
 
 from tunepod.spec.loader import load_spec
 from tunepod.webhook.app import MAX_BODY_BYTES, create_app
@@ -123,8 +124,11 @@ class Receiver:
     def running(self) -> Iterator[Receiver]:
         sink = PrefectEventSink(self.api_url, self.http)
         app = create_app(self.config, sink, self.state_dir, registry=self.registry)
-        with serving(app) as self.url:
-            yield self
+        try:
+            with serving(app) as self.url:
+                yield self
+        finally:
+            app.state.publisher.stop()  # uvicorn runs here without lifespan events
 
     def post(self, hook: str, body: bytes | Iterator[bytes], headers: dict[str, str]) -> httpx.Response:
         headers = {"Content-Type": "application/json", **headers}
@@ -296,20 +300,52 @@ def test_the_rate_limit_is_429_with_retry_after(receiver: Receiver) -> None:
     assert receiver.send("digits", {"num_trials": 2}).status_code == 202
 
 
-def test_a_failed_publish_is_502_and_the_retry_publishes(
+def test_a_delivery_while_prefect_is_down_is_accepted_and_published_by_the_next_receiver(
     config: WebhookConfig, api_url: str, tmp_path: Path
 ) -> None:
+    """Fault: Prefect's API refuses connections (nothing listens on its port) when a delivery comes, and
+    the receiver stops before Prefect is back. The delivery is still accepted (202: it is on disk), a
+    retry of it is a duplicate, and the next receiver on the same state dir publishes its event."""
     body = b'{"num_trials": 6}'
     headers = standard_headers([SECRET], body)
     with socket.socket() as closed:  # a port nothing listens on: Prefect "down"
         closed.bind(("127.0.0.1", 0))
         down = Receiver(config, f"http://127.0.0.1:{closed.getsockname()[1]}/api", tmp_path / "state")
     with down.running():
-        failed = down.post("digits", body, headers)
-    assert failed.status_code == 502
-    assert "retry" in failed.json()["detail"]
+        accepted = down.post("digits", body, headers)
+        assert accepted.status_code == 202, accepted.text
+        assert down.post("digits", body, headers).json()["duplicate"] is True
+    event_id = accepted.json()["event_id"]
+    assert not prefect_events(api_url, id={"id": [event_id]})
     with Receiver(config, api_url, tmp_path / "state").running() as up:
-        assert up.post("digits", body, headers).status_code == 202
+        event = wait_for_event(api_url, event_id)
+        assert up.post("digits", body, headers).json() == {"duplicate": True, "event_id": event_id}
+    assert event["payload"]["overrides"] == ["steps.search.with.num_trials=6"]
+
+
+def test_the_receiver_keeps_publishing_until_prefect_answers_again(
+    config: WebhookConfig, api_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Fault: Prefect unreachable for a while (connections refused), then back on the same address.
+    Deliveries made meanwhile are accepted at once, and their events reach Prefect when it answers,
+    without any retry from the sender; the log says so both times."""
+    caplog.set_level(logging.INFO, logger="tunepod.webhook")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    prefect = httpx.URL(api_url)
+    with Receiver(config, f"http://127.0.0.1:{port}/api", tmp_path / "state").running() as receiver:
+        accepted = [receiver.send("digits", {"num_trials": n}) for n in (2, 3)]
+        assert [a.status_code for a in accepted] == [202, 202], [a.text for a in accepted]
+        time.sleep(1.0)  # the publisher has tried and failed by now
+        assert "Prefect did not take event" in caplog.text
+        with forwarding(port, prefect.host, prefect.port or 80):
+            events = [wait_for_event(api_url, a.json()["event_id"]) for a in accepted]
+    assert [e["payload"]["overrides"] for e in events] == [
+        ["steps.search.with.num_trials=2"],
+        ["steps.search.with.num_trials=3"],
+    ]
+    assert "Prefect answers again" in caplog.text
 
 
 def test_an_edited_spec_is_checked_again_at_the_next_delivery(

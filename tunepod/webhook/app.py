@@ -1,6 +1,6 @@
 """The receiver: verify a signed delivery, turn it into a Prefect event, answer the sender.
 
-    POST /hooks/{hook}   202 accepted | 200 duplicate | 400 401 404 413 415 422 429 | 502 sink failed
+    POST /hooks/{hook}   202 accepted | 200 duplicate | 400 401 404 413 415 422 429
     GET  /healthz        200 {"status": "ok"}
     GET  /metrics        Prometheus text: tunepod_webhook_requests_total{hook, outcome}
     GET  /openapi.json   the schema (FastAPI)
@@ -11,15 +11,18 @@ already seen (200 duplicate), rate limit (429), overrides valid against the spec
 counts only authenticated, new deliveries: unsigned floods cannot spend a real sender's budget, and a
 sender's retries of a delivery already accepted do not either.
 
-A delivery is claimed in the dedupe log before its event is published and released again if
-publishing fails, so two concurrent copies of one delivery produce one event. A copy that arrives while
-the first is still publishing is answered as a duplicate of it.
+202 means the delivery is on disk: its claim in the delivery log holds the event, which a publisher
+thread (``publisher.py``) sends to Prefect at once, or as soon as Prefect answers again (a restarted
+receiver sends what the last one had not). A sender never waits for Prefect, nor retries because of it.
+Claims are atomic, so concurrent copies of one delivery produce one event; every copy after the first
+is answered as a duplicate naming the first one's event.
 
 Never logged nor echoed: secrets, signature headers. Logged: hook, delivery id, outcome, reason.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -27,7 +30,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,7 +42,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, 
 
 from tunepod.webhook.config import Hook, PayloadError, WebhookConfig
 from tunepod.webhook.dedupe import DeliveryLog
-from tunepod.webhook.events import EventSink, EventSinkError, event_name, hook_resource
+from tunepod.webhook.events import EventSink, event_name, hook_resource
+from tunepod.webhook.publisher import EventPublisher
 from tunepod.webhook.signatures import (
     GITHUB_DELIVERY,
     GITHUB_SIGNATURE,
@@ -103,18 +107,28 @@ def create_app(
     ``registry`` receives the request counter (default: prometheus-client's global registry; apps
     created on one registry share its counter).
     """
+    deliveries = DeliveryLog(state_dir / DEDUPE_FILE)
+    publisher = EventPublisher(deliveries, sink).start()  # first, what an earlier receiver left
     receiver = _Receiver(
         config=config,
-        sink=sink,
-        deliveries=DeliveryLog(state_dir / DEDUPE_FILE),
+        deliveries=deliveries,
+        publisher=publisher,
         buckets={name: TokenBucket(hook.rate_limit_per_min) for name, hook in config.hooks.items()},
         requests_total=requests_counter(REGISTRY if registry is None else registry),
     )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        publisher.stop()
+
     app = FastAPI(
         title="tunepod webhook receiver",
         description="Verifies signed webhooks and turns them into Prefect events that start pipeline runs.",
         version="1",
+        lifespan=lifespan,
     )
+    app.state.publisher = publisher  # servers run without lifespan events stop it themselves
     _add_routes(app, receiver, REGISTRY if registry is None else registry)
     return app
 
@@ -142,8 +156,8 @@ def _add_routes(app: FastAPI, receiver: _Receiver, registry: CollectorRegistry) 
 @dataclass
 class _Receiver:
     config: WebhookConfig
-    sink: EventSink
     deliveries: DeliveryLog
+    publisher: EventPublisher
     buckets: Mapping[str, TokenBucket]
     requests_total: Counter
     specs: SpecChecker = field(default_factory=SpecChecker)
@@ -169,12 +183,12 @@ class _Receiver:
         body = await _read_limited(request, MAX_BODY_BYTES)
         delivery_id = _verify(hook, request.headers, body)
         payload = _parse_json(body)
-        # Everything after the signature blocks (SQLite and its fsync, spec validation, the sink's
-        # HTTP call): one trip to a worker thread for all of it keeps the event loop free.
+        # Everything after the signature blocks (SQLite and its fsync, spec validation): one trip to
+        # a worker thread for all of it keeps the event loop free.
         return await run_in_threadpool(self._admit, hook, delivery_id, payload)
 
     def _admit(self, hook: Hook, delivery_id: str, payload: Any) -> tuple[int, str, dict[str, Any]]:
-        """Dedupe, rate limit, validate, claim, publish: the checks after the signature, in order."""
+        """Dedupe, rate limit, validate, claim: the checks after the signature, in order."""
         original = self.deliveries.event_for(hook.name, delivery_id)
         if original is not None:
             return self._duplicate(hook, delivery_id, original)
@@ -184,10 +198,11 @@ class _Receiver:
             raise _Rejection(429, "rate_limited", detail, {"Retry-After": str(max(1, math.ceil(wait_s)))})
         overrides = self._checked_overrides(hook, payload)
         event_id = str(uuid.uuid4())
-        original = self.deliveries.claim(hook.name, delivery_id, event_id)
+        event = _event(hook, delivery_id, overrides, payload)
+        original = self.deliveries.claim(hook.name, delivery_id, event_id, event)
         if original is not None:
             return self._duplicate(hook, delivery_id, original)
-        self._publish(hook, delivery_id, event_id, overrides, payload)
+        self.publisher.wake()
         logger.info("webhook %s accepted delivery %s as event %s", hook.name, delivery_id, event_id)
         content = {"event_id": event_id, "hook": hook.name, "spec": hook.spec, "overrides": overrides}
         return 202, "accepted", content
@@ -207,21 +222,20 @@ class _Receiver:
         logger.info("webhook %s delivery %s is a duplicate of event %s", hook.name, delivery_id, event_id)
         return 200, "duplicate", {"duplicate": True, "event_id": event_id}
 
-    def _publish(
-        self, hook: Hook, delivery_id: str, event_id: str, overrides: list[str], payload: Any
-    ) -> None:
-        event_payload = {
+
+def _event(hook: Hook, delivery_id: str, overrides: list[str], payload: Any) -> dict[str, Any]:
+    """The Prefect event a delivery becomes (what the deployment trigger reads), as the sink takes it."""
+    return {
+        "name": event_name(hook.name),
+        "resource": hook_resource(hook.name),
+        "payload": {
             "hook": hook.name,
             "delivery_id": delivery_id,
             "spec_path": hook.spec,
             "overrides": overrides,
             "body": payload,
-        }
-        try:
-            self.sink.publish(event_name(hook.name), hook_resource(hook.name), event_payload, event_id)
-        except EventSinkError as exc:
-            self.deliveries.release(hook.name, delivery_id, event_id)
-            raise _Rejection(502, "sink_error", f"the event was not published, retry later: {exc}") from exc
+        },
+    }
 
 
 def _check_content_type(content_type: str) -> None:
@@ -309,7 +323,10 @@ _RESPONSES: dict[int | str, dict[str, Any]] = {
         "description": "Duplicate delivery: no new event; the id of the event its first copy produced.",
         "content": {"application/json": {"schema": _DUPLICATE_SCHEMA}},
     },
-    202: {"description": "Accepted: the event that starts the pipeline run was published."},
+    202: {
+        "description": "Accepted and on disk: the event that starts the pipeline run is published to "
+        "Prefect at once, or as soon as Prefect answers."
+    },
     400: _detail("Delivery id too long."),
     401: _detail("Missing, invalid or stale signature."),
     404: _detail("No such hook."),
@@ -317,7 +334,6 @@ _RESPONSES: dict[int | str, dict[str, Any]] = {
     415: _detail("Not JSON (Content-Type or body)."),
     422: _detail("The overrides this payload fills in fail spec validation."),
     429: _detail("Rate limit reached; see Retry-After."),
-    502: _detail("The event could not be published; retry."),
 }
 # The signature headers are documented in the schema only: the receiver reads the raw headers itself (a
 # signature is checked over exact bytes, not over what a model parsed), so FastAPI need not parse them.

@@ -1,8 +1,12 @@
-"""Which deliveries the receiver already turned into events, kept in SQLite so it survives restarts.
+"""Which deliveries the receiver accepted, and their events until Prefect has them: SQLite, so it
+survives restarts.
 
 Senders retry: GitHub redelivers, Standard Webhooks senders retry until they see a 2xx. Each delivery id
 (per hook) maps to the id of the one event it produced, so a retry is answered with that event id and
-publishes nothing. Entries older than ``ttl_s`` are forgotten (a sender does not retry for days).
+publishes nothing. A claim also keeps its event (name, resource, payload) until it is published: the
+receiver answers 202 once the claim is on disk and publishes from here (``unpublished``,
+``mark_published``), so an event outlives a Prefect outage or a receiver restart. Published entries
+older than ``ttl_s`` are forgotten (a sender does not retry for days); unpublished ones stay.
 
 Durability: the file is in WAL mode with ``synchronous=FULL``, so a claim is on disk (the WAL fsynced)
 before ``claim`` returns, at the cost of one fsync per claim rather than the rollback journal's
@@ -16,12 +20,15 @@ waits for it).
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 DEFAULT_TTL_S = 24 * 60 * 60
 
@@ -35,6 +42,20 @@ CREATE TABLE IF NOT EXISTS deliveries (
 );
 CREATE INDEX IF NOT EXISTS deliveries_received_at ON deliveries (received_at);
 """
+# Added after the first release: a file written before has every event published (it published before
+# answering), hence the default of the first column for its rows.
+_EVENT_COLUMNS = {"published": "INTEGER NOT NULL DEFAULT 1", "event": "TEXT"}
+
+
+@dataclass(frozen=True)
+class PendingEvent:
+    """An accepted delivery's event that Prefect does not have yet."""
+
+    hook: str
+    delivery_id: str
+    event_id: str
+    event: dict[str, Any]
+    """``name``, ``resource`` and ``payload``, as the sink takes them."""
 
 
 class DeliveryLog:
@@ -56,6 +77,13 @@ class DeliveryLog:
         path.parent.mkdir(parents=True, exist_ok=True)
         with self._transaction() as conn:
             conn.executescript(_SCHEMA)
+            present = {row[1] for row in conn.execute("PRAGMA table_info(deliveries)")}
+            for column, declaration in _EVENT_COLUMNS.items():
+                if column not in present:
+                    conn.execute(f"ALTER TABLE deliveries ADD COLUMN {column} {declaration}")
+            conn.execute(
+                "CREATE INDEX IF NOT EXISTS deliveries_unpublished ON deliveries (published, received_at)"
+            )
 
     def event_for(self, hook: str, delivery_id: str) -> str | None:
         """The event id recorded for this delivery, or None if it is new (or expired)."""
@@ -66,20 +94,22 @@ class DeliveryLog:
             ).fetchone()
         return None if row is None else str(row[0])
 
-    def claim(self, hook: str, delivery_id: str, event_id: str) -> str | None:
-        """Record ``event_id`` for this delivery unless one is recorded already.
+    def claim(self, hook: str, delivery_id: str, event_id: str, event: Mapping[str, Any]) -> str | None:
+        """Record ``event_id`` and its ``event`` (unpublished) for this delivery unless one is recorded.
 
-        Returns None when the claim is new (the caller must now publish ``event_id``, or ``release``
-        it when publishing fails), else the event id recorded first. Atomic: of two concurrent
-        claims of one delivery exactly one gets None.
+        Returns None when the claim is new (its event is then on disk, waiting in ``unpublished``),
+        else the event id recorded first. Atomic: of two concurrent claims of one delivery exactly
+        one gets None.
         """
         now = self._clock()
         with self._transaction() as conn:
-            conn.execute("DELETE FROM deliveries WHERE received_at < ?", (now - self._ttl_s,))
+            conn.execute(
+                "DELETE FROM deliveries WHERE received_at < ? AND published = 1", (now - self._ttl_s,)
+            )
             inserted = conn.execute(
-                "INSERT OR IGNORE INTO deliveries (hook, delivery_id, event_id, received_at)"
-                " VALUES (?, ?, ?, ?)",
-                (hook, delivery_id, event_id, now),
+                "INSERT OR IGNORE INTO deliveries"
+                " (hook, delivery_id, event_id, received_at, published, event) VALUES (?, ?, ?, ?, 0, ?)",
+                (hook, delivery_id, event_id, now, json.dumps(event)),
             ).rowcount
             if inserted:
                 return None
@@ -88,12 +118,26 @@ class DeliveryLog:
             ).fetchone()
         return str(row[0])
 
-    def release(self, hook: str, delivery_id: str, event_id: str) -> None:
-        """Forget a claim whose event was not published, so the sender's retry can publish it."""
+    def unpublished(self, limit: int = 100) -> list[PendingEvent]:
+        """The oldest ``limit`` events not yet published, oldest first."""
+        with self._transaction() as conn:
+            rows = conn.execute(
+                "SELECT hook, delivery_id, event_id, event FROM deliveries WHERE published = 0"
+                " ORDER BY received_at LIMIT ?",
+                (limit,),
+            ).fetchall()
+        return [
+            PendingEvent(hook, delivery, event_id, json.loads(event))
+            for (hook, delivery, event_id, event) in rows
+        ]
+
+    def mark_published(self, pending: PendingEvent) -> None:
+        """Prefect has ``pending``'s event: drop its copy, keep the delivery id for dedupe."""
         with self._transaction() as conn:
             conn.execute(
-                "DELETE FROM deliveries WHERE hook = ? AND delivery_id = ? AND event_id = ?",
-                (hook, delivery_id, event_id),
+                "UPDATE deliveries SET published = 1, event = NULL WHERE hook = ? AND delivery_id = ?"
+                " AND event_id = ?",
+                (pending.hook, pending.delivery_id, pending.event_id),
             )
 
     @contextmanager

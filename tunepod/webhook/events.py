@@ -35,7 +35,7 @@ def hook_resource(hook: str) -> dict[str, str]:
 
 
 class EventSinkError(TransientError):
-    """The event could not be published; the receiver answers 502 and the sender's retry may succeed."""
+    """The event could not be published; the receiver's publisher keeps it and tries again."""
 
 
 class EventSink(Protocol):

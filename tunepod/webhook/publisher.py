@@ -1,0 +1,112 @@
+"""Sends accepted deliveries' events to Prefect from the delivery log, on a thread of its own.
+
+The receiver answers 202 as soon as a delivery's claim (with its event) is on disk; this thread
+publishes what the log holds unpublished, oldest first, and marks each one published. When Prefect
+does not take an event, it waits (0.5 s, doubling to ``max_backoff_s``) and tries again, never dropping
+one: a Prefect outage delays runs, it loses no delivery, and a receiver restarted after a crash
+publishes what the last one had not. Each event keeps the id the sender was given, so one published
+twice (a crash between Prefect's answer and the mark) is one event id at Prefect.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from tunepod.webhook.dedupe import DeliveryLog, PendingEvent
+from tunepod.webhook.events import EventSink, EventSinkError
+
+logger = logging.getLogger("tunepod.webhook")
+
+IDLE_CHECK_S = 5.0
+"""How often an idle publisher looks at the log anyway (another receiver may share the file)."""
+
+
+class EventPublisher:
+    """One thread publishing ``deliveries``' unpublished events to ``sink``; ``wake`` after a claim."""
+
+    def __init__(
+        self,
+        deliveries: DeliveryLog,
+        sink: EventSink,
+        *,
+        first_backoff_s: float = 0.5,
+        max_backoff_s: float = 10.0,
+    ) -> None:
+        self._deliveries = deliveries
+        self._sink = sink
+        self._first_backoff_s = first_backoff_s
+        self._max_backoff_s = max_backoff_s
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._down_since: float | None = None
+        self._thread = threading.Thread(target=self._run, name="tunepod-webhook-publisher", daemon=True)
+
+    def start(self) -> EventPublisher:
+        self._thread.start()
+        return self
+
+    def wake(self) -> None:
+        """A claim was just recorded: publish it now rather than at the next idle check."""
+        self._wake.set()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop after the event being sent (what is left stays in the log for the next start)."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        backoff_s = self._first_backoff_s
+        while not self._stop.is_set():
+            self._wake.clear()
+            try:
+                published_all = self._publish_pending()
+            except Exception:  # the thread must outlive anything; the log keeps the events
+                logger.exception("webhook publisher: unexpected error; retrying")
+                published_all = False
+            if published_all:
+                backoff_s = self._first_backoff_s
+                self._wake.wait(IDLE_CHECK_S)
+            else:
+                self._stop.wait(backoff_s)
+                backoff_s = min(self._max_backoff_s, backoff_s * 2)
+
+    def _publish_pending(self) -> bool:
+        """Publish the log's unpublished events, oldest first; False at the first one Prefect refused."""
+        while not self._stop.is_set():
+            batch = self._deliveries.unpublished()
+            if not batch:
+                return True
+            for pending in batch:
+                if not self._publish(pending):
+                    return False
+        return True
+
+    def _publish(self, pending: PendingEvent) -> bool:
+        event = pending.event
+        try:
+            self._sink.publish(event["name"], event["resource"], event["payload"], pending.event_id)
+        except EventSinkError as exc:
+            if self._down_since is None:
+                self._down_since = time.monotonic()
+                logger.warning(
+                    "webhook: Prefect did not take event %s of hook %s (%s); accepted deliveries are kept "
+                    "in %s and published when it answers",
+                    pending.event_id,
+                    pending.hook,
+                    exc,
+                    self._deliveries.path,
+                )
+            return False
+        self._deliveries.mark_published(pending)
+        if self._down_since is not None:
+            logger.warning(
+                "webhook: Prefect answers again after %.0fs; publishing the events kept meanwhile",
+                time.monotonic() - self._down_since,
+            )
+            self._down_since = None
+        logger.info("webhook %s: event %s published", pending.hook, pending.event_id)
+        return True
