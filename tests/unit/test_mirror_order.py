@@ -39,8 +39,9 @@ class RecordingTracker:
             hook, self._during_first_log = self._during_first_log, None
             hook()
 
-    def log_metric(self, run_id: str, key: str, value: float, **point: Any) -> None:
-        self.calls.append(("log_metric", (key, value, point["step"])))
+    def log_outcome(self, run_id: str, points: list[FinalMetric], values: dict[str, Any]) -> None:
+        self.calls += [("log_metric", (p.key, p.value, p.step)) for p in points]
+        self.calls.append(("set_tags", dict(values)))
 
     def set_tags(self, run_id: str, values: dict[str, Any]) -> None:
         self.calls.append(("set_tags", dict(values)))

@@ -284,23 +284,18 @@ class RunMirror:
         model_id = self._state.model_id
         if final.model is not None and model_id is None:
             model_id = self._log_model(run_id, final.model)
-        for metric in final.metrics:
-            if self.mirror_reports and self._last_points.get(metric.key) == (metric.step, metric.value):
-                continue  # the job's own report of that step is this very point: log it once
-            self.tracker.log_metric(
-                run_id,
-                metric.key,
-                metric.value,
-                step=metric.step,
-                timestamp_ms=metric.timestamp_ms,
-                model_id=metric.model_id,
-            )
+        points = [
+            metric
+            for metric in final.metrics
+            # The job's own report of that step is this very point: log it once.
+            if not (self.mirror_reports and self._last_points.get(metric.key) == (metric.step, metric.value))
+        ]
         final_tags = dict(final.tags)
         if final.model is not None:
             final_tags[tags.MODEL_ID] = model_id or ""
         if final.checkpoints:
             final_tags[tags.CHECKPOINTS] = " ".join(path.as_uri() for path in final.checkpoints)
-        self.tracker.set_tags(run_id, final_tags)
+        self.tracker.log_outcome(run_id, points, final_tags)
         if final.error:
             self.tracker.log_text(run_id, final.error, "error.txt")
         if final.status is not None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from tunepod.errors import TunepodError
 from tunepod.runtime import Report
@@ -22,6 +22,24 @@ log = logging.getLogger(__name__)
 RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
 # MLflow caps a param value at 6000 characters; longer values are cut rather than rejected.
 MAX_PARAM_CHARS = 6000
+# log_batch takes at most 1000 entities, 100 of them tags.
+_BATCH_TAGS = 100
+_BATCH_METRICS = 1000 - _BATCH_TAGS
+
+
+class MetricPoint(Protocol):
+    """One metric value at one step (``FinalMetric`` of the mirror is one)."""
+
+    @property
+    def key(self) -> str: ...
+    @property
+    def value(self) -> float: ...
+    @property
+    def step(self) -> int | None: ...
+    @property
+    def timestamp_ms(self) -> int: ...
+    @property
+    def model_id(self) -> str | None: ...
 
 
 def absolute_tracking_uri(uri: str) -> str:
@@ -134,6 +152,21 @@ class MlflowTracker:
         which MLflow stores once."""
         timestamp = timestamp_ms if timestamp_ms is not None else int(time.time() * 1000)
         self.client.log_metric(run_id, key, value, timestamp=timestamp, step=step, model_id=model_id)
+
+    def log_outcome(self, run_id: str, points: Sequence[MetricPoint], tags: Mapping[str, object]) -> None:
+        """A run's final metric points and tags, in one write where MLflow's batch limits allow (a
+        trial's end used to cost a write per point and one for the tags). Each point's timestamp is
+        the caller's, so a retried call writes the same points, which MLflow stores once."""
+        from mlflow.entities import Metric, RunTag
+
+        metrics = [
+            Metric(p.key, p.value, p.timestamp_ms, p.step or 0, model_id=p.model_id)
+            for p in points
+        ]
+        run_tags = [RunTag(k, str(v)) for k, v in tags.items()]
+        while metrics or run_tags:
+            self.client.log_batch(run_id, metrics=metrics[:_BATCH_METRICS], tags=run_tags[:_BATCH_TAGS])
+            metrics, run_tags = metrics[_BATCH_METRICS:], run_tags[_BATCH_TAGS:]
 
     def log_text(self, run_id: str, text: str, artifact_file: str) -> None:
         self.client.log_text(run_id, text, artifact_file)
