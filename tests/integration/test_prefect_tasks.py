@@ -32,7 +32,7 @@ class ScriptedTuner:
         self.calls = 0
 
     def trial_set(self) -> SimpleNamespace:
-        return SimpleNamespace(trials=[])
+        return SimpleNamespace(trials=[], objectives=[])
 
     def run_trial(self, number: int, links: object = None) -> TrialRecord:
         self.calls += 1
