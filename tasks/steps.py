@@ -85,14 +85,15 @@ def submit_trial(tuner: Tuner, number: int) -> Future[TrialRecord]:
     future: Future[TrialRecord] = Future()
 
     def settle(done: PrefectFuture[TrialRecord]) -> None:
+        # The tuner first (its freed slot starts the next trial), then the board's API calls.
         try:
             record = done.result()
         except BaseException as exc:
-            board.failed(number, exc)
             future.set_exception(exc)
+            board.failed(number, exc)
         else:
-            board.finished(record)
             future.set_result(record)
+            board.finished(record)
 
     prefect_future.add_done_callback(settle)
     return future
