@@ -28,6 +28,9 @@ class RecordingTracker:
     def set_tags(self, run_id: str, values: dict[str, Any]) -> None:
         pass
 
+    def log_outcome(self, run_id: str, points: list[Any], values: dict[str, Any]) -> None:
+        pass
+
     def end_run(self, run_id: str, status: str) -> None:
         pass
 
