@@ -159,10 +159,7 @@ class MlflowTracker:
         the caller's, so a retried call writes the same points, which MLflow stores once."""
         from mlflow.entities import Metric, RunTag
 
-        metrics = [
-            Metric(p.key, p.value, p.timestamp_ms, p.step or 0, model_id=p.model_id)
-            for p in points
-        ]
+        metrics = [Metric(p.key, p.value, p.timestamp_ms, p.step or 0, model_id=p.model_id) for p in points]
         run_tags = [RunTag(k, str(v)) for k, v in tags.items()]
         while metrics or run_tags:
             self.client.log_batch(run_id, metrics=metrics[:_BATCH_METRICS], tags=run_tags[:_BATCH_TAGS])
