@@ -24,8 +24,8 @@ NOTES = (
     "CPU time (all threads) per request, the figure least moved by other load on the machine (Prefect's "
     "own is in none). same overrides: every delivery fills the same num_trials, so the spec check's "
     "verdict is reused; new overrides: each delivery a num_trials of its own, so the spec file is loaded "
-    "and validated for each. sink alone: the receiver's publish call (a worker thread, a POST to "
-    "Prefect's /api/events) made by the load generator itself: the part of a delivery that is Prefect's."
+    "and validated for each. sink alone: the publisher's call (a worker thread, a POST to Prefect's "
+    "/api/events) made by the load generator itself: what each delivery costs after its 202, off the answer."
 )
 
 
