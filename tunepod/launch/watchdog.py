@@ -69,7 +69,9 @@ class Stall:
             return f"no rank sent a heartbeat in {self.idle_s:.0f} s of running (stuck starting up?)"
         steps = [beat.step for beat in self.beats if beat.step is not None]
         last_step = f"last step {max(steps)}" if steps else "no step reached"
-        ranks = ", ".join(_rank_state(beat, now) for beat in self.beats if beat.rank in self.stalled_ranks)
+        # Every rank, not only those past the limit: a rank that went quiet a poll later (blocked in
+        # the collective the first one left) is part of the picture, and the job stops as a whole.
+        ranks = ", ".join(_rank_state(beat, now) for beat in self.beats)
         return f"no progress for {self.idle_s:.0f} s ({last_step}); stopped: {ranks}"
 
 
