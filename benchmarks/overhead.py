@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/overhead.py                    # make bench-overhead
     .venv/bin/python benchmarks/overhead.py --repeats 3 --epochs 4
     .venv/bin/python benchmarks/overhead.py --prefect-api http://127.0.0.1:4200/api
+    .venv/bin/python benchmarks/overhead.py --prefect-api URL --mlflow-uri URL   # the local stack
     .venv/bin/python benchmarks/overhead.py --max-ratio 1.6    # exit 1 when tunepod is slower than that
 
 Both sides run the jobs ``benchmarks/specs/overhead.yaml`` declares: ``num_trials`` trials of
@@ -267,11 +268,14 @@ def start_baseline_job(
 # ---------------------------------------------------------------------------------------------- tunepod
 
 
-def run_tunepod(workload: Workload, work_dir: Path, epochs: int, prefect_api: str | None) -> SideRun:
-    """``tunepod run`` on the spec with every store in ``work_dir``, timed from launch to exit."""
+def run_tunepod(
+    workload: Workload, work_dir: Path, epochs: int, prefect_api: str | None, mlflow_uri: str | None
+) -> SideRun:
+    """``tunepod run`` on the spec with every store in ``work_dir`` (MLflow: the server at
+    ``mlflow_uri`` if given), timed from launch to exit."""
     log = work_dir / "tunepod.log"
     overrides = {
-        "tracking.uri": f"sqlite:///{work_dir}/mlflow.db",
+        "tracking.uri": mlflow_uri or f"sqlite:///{work_dir}/mlflow.db",
         "launcher.root": str(work_dir / "shared"),
         f"steps.{workload.tune_step}.with.study.storage": f"journal://{work_dir}/optuna.log",
         f"steps.{workload.tune_step}.with.train.args.epochs": str(epochs),
@@ -448,6 +452,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=1, help="runs of each side, alternating (default 1)")
     parser.add_argument("--prefect-api", metavar="URL", help="a running Prefect server's API URL")
     parser.add_argument(
+        "--mlflow-uri",
+        metavar="URL",
+        help="a running MLflow tracking server (with --prefect-api: the local stack `tunepod up` starts)",
+    )
+    parser.add_argument(
         "--max-ratio", type=float, help="exit 1 when the end-to-end ratio tunepod / baseline exceeds it"
     )
     parser.add_argument("--keep", action="store_true", help="keep the temp folders (logs, job dirs, stores)")
@@ -479,7 +488,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if side == "baseline":
                     run = run_baseline(workload, work_dir)
                 else:
-                    run = run_tunepod(workload, work_dir, args.epochs, args.prefect_api)
+                    run = run_tunepod(workload, work_dir, args.epochs, args.prefect_api, args.mlflow_uri)
                 runs[side].append(run)
                 console.print(f"repeat {repeat + 1}/{args.repeats}: {side} {run.wall_s:.1f} s")
     except SideFailed as exc:

@@ -28,7 +28,7 @@ from tunepod.spec.models import PipelineSpec
 from tunepod.steps import run_step
 from tunepod.tracking import MlflowTracker
 from tunepod.tracking import tags as tag_names
-from tunepod.tracking.outbox import TrackingOutbox
+from tunepod.tracking.outbox import TrackingOutbox, sync_threads_for
 
 if TYPE_CHECKING:
     from tunepod.hpo.tuner import TrialSubmitter
@@ -79,7 +79,8 @@ class PipelineRun:
         shared = SharedRoot(Path(spec.launcher.root))
         metrics = open_pipeline_metrics(spec.metrics, pipeline=spec.name, run_id=run_id)
         launcher = make_launcher(spec.launcher)
-        return cls(spec, str(spec_path), dag, launcher, shared, tracker, TrackingOutbox(), run_id, metrics)
+        outbox = TrackingOutbox(threads=sync_threads_for(spec.tracking.uri))
+        return cls(spec, str(spec_path), dag, launcher, shared, tracker, outbox, run_id, metrics)
 
     def run_step(
         self, name: str, inputs: Mapping[str, StepOutput], *, submit_trial: TrialSubmitter | None = None

@@ -4,6 +4,7 @@ in flight, on the local launcher, against the ideal and against Ray Tune on the 
     .venv/bin/python -m benchmarks.scale                        # 100 and 1,000 trials, 16 in flight
     .venv/bin/python -m benchmarks.scale --trials 100 --no-ray  # quick look at tunepod alone
     .venv/bin/python -m benchmarks.scale --prefect-api http://127.0.0.1:4200/api
+    .venv/bin/python -m benchmarks.scale --prefect-api URL --mlflow-uri URL   # the local stack
 
 Each side is a process of its own timed from launch to exit: ``tunepod run`` on a generated spec
 (stage a small folder, tune ``trainer.py`` with the random sampler and no pruner; MLflow on SQLite,
@@ -30,11 +31,16 @@ from rich.table import Table
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
-PIECES = ("ask", "tell", "MLflow", "submission", "Prefect task run")
+PIECES = ("ask", "tell", "MLflow run wait", "submission", "Prefect task run")
+"""The bookkeeping on a trial's own path: its slot waits for each of these."""
+BACKGROUND = "MLflow writes"
+"""Every MLflow call, made by the tracking outbox's threads while the trials run (reported apart: its
+wall time, summed over threads that wait on the server at once, is not time any trial waited)."""
 GOAL_BOOKKEEPING_MS = 50.0
 GOAL_GROWTH = 1.2
 
-console = Console(highlight=False, soft_wrap=True)
+# Wide enough for the tables when the output is a file or a pipe (rich's default there is 80).
+console = Console(highlight=False, soft_wrap=True, width=150)
 
 
 @dataclass
@@ -52,10 +58,19 @@ class SideResult:
         return self.wall_s - self.ideal_s
 
     def bookkeeping_ms(self, piece: str | None = None) -> float | None:
+        """Wall ms per trial of one piece, or of every piece on a trial's path (``PIECES``)."""
         if not self.pieces:
             return None
         names = [piece] if piece else [p for p in PIECES if p in self.pieces]
         return 1000 * sum(self.pieces.get(n, {}).get("seconds", 0.0) for n in names) / self.trials
+
+    def bookkeeping_cpu_ms(self, piece: str | None = None) -> float | None:
+        """The calling threads' CPU ms per trial of one piece, or of all of them, the MLflow writes
+        included (the Prefect task run, which spans threads, has none of its own here)."""
+        if not self.pieces:
+            return None
+        names = [piece] if piece else [*PIECES, BACKGROUND]
+        return 1000 * sum(self.pieces.get(n, {}).get("cpu_s", 0.0) for n in names) / self.trials
 
 
 def write_spec(folder: Path, args: argparse.Namespace, trials: int) -> Path:
@@ -76,7 +91,8 @@ def write_spec(folder: Path, args: argparse.Namespace, trials: int) -> Path:
     }  # fmt: skip
     spec = {
         "name": "scale",
-        "tracking": {"uri": f"sqlite:///{folder / 'mlflow.db'}", "experiment": "scale"},
+        # An experiment of its own on a shared server: a trial's run is found by study and number.
+        "tracking": {"uri": args.mlflow_uri or f"sqlite:///{folder}/mlflow.db", "experiment": folder.name},
         "launcher": {"kind": "local", "root": str(folder / "shared")},
         "steps": {
             "data": {"uses": "stage", "with": {"source": str(data), "target": "fsx:///datasets/scale"}},
@@ -109,7 +125,7 @@ def run_ray(folder: Path, args: argparse.Namespace, trials: int) -> SideResult:
     command = [
         sys.executable, "-m", "benchmarks.scale.ray_side", str(out), "--trials", str(trials),
         "--parallel", str(args.parallel), "--sleep-s", str(args.sleep_s), "--reports", str(args.reports),
-        "--storage", str(folder / "ray"),
+        "--storage", str(folder / "ray"), *(["--fresh-actors"] if args.ray_fresh_actors else []),
     ]  # fmt: skip
     wall_s, failed = _timed(command, folder / "ray.log", {})
     result = SideResult("Ray Tune", trials, wall_s, trials * args.sleep_s / args.parallel, failed)
@@ -135,29 +151,44 @@ def _timed(command: list[str], log: Path, env: dict[str, str]) -> tuple[float, s
 def print_tables(results: list[SideResult], args: argparse.Namespace) -> None:
     table = Table(title=f"{args.parallel} in flight, trials of {args.sleep_s:g} s ({args.reports} reports)")
     for column in ("trials", "side", "wall s", "ideal s", "overhead s", "overhead / ideal",
-                   "bookkeeping ms/trial", "orchestrator CPU ms/trial"):  # fmt: skip
+                   "bookkeeping ms/trial", "its CPU ms/trial", "orchestrator CPU ms/trial"):  # fmt: skip
         table.add_column(column, justify="left" if column == "side" else "right")
     for r in results:
         if r.failed:
-            table.add_row(str(r.trials), r.side, "FAILED", "", "", "", "", r.failed)
+            table.add_row(str(r.trials), r.side, "FAILED", "", "", "", "", "", r.failed)
             continue
-        bookkeeping = r.bookkeeping_ms()
         table.add_row(
             str(r.trials), r.side, f"{r.wall_s:.1f}", f"{r.ideal_s:.1f}", f"{r.overhead_s:.1f}",
-            f"{r.overhead_s / r.ideal_s:.2f}", "" if bookkeeping is None else f"{bookkeeping:.1f}",
+            f"{r.overhead_s / r.ideal_s:.2f}", _ms(r.bookkeeping_ms()), _ms(r.bookkeeping_cpu_ms()),
             "" if r.cpu_s is None else f"{1000 * r.cpu_s / r.trials:.1f}",
         )  # fmt: skip
     console.print(table)
     ours = [r for r in results if r.side == "tunepod" and r.pieces]
     if ours:
-        pieces = Table(title="tunepod bookkeeping per trial, ms (wall time summed over its threads)")
+        pieces = Table(
+            title="tunepod bookkeeping per trial, ms: wall time (summed over threads) / the calling "
+            "thread's CPU time"
+        )
         pieces.add_column("piece")
         for r in ours:
             pieces.add_column(f"{r.trials} trials", justify="right")
         for piece in PIECES:
-            pieces.add_row(piece, *[f"{r.bookkeeping_ms(piece):.1f}" for r in ours])
+            pieces.add_row(f"{piece} (on the trial's path)", *[_piece_cell(r, piece) for r in ours])
+        pieces.add_row(
+            f"{BACKGROUND} (outbox threads, beside the trials)", *[_piece_cell(r, BACKGROUND) for r in ours]
+        )
         console.print(pieces)
     print_goals(results)
+
+
+def _ms(value: float | None) -> str:
+    return "" if value is None else f"{value:.1f}"
+
+
+def _piece_cell(result: SideResult, piece: str) -> str:
+    cell = _ms(result.bookkeeping_ms(piece))
+    # The Prefect task run spans threads (submission to start, end to result): no CPU of its own.
+    return cell if piece == "Prefect task run" else f"{cell} / {_ms(result.bookkeeping_cpu_ms(piece))}"
 
 
 def print_goals(results: list[SideResult]) -> None:
@@ -177,14 +208,19 @@ def print_goals(results: list[SideResult]) -> None:
     bookkeeping = largest.bookkeeping_ms() or 0.0
     met = bookkeeping <= GOAL_BOOKKEEPING_MS
     console.print(
-        f"goal: bookkeeping <= {GOAL_BOOKKEEPING_MS:.0f} ms per trial: {bookkeeping:.1f} ms at "
-        f"{largest.trials} trials -> {'met' if met else 'MISSED'}"
+        f"goal: bookkeeping on a trial's path <= {GOAL_BOOKKEEPING_MS:.0f} ms per trial: "
+        f"{bookkeeping:.1f} ms at {largest.trials} trials -> {'met' if met else 'MISSED'}; "
+        f"the orchestrator's CPU for all of it, MLflow writes included: "
+        f"{largest.bookkeeping_cpu_ms() or 0.0:.1f} ms per trial"
     )
     if len(ours) > 1:
-        growth = bookkeeping / max(ours[0].bookkeeping_ms() or 1e-9, 1e-9)
+        first = ours[0]
+        growth = bookkeeping / max(first.bookkeeping_ms() or 1e-9, 1e-9)
+        cpu_growth = (largest.bookkeeping_cpu_ms() or 0.0) / max(first.bookkeeping_cpu_ms() or 1e-9, 1e-9)
         console.print(
-            f"goal: bookkeeping flat from {ours[0].trials} to {largest.trials} trials (<= {GOAL_GROWTH}x): "
-            f"{growth:.2f}x -> {'met' if growth <= GOAL_GROWTH else 'MISSED'}"
+            f"goal: bookkeeping flat from {first.trials} to {largest.trials} trials (<= {GOAL_GROWTH}x): "
+            f"{growth:.2f}x on the trial's path, {cpu_growth:.2f}x in CPU -> "
+            f"{'met' if max(growth, cpu_growth) <= GOAL_GROWTH else 'MISSED'}"
         )
 
 
@@ -195,7 +231,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sleep-s", type=float, default=1.0)
     parser.add_argument("--reports", type=int, default=3)
     parser.add_argument("--prefect-api", help="a running Prefect server's API URL (default: a temporary one)")
+    parser.add_argument(
+        "--mlflow-uri", help="a running MLflow tracking server (default: SQLite in the temp folder)"
+    )
     parser.add_argument("--no-ray", action="store_true", help="tunepod alone")
+    parser.add_argument(
+        "--ray-fresh-actors",
+        action="store_true",
+        help="Ray Tune with its default reuse_actors=False (a new actor process per trial)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the temp folders (stores, logs, job dirs)")
     parser.add_argument("--json", type=Path, help="also write every figure to this file")
     args = parser.parse_args(argv)

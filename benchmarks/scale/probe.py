@@ -2,11 +2,15 @@
 
     python -m benchmarks.scale.probe STATS_JSON run SPEC [--set ...]
 
-Wraps (before the CLI starts) the calls a trial costs the orchestrator: Optuna's ask and tell, every
-MLflow call of the tracker, the launcher's submit, and the Prefect task run around each trial (from
-its submission to the trial's start, plus from the trial's end to the flow seeing its result). At
-exit it writes, as JSON: per piece the number of calls and the summed wall seconds, and this
-process's own CPU seconds (its threads, not the jobs nor Prefect's server).
+Wraps (before the CLI starts) the calls a trial costs the orchestrator: Optuna's ask and tell, the
+trial's wait for its MLflow run to exist (its job starts with the run's id), the launcher's submit,
+and the Prefect task run around each trial (from its submission to the trial's start, plus from the
+trial's end to the flow seeing its result); and every MLflow call of the tracker, which the
+tracking outbox's threads make beside the trials (the run's creation included). At
+exit it writes, as JSON: per piece the number of calls, the summed wall seconds and the summed CPU
+seconds of the calling thread (``time.thread_time``: what the call itself computed, without the time
+it waited for a core, a lock or a disk; not known for the Prefect task run, which spans threads), and
+this process's own CPU seconds (its threads, not the jobs nor Prefect's server).
 """
 
 from __future__ import annotations
@@ -23,27 +27,37 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-_totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+_totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
 _lock = threading.Lock()
 _submitted: dict[int, float] = {}
 _ended: dict[int, float] = {}
 
 
-def _add(piece: str, seconds: float) -> None:
+def _add(piece: str, seconds: float, cpu_s: float = 0.0) -> None:
     with _lock:
         total = _totals[piece]
         total[0] += 1
         total[1] += seconds
+        total[2] += cpu_s
+
+
+_inside = threading.local()
 
 
 def _timed(piece: str, function: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(function)
     def timed(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
+        if getattr(_inside, "piece", None) == piece:
+            # A wrapped call made by another (the tracker's start_run logs its params with its own
+            # log_params): the outer call counts it already.
+            return function(*args, **kwargs)
+        _inside.piece = piece
+        start, start_cpu = time.perf_counter(), time.thread_time()
         try:
             return function(*args, **kwargs)
         finally:
-            _add(piece, time.perf_counter() - start)
+            _inside.piece = None
+            _add(piece, time.perf_counter() - start, time.thread_time() - start_cpu)
 
     return timed
 
@@ -58,13 +72,15 @@ def _instrument() -> None:
     from tunepod.hpo.trials import StudyTrials
     from tunepod.hpo.tuner import Tuner
     from tunepod.launch.base import LauncherBase
+    from tunepod.tracking.mirror import RunMirror
     from tunepod.tracking.mlflow_tracker import MlflowTracker
 
     _wrap_methods(Tuner, "ask", ["_ask"])
     _wrap_methods(StudyTrials, "tell", ["tell"])
     _wrap_methods(LauncherBase, "submission", ["submit"])
+    _wrap_methods(RunMirror, "MLflow run wait", ["wait_for_run"])
     public = [n for n, v in vars(MlflowTracker).items() if callable(v) and not n.startswith("_")]
-    _wrap_methods(MlflowTracker, "MLflow", public)
+    _wrap_methods(MlflowTracker, "MLflow writes", public)
 
     run_trial = Tuner.run_trial
 
@@ -97,7 +113,7 @@ def _after_trial(number: int) -> None:
 
 def _write(path: Path) -> None:
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    pieces = {name: {"calls": int(c), "seconds": s} for name, (c, s) in _totals.items()}
+    pieces = {name: {"calls": int(c), "seconds": s, "cpu_s": cpu} for name, (c, s, cpu) in _totals.items()}
     path.write_text(json.dumps({"pieces": pieces, "cpu_s": usage.ru_utime + usage.ru_stime}))
 
 

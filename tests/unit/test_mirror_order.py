@@ -39,11 +39,13 @@ class RecordingTracker:
             hook, self._during_first_log = self._during_first_log, None
             hook()
 
-    def log_outcome(self, run_id: str, points: list[FinalMetric], values: dict[str, Any]) -> None:
+    def log_outcome(
+        self, run_id: str, points: list[FinalMetric], values: dict[str, Any], params: Any = None
+    ) -> None:
         self.calls += [("log_metric", (p.key, p.value, p.step)) for p in points]
         self.calls.append(("set_tags", dict(values)))
 
-    def set_tags(self, run_id: str, values: dict[str, Any]) -> None:
+    def set_tags(self, run_id: str, values: dict[str, Any], params: Any = None) -> None:
         self.calls.append(("set_tags", dict(values)))
 
     def end_run(self, run_id: str, status: str) -> None:

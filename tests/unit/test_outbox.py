@@ -1,5 +1,6 @@
 """The tracking outbox: a failing sync never reaches the caller, is retried with backoff, and
-``flush`` waits (bounded) until everything caught up.
+``flush`` waits (bounded) until everything caught up; several mirrors are synced at once, one mirror
+never on two threads at once.
 
 The mirrors here are test doubles of what the outbox uses of a ``RunMirror`` (``sync``,
 ``run_id``, ``job_dir``): the outbox's own retry logic is what is under test. Against a real
@@ -75,4 +76,72 @@ def test_one_failing_run_does_not_hold_back_the_others() -> None:
         assert healthy.calls >= 1
         assert outbox.num_waiting == 1
     finally:
+        outbox.close()
+
+
+class GatedMirror:
+    """Its sync waits (bounded) until ``gate`` is set; counts how many of its syncs run at once."""
+
+    def __init__(self, name: str, gate: threading.Event, run_id: str | None = "run") -> None:
+        self.job_dir = Path("/jobs") / name
+        self.run_id = run_id
+        self.gate = gate
+        self.started = threading.Event()
+        self.calls = 0
+        self.inside = 0
+        self.most_inside = 0
+        self.lock = threading.Lock()
+
+    def sync(self) -> None:
+        with self.lock:
+            self.calls += 1
+            self.inside += 1
+            self.most_inside = max(self.most_inside, self.inside)
+        self.started.set()
+        try:
+            self.gate.wait(timeout=30)
+        finally:
+            with self.lock:
+                self.inside -= 1
+
+
+def test_a_slow_sync_does_not_hold_back_a_new_run() -> None:
+    """A trial's job waits for its run to exist: it must not queue behind another run's slow write."""
+    outbox = TrackingOutbox(max_backoff_s=0.05, threads=1)  # as for a SQLite store
+    slow_gate = threading.Event()
+    try:
+        slow = GatedMirror("slow", slow_gate)
+        outbox.add(as_mirror(slow))
+        assert slow.started.wait(timeout=10)
+        fresh_gate = threading.Event()
+        fresh_gate.set()
+        fresh = GatedMirror("fresh", fresh_gate, run_id=None)
+        outbox.add(as_mirror(fresh))
+        deadline = time.monotonic() + 5
+        while fresh.calls == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert fresh.calls == 1
+        assert slow.inside == 1  # while the slow sync was still under way
+    finally:
+        slow_gate.set()
+        outbox.close()
+
+
+def test_one_mirror_is_never_synced_on_two_threads_at_once() -> None:
+    outbox = TrackingOutbox(max_backoff_s=0.05, threads=4)
+    gate = threading.Event()
+    try:
+        mirror = GatedMirror("busy", gate)
+        outbox.add(as_mirror(mirror))
+        assert mirror.started.wait(timeout=10)
+        for _ in range(5):  # new reports keep coming while its sync is under way
+            outbox.add(as_mirror(mirror))
+        time.sleep(0.3)  # time for an idle thread to (wrongly) take it
+        assert mirror.calls == 1
+        gate.set()
+        assert outbox.flush(timeout_s=10)
+        assert mirror.calls == 2  # the adds made meanwhile: one more sync, after the first
+        assert mirror.most_inside == 1
+    finally:
+        gate.set()
         outbox.close()

@@ -25,10 +25,10 @@ class RecordingTracker:
     def log_reports(self, run_id: str, reports: list[Report]) -> None:
         self.reports += reports
 
-    def set_tags(self, run_id: str, values: dict[str, Any]) -> None:
+    def set_tags(self, run_id: str, values: dict[str, Any], params: Any = None) -> None:
         pass
 
-    def log_outcome(self, run_id: str, points: list[Any], values: dict[str, Any]) -> None:
+    def log_outcome(self, run_id: str, points: list[Any], values: dict[str, Any], params: Any = None) -> None:
         pass
 
     def end_run(self, run_id: str, status: str) -> None:

@@ -151,12 +151,17 @@ class RunMirror:
         # need not read the whole metrics file again.
         self._last_points: dict[str, tuple[int, float]] = {}
         self._tagged: tuple[str, int] | None = None
+        # Logged with the job's tags (or its final record), not in a write of their own; again after
+        # a restart, as that write may not have happened (the same value again is no change).
+        self._params_pending: Mapping[str, object] = dict(plan.params) if plan is not None else {}
         self._final: Final | None = None
         self._lock = threading.Lock()
         self._run_known = threading.Event()
         if self._state.run_id is not None:
             self._run_known.set()
-        if not JobPaths(job_dir).tracking.exists():
+        # No record in the job dir: no run was ever asked for this job (see _ensure_run).
+        self._fresh = not JobPaths(job_dir).tracking.exists()
+        if self._fresh:
             # Written at once: a job dir with this file is one whose run must be brought up to date,
             # even when MLflow never answered while the job ran.
             self._save()
@@ -222,11 +227,13 @@ class RunMirror:
             return self._state.run_id
         assert self.plan is not None
         plan = self.plan
-        run_id = self.tracker.find_run(plan.key) or self.tracker.start_run(
-            plan.name,
-            parent_run_id=plan.parent_run_id,
-            tags={**plan.tags, tags.KEY: plan.key},
-            params=plan.params,
+        # Looked up first unless this mirror made the job dir's record itself and has not asked
+        # MLflow for a run yet, when none can exist; every other time (a restarted orchestrator, a
+        # create whose answer was lost) an earlier create may have made it. A search per trial saved.
+        found = None if self._fresh else self.tracker.find_run(plan.key)
+        self._fresh = False
+        run_id = found or self.tracker.start_run(
+            plan.name, parent_run_id=plan.parent_run_id, tags={**plan.tags, tags.KEY: plan.key}
         )
         self._save(run_id=run_id)
         return run_id
@@ -237,9 +244,12 @@ class RunMirror:
             return
         job_id, job_dir, attempt = tags.job_tags(self.tag_prefix)
         self.tracker.set_tags(
-            run_id, {job_id: record.job_id, job_dir: str(self.job_dir), attempt: record.attempt}
+            run_id,
+            {job_id: record.job_id, job_dir: str(self.job_dir), attempt: record.attempt},
+            params=self._params_pending or None,
         )
         self._tagged = (record.job_id, record.attempt)
+        self._params_pending = {}
 
     def _sync_reports(self, run_id: str) -> None:
         new = self._tail.read_new()
@@ -295,7 +305,8 @@ class RunMirror:
             final_tags[tags.MODEL_ID] = model_id or ""
         if final.checkpoints:
             final_tags[tags.CHECKPOINTS] = " ".join(path.as_uri() for path in final.checkpoints)
-        self.tracker.log_outcome(run_id, points, final_tags)
+        self.tracker.log_outcome(run_id, points, final_tags, params=self._params_pending or None)
+        self._params_pending = {}
         if final.error:
             self.tracker.log_text(run_id, final.error, "error.txt")
         if final.status is not None:

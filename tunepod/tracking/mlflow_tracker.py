@@ -22,9 +22,10 @@ log = logging.getLogger(__name__)
 RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
 # MLflow caps a param value at 6000 characters; longer values are cut rather than rejected.
 MAX_PARAM_CHARS = 6000
-# log_batch takes at most 1000 entities, 100 of them tags.
+# log_batch takes at most 1000 entities, at most 100 of them tags and 100 params.
 _BATCH_TAGS = 100
-_BATCH_METRICS = 1000 - _BATCH_TAGS
+_BATCH_PARAMS = 100
+_BATCH_METRICS = 1000 - _BATCH_TAGS - _BATCH_PARAMS
 
 
 class MetricPoint(Protocol):
@@ -115,15 +116,14 @@ class MlflowTracker:
         return run_id
 
     def log_params(self, run_id: str, params: Mapping[str, object]) -> None:
-        from mlflow.entities import Param
+        self._log_batch(run_id, params=params)
 
-        items = [Param(str(k), str(v)[:MAX_PARAM_CHARS]) for k, v in params.items()]
-        self.client.log_batch(run_id, params=items)
-
-    def set_tags(self, run_id: str, tags: Mapping[str, object]) -> None:
-        from mlflow.entities import RunTag
-
-        self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+    def set_tags(
+        self, run_id: str, tags: Mapping[str, object], *, params: Mapping[str, object] | None = None
+    ) -> None:
+        """A run's tags, and ``params`` with them in the same write (a param logged again with the
+        same value is no change)."""
+        self._log_batch(run_id, tags=tags, params=params)
 
     def log_reports(self, run_id: str, reports: Iterable[Report]) -> None:
         """Mirror what a job reported into its run, one metric point per (key, step)."""
@@ -153,17 +153,42 @@ class MlflowTracker:
         timestamp = timestamp_ms if timestamp_ms is not None else int(time.time() * 1000)
         self.client.log_metric(run_id, key, value, timestamp=timestamp, step=step, model_id=model_id)
 
-    def log_outcome(self, run_id: str, points: Sequence[MetricPoint], tags: Mapping[str, object]) -> None:
-        """A run's final metric points and tags, in one write where MLflow's batch limits allow (a
-        trial's end used to cost a write per point and one for the tags). Each point's timestamp is
-        the caller's, so a retried call writes the same points, which MLflow stores once."""
-        from mlflow.entities import Metric, RunTag
+    def log_outcome(
+        self,
+        run_id: str,
+        points: Sequence[MetricPoint],
+        tags: Mapping[str, object],
+        *,
+        params: Mapping[str, object] | None = None,
+    ) -> None:
+        """A run's final metric points and tags (and ``params``, if still to log), in one write where
+        MLflow's batch limits allow (a trial's end used to cost a write per point and one for the
+        tags). Each point's timestamp is the caller's, so a retried call writes the same points, which
+        MLflow stores once."""
+        self._log_batch(run_id, points=points, tags=tags, params=params)
+
+    def _log_batch(
+        self,
+        run_id: str,
+        *,
+        points: Sequence[MetricPoint] = (),
+        tags: Mapping[str, object] | None = None,
+        params: Mapping[str, object] | None = None,
+    ) -> None:
+        """One ``log_batch``, or as many as MLflow's limits need (100 params, 100 tags, 1000 in all)."""
+        from mlflow.entities import Metric, Param, RunTag
 
         metrics = [Metric(p.key, p.value, p.timestamp_ms, p.step or 0, model_id=p.model_id) for p in points]
-        run_tags = [RunTag(k, str(v)) for k, v in tags.items()]
-        while metrics or run_tags:
-            self.client.log_batch(run_id, metrics=metrics[:_BATCH_METRICS], tags=run_tags[:_BATCH_TAGS])
-            metrics, run_tags = metrics[_BATCH_METRICS:], run_tags[_BATCH_TAGS:]
+        run_tags = [RunTag(k, str(v)) for k, v in (tags or {}).items()]
+        items = [Param(str(k), str(v)[:MAX_PARAM_CHARS]) for k, v in (params or {}).items()]
+        while metrics or run_tags or items:
+            self.client.log_batch(
+                run_id,
+                metrics=metrics[:_BATCH_METRICS],
+                tags=run_tags[:_BATCH_TAGS],
+                params=items[:_BATCH_PARAMS],
+            )
+            metrics, run_tags, items = metrics[_BATCH_METRICS:], run_tags[_BATCH_TAGS:], items[_BATCH_PARAMS:]
 
     def log_text(self, run_id: str, text: str, artifact_file: str) -> None:
         self.client.log_text(run_id, text, artifact_file)

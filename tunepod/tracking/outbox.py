@@ -1,10 +1,15 @@
-"""Tracking that can never kill a job: MLflow writes happen on one background thread, retried until
+"""Tracking that can never kill a job: MLflow writes happen on background threads, retried until
 MLflow answers.
 
 Threads that drive jobs only ``add`` a mirror (``tunepod.tracking.mirror.RunMirror``) to the outbox;
-they never wait for MLflow and never see its errors. The outbox's thread syncs each waiting mirror;
-when MLflow does not answer (a restarted tracking server, a network partition, a locked SQLite file),
-the mirror stays waiting and the thread backs off (1 s, doubling to ``max_backoff_s``), then tries
+they never see MLflow's errors, and wait for it only for a new run's id (bounded: a job whose run
+is not there in time starts without MLFLOW_RUN_ID). The outbox's threads sync the waiting mirrors,
+each mirror on one thread at a time (a mirror's ``sync`` is not reentrant), several mirrors at once:
+every MLflow call is a round trip (an HTTP request to a tracking server, a SQLite transaction), and
+with one thread the runs of many short trials queued behind each other. One more thread only creates
+runs, so that a new trial's job never waits behind another run's reports or final record. When
+MLflow does not answer (a restarted tracking server, a network partition, a locked SQLite file), the
+mirror stays waiting and its thread backs off (1 s, doubling to ``max_backoff_s``), then tries
 again. A step ends with ``flush``: it waits, up to a limit, until every mirror has caught up.
 """
 
@@ -19,22 +24,41 @@ from tunepod.tracking.mirror import RunMirror
 logger = logging.getLogger(__name__)
 
 _FIRST_BACKOFF_S = 1.0
+SYNC_THREADS = 4
+"""Mirrors synced at once against a tracking server or a PostgreSQL store, which answer requests
+concurrently (MLflow's server runs 4 workers under ``tunepod up``)."""
+
+
+def sync_threads_for(tracking_uri: str) -> int:
+    """How many threads sync mirrors into this store (the one that creates runs aside): one for a
+    SQLite file, which takes one writer at a time (measured: four made 100 short trials slower, each
+    waiting on the file's lock and retrying), ``SYNC_THREADS`` otherwise."""
+    return 1 if tracking_uri.startswith("sqlite:") else SYNC_THREADS
 
 
 class TrackingOutbox:
-    """Mirrors waiting to be synced, and the one thread that syncs them. Thread safe."""
+    """Mirrors waiting to be synced, and the threads that sync them. Thread safe."""
 
     # 10 s: a tracking server that is back gets its backlog within seconds, and one failed attempt
     # every 10 s costs a down server nothing.
-    def __init__(self, *, max_backoff_s: float = 10.0) -> None:
+    def __init__(self, *, max_backoff_s: float = 10.0, threads: int = SYNC_THREADS) -> None:
         self.max_backoff_s = max_backoff_s
         self._waiting: dict[int, tuple[RunMirror, int]] = {}
+        self._syncing: set[int] = set()
+        """Mirrors a thread is syncing now: no other thread takes them meanwhile."""
         self._version = 0
         self._cond = threading.Condition()
         self._closed = False
         self._failing_since: float | None = None
-        self._thread = threading.Thread(target=self._run, name="tunepod-tracking-outbox", daemon=True)
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._run, name=f"tunepod-tracking-outbox-{n}", daemon=True)
+            for n in range(threads)
+        ]
+        self._threads.append(
+            threading.Thread(target=self._run, args=(True,), name="tunepod-tracking-outbox-runs", daemon=True)
+        )
+        for thread in self._threads:
+            thread.start()
 
     def add(self, mirror: RunMirror) -> None:
         """Sync ``mirror`` soon (again, if it is waiting already: something new came up)."""
@@ -63,11 +87,13 @@ class TrackingOutbox:
         return True
 
     def close(self) -> None:
-        """Stop the thread (what is still waiting stays in the job dirs for a later run)."""
+        """Stop the threads (what is still waiting stays in the job dirs for a later run)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        self._thread.join(timeout=5)
+        deadline = time.monotonic() + 5
+        for thread in self._threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
     @property
     def num_waiting(self) -> int:
@@ -76,9 +102,9 @@ class TrackingOutbox:
 
     # ------------------------------------------------------------------------------------ the thread
 
-    def _run(self) -> None:
+    def _run(self, runs_only: bool = False) -> None:
         backoff = _FIRST_BACKOFF_S
-        while (picked := self._next()) is not None:
+        while (picked := self._next(runs_only)) is not None:
             mirror, version = picked
             try:
                 mirror.sync()
@@ -90,19 +116,29 @@ class TrackingOutbox:
             backoff = _FIRST_BACKOFF_S
             self._synced(mirror, version)
 
-    def _next(self) -> tuple[RunMirror, int] | None:
-        """The next mirror to sync: one whose run does not exist yet first (a job may be waiting
-        for its MLFLOW_RUN_ID), else the one waiting longest."""
+    def _next(self, runs_only: bool) -> tuple[RunMirror, int] | None:
+        """The next mirror to sync that no other thread is syncing: one whose run does not exist
+        yet first (a job may be waiting for its MLFLOW_RUN_ID), else (unless ``runs_only``) the one
+        waiting longest."""
         with self._cond:
-            while not self._waiting and not self._closed:
+            while not (free := self._free(runs_only)) and not self._closed:
                 self._cond.wait()
             if self._closed:
                 return None
-            waiting = list(self._waiting.values())
-            return next((entry for entry in waiting if entry[0].run_id is None), waiting[0])
+            picked = next((entry for entry in free if entry[0].run_id is None), free[0])
+            self._syncing.add(id(picked[0]))
+            return picked
+
+    def _free(self, runs_only: bool) -> list[tuple[RunMirror, int]]:
+        return [
+            entry
+            for key, entry in self._waiting.items()
+            if key not in self._syncing and not (runs_only and entry[0].run_id is not None)
+        ]
 
     def _synced(self, mirror: RunMirror, version: int) -> None:
         with self._cond:
+            self._syncing.discard(id(mirror))
             current = self._waiting.get(id(mirror))
             if current is not None and current[1] == version:
                 del self._waiting[id(mirror)]
@@ -120,6 +156,7 @@ class TrackingOutbox:
 
     def _failed(self, mirror: RunMirror, exc: Exception) -> None:
         with self._cond:
+            self._syncing.discard(id(mirror))
             # Move it behind the others: one bad run must not block the rest.
             entry = self._waiting.pop(id(mirror), None)
             if entry is not None:
@@ -127,6 +164,7 @@ class TrackingOutbox:
             first = self._failing_since is None
             if first:
                 self._failing_since = time.monotonic()
+            self._cond.notify_all()  # it is free again for another thread
         if first:
             logger.warning(
                 "MLflow did not take the records of %s (%s: %s); the jobs run on, and their records wait "

@@ -1,0 +1,138 @@
+"""A job's MLflow run is created once, on a real MLflow store (SQLite): a new job dir's first sync
+creates it without a search; a job dir whose record says nothing of a run (an orchestrator killed
+between MLflow's create and the record's save), or a create whose answer was lost, looks the run up
+first and writes into it. The trial's params reach the run with its job's tags, or with its final
+record when the job never started.
+
+The orchestrator's death is stood in for here (a record left as the killed process leaves it, a
+create that raises after MLflow made the run): the kill itself, through ``tunepod run``, is in
+tests/e2e/test_faults.py and the chaos soak.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from tunepod.launch.paths import JobPaths
+from tunepod.launch.submission import Submission, now_iso, write_submission
+from tunepod.tracking import tags
+from tunepod.tracking.mirror import Final, RunMirror, RunPlan, read_mirror_state
+from tunepod.tracking.mlflow_tracker import MlflowTracker
+
+KEY = "study/trial-0"
+
+
+@pytest.fixture
+def tracker(tmp_path: Path) -> MlflowTracker:
+    return MlflowTracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "mirror-runs")
+
+
+def plan() -> RunPlan:
+    return RunPlan(key=KEY, name="trial-0", parent_run_id=None, tags={}, params={"lr": 0.1, "depth": 3})
+
+
+def runs_with_key(tracker: MlflowTracker) -> list[str]:
+    return [run.info.run_id for run in tracker.find_runs(f"tags.`{tags.KEY}` = '{KEY}'")]
+
+
+class CountingTracker(MlflowTracker):
+    """The real tracker, counting its searches; ``lose_create_answer``: the first create makes the run
+    and then raises, as a request whose answer never came back."""
+
+    def __init__(self, uri: str, *, lose_create_answer: bool = False) -> None:
+        super().__init__(uri, "mirror-runs")
+        self.searches = 0
+        self.lose_create_answer = lose_create_answer
+
+    def find_runs(self, filter_string: str) -> list[object]:
+        self.searches += 1
+        return super().find_runs(filter_string)
+
+    def start_run(self, *args: object, **kwargs: object) -> str:
+        run_id = super().start_run(*args, **kwargs)  # type: ignore[arg-type]
+        if self.lose_create_answer:
+            self.lose_create_answer = False
+            raise ConnectionError("the answer to create_run was lost")
+        return run_id
+
+
+def submitted(job_dir: Path) -> None:
+    record = Submission(backend="local", name="trial-0", attempt=1, submission_id="s1", intent_at=now_iso())
+    write_submission(JobPaths(job_dir), record.accepted("4242", {}))
+
+
+def test_a_new_job_dir_creates_its_run_without_a_search(tmp_path: Path) -> None:
+    counting = CountingTracker(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    job_dir = tmp_path / "trial-0"
+    job_dir.mkdir()
+    mirror = RunMirror(counting, job_dir, plan=plan())
+    mirror.sync()
+    assert counting.searches == 0
+    assert runs_with_key(counting) == [mirror.run_id]
+
+
+def test_a_record_without_a_run_id_finds_the_run_a_killed_orchestrator_created(
+    tmp_path: Path, tracker: MlflowTracker
+) -> None:
+    job_dir = tmp_path / "trial-0"
+    job_dir.mkdir()
+    RunMirror(tracker, job_dir, plan=plan())  # wrote the record; then MLflow created the run ...
+    created = tracker.start_run("trial-0", tags={tags.KEY: KEY})
+    assert read_mirror_state(job_dir).run_id is None  # ... and the process died before saving it
+    mirror = RunMirror(tracker, job_dir, plan=plan())  # the next orchestrator
+    mirror.sync()
+    assert mirror.run_id == created
+    assert runs_with_key(tracker) == [created]
+
+
+def test_a_create_whose_answer_was_lost_is_looked_up_before_creating_again(tmp_path: Path) -> None:
+    counting = CountingTracker(f"sqlite:///{tmp_path / 'mlflow.db'}", lose_create_answer=True)
+    job_dir = tmp_path / "trial-0"
+    job_dir.mkdir()
+    mirror = RunMirror(counting, job_dir, plan=plan())
+    with pytest.raises(ConnectionError):
+        mirror.sync()
+    mirror.sync()  # the outbox's retry
+    assert counting.searches == 1
+    assert runs_with_key(counting) == [mirror.run_id]
+
+
+def test_params_reach_the_run_with_the_job_tags(tmp_path: Path, tracker: MlflowTracker) -> None:
+    job_dir = tmp_path / "trial-0"
+    job_dir.mkdir()
+    mirror = RunMirror(tracker, job_dir, plan=plan())
+    mirror.sync()  # the run, before its job is submitted
+    submitted(job_dir)
+    mirror.sync()
+    run = MlflowClient(tracker.tracking_uri).get_run(str(mirror.run_id))
+    assert run.data.params == {"lr": "0.1", "depth": "3"}
+    assert run.data.tags[tags.job_tags(tags.PREFIX)[0]] == "4242"
+
+
+def test_params_reach_the_run_with_the_final_record_when_the_job_never_started(
+    tmp_path: Path, tracker: MlflowTracker
+) -> None:
+    job_dir = tmp_path / "trial-0"
+    job_dir.mkdir()
+    mirror = RunMirror(tracker, job_dir, plan=plan())
+    mirror.finish(Final(tags={tags.STATE: "FAIL"}, status="FAILED", error="the spec's entrypoint is gone"))
+    mirror.sync()
+    run = MlflowClient(tracker.tracking_uri).get_run(str(mirror.run_id))
+    assert run.data.params == {"lr": "0.1", "depth": "3"}
+    assert run.info.status == "FAILED"
+
+
+def test_params_logged_again_after_a_restart_are_no_change(tmp_path: Path, tracker: MlflowTracker) -> None:
+    job_dir = tmp_path / "trial-0"
+    job_dir.mkdir()
+    submitted(job_dir)
+    first = RunMirror(tracker, job_dir, plan=plan())
+    first.sync()
+    again = RunMirror(tracker, job_dir, plan=plan())  # a restarted orchestrator: params once more
+    again.sync()
+    assert again.run_id == first.run_id
+    run = MlflowClient(tracker.tracking_uri).get_run(str(again.run_id))
+    assert run.data.params == {"lr": "0.1", "depth": "3"}
