@@ -48,7 +48,11 @@ def test_every_step_kind_in_order(in_repo: Path, isolated_overrides: list[str], 
     assert train_run.data.tags["mlflow.parentRunId"] == run.run_id
     assert train_run.data.tags["tunepod.state"] == "COMPLETE"
     assert train_run.data.metrics["quality"] == check.best.value
-    assert client.get_run(run.run_id).info.status == "FINISHED"
+    parent = client.get_run(run.run_id)
+    assert parent.info.status == "FINISHED"
+    # The stage step's figures and target, written in one batch.
+    assert parent.data.metrics["data.num_files"] == parent.data.metrics["data.copied_files"] == data.num_files
+    assert parent.data.tags["tunepod.data.path"] == data.path
     summary = run.summary(outputs)
     assert summary.num_completed == 4  # three trials and the train run
     assert summary.registration == promote

@@ -29,9 +29,12 @@ def run(run: StepContext, name: str, settings: StageSettings, inputs: Mapping[st
     report = stage(
         settings.source, target, cache_dir=run.shared.root.resolve() / ".cache", verify=settings.verify
     )
-    run.tracker.set_tags(run.run_id, {tags.step_tag(name, "path"): str(target)})
-    for key in ("num_files", "num_bytes", "copied_files", "copied_bytes", "seconds"):
-        run.tracker.log_metric(run.run_id, f"{name}.{key}", float(getattr(report, key)))
+    figures = ("num_files", "num_bytes", "copied_files", "copied_bytes", "seconds")
+    run.tracker.log_values(
+        run.run_id,
+        {f"{name}.{key}": float(getattr(report, key)) for key in figures},
+        tags={tags.step_tag(name, "path"): str(target)},
+    )
     default_metrics().observe_staging(
         run.spec.name, name, copied_bytes=report.copied_bytes, seconds=report.seconds
     )
@@ -100,14 +103,6 @@ def _preload(run: StepContext, name: str, report: FsxStageReport, fsx: FsxStageS
 
 def _track_fsx(run: StepContext, name: str, report: FsxStageReport, imported: FsxImport) -> None:
     """Tags, metrics and a JSON report on the pipeline run, as the folder stager logs its own."""
-    run.tracker.set_tags(
-        run.run_id,
-        {
-            tags.step_tag(name, "path"): str(report.target),
-            tags.step_tag(name, "fsx_association"): imported.association_id,
-            tags.step_tag(name, "fsx_import_task"): imported.import_task_id,
-        },
-    )
     metrics = {
         "num_files": report.num_files,
         "num_bytes": report.num_bytes,
@@ -117,7 +112,14 @@ def _track_fsx(run: StepContext, name: str, report: FsxStageReport, imported: Fs
     }
     if imported.num_preloaded_files is not None:
         metrics["preloaded_files"] = imported.num_preloaded_files
-    for key, value in metrics.items():
-        run.tracker.log_metric(run.run_id, f"{name}.{key}", float(value))
+    run.tracker.log_values(
+        run.run_id,
+        {f"{name}.{key}": float(value) for key, value in metrics.items()},
+        tags={
+            tags.step_tag(name, "path"): str(report.target),
+            tags.step_tag(name, "fsx_association"): imported.association_id,
+            tags.step_tag(name, "fsx_import_task"): imported.import_task_id,
+        },
+    )
     document = {"target": str(report.target), **imported.model_dump(), **metrics}
     run.tracker.log_text(run.run_id, json.dumps(document, indent=1) + "\n", f"staging/{name}.json")
