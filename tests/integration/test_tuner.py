@@ -179,6 +179,25 @@ def test_rerun_resumes_the_study_and_runs_nothing_twice(tmp_path: Path) -> None:
     assert second.trials[0].run_id == first.trials[0].run_id
 
 
+def test_a_study_started_afresh_under_its_old_name_gets_runs_of_its_own(tmp_path: Path) -> None:
+    """The user deletes the Optuna storage to start over, keeping MLflow and the shared root: the new
+    trials are new MLflow runs, and the old study's runs keep what they recorded."""
+    first = make_tuner(tmp_path, settings(tmp_path, num_trials=2)).run()
+    (tmp_path / "optuna.log").unlink()
+    second = make_tuner(tmp_path, settings(tmp_path, num_trials=2, seed=7)).run()
+
+    old = {t.number: t for t in first.trials}
+    new = {t.number: t for t in second.trials}
+    assert set(old) == set(new) == {0, 1}
+    assert not {t.run_id for t in old.values()} & {t.run_id for t in new.values()}
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    for number, trial in old.items():
+        run = client.get_run(str(trial.run_id))
+        assert run.data.params["x"] == str(trial.params["x"]) != str(new[number].params["x"])
+        assert run.data.metrics["score"] == trial.value
+        assert run.info.status == "FINISHED"
+
+
 @pytest.mark.parametrize("launcher", ["local", pytest.param("slurm", marks=pytest.mark.slurm)])
 def test_bad_trials_are_pruned_and_their_jobs_cancelled(tmp_path: Path, launcher: str) -> None:
     tune = settings(
