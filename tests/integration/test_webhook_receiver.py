@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -40,7 +41,9 @@ from tunepod.webhook.config import (
     load_webhook_config,
     parse_webhook_config,
 )
-from tunepod.webhook.events import PrefectEventSink
+from tunepod.webhook.dedupe import DeliveryLog
+from tunepod.webhook.events import EventRefused, EventSinkError, PrefectEventSink, hook_resource
+from tunepod.webhook.publisher import EventPublisher
 from tunepod.webhook.signatures import github_headers, new_standard_secret, standard_headers
 
 SECRET = new_standard_secret()
@@ -346,6 +349,47 @@ def test_the_receiver_keeps_publishing_until_prefect_answers_again(
         ["steps.search.with.num_trials=3"],
     ]
     assert "Prefect answers again" in caplog.text
+
+
+def test_an_event_prefect_refuses_is_set_aside_and_the_events_after_it_go_on(
+    api_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An event the real Prefect server refuses (422: its resource has no id) at the head of the log.
+    No delivery the receiver accepts makes such an event (its events are built by the receiver, under
+    Prefect's size limit), so the claim is written into the log directly, standing in for a change of
+    Prefect's API; the refusal itself is Prefect's."""
+    caplog.set_level(logging.INFO, logger="tunepod.webhook")
+    clock = iter(float(n) for n in range(1000, 2000))
+    deliveries = DeliveryLog(tmp_path / "deliveries.sqlite", clock=lambda: next(clock))
+    bad, good = f"refused-{time.time_ns()}", f"kept-{time.time_ns()}"
+    bad_event = {"name": "tunepod.webhook.digits", "resource": {"prefect.resource.name": "x"}, "payload": {}}
+    good_event = {"name": "tunepod.webhook.digits", "resource": hook_resource("digits"), "payload": {"n": 1}}
+    bad_id, good_id = str(uuid.uuid4()), str(uuid.uuid4())
+    assert deliveries.claim("digits", bad, bad_id, bad_event) is None
+    assert deliveries.claim("digits", good, good_id, good_event) is None
+    with httpx.Client(timeout=30) as http:
+        publisher = EventPublisher(deliveries, PrefectEventSink(api_url, http), first_backoff_s=0.05).start()
+        try:
+            published = wait_for_event(api_url, good_id)
+        finally:
+            publisher.stop()
+    assert published["payload"] == {"n": 1}
+    [(refused, answer)] = deliveries.refused()
+    assert (refused.delivery_id, refused.event_id, refused.event) == (bad, bad_id, bad_event)
+    assert "422" in answer
+    assert deliveries.unpublished() == []
+    assert f"Prefect refused event {bad_id}" in caplog.text
+    assert prefect_events(api_url, id={"id": [bad_id]}) == []
+
+
+def test_a_wrong_api_url_is_kept_for_a_retry_and_an_invalid_event_is_refused(api_url: str) -> None:
+    """What the real Prefect server answers: a 404 (a wrong URL, fixed by the operator) leaves the event
+    to be sent again; a 422 (the event itself) is final."""
+    with httpx.Client(timeout=30) as http:
+        with pytest.raises(EventSinkError, match="404"):
+            PrefectEventSink(f"{api_url}/missing", http).publish("tunepod.webhook.x", hook_resource("x"), {})
+        with pytest.raises(EventRefused, match="422"):
+            PrefectEventSink(api_url, http).publish("tunepod.webhook.x", {"prefect.resource.name": "x"}, {})
 
 
 def test_an_edited_spec_is_checked_again_at_the_next_delivery(

@@ -49,3 +49,18 @@ def test_a_log_from_a_receiver_that_published_before_answering_has_nothing_to_pu
     assert log.event_for("digits", "msg-1") == "event-1"
     assert log.claim("digits", "msg-2", "event-2", EVENT) is None
     assert [p.event_id for p in log.unpublished()] == ["event-2"]
+
+
+def test_a_refused_event_leaves_the_queue_and_is_kept_with_the_answer_past_the_window(tmp_path: Path) -> None:
+    now = [0.0]
+    log = DeliveryLog(tmp_path / "d.sqlite3", ttl_s=10, clock=lambda: now[0])
+    log.claim("digits", "msg-1", "event-1", EVENT)
+    log.claim("digits", "msg-2", "event-2", EVENT)
+    first, _ = log.unpublished()
+    log.mark_refused(first, "422: resource has no id")
+    assert [p.event_id for p in log.unpublished()] == ["event-2"]
+    now[0] = 100.0
+    log.claim("digits", "msg-3", "event-3", EVENT)  # expired published entries are cleared, not refused ones
+    [(refused, answer)] = DeliveryLog(tmp_path / "d.sqlite3").refused()
+    assert (refused.event_id, refused.event, answer) == ("event-1", EVENT, "422: resource has no id")
+    assert log.claim("digits", "msg-1", "event-9", EVENT) == "event-1"  # still a duplicate

@@ -6,7 +6,8 @@ Senders retry: GitHub redelivers, Standard Webhooks senders retry until they see
 publishes nothing. A claim also keeps its event (name, resource, payload) until it is published: the
 receiver answers 202 once the claim is on disk and publishes from here (``unpublished``,
 ``mark_published``), so an event outlives a Prefect outage or a receiver restart. Published entries
-older than ``ttl_s`` are forgotten (a sender does not retry for days); unpublished ones stay.
+older than ``ttl_s`` are forgotten (a sender does not retry for days); unpublished ones stay, and so
+do those Prefect refused as invalid (``mark_refused``, ``refused``: kept with Prefect's answer).
 
 Durability: the file is in WAL mode with ``synchronous=FULL``, so a claim is on disk (the WAL fsynced)
 before ``claim`` returns, at the cost of one fsync per claim rather than the rollback journal's
@@ -43,8 +44,10 @@ CREATE TABLE IF NOT EXISTS deliveries (
 CREATE INDEX IF NOT EXISTS deliveries_received_at ON deliveries (received_at);
 """
 # Added after the first release: a file written before has every event published (it published before
-# answering), hence the default of the first column for its rows.
-_EVENT_COLUMNS = {"published": "INTEGER NOT NULL DEFAULT 1", "event": "TEXT"}
+# answering), hence the default of the first column for its rows. ``published``: 0 waiting, 1
+# published, 2 refused by Prefect (``refusal`` says why; the event is kept).
+_EVENT_COLUMNS = {"published": "INTEGER NOT NULL DEFAULT 1", "event": "TEXT", "refusal": "TEXT"}
+_REFUSED = 2
 
 
 @dataclass(frozen=True)
@@ -139,6 +142,28 @@ class DeliveryLog:
                 " AND event_id = ?",
                 (pending.hook, pending.delivery_id, pending.event_id),
             )
+
+    def mark_refused(self, pending: PendingEvent, reason: str) -> None:
+        """Prefect refused ``pending``'s event for good: keep it, with ``reason``, out of the queue."""
+        with self._transaction() as conn:
+            conn.execute(
+                "UPDATE deliveries SET published = ?, refusal = ? WHERE hook = ? AND delivery_id = ?"
+                " AND event_id = ?",
+                (_REFUSED, reason, pending.hook, pending.delivery_id, pending.event_id),
+            )
+
+    def refused(self) -> list[tuple[PendingEvent, str]]:
+        """The events Prefect refused, oldest first, each with Prefect's answer."""
+        with self._transaction() as conn:
+            rows = conn.execute(
+                "SELECT hook, delivery_id, event_id, event, refusal FROM deliveries WHERE published = ?"
+                " ORDER BY received_at",
+                (_REFUSED,),
+            ).fetchall()
+        return [
+            (PendingEvent(hook, delivery, event_id, json.loads(event)), str(refusal))
+            for (hook, delivery, event_id, event, refusal) in rows
+        ]
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from tunepod.errors import TransientError
+from tunepod.errors import TransientError, TunepodError
 
 EVENT_PREFIX = "tunepod.webhook."
 
@@ -38,6 +38,16 @@ class EventSinkError(TransientError):
     """The event could not be published; the receiver's publisher keeps it and tries again."""
 
 
+class EventRefused(TunepodError):
+    """Prefect answered that the event itself is invalid (400, 413, 422): sending it again cannot
+    change that, so the publisher sets it aside instead of holding back every event after it."""
+
+
+# 401/403/404 are not among them: a wrong API key or URL is fixed by the operator, and then every
+# event kept meanwhile must still go through.
+REFUSED_STATUSES = frozenset({400, 413, 422})
+
+
 class EventSink(Protocol):
     """Publishes one event. Implementations must be safe to call from several threads at once."""
 
@@ -50,7 +60,7 @@ class EventSink(Protocol):
     ) -> str:
         """Publish the event (with ``event_id``, or a new uuid4) and return its id.
 
-        Raises ``EventSinkError`` when it was not published.
+        Raises ``EventSinkError`` when it was not published, ``EventRefused`` when it never can be.
         """
         ...
 
@@ -87,6 +97,11 @@ class PrefectEventSink:
             response = self._client.post(url, json=[event], timeout=self._timeout_s)
         except httpx.HTTPError as exc:
             raise EventSinkError(f"could not reach the Prefect API at {url}: {exc}") from exc
+        if response.status_code in REFUSED_STATUSES:
+            raise EventRefused(
+                f"the Prefect API at {url} refused event {name} with {response.status_code}: "
+                f"{response.text[:500]}"
+            )
         if not response.is_success:
             raise EventSinkError(
                 f"the Prefect API at {url} answered {response.status_code} to event {name}: "

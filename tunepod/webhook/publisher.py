@@ -5,7 +5,9 @@ publishes what the log holds unpublished, oldest first, and marks each one publi
 does not take an event, it waits (0.5 s, doubling to ``max_backoff_s``) and tries again, never dropping
 one: a Prefect outage delays runs, it loses no delivery, and a receiver restarted after a crash
 publishes what the last one had not. Each event keeps the id the sender was given, so one published
-twice (a crash between Prefect's answer and the mark) is one event id at Prefect.
+twice (a crash between Prefect's answer and the mark) is one event id at Prefect. An event Prefect
+refuses as invalid (``EventRefused``: sending it again cannot help) is set aside in the log with
+Prefect's answer and logged as an error, so it does not hold back the events after it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import threading
 import time
 
 from tunepod.webhook.dedupe import DeliveryLog, PendingEvent
-from tunepod.webhook.events import EventSink, EventSinkError
+from tunepod.webhook.events import EventRefused, EventSink, EventSinkError
 
 logger = logging.getLogger("tunepod.webhook")
 
@@ -101,6 +103,18 @@ class EventPublisher:
                     self._deliveries.path,
                 )
             return False
+        except EventRefused as exc:
+            self._deliveries.mark_refused(pending, str(exc))
+            logger.error(
+                "webhook %s: Prefect refused event %s of delivery %s (%s); it is kept in %s (refused) "
+                "and the events after it go on",
+                pending.hook,
+                pending.event_id,
+                pending.delivery_id,
+                exc,
+                self._deliveries.path,
+            )
+            return True
         self._deliveries.mark_published(pending)
         if self._down_since is not None:
             logger.warning(
