@@ -136,3 +136,13 @@ def test_params_logged_again_after_a_restart_are_no_change(tmp_path: Path, track
     assert again.run_id == first.run_id
     run = MlflowClient(tracker.tracking_uri).get_run(str(again.run_id))
     assert run.data.params == {"lr": "0.1", "depth": "3"}
+
+
+def test_more_params_and_tags_than_one_batch_takes_all_reach_the_run(tracker: MlflowTracker) -> None:
+    """MLflow takes at most 100 params and 100 tags per write: a trial with more is split, not refused."""
+    run_id = tracker.start_run("wide")
+    params = {f"p{n}": n for n in range(150)}
+    tracker.set_tags(run_id, {f"t{n}": n for n in range(120)}, params=params)
+    run = MlflowClient(tracker.tracking_uri).get_run(run_id)
+    assert run.data.params == {key: str(value) for key, value in params.items()}
+    assert {f"t{n}" for n in range(120)} <= set(run.data.tags)
