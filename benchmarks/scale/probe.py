@@ -48,8 +48,8 @@ def _timed(piece: str, function: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(function)
     def timed(*args: Any, **kwargs: Any) -> Any:
         if getattr(_inside, "piece", None) == piece:
-            # A wrapped call made by another (the tracker's start_run logs its params with its own
-            # log_params): the outer call counts it already.
+            # A wrapped call made by another (the tracker's find_run searches with its own
+            # find_runs): the outer call counts it already.
             return function(*args, **kwargs)
         _inside.piece = piece
         start, start_cpu = time.perf_counter(), time.thread_time()

@@ -105,19 +105,13 @@ class MlflowTracker:
         *,
         parent_run_id: str | None = None,
         tags: Mapping[str, str] | None = None,
-        params: Mapping[str, object] | None = None,
     ) -> str:
+        """A new run; its params are logged later, with its job's tags (``set_tags``) or its outcome."""
         all_tags = dict(tags or {})
         if parent_run_id:
             all_tags[tag_names.PARENT_RUN] = parent_run_id
         run = self.client.create_run(self.experiment_id, run_name=name, tags=all_tags)
-        run_id = str(run.info.run_id)
-        if params:
-            self.log_params(run_id, params)
-        return run_id
-
-    def log_params(self, run_id: str, params: Mapping[str, object]) -> None:
-        self._log_batch(run_id, params=params)
+        return str(run.info.run_id)
 
     def set_tags(
         self, run_id: str, tags: Mapping[str, object], *, params: Mapping[str, object] | None = None
