@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/overhead.py                    # make bench-overhead
     .venv/bin/python benchmarks/overhead.py --repeats 3 --epochs 4
     .venv/bin/python benchmarks/overhead.py --prefect-api http://127.0.0.1:4200/api
-    .venv/bin/python benchmarks/overhead.py --prefect-api URL --mlflow-uri URL   # the local stack
+    .venv/bin/python benchmarks/overhead.py --prefect-api URL --mlflow-uri URL   # servers already running
+    .venv/bin/python benchmarks/overhead.py --stack .tunepod   # the local stack (`tunepod up`), its runner
     .venv/bin/python benchmarks/overhead.py --max-ratio 1.6    # exit 1 when tunepod is slower than that
 
 Both sides run the jobs ``benchmarks/specs/overhead.yaml`` declares: ``num_trials`` trials of
@@ -112,6 +113,27 @@ def read_workload(epochs: int) -> Workload:
 
 
 # ---------------------------------------------------------------------------------------------- timings
+
+
+@dataclass(frozen=True)
+class Servers:
+    """What ``tunepod run`` talks to: nothing (a temporary Prefect server, MLflow on SQLite), running
+    servers (``--prefect-api``, ``--mlflow-uri``), or the local stack (``--stack``)."""
+
+    prefect_api: str | None = None
+    mlflow_uri: str | None = None
+    stack_home: Path | None = None
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> Servers:
+        if args.stack is None:
+            return cls(args.prefect_api, args.mlflow_uri)
+        from tunepod.stack.processes import ServiceRecord  # the stack's own record of its MLflow server
+
+        mlflow = ServiceRecord.read(args.stack.resolve() / "stack" / "mlflow-server.json")
+        if mlflow is None:
+            raise SystemExit(f"--stack {args.stack}: no stack; start it: tunepod up --home {args.stack}")
+        return cls(None, args.mlflow_uri or mlflow.url, args.stack.resolve())
 
 
 @dataclass(frozen=True)
@@ -268,14 +290,12 @@ def start_baseline_job(
 # ---------------------------------------------------------------------------------------------- tunepod
 
 
-def run_tunepod(
-    workload: Workload, work_dir: Path, epochs: int, prefect_api: str | None, mlflow_uri: str | None
-) -> SideRun:
-    """``tunepod run`` on the spec with every store in ``work_dir`` (MLflow: the server at
-    ``mlflow_uri`` if given), timed from launch to exit."""
+def run_tunepod(workload: Workload, work_dir: Path, epochs: int, servers: Servers) -> SideRun:
+    """``tunepod run`` on the spec with every store in ``work_dir`` (MLflow: the server of ``servers``
+    if any), timed from launch to exit."""
     log = work_dir / "tunepod.log"
     overrides = {
-        "tracking.uri": mlflow_uri or f"sqlite:///{work_dir}/mlflow.db",
+        "tracking.uri": servers.mlflow_uri or f"sqlite:///{work_dir}/mlflow.db",
         "launcher.root": str(work_dir / "shared"),
         f"steps.{workload.tune_step}.with.study.storage": f"journal://{work_dir}/optuna.log",
         f"steps.{workload.tune_step}.with.train.args.epochs": str(epochs),
@@ -285,8 +305,10 @@ def run_tunepod(
         argv += ["--set", f"{key}={value}"]
     env = dict(os.environ)
     env.pop("PREFECT_API_URL", None)  # without --prefect-api, measure the temporary server
-    if prefect_api:
-        env["PREFECT_API_URL"] = prefect_api
+    if servers.prefect_api:
+        env["PREFECT_API_URL"] = servers.prefect_api
+    if servers.stack_home:
+        argv += ["--home", str(servers.stack_home)]  # `tunepod run` finds the stack's server and runner
     cpu_before = children_cpu_s()
     launched = time.time()
     with open(log, "wb") as out:
@@ -384,11 +406,13 @@ def median_of(runs: Sequence[SideRun], num_parallel: int) -> dict[str, float]:
 
 
 def print_report(
-    workload: Workload, epochs: int, baseline: list[SideRun], tunepod: list[SideRun], prefect_api: str | None
+    workload: Workload, epochs: int, baseline: list[SideRun], tunepod: list[SideRun], servers: Servers
 ) -> float:
     """Print the comparison and return the median end-to-end ratio tunepod / baseline."""
     base = median_of(baseline, workload.num_parallel)
     tune = median_of(tunepod, workload.num_parallel)
+    if servers.stack_home:  # the run and its jobs are the runner's children, not this process's
+        del base[CPU_TIME], tune[CPU_TIME]
     ratios = [t.wall_s / b.wall_s for b, t in zip(baseline, tunepod, strict=True)]
     table = Table(
         title=f"{workload.num_trials} digits trials x {epochs} epochs, {workload.num_parallel} at a time, "
@@ -414,8 +438,16 @@ def print_report(
     print_timeline(tunepod)
     for warning in [w for run in [*baseline, *tunepod] for w in run.warnings]:
         console.print(f"warning: {warning}", style="yellow", markup=False)
-    if prefect_api:
-        console.print(f"Prefect: the server at {prefect_api} (--prefect-api); no server start-up included.")
+    if servers.stack_home:
+        console.print(
+            f"the local stack in {servers.stack_home} (--stack): its Prefect server, its MLflow server "
+            f"{servers.mlflow_uri} and its runner; no server start-up included; no CPU time (the run "
+            "and its jobs are processes of the runner's, not of this benchmark's)."
+        )
+    elif servers.prefect_api:
+        console.print(
+            f"Prefect: the server at {servers.prefect_api} (--prefect-api); no server start-up included."
+        )
     elif all("Prefect server starting" in run.events for run in tunepod):
         console.print(
             "Prefect: `tunepod run` started Prefect's temporary server; its start-up (and stop) "
@@ -457,6 +489,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="a running MLflow tracking server (with --prefect-api: the local stack `tunepod up` starts)",
     )
     parser.add_argument(
+        "--stack",
+        metavar="HOME",
+        type=Path,
+        help="the local stack `tunepod up --home HOME` runs: its Prefect and MLflow servers and its runner",
+    )
+    parser.add_argument(
         "--max-ratio", type=float, help="exit 1 when the end-to-end ratio tunepod / baseline exceeds it"
     )
     parser.add_argument("--keep", action="store_true", help="keep the temp folders (logs, job dirs, stores)")
@@ -474,6 +512,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         baseline_child(args.baseline_child, Workload(**json.loads(args.workload)))
         return 0
     workload = read_workload(args.epochs)
+    servers = Servers.of(args)
     root = Path(tempfile.mkdtemp(prefix="tunepod-overhead-"))
     load_before = os.getloadavg()[0]
     runs: dict[str, list[SideRun]] = {"baseline": [], "tunepod": []}
@@ -488,14 +527,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if side == "baseline":
                     run = run_baseline(workload, work_dir)
                 else:
-                    run = run_tunepod(workload, work_dir, args.epochs, args.prefect_api, args.mlflow_uri)
+                    run = run_tunepod(workload, work_dir, args.epochs, servers)
                 runs[side].append(run)
                 console.print(f"repeat {repeat + 1}/{args.repeats}: {side} {run.wall_s:.1f} s")
     except SideFailed as exc:
         console.print(f"benchmark failed: {exc}", style="bold red", markup=False)
         console.print(f"temp folder kept: {root}")
         return 1
-    ratio = print_report(workload, args.epochs, runs["baseline"], runs["tunepod"], args.prefect_api)
+    ratio = print_report(workload, args.epochs, runs["baseline"], runs["tunepod"], servers)
     # Other work on the machine skews both sides; the reader should know how busy it was.
     console.print(
         f"machine: {os.cpu_count()} CPUs, 1-minute load average {load_before:.1f} before, "

@@ -31,7 +31,8 @@ from tunepod.hpo.study import make_storage
 from tunepod.launch.local import read_process_stat
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.submission import read_submission
-from tunepod.stack import StackConfig, StackError, up
+from tunepod.stack.config import StackConfig
+from tunepod.stack.manage import StackError, up
 from tunepod.stack.processes import (
     Service,
     ServiceRecord,
@@ -40,6 +41,7 @@ from tunepod.stack.processes import (
     start_service,
     stop_service,
 )
+from tunepod.stack.runner import ping
 
 REPO = Path(__file__).resolve().parents[2]
 FLOW_RUN_LIMIT_S = 300.0
@@ -128,7 +130,7 @@ def stack(local_stack: Stack) -> Stack:
 @pytest.mark.slow
 def test_up_brings_every_service_to_healthy_and_records_it(stack: Stack) -> None:
     records = stack.records()
-    assert {"prefect-server", "prefect-worker", "mlflow-server"} <= set(records)
+    assert {"prefect-server", "prefect-worker", "mlflow-server", "runner"} <= set(records)
     for record in records.values():
         assert is_alive(record), record
         assert Path(record.log).is_file()
@@ -137,6 +139,7 @@ def test_up_brings_every_service_to_healthy_and_records_it(stack: Stack) -> None
     assert records["prefect-server"].url in stack.first_up
     assert "started" in stack.first_up
     assert http_ok(f"{records['webhook'].url}/healthz")
+    assert ping(stack.home) == records["runner"].pid
 
 
 @pytest.mark.slow
@@ -215,6 +218,8 @@ def test_tunepod_run_uses_the_running_stack_when_no_prefect_api_is_set(stack: St
     result = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"using the Prefect server of the local stack: {stack.api}" in result.stderr
+    # Forked by the stack's runner, which has Prefect, MLflow and Optuna imported already.
+    assert "running in the local stack's runner (process " in result.stderr, result.stderr
 
     query = {"flow_runs": {"name": {"any_": [str(spec)]}}}
     runs = httpx.post(f"{stack.api}/flow_runs/filter", json=query, timeout=10.0).json()
@@ -229,6 +234,20 @@ def test_tunepod_run_uses_the_running_stack_when_no_prefect_api_is_set(stack: St
     [parent] = client.search_runs([experiment.experiment_id], "tags.`mlflow.runName` = 'tiny'")
     key = f"mlflow/{experiment.experiment_id}/{parent.info.run_id}/artifacts/spec.yaml"
     assert key in stack.artifact_keys()
+
+
+@pytest.mark.slow
+def test_the_runner_reports_a_bad_spec_as_tunepod_run_does(stack: Stack, tmp_path: Path) -> None:
+    """`tunepod run` hands a plain command line to the runner unchecked; the child checks the spec and
+    its error reaches the caller's stderr with the usual exit status."""
+    env = {name: value for name, value in stack.env.items() if name != "PREFECT_API_URL"}
+    spec = tmp_path / "bad.yaml"
+    spec.write_text("name: bad\nsteps: {}\nsurprise: 1\n")
+    argv = [str(Path(sys.executable).parent / "tunepod"), "run", str(spec)]
+    result = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "running in the local stack's runner (process " in result.stderr
+    assert f"invalid pipeline spec {spec}" in result.stderr and "surprise" in result.stderr, result.stderr
 
 
 @pytest.mark.slow

@@ -11,7 +11,8 @@ import yaml
 
 from tunepod.errors import SpecError
 from tunepod.spec.loader import parse_spec
-from tunepod.stack import StackConfig, StackError, up
+from tunepod.stack.config import StackConfig
+from tunepod.stack.manage import StackError, up
 from tunepod.stack.services import mlflow_server, prefect_server
 from tunepod.stores import StoreUrlError, prefect_database_url, redacted, sync_sqlalchemy_url
 

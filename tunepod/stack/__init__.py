@@ -1,10 +1,8 @@
-"""The local stack: Prefect server and worker, MLflow server, webhook receiver, as background processes.
+"""The local stack: Prefect server and worker, MLflow server, webhook receiver and the runner that forks
+each ``tunepod run``, as background processes.
 
-``up``/``down``/``status``/``deploy`` are idempotent and may each run in a new process: what runs is
-recorded under ``<home>/stack/``. Prefect and MLflow are driven by command and HTTP, never imported.
+``up``/``down``/``status``/``deploy`` (``tunepod.stack.manage``) are idempotent and may each run in a new
+process: what runs is recorded under ``<home>/stack/``. Prefect and MLflow are driven by command and
+HTTP, never imported. Nothing is imported here: ``tunepod run`` reaches the runner
+(``tunepod.stack.runner``) through this package before anything heavy is loaded.
 """
-
-from tunepod.stack.config import StackConfig
-from tunepod.stack.manage import ServiceStatus, StackError, deploy, down, status, up
-
-__all__ = ["ServiceStatus", "StackConfig", "StackError", "deploy", "down", "status", "up"]

@@ -26,7 +26,13 @@ _POLL_S = 0.5
 _LOG_TAIL = 20
 #: Each service's record by name.
 Records = dict[str, ServiceRecord]
-_ORDER = (services.PREFECT_SERVER, services.PREFECT_WORKER, services.MLFLOW_SERVER, services.WEBHOOK)
+_ORDER = (
+    services.PREFECT_SERVER,
+    services.PREFECT_WORKER,
+    services.MLFLOW_SERVER,
+    services.WEBHOOK,
+    services.RUNNER,
+)
 
 
 class StackError(TunepodError):
@@ -87,7 +93,7 @@ def _start_all(
     """Start every service in order and wait until each is healthy, filling ``records`` and ``started``
     as it goes (so that a failure part-way knows what to stop). Returns why the webhook was skipped,
     and the hook secrets generated for it."""
-    wanted = [services.prefect_server(config), services.mlflow_server(config)]
+    wanted = [services.prefect_server(config), services.mlflow_server(config), services.run_runner(config)]
     skipped = services.webhook_unavailable(config)
     generated = GeneratedSecrets({}, {})
     if skipped is None:
@@ -140,7 +146,7 @@ def status(config: StackConfig) -> list[ServiceStatus]:
         if not is_alive(record):
             report.append(ServiceStatus(name, "not running", record.pid, record.url, False, record.log))
             continue
-        healthy = services.check_health(config, record.argv, record.health_url)
+        healthy = services.check_health(config, record.name, record.argv, record.health_url)
         report.append(ServiceStatus(name, "running", record.pid, record.url, healthy, record.log))
     return report
 
@@ -207,7 +213,7 @@ def _ensure_running(config: StackConfig, service: Service) -> tuple[ServiceRecor
 
 def _wait_healthy(config: StackConfig, record: ServiceRecord) -> None:
     deadline = time.monotonic() + config.startup_timeout_s
-    while not services.check_health(config, record.argv, record.health_url):
+    while not services.check_health(config, record.name, record.argv, record.health_url):
         if not is_alive(record):
             raise StackError(_runbook(record, "exited before it was healthy"))
         if time.monotonic() >= deadline:

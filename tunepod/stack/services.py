@@ -13,9 +13,10 @@ from collections.abc import Mapping
 
 import httpx
 
+from tunepod.stack import runner
 from tunepod.stack.config import StackConfig
 from tunepod.stack.processes import Service
-from tunepod.stack.watch import CLIENT_MAX_RETRIES
+from tunepod.stack.watch import CLIENT_MAX_RETRIES, run_environment_defaults
 from tunepod.stores import (
     StoreUrlError,
     is_postgres,
@@ -28,6 +29,7 @@ PREFECT_SERVER = "prefect-server"
 PREFECT_WORKER = "prefect-worker"
 MLFLOW_SERVER = "mlflow-server"
 WEBHOOK = "webhook"
+RUNNER = "runner"
 
 _HTTP_TIMEOUT_S = 3.0
 
@@ -69,6 +71,15 @@ def prefect_worker(config: StackConfig) -> Service:
 def worker_name(argv: list[str]) -> str:
     """The ``--name`` a worker was started with (from its recorded argv)."""
     return argv[argv.index("--name") + 1]
+
+
+def run_runner(config: StackConfig) -> Service:
+    """The process that forks each `tunepod run` on this stack (``tunepod.stack.runner``). Its environment
+    is what a `tunepod run` from the same shell has, not the other services': the runs it forks must
+    see the settings they would have had in a process of their own."""
+    argv = [config.python, "-m", "flows.runner", "--home", str(config.home)]
+    env = {**run_environment_defaults(), **os.environ, "PREFECT_API_URL": config.prefect_api_url}
+    return Service(RUNNER, argv, env, f"tunepod run --home {config.home}", "")
 
 
 def mlflow_server(config: StackConfig) -> Service:
@@ -142,10 +153,13 @@ def webhook_unavailable(config: StackConfig) -> str | None:
     return None
 
 
-def check_health(config: StackConfig, argv: list[str], health_url: str) -> bool:
-    """Whether the service started with ``argv`` is healthy; never raises (an error means unhealthy)."""
+def check_health(config: StackConfig, name: str, argv: list[str], health_url: str) -> bool:
+    """Whether the service ``name``, started with ``argv``, is healthy; never raises (an error means
+    unhealthy)."""
     if health_url:
         return http_ok(health_url)
+    if name == RUNNER:
+        return runner.ping(config.home) is not None
     return worker_online(config, worker_name(argv))
 
 

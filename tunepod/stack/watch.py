@@ -27,6 +27,18 @@ a call waits about 4 minutes (254 s) for a restarted server, where its default o
 about a minute, less than a busy machine takes to start Prefect's server again."""
 RESTART_HINT = "`tunepod up` starts the local stack's server again and leaves what runs alone"
 
+
+def run_environment_defaults() -> dict[str, str]:
+    """Prefect settings every run gets unless the user set them (the stack's runner starts with them too,
+    so that its Prefect settings are those of the runs it forks)."""
+    return {
+        # The temporary server's telemetry heartbeat races the flow's first writes to its SQLite file
+        # and prints a "database is locked" traceback; nothing could be sent from a closed network.
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_CLIENT_MAX_RETRIES": str(CLIENT_MAX_RETRIES),
+    }
+
+
 _POLL_S = 5.0
 _HEALTH_TIMEOUT_S = 3.0
 #: Where Prefect's flow engine logs a flow's exception, with its traceback (a logger name: no import).
