@@ -189,6 +189,7 @@ def test_a_caller_with_other_prefect_or_mlflow_settings_runs_in_its_own_process(
     assert refused.returncode == NOT_TAKEN
     assert refused.stdout == ""
     assert f"did not take the run: {name} differ from the runner's environment" in refused.stderr
+    assert refused.stderr.count("did not take the run") == 1  # a refused caller does not ask again
 
 
 def test_changed_code_is_refused_until_the_runner_restarts(runner: RunningRunner) -> None:

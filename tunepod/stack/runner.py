@@ -127,10 +127,12 @@ def forward_run(home: Path, argv: Sequence[str], say: Callable[[str], None]) -> 
             answer = _receive(conn)
         except OSError as exc:
             say(f"the stack's runner did not take the run ({exc}); running it in this process")
+            os.environ[RUNNER_ENV] = "off"
             return None
         if answer is None or "refused" in answer:
             reason = "it closed the connection" if answer is None else answer["refused"]
             say(f"the stack's runner did not take the run: {reason}; running it in this process")
+            os.environ[RUNNER_ENV] = "off"  # asked once: the command line does not ask again
             return None
         if not os.environ.get("PREFECT_API_URL"):
             say(f"using the Prefect server of the local stack: {answer['api']}")
@@ -354,8 +356,11 @@ class Runner:
             message = None
         if message is None:  # the caller is gone (killed): its run goes with it, as without the runner
             logger.info("caller of run %d closed its connection: killing the run", run.pid)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(run.pid, signal.SIGKILL)
+            # The group (the child leads its own session), and the child itself in case it has not
+            # called setsid yet (a caller killed within moments of the start).
+            for kill in (os.killpg, os.kill):
+                with contextlib.suppress(ProcessLookupError):
+                    kill(run.pid, signal.SIGKILL)
             self._selector.unregister(run.conn)
             return
         signum = message.get("signal")
@@ -377,8 +382,22 @@ class Runner:
         del self._runs[run.pid]
 
     def _become_run(self, conn: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
-        """In the child: drop the runner's sockets and handlers, take on the caller's process state,
-        and run the command; ``entry`` ends the process with the command's exit status."""
+        """In the child: take on the caller's process state and run the command; ``entry`` ends the
+        process with the command's exit status. Nothing here may return or raise into the runner's
+        loop (the child would go on serving): a failure ends the child with status 1."""
+        try:
+            self._take_on_caller(conn, request, fds)
+            self.entry(list(request["argv"]))
+        except Exception:
+            traceback.print_exc()
+            raise SystemExit(1) from None
+        # SystemExit and KeyboardInterrupt unwind to the interpreter's top, which exits as a
+        # `tunepod run` would: atexit handlers (Prefect's last logs and events), then the status.
+        raise SystemExit(0)
+
+    def _take_on_caller(self, conn: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
+        """Leave the runner's session, drop its sockets and signal handlers, and take the caller's
+        streams, folder, environment and ``sys.path``."""
         os.setsid()
         for key in list(self._selector.get_map().values()):
             fileobj = key.fileobj
@@ -386,6 +405,7 @@ class Runner:
                 fileobj.close()
             elif isinstance(fileobj, int):  # a pidfd
                 os.close(fileobj)
+        self._selector.close()
         conn.close()
         for signum in FORWARDED_SIGNALS:
             signal.signal(signum, signal.SIG_DFL)
@@ -400,11 +420,3 @@ class Runner:
         os.environ.update({**request["env"], RUNNER_ENV: "off"})
         sys.path[:] = request["path"]
         sys.argv = ["tunepod", *request["argv"]]
-        try:
-            self.entry(list(request["argv"]))
-        except Exception:  # never let the child unwind into the runner's loop
-            traceback.print_exc()
-            raise SystemExit(1) from None
-        # SystemExit and KeyboardInterrupt unwind to the interpreter's top, which exits as a
-        # `tunepod run` would: atexit handlers (Prefect's last logs and events), then the status.
-        raise SystemExit(0)
