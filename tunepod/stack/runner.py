@@ -55,6 +55,9 @@ MAX_MESSAGE = 128 * 1024
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _STDIO = 3
 _ACCEPT_TIMEOUT_S = 5.0
+#: How long a caller waits for the runner's answer (a health check of the Prefect server, a fork) before
+#: it runs the command itself; the runner kills a child whose caller left.
+_ANSWER_TIMEOUT_S = 30.0
 
 
 def runner_address(home: Path) -> bytes:
@@ -124,6 +127,7 @@ def forward_run(home: Path, argv: Sequence[str], say: Callable[[str], None]) -> 
         request = {"argv": list(argv), "cwd": os.getcwd(), "env": dict(os.environ), "path": sys.path}
         try:
             socket.send_fds(conn, [json.dumps(request).encode()], list(range(_STDIO)))
+            conn.settimeout(_ANSWER_TIMEOUT_S)
             answer = _receive(conn)
         except OSError as exc:
             say(f"the stack's runner did not take the run ({exc}); running it in this process")
@@ -346,7 +350,8 @@ class Runner:
         self._runs[pid] = run
         self._selector.register(conn, selectors.EVENT_READ, lambda _: self._from_caller(run))
         self._selector.register(pidfd, selectors.EVENT_READ, lambda _: self._ended(run))
-        _send(conn, {"started": pid, "api": request["env"]["PREFECT_API_URL"]})
+        with contextlib.suppress(OSError):  # a caller gone already: reading its connection kills the run
+            _send(conn, {"started": pid, "api": request["env"]["PREFECT_API_URL"]})
         logger.info("run %d started: %s (cwd %s)", pid, " ".join(request["argv"]), request["cwd"])
 
     def _from_caller(self, run: _Run) -> None:
