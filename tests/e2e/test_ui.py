@@ -98,7 +98,8 @@ def write_prefect_file(path: Path) -> None:
 def stack(local_stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Stack:
     """The session's stack (tests/local_stack.py), with the `digits-ui` deployment registered."""
     assert f"generated secrets for {SECRET_ENV} in {local_stack.home / 'secrets'}/" in local_stack.first_up
-    assert set(local_stack.records()) == {"prefect-server", "prefect-worker", "mlflow-server", "webhook"}
+    services = {"prefect-server", "prefect-worker", "mlflow-server", "webhook", "runner"}
+    assert set(local_stack.records()) == services
     prefect_file = tmp_path_factory.mktemp("ui") / "prefect.yaml"
     write_prefect_file(prefect_file)
     deployed = local_stack.cli("deploy", "--prefect-file", str(prefect_file))
