@@ -58,7 +58,7 @@ def started_runner(folder: Path, stack_api: str | None) -> Iterator[RunningRunne
     """A runner whose stack's Prefect server is ``stack_api`` (None: it does not answer)."""
     home, source = folder / "home", folder / "code.py"
     source.write_text("# the runner's code\n")
-    # As the stack starts it (tunepod.stack.services.run_runner): with the run defaults in place.
+    # As the stack starts it (tunepod.stack.services.tunepod_runner): with the run defaults in place.
     env = {**run_environment_defaults(), **caller_env()}
     if stack_api is not None:
         env["PREFECT_API_URL"] = stack_api

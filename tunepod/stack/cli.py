@@ -1,6 +1,6 @@
 """``tunepod up``, ``down``, ``status`` and ``deploy``: the local stack from the command line.
 
-    tunepod up                      # Prefect server + worker, MLflow server, webhook receiver; prints URLs
+    tunepod up                      # Prefect server + worker, MLflow server, webhook receiver, runner
     tunepod deploy                  # register deployments/prefect.yaml with that Prefect server
     tunepod status                  # what runs where, healthy or not
     tunepod down                    # stop it all

@@ -1,5 +1,5 @@
 """``up``, ``down``, ``status`` and ``deploy`` of the local stack: Prefect server and worker, MLflow server,
-webhook receiver.
+webhook receiver, and the runner that forks each ``tunepod run`` (``tunepod.stack.runner``).
 
 Every function is idempotent and keeps no state in memory: what runs is what the records under
 ``<home>/stack/`` say (checked against ``/proc``), so each command may run in a new process. Not safe to
@@ -93,7 +93,11 @@ def _start_all(
     """Start every service in order and wait until each is healthy, filling ``records`` and ``started``
     as it goes (so that a failure part-way knows what to stop). Returns why the webhook was skipped,
     and the hook secrets generated for it."""
-    wanted = [services.prefect_server(config), services.mlflow_server(config), services.run_runner(config)]
+    wanted = [
+        services.prefect_server(config),
+        services.mlflow_server(config),
+        services.tunepod_runner(config),
+    ]
     skipped = services.webhook_unavailable(config)
     generated = GeneratedSecrets({}, {})
     if skipped is None:

@@ -73,7 +73,7 @@ def worker_name(argv: list[str]) -> str:
     return argv[argv.index("--name") + 1]
 
 
-def run_runner(config: StackConfig) -> Service:
+def tunepod_runner(config: StackConfig) -> Service:
     """The process that forks each `tunepod run` on this stack (``tunepod.stack.runner``). Its environment
     is what a `tunepod run` from the same shell has, not the other services': the runs it forks must
     see the settings they would have had in a process of their own."""
