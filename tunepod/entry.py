@@ -16,9 +16,9 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from tunepod.stack.config import DEFAULT_HOME
 from tunepod.stack.runner import exit_like, forward_run
 
-_DEFAULT_HOME = ".tunepod"  # tunepod.stack.config.DEFAULT_HOME, not imported: its package is heavy
 _VALUED_OPTIONS = ("--set", "--home")
 
 
@@ -39,7 +39,7 @@ def plain_run_home(args: Sequence[str], environ: Mapping[str, str]) -> Path | No
     that is all the command line holds and no Prefect server is chosen; None for anything else."""
     if list(args[:1]) != ["run"] or environ.get("PREFECT_API_URL"):
         return None
-    home, positional, rest = environ.get("TUNEPOD_HOME") or _DEFAULT_HOME, 0, list(args[1:])
+    home, positional, rest = environ.get("TUNEPOD_HOME") or DEFAULT_HOME, 0, list(args[1:])
     while rest:
         token = rest.pop(0)
         name, equals, value = token.partition("=")
@@ -48,7 +48,8 @@ def plain_run_home(args: Sequence[str], environ: Mapping[str, str]) -> Path | No
                 return None
             value = rest.pop(0)
         if name in _VALUED_OPTIONS:
-            home = value if name == "--home" else home
+            if name == "--home":
+                home = value
         elif token.startswith("-"):
             return None  # --help and anything else: the full command line's business
         else:

@@ -2,7 +2,7 @@
 
 A new ``tunepod run`` spends seconds importing Prefect, MLflow and Optuna before it does anything (3.5-4 s
 on two cores, most of the fixed cost a run has on top of its jobs). ``tunepod up`` therefore starts one
-process that has imported them once (``python -m flows.runner``, which calls ``serve`` here) and forks
+process that has imported them once (``python -m flows.runner``, which runs ``Runner`` here) and forks
 it for each run: the forked child takes the caller's command, environment, working directory,
 ``sys.path`` and standard streams, and runs ``tunepod run`` in-process exactly as the caller would have.
 The caller (``forward_run``) passes its stdin, stdout and stderr over a Unix socket (``SCM_RIGHTS``),
@@ -18,6 +18,7 @@ reason and the caller runs in its own process (slower, same result):
   its settings once, at import: a child must not run with settings that are not the caller's);
 - a source file of tunepod, ``flows`` or ``tasks`` that the runner imported has changed since (a
   child would run the old code); restart the runner to pick it up;
+- the stack's Prefect server does not answer (the caller then starts a temporary one, as always);
 - the request is too large, or comes from another user (checked with ``SO_PEERCRED``).
 
 Messages are JSON, one per ``SOCK_SEQPACKET`` packet (boundaries kept by the kernel). The socket is in
@@ -247,8 +248,6 @@ class Runner:
         default_factory=lambda: {k: v for k, v in os.environ.items() if k.startswith(SHARED_PREFIXES)}
     )
     _selector: selectors.BaseSelector = field(default_factory=selectors.DefaultSelector)
-    _runs: dict[int, _Run] = field(default_factory=dict)
-    """By pid."""
 
     def serve_forever(self) -> None:
         """Answer requests until killed. Single-threaded on purpose: a process with other threads must
@@ -347,7 +346,6 @@ class Runner:
         conn.settimeout(None)
         pidfd = os.pidfd_open(pid)
         run = _Run(pid, conn, pidfd)
-        self._runs[pid] = run
         self._selector.register(conn, selectors.EVENT_READ, lambda _: self._from_caller(run))
         self._selector.register(pidfd, selectors.EVENT_READ, lambda _: self._ended(run))
         with contextlib.suppress(OSError):  # a caller gone already: reading its connection kills the run
@@ -384,7 +382,6 @@ class Runner:
         with contextlib.suppress(OSError):
             _send(run.conn, {"exit": code})
         run.conn.close()
-        del self._runs[run.pid]
 
     def _become_run(self, conn: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
         """In the child: take on the caller's process state and run the command; ``entry`` ends the
