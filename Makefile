@@ -34,7 +34,7 @@ lint: venv
 # minute on a fresh clone; the scripts mostly wait on Debian's installs).
 test: venv
 	$(MAKE) --no-print-directory -j2 lint services
-	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadgroup
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadgroup --durations=30
 
 services:
 	scripts/slurm-up || echo "warning: no local Slurm cluster; the slurm tests will skip (fail under CI=true)" >&2
