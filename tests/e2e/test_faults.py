@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -41,10 +42,12 @@ from faults_support import (
     submission,
     wait_for,
 )
+from local_stack import Stack
 from mlflow_server import mlflow_server
 from optuna.trial import TrialState
 from postgres import fresh_database
 
+from tunepod.launch.local import read_process_stat
 from tunepod.launch.paths import JobPaths
 from tunepod.runtime import read_reports
 from tunepod.runtime.progress import read_progress
@@ -126,6 +129,48 @@ def test_sigkill_of_the_orchestrator_group_mid_study_then_rerun(
     assert "re-attaching to unfinished trials" in rerun.output(), rerun.tail()
     assert_tracked_once(study, trials)
     assert_nothing_left(study)
+
+
+def test_sigkill_of_a_run_the_stack_runner_forked_then_rerun(local_stack: Stack, tmp_path: Path) -> None:
+    """Fault: SIGKILL of `tunepod run`'s process group while the local stack's runner runs its flow
+    (the orchestrator is then the runner's child, in a session of its own, not in the killed group),
+    then the same command again, through the runner too.
+
+    Proves: the runner kills its child when the command dies (as a SIGKILLed in-process run dies with
+    its group), the jobs survive it and the rerun re-attaches to them (same job id, first attempt, one
+    start each), the study ends with exactly num_trials trials tracked once, nothing of it runs after.
+    """
+    study = FaultStudy(tmp_path, "local", sqlite_tracking(tmp_path), sleep_s=2.0)
+    env = {name: value for name, value in local_stack.env.items() if name != "PREFECT_API_URL"}
+    tunepod = Tunepod(study.write(), {**env, "COLUMNS": "200"})
+    try:
+        first = tunepod.start("killed")
+        wait_for(lambda: len(study.started()) >= 2, "two trials' jobs to start training", running=first)
+        forked = re.search(r"running in the local stack's runner \(process (\d+)\)", first.output())
+        assert forked is not None, first.tail()
+        orchestrator = int(forked.group(1))
+        first.kill()
+        wait_for(lambda: not process_lives(orchestrator), "the runner to kill the orchestrator it forked")
+        in_flight = {n: job for n, d in study.started().items() if (job := submission(d).job_id)}
+
+        rerun = tunepod.run("rerun")
+    finally:
+        tunepod.close()
+
+    assert "running in the local stack's runner" in rerun.output(), rerun.tail()
+    assert "re-attaching to unfinished trials" in rerun.output(), rerun.tail()
+    trials = assert_study_complete(study)
+    assert_trained_once(study)
+    for number, job_id in in_flight.items():
+        assert submission(study.job_dir(number)).job_id == job_id, f"trial {number} got a new job"
+    assert_tracked_once(study, trials)
+    assert_nothing_left(study)
+
+
+def process_lives(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not exited (a zombie counts as gone)."""
+    stat = read_process_stat(pid)
+    return stat is not None and not stat.is_dead
 
 
 def test_mlflow_server_killed_mid_study_longer_than_the_retry_budget(runs: MakeRuns, tmp_path: Path) -> None:
