@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,13 @@ from tunepod.webhook.config import (
     parse_webhook_config,
 )
 from tunepod.webhook.dedupe import DeliveryLog
-from tunepod.webhook.events import EventRefused, EventSinkError, PrefectEventSink, hook_resource
+from tunepod.webhook.events import (
+    EventRefused,
+    EventSinkError,
+    OutgoingEvent,
+    PrefectEventSink,
+    hook_resource,
+)
 from tunepod.webhook.publisher import EventPublisher
 from tunepod.webhook.signatures import github_headers, new_standard_secret, standard_headers
 
@@ -380,6 +386,46 @@ def test_an_event_prefect_refuses_is_set_aside_and_the_events_after_it_go_on(
     assert deliveries.unpublished() == []
     assert f"Prefect refused event {bad_id}" in caplog.text
     assert prefect_events(api_url, id={"id": [bad_id]}) == []
+
+
+class CountingSink(PrefectEventSink):
+    """The real Prefect sink, counting its requests and the events in each."""
+
+    def __init__(self, api_url: str, http: httpx.Client) -> None:
+        super().__init__(api_url, http)
+        self.requests: list[int] = []
+
+    def publish_all(self, events: Sequence[OutgoingEvent]) -> None:
+        super().publish_all(events)
+        self.requests.append(len(events))
+
+
+def test_events_waiting_together_go_to_prefect_in_one_request(api_url: str, tmp_path: Path) -> None:
+    """Deliveries accepted while the publisher was busy (here: before it starts) are published in one
+    POST to Prefect and marked published in one commit; each keeps its own event id."""
+    deliveries = DeliveryLog(tmp_path / "deliveries.sqlite")
+    ids = {f"batch-{n}-{time.time_ns()}": str(uuid.uuid4()) for n in range(5)}
+    for delivery, event_id in ids.items():
+        event = {
+            "name": "tunepod.webhook.digits",
+            "resource": hook_resource("digits"),
+            "payload": {"d": delivery},
+        }
+        assert deliveries.claim("digits", delivery, event_id, event) is None
+    with httpx.Client(timeout=30) as http:
+        sink = CountingSink(api_url, http)
+        publisher = EventPublisher(deliveries, sink).start()
+        try:
+            stored = {event_id: wait_for_event(api_url, event_id) for event_id in ids.values()}
+        finally:
+            publisher.stop()
+    assert sink.requests == [5]
+    assert {delivery: stored[event_id]["payload"]["d"] for delivery, event_id in ids.items()} == {
+        delivery: delivery for delivery in ids
+    }
+    assert deliveries.unpublished() == []
+    reopened = DeliveryLog(tmp_path / "deliveries.sqlite")
+    assert reopened.unpublished() == [] and all(reopened.event_for("digits", d) == e for d, e in ids.items())
 
 
 def test_a_wrong_api_url_is_kept_for_a_retry_and_an_invalid_event_is_refused(api_url: str) -> None:

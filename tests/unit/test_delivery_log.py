@@ -22,7 +22,7 @@ def test_a_claim_waits_unpublished_in_order_until_marked(tmp_path: Path) -> None
         ("msg-1", "event-1", {"n": 1}),
         ("msg-2", "event-2", {"n": 2}),
     ]
-    log.mark_published(pending[0])
+    log.mark_published(pending[:1])
     assert [p.event_id for p in DeliveryLog(tmp_path / "d.sqlite3").unpublished()] == ["event-2"]
     assert log.event_for("digits", "msg-1") == "event-1"  # still a duplicate once published
 

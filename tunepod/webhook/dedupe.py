@@ -9,9 +9,12 @@ receiver answers 202 once the claim is on disk and publishes from here (``unpubl
 older than ``ttl_s`` are forgotten (a sender does not retry for days); unpublished ones stay, and so
 do those Prefect refused as invalid (``mark_refused``, ``refused``: kept with Prefect's answer).
 
-Durability: the file is in WAL mode with ``synchronous=FULL``, so a claim is on disk (the WAL fsynced)
-before ``claim`` returns, at the cost of one fsync per claim rather than the rollback journal's
-several. WAL needs the file on a local filesystem (not NFS), like any SQLite file shared by processes.
+Durability: the file is in WAL mode. A claim commits with ``synchronous=FULL``, so it is on disk (the
+WAL fsynced) before ``claim`` returns, at the cost of one fsync per claim rather than the rollback
+journal's several. The publisher's marks commit with ``synchronous=NORMAL`` (no fsync; they survive
+a crash of the process, and a power loss can only undo the last ones): a mark undone means an event
+published again under its same id, which Prefect keeps once, so a second fsync per delivery would buy
+nothing. WAL needs the file on a local filesystem (not NFS), like any SQLite file shared by processes.
 
 Thread and process safety: each thread keeps one connection of its own (opening one costs more than
 the query) and every call runs one transaction, so one ``DeliveryLog`` may be shared by threads, and
@@ -25,7 +28,7 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,18 +137,18 @@ class DeliveryLog:
             for (hook, delivery, event_id, event) in rows
         ]
 
-    def mark_published(self, pending: PendingEvent) -> None:
-        """Prefect has ``pending``'s event: drop its copy, keep the delivery id for dedupe."""
-        with self._transaction() as conn:
-            conn.execute(
+    def mark_published(self, published: Sequence[PendingEvent]) -> None:
+        """Prefect has these events: drop their copies, keep the delivery ids for dedupe (one commit)."""
+        with self._transaction(durable=False) as conn:
+            conn.executemany(
                 "UPDATE deliveries SET published = 1, event = NULL WHERE hook = ? AND delivery_id = ?"
                 " AND event_id = ?",
-                (pending.hook, pending.delivery_id, pending.event_id),
+                [(pending.hook, pending.delivery_id, pending.event_id) for pending in published],
             )
 
     def mark_refused(self, pending: PendingEvent, reason: str) -> None:
         """Prefect refused ``pending``'s event for good: keep it, with ``reason``, out of the queue."""
-        with self._transaction() as conn:
+        with self._transaction(durable=False) as conn:
             conn.execute(
                 "UPDATE deliveries SET published = ?, refusal = ? WHERE hook = ? AND delivery_id = ?"
                 " AND event_id = ?",
@@ -166,18 +169,22 @@ class DeliveryLog:
         ]
 
     @contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
-        with self._connection() as conn:
+    def _transaction(self, *, durable: bool = True) -> Iterator[sqlite3.Connection]:
+        """One transaction on this thread's connection; ``durable``: its commit fsyncs the WAL."""
+        conn = self._connection(durable)
+        with conn:
             yield conn
 
-    def _connection(self) -> sqlite3.Connection:
+    def _connection(self, durable: bool) -> sqlite3.Connection:
         """This thread's connection, opened on first use (it closes when the thread ends)."""
         conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
         if conn is None:
             conn = sqlite3.connect(self.path, timeout=self._timeout_s)
-            # journal_mode is kept in the file; synchronous is per connection: FULL fsyncs the WAL
-            # at every commit, so a committed claim survives a power loss.
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=FULL")
-            self._local.conn = conn
+            conn.execute("PRAGMA journal_mode=WAL")  # kept in the file
+            self._local.conn, self._local.durable = conn, None
+        if self._local.durable is not durable:
+            # Per connection, outside a transaction: FULL fsyncs the WAL at every commit (a committed
+            # claim survives a power loss), NORMAL leaves it to the checkpoints.
+            conn.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
+            self._local.durable = durable
         return conn

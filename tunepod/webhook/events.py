@@ -14,7 +14,8 @@ never imports Prefect.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
@@ -48,19 +49,24 @@ class EventRefused(TunepodError):
 REFUSED_STATUSES = frozenset({400, 413, 422})
 
 
+@dataclass(frozen=True)
+class OutgoingEvent:
+    """An event to publish: its id (the one the sender was given), name, resource and payload."""
+
+    event_id: str
+    name: str
+    resource: Mapping[str, str]
+    payload: Mapping[str, Any]
+
+
 class EventSink(Protocol):
-    """Publishes one event. Implementations must be safe to call from several threads at once."""
+    """Publishes events. Implementations must be safe to call from several threads at once."""
 
-    def publish(
-        self,
-        name: str,
-        resource: Mapping[str, str],
-        payload: Mapping[str, Any],
-        event_id: str | None = None,
-    ) -> str:
-        """Publish the event (with ``event_id``, or a new uuid4) and return its id.
+    def publish_all(self, events: Sequence[OutgoingEvent]) -> None:
+        """Publish every event in ``events``, in one request where the backend takes several.
 
-        Raises ``EventSinkError`` when it was not published, ``EventRefused`` when it never can be.
+        Raises ``EventSinkError`` when they were not published, ``EventRefused`` when they never can
+        be (one invalid event can refuse the whole request: publish one at a time to find it).
         """
         ...
 
@@ -83,28 +89,37 @@ class PrefectEventSink:
         payload: Mapping[str, Any],
         event_id: str | None = None,
     ) -> str:
+        """Publish one event (with ``event_id``, or a new uuid4) and return its id."""
         event_id = event_id or str(uuid.uuid4())
-        event = {
-            "id": event_id,
-            "occurred": datetime.now(UTC).isoformat(),
-            "event": name,
-            "resource": dict(resource),
-            "related": [],
-            "payload": dict(payload),
-        }
+        self.publish_all([OutgoingEvent(event_id, name, resource, payload)])
+        return event_id
+
+    def publish_all(self, events: Sequence[OutgoingEvent]) -> None:
+        occurred = datetime.now(UTC).isoformat()
+        body = [
+            {
+                "id": event.event_id,
+                "occurred": occurred,
+                "event": event.name,
+                "resource": dict(event.resource),
+                "related": [],
+                "payload": dict(event.payload),
+            }
+            for event in events
+        ]
+        names = ", ".join(sorted({event.name for event in events}))
         url = f"{self.api_url}/events"
         try:
-            response = self._client.post(url, json=[event], timeout=self._timeout_s)
+            response = self._client.post(url, json=body, timeout=self._timeout_s)
         except httpx.HTTPError as exc:
             raise EventSinkError(f"could not reach the Prefect API at {url}: {exc}") from exc
         if response.status_code in REFUSED_STATUSES:
             raise EventRefused(
-                f"the Prefect API at {url} refused event {name} with {response.status_code}: "
+                f"the Prefect API at {url} refused event {names} with {response.status_code}: "
                 f"{response.text[:500]}"
             )
         if not response.is_success:
             raise EventSinkError(
-                f"the Prefect API at {url} answered {response.status_code} to event {name}: "
+                f"the Prefect API at {url} answered {response.status_code} to event {names}: "
                 f"{response.text[:500]}"
             )
-        return event_id

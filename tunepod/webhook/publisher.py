@@ -1,7 +1,8 @@
 """Sends accepted deliveries' events to Prefect from the delivery log, on a thread of its own.
 
 The receiver answers 202 as soon as a delivery's claim (with its event) is on disk; this thread
-publishes what the log holds unpublished, oldest first, and marks each one published. When Prefect
+publishes what the log holds unpublished, oldest first, every event waiting in one request (under
+load, events accumulate while a request is out), and marks them published in one commit. When Prefect
 does not take an event, it waits (0.5 s, doubling to ``max_backoff_s``) and tries again, never dropping
 one: a Prefect outage delays runs, it loses no delivery, and a receiver restarted after a crash
 publishes what the last one had not. Each event keeps the id the sender was given, so one published
@@ -17,7 +18,7 @@ import threading
 import time
 
 from tunepod.webhook.dedupe import DeliveryLog, PendingEvent
-from tunepod.webhook.events import EventRefused, EventSink, EventSinkError
+from tunepod.webhook.events import EventRefused, EventSink, EventSinkError, OutgoingEvent
 
 logger = logging.getLogger("tunepod.webhook")
 
@@ -77,31 +78,30 @@ class EventPublisher:
                 backoff_s = min(self._max_backoff_s, backoff_s * 2)
 
     def _publish_pending(self) -> bool:
-        """Publish the log's unpublished events, oldest first; False at the first one Prefect refused."""
+        """Publish the log's unpublished events, oldest first, as many per request as are waiting;
+        False when Prefect did not take them."""
         while not self._stop.is_set():
             batch = self._deliveries.unpublished()
             if not batch:
                 return True
-            for pending in batch:
-                if not self._publish(pending):
+            try:
+                self._sink.publish_all([_outgoing(pending) for pending in batch])
+            except EventSinkError as exc:
+                self._note_down(batch[0], exc)
+                return False
+            except EventRefused:
+                # One invalid event refuses the whole request: one at a time, it is set aside alone.
+                if not all(self._publish_alone(pending) for pending in batch):
                     return False
+                continue
+            self._published(batch)
         return True
 
-    def _publish(self, pending: PendingEvent) -> bool:
-        event = pending.event
+    def _publish_alone(self, pending: PendingEvent) -> bool:
         try:
-            self._sink.publish(event["name"], event["resource"], event["payload"], pending.event_id)
+            self._sink.publish_all([_outgoing(pending)])
         except EventSinkError as exc:
-            if self._down_since is None:
-                self._down_since = time.monotonic()
-                logger.warning(
-                    "webhook: Prefect did not take event %s of hook %s (%s); accepted deliveries are kept "
-                    "in %s and published when it answers",
-                    pending.event_id,
-                    pending.hook,
-                    exc,
-                    self._deliveries.path,
-                )
+            self._note_down(pending, exc)
             return False
         except EventRefused as exc:
             self._deliveries.mark_refused(pending, str(exc))
@@ -115,12 +115,33 @@ class EventPublisher:
                 self._deliveries.path,
             )
             return True
-        self._deliveries.mark_published(pending)
+        self._published([pending])
+        return True
+
+    def _note_down(self, pending: PendingEvent, exc: EventSinkError) -> None:
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+            logger.warning(
+                "webhook: Prefect did not take event %s of hook %s (%s); accepted deliveries are kept "
+                "in %s and published when it answers",
+                pending.event_id,
+                pending.hook,
+                exc,
+                self._deliveries.path,
+            )
+
+    def _published(self, batch: list[PendingEvent]) -> None:
+        self._deliveries.mark_published(batch)
         if self._down_since is not None:
             logger.warning(
                 "webhook: Prefect answers again after %.0fs; publishing the events kept meanwhile",
                 time.monotonic() - self._down_since,
             )
             self._down_since = None
-        logger.info("webhook %s: event %s published", pending.hook, pending.event_id)
-        return True
+        for pending in batch:
+            logger.info("webhook %s: event %s published", pending.hook, pending.event_id)
+
+
+def _outgoing(pending: PendingEvent) -> OutgoingEvent:
+    event = pending.event
+    return OutgoingEvent(pending.event_id, event["name"], event["resource"], event["payload"])
