@@ -347,6 +347,9 @@ class ObservedJob:
     def logs(self, tail: int = 50) -> str:
         return self.handle.logs(tail)
 
+    def idle(self, seconds: float) -> None:
+        self.handle.idle(seconds)
+
     def describe(self) -> str:
         return self.handle.describe()
 

@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -190,6 +191,26 @@ def test_zombie_wrapper_counts_as_dead(local_launcher: LocalLauncher, tmp_path: 
         assert local_launcher.attach(job_id, paths.job_dir).state() is JobState.FAILED
     finally:
         zombie.wait()
+
+
+def test_idle_ends_with_the_job_and_sleeps_when_there_is_nothing_to_wait_on(
+    local_launcher: LocalLauncher, tmp_path: Path
+) -> None:
+    """The driver idles on the handle between two polls: a local job's idle returns when its wrapper
+    exits (a pidfd), not after the whole wait; with no wrapper left it sleeps its time, never spins."""
+    handle = local_launcher.submit(fixture_job(tmp_path / "job", "hang.py", str(tmp_path / "pids")))
+    wait_until(lambda: (tmp_path / "pids" / "rank-0.json").exists(), "the job to start")
+    ended = threading.Event()
+    idler = threading.Thread(target=lambda: (handle.idle(600.0), ended.set()))
+    idler.start()
+    assert not ended.wait(1.0), "idle returned while the job ran"
+    handle.cancel()
+    idler.join(timeout=60)
+    assert ended.is_set(), "idle went on after the job had ended"
+    assert handle.state() is JobState.CANCELLED
+    started = time.monotonic()
+    handle.idle(0.3)
+    assert time.monotonic() - started >= 0.3
 
 
 def test_paths_with_spaces_and_quotes_need_no_quoting(local_launcher: LocalLauncher, tmp_path: Path) -> None:

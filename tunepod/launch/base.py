@@ -140,6 +140,11 @@ class JobHandle(Protocol):
         """One line on how the backend saw the job end (exit code, scheduler state and reason)."""
         ...
 
+    def idle(self, seconds: float) -> None:
+        """Wait ``seconds`` between two polls, or less: a backend that can tell its job ended returns
+        then, so that a finished job's slot is freed at once rather than at the next poll."""
+        ...
+
 
 @runtime_checkable
 class Launcher(Protocol):
@@ -496,6 +501,9 @@ class Job(Generic[S]):
 
     def describe(self) -> str:
         return self.launcher.describe_status(self, self.status())
+
+    def idle(self, seconds: float) -> None:
+        time.sleep(seconds)  # a backend known only through its polls: nothing to wait on between them
 
     def _wait_until_ended(self) -> None:
         deadline = time.monotonic() + self.launcher.cancel_timeout_s

@@ -160,7 +160,7 @@ class JobDriver:
             if stopping is not None and state is not None:
                 self._stop(handle, stopping)
                 continue
-            time.sleep(self.settings.poll_s)
+            handle.idle(self.settings.poll_s)
 
     def _settle(
         self, handle: JobHandle, state: JobState, stopping: CancelReason | None

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -86,6 +87,21 @@ class LocalJob(Job[LocalStatus]):
     @property
     def exit_code(self) -> int | None:
         return read_exit_code(self.paths, self.submission_id)
+
+    def idle(self, seconds: float) -> None:
+        """Up to ``seconds``, returning as soon as the job's wrapper exits (it writes the exit code
+        first): waited on through a pidfd, which works for a wrapper another orchestrator started."""
+        wrapper = _wrapper(self.record)
+        pidfd = _pidfd(wrapper[0]) if wrapper is not None else None
+        try:
+            # Checked after the open, so the pidfd is the wrapper's and not a later process's.
+            if pidfd is not None and wrapper is not None and is_same_process(*wrapper):
+                select.select([pidfd], [], [], seconds)
+            else:  # no wrapper to wait on (gone, killed): only the next poll can tell
+                time.sleep(seconds)
+        finally:
+            if pidfd is not None:
+                os.close(pidfd)
 
     def pids(self) -> list[int]:
         """The live processes of this job: the wrapper, torchrun, its workers and their children."""
@@ -258,6 +274,13 @@ def _wrapper(record: Submission | None) -> tuple[int, int] | None:
     if record is None or "pid" not in record.details or "start_ticks" not in record.details:
         return None
     return int(record.details["pid"]), int(record.details["start_ticks"])
+
+
+def _pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except OSError:  # gone already, or a kernel without pidfds
+        return None
 
 
 def _signal_all(job: LocalJob, signum: signal.Signals) -> None:
