@@ -121,6 +121,8 @@ def _started(tmp: Path, databases: dict[str, str], s3: MotoServer) -> Iterator[S
     env = {
         **{name: value for name, value in os.environ.items() if name != UI_SECRET_ENV},
         "TUNEPOD_HOME": str(home),
+        # One MLflow worker, as an operator sets it (`up --mlflow-workers`): each costs a full start.
+        "TUNEPOD_MLFLOW_WORKERS": "1",
         "COLUMNS": "250",
         **{f"TUNEPOD_{name}_PORT": str(port) for name, port in ports.items()},
         # In the environment, as an operator would keep them: a later `up` (after a fault) reuses them.

@@ -136,6 +136,7 @@ def test_up_brings_every_service_to_healthy_and_records_it(stack: Stack) -> None
         assert Path(record.log).is_file()
     assert http_ok(f"{stack.api}/health")
     assert http_ok(f"{records['mlflow-server'].url}/health")
+    assert records["mlflow-server"].argv[-2:] == ["--workers", stack.env["TUNEPOD_MLFLOW_WORKERS"]]
     assert records["prefect-server"].url in stack.first_up
     assert "started" in stack.first_up
     assert http_ok(f"{records['webhook'].url}/healthz")

@@ -82,6 +82,16 @@ MlflowArtifactsOption = Annotated[
         show_default=False,
     ),
 ]
+MlflowWorkersOption = Annotated[
+    int | None,
+    typer.Option(
+        "--mlflow-workers",
+        envvar="TUNEPOD_MLFLOW_WORKERS",
+        min=1,
+        help="The MLflow server's worker processes (default: 4, or fewer on a machine with fewer cores).",
+        show_default=False,
+    ),
+]
 TimeoutOption = Annotated[
     float, typer.Option("--timeout-s", help="How long to wait for each service to become healthy.")
 ]
@@ -120,6 +130,7 @@ def up(
     prefect_database: PrefectDatabaseOption = None,
     mlflow_database: MlflowDatabaseOption = None,
     mlflow_artifacts: MlflowArtifactsOption = None,
+    mlflow_workers: MlflowWorkersOption = None,
 ) -> None:
     """Start the local stack (what already runs is left alone) and print where each service listens."""
     config = replace(
@@ -128,6 +139,8 @@ def up(
         mlflow_database=mlflow_database,
         mlflow_artifacts=mlflow_artifacts,
     )
+    if mlflow_workers is not None:
+        config = replace(config, mlflow_workers=mlflow_workers)
     try:
         report = manage.up(config)
     except StackError as exc:

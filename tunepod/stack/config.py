@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_HOME = ".tunepod"
 WORK_POOL = "tunepod-local"
 DEFAULT_WEBHOOK_CONFIG = Path("deployments/webhooks.yaml")
 DEFAULT_PREFECT_FILE = Path("deployments/prefect.yaml")
+
+
+def default_mlflow_workers() -> int:
+    """MLflow's own default (4), but no more than this machine's cores: each worker is a process that
+    imports MLflow (about 17 s of CPU on 2 loaded cores) and serves in Python, so workers beyond the
+    cores cost start-up time and memory and add no throughput."""
+    return max(1, min(4, os.cpu_count() or 1))
 
 
 @dataclass(frozen=True)
@@ -46,6 +54,8 @@ class StackConfig:
     """The MLflow server's backend store (``postgresql://...``); default: ``<home>/mlflow.db``."""
     mlflow_artifacts: str | None = None
     """Where the MLflow server keeps artifacts (``s3://bucket/prefix``); default: ``<home>/mlartifacts``."""
+    mlflow_workers: int = field(default_factory=default_mlflow_workers)
+    """The MLflow server's worker processes (``mlflow server --workers``)."""
 
     def __post_init__(self) -> None:
         # Absolute paths: the services run with cwd=repo and later commands may run from elsewhere.

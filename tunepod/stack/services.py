@@ -88,6 +88,7 @@ def mlflow_server(config: StackConfig) -> Service:
     a password and argv is in the service record."""
     argv = [config.python, "-m", "mlflow", "server"]
     argv += ["--host", config.host, "--port", str(config.mlflow_port)]
+    argv += ["--workers", str(config.mlflow_workers)]
     database = config.mlflow_database or f"sqlite:///{config.home / 'mlflow.db'}"
     env = {
         **os.environ,
