@@ -400,9 +400,14 @@ class CountingSink(PrefectEventSink):
         self.requests.append(len(events))
 
 
-def test_events_waiting_together_go_to_prefect_in_one_request(api_url: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("per_request", "requests"), [(100, [5]), (2, [2, 2, 1])])
+def test_events_waiting_together_go_to_prefect_in_one_request(
+    api_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, per_request: int, requests: list[int]
+) -> None:
     """Deliveries accepted while the publisher was busy (here: before it starts) are published in one
-    POST to Prefect and marked published in one commit; each keeps its own event id."""
+    POST to Prefect (a backlog larger than a request's worth: in several, one after the other) and
+    marked published in one commit each; every event keeps its own id."""
+    monkeypatch.setattr("tunepod.webhook.publisher.BATCH_EVENTS", per_request)
     deliveries = DeliveryLog(tmp_path / "deliveries.sqlite")
     ids = {f"batch-{n}-{time.time_ns()}": str(uuid.uuid4()) for n in range(5)}
     for delivery, event_id in ids.items():
@@ -419,7 +424,7 @@ def test_events_waiting_together_go_to_prefect_in_one_request(api_url: str, tmp_
             stored = {event_id: wait_for_event(api_url, event_id) for event_id in ids.values()}
         finally:
             publisher.stop()
-    assert sink.requests == [5]
+    assert sink.requests == requests
     assert {delivery: stored[event_id]["payload"]["d"] for delivery, event_id in ids.items()} == {
         delivery: delivery for delivery in ids
     }
