@@ -24,6 +24,8 @@ import httpx
 import pytest
 from ports import free_port
 
+from tunepod.tracking.sqlite_store import seed_new_store
+
 START_LIMIT_S = 120.0
 
 
@@ -45,6 +47,8 @@ class MlflowServer:
         """Start the server and wait until ``/health`` answers (bounded; fails with its log)."""
         assert self.process is None, "the MLflow server is running already"
         self.folder.mkdir(parents=True, exist_ok=True)
+        # As tunepod opens a new SQLite store: a copy of the cached empty one (seconds of migrations).
+        seed_new_store(f"sqlite:///{self.folder / 'mlflow.db'}")
         argv = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port)]
         argv += ["--backend-store-uri", f"sqlite:///{self.folder / 'mlflow.db'}"]
         argv += ["--artifacts-destination", str(self.folder / "artifacts"), "--workers", "1"]
