@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,7 @@ def test_an_existing_store_and_other_uris_are_left_alone(cache: Path, tmp_path: 
     assert existing.read_bytes() == before
     assert seed_new_store("http://127.0.0.1:5000") is False
     assert seed_new_store(f"sqlite:///{tmp_path / 'no-such-folder' / 'x.db'}") is False
+    assert not list(tmp_path.glob(".*.seeding"))
     assert not cache.exists(), "nothing needed the cache"
 
 
@@ -69,3 +71,23 @@ def test_without_a_usable_cache_mlflow_builds_the_store_itself(
     assert not (tmp_path / "x.db").exists() and not list(tmp_path.glob(".x.db.*"))
     tracker = MlflowTracker(f"sqlite:///{tmp_path / 'x.db'}", "digits")
     assert tracker.client.get_experiment_by_name("digits") is not None
+
+
+def test_a_store_another_tool_made_meanwhile_is_never_replaced(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A race stood in for in-process (another process creating the store between tunepod's look and
+    its copy cannot be timed from here): the store appears while the copy is made."""
+    database = tmp_path / "raced.db"
+    copy = shutil.copyfile
+
+    def copy_while_another_tool_creates_the_store(source: Path, target: Path) -> object:
+        MlflowClient(f"sqlite:///{database}").create_experiment("theirs")
+        return copy(source, target)
+
+    monkeypatch.setattr(
+        "tunepod.tracking.sqlite_store.shutil.copyfile", copy_while_another_tool_creates_the_store
+    )
+    assert seed_new_store(f"sqlite:///{database}") is False
+    assert MlflowClient(f"sqlite:///{database}").get_experiment_by_name("theirs") is not None
+    assert not list(tmp_path.glob(".*.seeding"))

@@ -47,11 +47,14 @@ def seed_new_store(tracking_uri: str) -> bool:
     seeding = database.with_name(f".{database.name}.{os.getpid()}.seeding")
     try:
         shutil.copyfile(empty_store(), seeding)
-        os.replace(seeding, database)
-    except Exception as exc:  # any failure: MLflow builds the store itself, as before
+        # A link, not a rename: it fails if a store appeared meanwhile (MLflow itself, another tool),
+        # where a rename would replace it.
+        os.link(seeding, database)
+    except Exception as exc:  # any failure: MLflow builds (or opens) the store itself, as before
         logger.debug("new MLflow store %s not seeded from the cache: %s", database, exc)
-        seeding.unlink(missing_ok=True)
         return False
+    finally:
+        seeding.unlink(missing_ok=True)
     return True
 
 
