@@ -60,7 +60,9 @@ def test_each_sampler_runs_a_study_past_its_start_up_trials(
         trial = study.ask(space)
         study.tell(trial, trial.params["lr"] * trial.params["width"])
     assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * 6
-    assert len({(t.params["lr"], t.params["width"]) for t in study.trials}) == 6
+    # Reseeded per trial, a sampler never suggests one whole point twice (a model-based one may well
+    # come back to the best corner of lr x width with the other activation).
+    assert len({tuple(sorted(t.params.items())) for t in study.trials}) == 6
 
 
 @pytest.mark.parametrize(
@@ -131,6 +133,12 @@ def test_each_pruner_stops_a_clearly_worse_trial_and_keeps_a_good_one(
         ({"kind": "threshold"}, "pruner kind threshold needs a bound; fix: set lower, upper or both"),
         ({"kind": "median", "min_resource": 3}, "pruner.min_resource applies to pruner kind hyperband or"),
         ({"kind": "hyperband", "p_threshold": 0.05}, "pruner.p_threshold applies to pruner kind wilcoxon"),
+        ({"kind": "successive_halving", "max_resource": 6}, "pruner.max_resource applies to pruner kind hyperband"),
+        (
+            {"kind": "hyperband", "min_resource": 4, "max_resource": 3},
+            "pruner.max_resource 3 is below min_resource 4; fix: set max_resource to the step of a full "
+            r"trial's last report \+ 1, or leave it out",
+        ),
     ],
 )
 def test_unsuitable_pruner_options_are_refused_with_the_fix(pruner: dict[str, Any], message: str) -> None:
@@ -142,3 +150,28 @@ def test_unsuitable_pruner_options_are_refused_with_the_fix(pruner: dict[str, An
 def test_a_constraint_that_does_not_parse_is_refused_with_its_form(tmp_path: Path, text: str) -> None:
     with pytest.raises(ValidationError, match=r"is not '<metric> <= <number>' or '<metric> >= <number>'"):
         settings(tmp_path, "tpe", constraints=[text])
+
+
+def running_trial_pruned(study: optuna.Study, values: list[float]) -> bool:
+    """Report ``values`` step by step and ask the pruner once, the trial left running."""
+    trial = study.ask()
+    for step, value in enumerate(values):
+        trial.report(value, step)
+    return study.pruner.prune(study, study.trials[trial.number])
+
+
+@pytest.mark.parametrize(("max_resource", "prunes"), [(None, False), (6, True)])
+def test_hyperband_prunes_before_any_trial_completed_only_with_max_resource(
+    max_resource: int | None, prunes: bool
+) -> None:
+    """Unset, Hyperband sizes its brackets from the first completed trial and prunes nothing before
+    (on a short budget, most of it); with ``max_resource`` the trials clearly worse than those
+    running beside them are pruned from the start."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    spec = PrunerSpec(kind="hyperband", min_resource=1, max_resource=max_resource)
+    study = optuna.create_study(study_name="hyperband", direction="maximize", pruner=make_pruner(spec))
+    for _ in range(3):
+        running_trial_pruned(study, [0.90, 0.95])
+    outcomes = [running_trial_pruned(study, [0.10, 0.12]) for _ in range(6)]
+    assert any(outcomes) is prunes
+    assert not any(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)

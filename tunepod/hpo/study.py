@@ -197,8 +197,12 @@ class ThreadSafeHyperbandPruner(optuna.pruners.HyperbandPruner):
     half built. A subclass, not a wrapper: Optuna gives the samplers bracket-filtered trials only when
     ``study.pruner`` is a ``HyperbandPruner``."""
 
-    def __init__(self, *, min_resource: int, reduction_factor: int) -> None:
-        super().__init__(min_resource=min_resource, reduction_factor=reduction_factor)
+    def __init__(self, *, min_resource: int, max_resource: int | None, reduction_factor: int) -> None:
+        super().__init__(
+            min_resource=min_resource,
+            max_resource="auto" if max_resource is None else max_resource,
+            reduction_factor=reduction_factor,
+        )
         self._lock = threading.RLock()
 
     def prune(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> bool:
@@ -213,7 +217,7 @@ class ThreadSafeHyperbandPruner(optuna.pruners.HyperbandPruner):
 def make_pruner(spec: PrunerSpec) -> optuna.pruners.BasePruner:
     if spec.kind == "hyperband":
         return ThreadSafeHyperbandPruner(
-            min_resource=spec.min_resource, reduction_factor=spec.reduction_factor
+            min_resource=spec.min_resource, max_resource=spec.max_resource, reduction_factor=spec.reduction_factor
         )
     if spec.kind == "successive_halving":
         return optuna.pruners.SuccessiveHalvingPruner(

@@ -645,6 +645,7 @@ PrunerKind = Literal["hyperband", "successive_halving", "median", "threshold", "
 #: Which pruner kinds each option of ``PrunerSpec`` applies to.
 PRUNER_OPTIONS: dict[str, tuple[str, ...]] = {
     "min_resource": ("hyperband", "successive_halving"),
+    "max_resource": ("hyperband",),
     "reduction_factor": ("hyperband", "successive_halving"),
     "warmup_steps": ("median", "threshold", "wilcoxon"),
     "lower": ("threshold",),
@@ -665,6 +666,14 @@ class PrunerSpec(Strict):
     min_resource: int = Field(
         1, ge=1, description="hyperband, successive_halving: steps a trial runs before it can be pruned."
     )
+    max_resource: int | None = Field(
+        None,
+        ge=1,
+        description="hyperband: a full trial's resource, the step of its last report + 1 (its epochs, "
+        "for a job that reports epochs 0, 1, ...), which sizes the brackets. Unset, Hyperband learns it "
+        "from the first trial that completes and prunes nothing before; set, it prunes from the first "
+        "trials on.",
+    )
     reduction_factor: int = Field(3, ge=2, description="hyperband, successive_halving: reduction factor.")
     warmup_steps: int = Field(
         0, ge=0, description="median, threshold, wilcoxon: steps reported before pruning starts."
@@ -678,6 +687,11 @@ class PrunerSpec(Strict):
         _options_fit_kind(self, self.kind, PRUNER_OPTIONS, "pruner")
         if self.kind == "threshold" and self.lower is None and self.upper is None:
             raise ValueError("pruner kind threshold needs a bound; fix: set lower, upper or both")
+        if self.max_resource is not None and self.max_resource < self.min_resource:
+            raise ValueError(
+                f"pruner.max_resource {self.max_resource} is below min_resource {self.min_resource}; fix: set "
+                "max_resource to the step of a full trial's last report + 1, or leave it out"
+            )
         return self
 
 
