@@ -133,7 +133,10 @@ def test_each_pruner_stops_a_clearly_worse_trial_and_keeps_a_good_one(
         ({"kind": "threshold"}, "pruner kind threshold needs a bound; fix: set lower, upper or both"),
         ({"kind": "median", "min_resource": 3}, "pruner.min_resource applies to pruner kind hyperband or"),
         ({"kind": "hyperband", "p_threshold": 0.05}, "pruner.p_threshold applies to pruner kind wilcoxon"),
-        ({"kind": "successive_halving", "max_resource": 6}, "pruner.max_resource applies to pruner kind hyperband"),
+        (
+            {"kind": "successive_halving", "max_resource": 6},
+            "pruner.max_resource applies to pruner kind hyperband",
+        ),
         (
             {"kind": "hyperband", "min_resource": 4, "max_resource": 3},
             "pruner.max_resource 3 is below min_resource 4; fix: set max_resource to the step of a full "

@@ -217,7 +217,9 @@ class ThreadSafeHyperbandPruner(optuna.pruners.HyperbandPruner):
 def make_pruner(spec: PrunerSpec) -> optuna.pruners.BasePruner:
     if spec.kind == "hyperband":
         return ThreadSafeHyperbandPruner(
-            min_resource=spec.min_resource, max_resource=spec.max_resource, reduction_factor=spec.reduction_factor
+            min_resource=spec.min_resource,
+            max_resource=spec.max_resource,
+            reduction_factor=spec.reduction_factor,
         )
     if spec.kind == "successive_halving":
         return optuna.pruners.SuccessiveHalvingPruner(

@@ -689,8 +689,8 @@ class PrunerSpec(Strict):
             raise ValueError("pruner kind threshold needs a bound; fix: set lower, upper or both")
         if self.max_resource is not None and self.max_resource < self.min_resource:
             raise ValueError(
-                f"pruner.max_resource {self.max_resource} is below min_resource {self.min_resource}; fix: set "
-                "max_resource to the step of a full trial's last report + 1, or leave it out"
+                f"pruner.max_resource {self.max_resource} is below min_resource {self.min_resource}; "
+                "fix: set max_resource to the step of a full trial's last report + 1, or leave it out"
             )
         return self
 
