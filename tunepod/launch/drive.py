@@ -115,8 +115,13 @@ class JobDriver:
         self._nudged_at = time.monotonic()
 
     def run(self, lease: Lease | None = None) -> DriveResult:
-        """Drive the job dir to an outcome, holding ``lease`` (taken here when not given)."""
-        lease = lease or self._take_lease()
+        """Drive the job dir to an outcome, holding ``lease``. A lease given stays held: its caller
+        releases it once it has recorded the outcome (a tuner tells Optuna first; released before, a
+        second orchestrator saw the trial RUNNING with its lease free and drove it again). A lease
+        taken here when none is given is released here."""
+        if lease is not None:
+            return self._drive(lease)
+        lease = self._take_lease()
         try:
             return self._drive(lease)
         finally:
