@@ -1,0 +1,270 @@
+"""The digits quality study replayed in one process, in simulated time: which tuning settings to measure.
+
+    .venv/bin/python -m benchmarks.quality.simulate                      # the benchmark's two arms
+    .venv/bin/python -m benchmarks.quality.simulate --seeds 20 --arms \\
+        "random/none,tpe/hyperband:1:auto,tpe/hyperband:2:6,tpe:4/none"
+
+A real study of the benchmark takes minutes; its outcome is mostly which parameters the sampler draws
+and which trials the pruner stops, and those depend on the learning curves alone. This trains each
+drawn configuration in-process with the digits trainer's code and settings (examples/digits/train.py:
+one process, batch 64, seed 0, the staged splits) and replays the study on a clock: a trial's report
+of epoch k comes ``start_s + (k + 1) * epoch_s`` after its start, a full trial frees its slot
+``exit_s`` after its last report, a pruned one ``kill_s`` after the report that pruned it, and the
+next trial starts in the freed slot (measured here on 2026-12-02: start 2.5 s to the first epoch's
+end, exit 1.0 s, kill 0.9 s, epochs of the sleep plus ~0.05 s). Sampler seeds follow the tuner's
+(``trial_seed``). It says nothing about the orchestrator's own time; the benchmark measures that.
+
+An arm is ``sampler[:n_startup_trials]/pruner[:min_resource[:max_resource]]``: sampler ``random`` or
+``tpe`` (multivariate, constant liar, as tunepod builds it), pruner ``none``, ``hyperband``
+(``max_resource`` a number or ``auto``), ``successive_halving`` or ``median`` (``min_resource`` as
+its warm-up steps). It prints, per arm, the median time to target over seeds and its ratio to the
+first arm's; a study that never reaches the target counts with its whole budget's time (``>``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import heapq
+import statistics
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import optuna
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from tunepod.hpo.study import trial_seed
+from tunepod.staging.builtin import write_digits
+
+SEED_STRIDE = 1000  # as the benchmark's: seeds 0, 1000, 2000, ...
+
+
+@dataclass(frozen=True)
+class Clock:
+    start_s: float
+    epoch_s: float
+    exit_s: float
+    kill_s: float
+
+
+@dataclass(frozen=True)
+class Arm:
+    sampler: str
+    startup: int
+    pruner: str
+    min_resource: int
+    max_resource: int | str
+
+    @classmethod
+    def parse(cls, text: str) -> Arm:
+        sampler_text, _, pruner_text = text.partition("/")
+        sampler, *startup = sampler_text.split(":")
+        pruner, *resources = (pruner_text or "none").split(":")
+        maximum = resources[1] if len(resources) > 1 else "auto"
+        return cls(
+            sampler=sampler,
+            startup=int(startup[0]) if startup else 10,
+            pruner=pruner,
+            min_resource=int(resources[0]) if resources else 1,
+            max_resource=maximum if maximum == "auto" else int(maximum),
+        )
+
+    def make_pruner(self) -> optuna.pruners.BasePruner:
+        if self.pruner == "hyperband":
+            return optuna.pruners.HyperbandPruner(
+                min_resource=self.min_resource, max_resource=self.max_resource, reduction_factor=3
+            )
+        if self.pruner == "successive_halving":
+            return optuna.pruners.SuccessiveHalvingPruner(min_resource=self.min_resource, reduction_factor=3)
+        if self.pruner == "median":
+            return optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=self.min_resource)
+        return optuna.pruners.NopPruner()
+
+    def make_sampler(self, seed: int, num_trials: int) -> optuna.samplers.BaseSampler:
+        seed = trial_seed(seed, num_trials)  # reseeded before each ask, as the tuner does
+        if self.sampler == "random":
+            return optuna.samplers.RandomSampler(seed=seed)
+        return optuna.samplers.TPESampler(
+            seed=seed, n_startup_trials=self.startup, multivariate=True, constant_liar=True
+        )
+
+
+@dataclass(frozen=True)
+class Outcome:
+    time_s: float
+    reached: bool
+    trials: int
+    pruned: int
+
+    def describe(self) -> str:
+        return f"{'' if self.reached else '>'}{self.time_s:.0f}s/{self.trials}t/{self.pruned}p"
+
+
+class Digits:
+    """The digits trainer's learning curve for a configuration (every epoch's val_accuracy)."""
+
+    def __init__(self) -> None:
+        data = Path(tempfile.mkdtemp(prefix="tunepod-simulate-"))
+        write_digits(data)
+        self.train, self.val = (self._split(data / f"{name}.npz") for name in ("train", "val"))
+
+    @staticmethod
+    def _split(path: Path) -> TensorDataset:
+        arrays = np.load(path)
+        return TensorDataset(torch.from_numpy(arrays["x"]), torch.from_numpy(arrays["y"]))
+
+    @functools.cache  # noqa: B019 (one instance per process)
+    def curve(self, lr: float, hidden: int, optimizer_name: str, epochs: int) -> tuple[float, ...]:
+        torch.manual_seed(0)
+        sampler = DistributedSampler(self.train, num_replicas=1, rank=0, seed=0)
+        loader = DataLoader(self.train, batch_size=64, sampler=sampler)
+        model = nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+        optimizer: torch.optim.Optimizer = (
+            torch.optim.Adam(model.parameters(), lr=lr)
+            if optimizer_name == "adam"
+            else torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+        )
+        accuracies = []
+        for epoch in range(epochs):
+            sampler.set_epoch(epoch)
+            model.train()
+            for x, y in loader:
+                loss = nn.functional.cross_entropy(model(x), y)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+            model.eval()
+            with torch.no_grad():
+                x, y = self.val.tensors
+                accuracies.append((model(x).argmax(dim=1) == y).float().mean().item())
+        return tuple(accuracies)
+
+
+@dataclass(order=True)
+class _Event:
+    time_s: float
+    order: int
+    trial: optuna.trial.Trial | None = field(compare=False)  # None: a slot frees
+    step: int = field(compare=False, default=0)
+    value: float = field(compare=False, default=0.0)
+
+
+def simulate(
+    arm: Arm,
+    seed: int,
+    digits: Digits,
+    clock: Clock,
+    *,
+    trials: int,
+    parallel: int,
+    epochs: int,
+    target: float,
+) -> Outcome:
+    study = optuna.create_study(direction="maximize", pruner=arm.make_pruner())
+    events: list[_Event] = []
+    counter = iter(range(1 << 62))
+    started = pruned = 0
+
+    def start(now: float) -> None:
+        nonlocal started
+        study.sampler = arm.make_sampler(seed, len(study.trials))
+        trial = study.ask()
+        curve = digits.curve(
+            trial.suggest_float("lr", 1.0e-3, 3.0e-1, log=True),
+            trial.suggest_int("hidden", 16, 256, step=16),
+            str(trial.suggest_categorical("optimizer", ["adam", "sgd"])),
+            epochs,
+        )
+        started += 1
+        for step, value in enumerate(curve):
+            due = now + clock.start_s + (step + 1) * clock.epoch_s
+            heapq.heappush(events, _Event(due, next(counter), trial, step, value))
+
+    def free_slot(at: float) -> None:
+        heapq.heappush(events, _Event(at, next(counter), None))
+
+    for _ in range(parallel):
+        start(0.0)
+    finished: set[int] = set()
+    now = 0.0
+    while events:
+        event = heapq.heappop(events)
+        now = event.time_s
+        if event.trial is None:
+            if started < trials:
+                start(now)
+            continue
+        trial = event.trial
+        if trial.number in finished:
+            continue  # a report after its trial was pruned: the job is gone
+        if event.value >= target:
+            return Outcome(now, True, started, pruned)
+        trial.report(event.value, event.step)
+        if event.step == epochs - 1:
+            study.tell(trial, event.value)
+            finished.add(trial.number)
+            free_slot(now + clock.exit_s)
+        elif trial.should_prune():
+            study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+            finished.add(trial.number)
+            pruned += 1
+            free_slot(now + clock.kill_s)
+    return Outcome(now, False, started, pruned)
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.quality.simulate", description=__doc__)
+    parser.add_argument("--arms", default="random/none,tpe/hyperband:2:6", help="comma-separated arms")
+    parser.add_argument("--seeds", type=int, default=15)
+    parser.add_argument("--trials", type=int, default=40, help="trials per study")
+    parser.add_argument("--parallel", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--target", type=float, default=0.974)
+    parser.add_argument("--start-s", type=float, default=2.5, help="a trial's start to its first epoch's end")
+    parser.add_argument("--epoch-s", type=float, default=0.55, help="one more epoch")
+    parser.add_argument("--exit-s", type=float, default=1.0, help="a full trial's last report to its exit")
+    parser.add_argument("--kill-s", type=float, default=0.9, help="a pruned trial's last report to its exit")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parse_args(argv)
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    torch.set_num_threads(1)
+    digits = Digits()
+    clock = Clock(args.start_s, args.epoch_s, args.exit_s, args.kill_s)
+    medians: dict[str, float] = {}
+    for text in args.arms.split(","):
+        arm = Arm.parse(text)
+        outcomes = [
+            simulate(
+                arm,
+                index * SEED_STRIDE,
+                digits,
+                clock,
+                trials=args.trials,
+                parallel=args.parallel,
+                epochs=args.epochs,
+                target=args.target,
+            )
+            for index in range(args.seeds)
+        ]
+        medians[text] = statistics.median(o.time_s for o in outcomes)
+        baseline = next(iter(medians.values()))
+        print(
+            f"{text}: median {medians[text]:.1f} s ({medians[text] / baseline:.2f}x), reached "
+            f"{sum(o.reached for o in outcomes)}/{len(outcomes)}; per seed "
+            + " ".join(o.describe() for o in outcomes),
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
