@@ -11,21 +11,24 @@ one process, batch 64, seed 0, the staged splits) and replays the study on a clo
 of epoch k comes ``start_s + (k + 1) * epoch_s`` after its start, a full trial frees its slot
 ``exit_s`` after its last report, a pruned one ``kill_s`` after the report that pruned it, and the
 next trial starts in the freed slot (measured here on 2026-12-02: start 2.5 s to the first epoch's
-end, exit 1.0 s, kill 0.9 s, epochs of the sleep plus ~0.05 s). Sampler seeds follow the tuner's
-(``trial_seed``). It says nothing about the orchestrator's own time; the benchmark measures that.
+end, exit 1.0 s, kill 0.9 s, epochs of the sleep plus ~0.05 s). The study is the benchmark's spec
+(specs/quality-digits.yaml) with the arm's overrides: its space, and the sampler and pruner tunepod
+builds from it, reseeded before each ask as the tuner does. The learning curve is the one piece
+written twice: the trainer is a script, so its model and loop are repeated here. It says nothing
+about the orchestrator's own time; the benchmark measures that.
 
 An arm is ``sampler[:n_startup_trials]/pruner[:min_resource[:max_resource]]``: sampler ``random`` or
-``tpe`` (multivariate, constant liar, as tunepod builds it), pruner ``none``, ``hyperband``
-(``max_resource`` a number or ``auto``), ``successive_halving`` or ``median`` (``min_resource`` as
-its warm-up steps). It prints, per arm, the median time to target over seeds and its ratio to the
-first arm's; a study that never reaches the target counts with its whole budget's time (``>``).
-"""
+``tpe`` (or any sampler kind the spec takes), pruner ``none``, ``hyperband`` (``max_resource`` a
+number or ``auto``), ``successive_halving`` or ``median`` (the number is its ``warmup_steps``). It
+prints, per arm, the median time to target over seeds and its ratio to the first arm's; a study that
+never reaches the target counts with its whole budget's time (``>``)."""
 
 from __future__ import annotations
 
 import argparse
 import functools
 import heapq
+import json
 import statistics
 import sys
 import tempfile
@@ -39,7 +42,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from tunepod.hpo.study import trial_seed
+from benchmarks.quality.workloads import SPECS, TPE_HYPERBAND, TUNE_STEP, Workload
+from benchmarks.quality.workloads import digits as quality_digits
+from tunepod.hpo.study import distributions, make_pruner, reseed_for_next_trial
+from tunepod.spec.loader import load_spec
+from tunepod.spec.models import TuneSettings
 from tunepod.staging.builtin import write_digits
 
 SEED_STRIDE = 1000  # as the benchmark's: seeds 0, 1000, 2000, ...
@@ -55,44 +62,31 @@ class Clock:
 
 @dataclass(frozen=True)
 class Arm:
-    sampler: str
-    startup: int
-    pruner: str
-    min_resource: int
-    max_resource: int | str
+    """One arm, as the spec overrides that make the benchmark's digits spec that arm's study."""
 
-    @classmethod
-    def parse(cls, text: str) -> Arm:
-        sampler_text, _, pruner_text = text.partition("/")
+    text: str
+
+    def settings(self, seed: int) -> TuneSettings:
+        sampler_text, _, pruner_text = self.text.partition("/")
         sampler, *startup = sampler_text.split(":")
         pruner, *resources = (pruner_text or "none").split(":")
-        maximum = resources[1] if len(resources) > 1 else "auto"
-        return cls(
-            sampler=sampler,
-            startup=int(startup[0]) if startup else 10,
-            pruner=pruner,
-            min_resource=int(resources[0]) if resources else 1,
-            max_resource=maximum if maximum == "auto" else int(maximum),
-        )
-
-    def make_pruner(self) -> optuna.pruners.BasePruner:
-        if self.pruner == "hyperband":
-            return optuna.pruners.HyperbandPruner(
-                min_resource=self.min_resource, max_resource=self.max_resource, reduction_factor=3
-            )
-        if self.pruner == "successive_halving":
-            return optuna.pruners.SuccessiveHalvingPruner(min_resource=self.min_resource, reduction_factor=3)
-        if self.pruner == "median":
-            return optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=self.min_resource)
-        return optuna.pruners.NopPruner()
-
-    def make_sampler(self, seed: int, num_trials: int) -> optuna.samplers.BaseSampler:
-        seed = trial_seed(seed, num_trials)  # reseeded before each ask, as the tuner does
-        if self.sampler == "random":
-            return optuna.samplers.RandomSampler(seed=seed)
-        return optuna.samplers.TPESampler(
-            seed=seed, n_startup_trials=self.startup, multivariate=True, constant_liar=True
-        )
+        sampler_options = {"kind": sampler} | ({"n_startup_trials": int(startup[0])} if startup else {})
+        pruner_options: dict[str, object] = {"kind": pruner}
+        if resources and pruner == "median":
+            pruner_options["warmup_steps"] = int(resources[0])
+        elif resources:
+            pruner_options["min_resource"] = int(resources[0])
+        if len(resources) > 1 and resources[1] != "auto":
+            pruner_options["max_resource"] = int(resources[1])
+        tune = f"steps.{TUNE_STEP}.with"
+        overrides = [
+            f"{tune}.sampler={json.dumps(sampler_options)}",
+            f"{tune}.pruner={json.dumps(pruner_options)}",
+            f"{tune}.seed={seed}",
+        ]
+        settings = load_spec(SPECS / "quality-digits.yaml", overrides).steps[TUNE_STEP].with_
+        assert isinstance(settings, TuneSettings)
+        return settings
 
 
 @dataclass(frozen=True)
@@ -155,32 +149,27 @@ class _Event:
     value: float = field(compare=False, default=0.0)
 
 
-def simulate(
-    arm: Arm,
-    seed: int,
-    digits: Digits,
-    clock: Clock,
-    *,
-    trials: int,
-    parallel: int,
-    epochs: int,
-    target: float,
-) -> Outcome:
-    study = optuna.create_study(direction="maximize", pruner=arm.make_pruner())
+def simulate(arm: Arm, seed: int, digits: Digits, clock: Clock, workload: Workload) -> Outcome:
+    settings = arm.settings(seed)
+    space = distributions(settings.space)
+    epochs = workload.max_step + 1  # reports at steps 0..epochs-1
+    # Named as the benchmark names its tpe+hyperband study of this seed: Hyperband puts a trial in a
+    # bracket by a hash of the study's name and the trial's number (Optuna's default name is random).
+    study = optuna.create_study(
+        study_name=workload.study_name(TPE_HYPERBAND, seed),
+        direction=settings.study.primary.direction,
+        pruner=make_pruner(settings.pruner),
+    )
     events: list[_Event] = []
     counter = iter(range(1 << 62))
     started = pruned = 0
 
     def start(now: float) -> None:
         nonlocal started
-        study.sampler = arm.make_sampler(seed, len(study.trials))
-        trial = study.ask()
-        curve = digits.curve(
-            trial.suggest_float("lr", 1.0e-3, 3.0e-1, log=True),
-            trial.suggest_int("hidden", 16, 256, step=16),
-            str(trial.suggest_categorical("optimizer", ["adam", "sgd"])),
-            epochs,
-        )
+        reseed_for_next_trial(study, settings, len(study.trials))  # as the tuner, before each ask
+        trial = study.ask(space)
+        params = trial.params
+        curve = digits.curve(params["lr"], params["hidden"], params["optimizer"], epochs)
         started += 1
         for step, value in enumerate(curve):
             due = now + clock.start_s + (step + 1) * clock.epoch_s
@@ -189,7 +178,7 @@ def simulate(
     def free_slot(at: float) -> None:
         heapq.heappush(events, _Event(at, next(counter), None))
 
-    for _ in range(parallel):
+    for _ in range(workload.parallel):
         start(0.0)
     finished: set[int] = set()
     now = 0.0
@@ -197,13 +186,13 @@ def simulate(
         event = heapq.heappop(events)
         now = event.time_s
         if event.trial is None:
-            if started < trials:
+            if started < workload.trials:
                 start(now)
             continue
         trial = event.trial
         if trial.number in finished:
             continue  # a report after its trial was pruned: the job is gone
-        if event.value >= target:
+        if workload.goal.reached_by(event.value):
             return Outcome(now, True, started, pruned)
         trial.report(event.value, event.step)
         if event.step == epochs - 1:
@@ -239,21 +228,11 @@ def main(argv: Sequence[str]) -> int:
     torch.set_num_threads(1)
     digits = Digits()
     clock = Clock(args.start_s, args.epoch_s, args.exit_s, args.kill_s)
+    workload = quality_digits(args.trials, args.parallel, args.epochs, args.epoch_s, args.target)
     medians: dict[str, float] = {}
     for text in args.arms.split(","):
-        arm = Arm.parse(text)
         outcomes = [
-            simulate(
-                arm,
-                index * SEED_STRIDE,
-                digits,
-                clock,
-                trials=args.trials,
-                parallel=args.parallel,
-                epochs=args.epochs,
-                target=args.target,
-            )
-            for index in range(args.seeds)
+            simulate(Arm(text), index * SEED_STRIDE, digits, clock, workload) for index in range(args.seeds)
         ]
         medians[text] = statistics.median(o.time_s for o in outcomes)
         baseline = next(iter(medians.values()))

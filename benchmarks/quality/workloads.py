@@ -95,7 +95,7 @@ def digits(trials: int, parallel: int, epochs: int, epoch_s: float, target: floa
         train_args={"epochs": epochs, "epoch_sleep_s": epoch_s},
         # Not before step 2 (a third of the default 6 epochs): pruned from the first trials on at step 1,
         # trials that would reach the target by their last epoch are stopped (benchmarks.quality.simulate,
-        # 15 seeds: 0.79x random's time at step 1, 0.47x at step 2; README "quality/").
+        # 15 seeds: 0.67x random's time from step 1, 0.46x from step 2; README "quality/").
         min_resource=min(2, epochs),
         max_step=epochs - 1,  # epochs are reported as steps 0..epochs-1
     )
