@@ -18,8 +18,10 @@ import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from types import FrameType
@@ -85,6 +87,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         action="store_true",
         help="run every study to its last trial instead of stopping it at its target",
     )
+    parser.add_argument(
+        "--one-at-a-time",
+        action="store_true",
+        help="run a seed's arms one after the other instead of side by side (twice the wall time; each "
+        "arm then has the CPUs to itself)",
+    )
     parser.add_argument("--first-seed", type=int, default=0, help=f"seeds: this, + {SEED_STRIDE}, ...")
     parser.add_argument("--json", type=Path, help="write every study's outcome there")
     parser.add_argument("--keep", action="store_true", help="keep the temp folder of every study")
@@ -94,7 +102,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     # A budget random search rarely exhausts before the target: a censored baseline is a lower bound,
     # which pulls the ratio toward 1 (16 trials left random censored in most seeds at 0.974).
     args.trials = args.trials or 40
-    # Short: lighter epochs for the short form's 3 seeds x 2 arms of up to 40 trials (13 minutes here).
+    # Short: lighter epochs for the short form's 3 seeds x 2 arms of up to 40 trials (10 minutes here).
     args.epoch_s = args.epoch_s if args.epoch_s is not None else (1.0 if args.long else 0.25)
     args.target = args.target or 0.974
     args.llm = args.llm or args.long
@@ -116,29 +124,56 @@ def workloads(args: argparse.Namespace) -> list[Workload]:
 
 
 def run_arms(workload: Workload, seeds: int, args: argparse.Namespace, root: Path) -> list[StudyRun]:
-    """Every arm once per seed; the arms take turns going first, so slow drift of the machine's load
-    does not always fall on the same arm."""
+    """Every arm once per seed. Side by side (the default), a seed's arms run at the same time, so both
+    meet the same load and a seed costs its slower arm's time, not the sum; one after the other, the
+    arms take turns going first, so slow drift of the machine's load does not always fall on one arm."""
     arms = args.arms
     runs = []
     for index in range(seeds):
         seed = args.first_seed + index * SEED_STRIDE
         shift = index % len(arms)
-        for arm in arms[shift:] + arms[:shift]:
-            run = run_one(workload, arm, seed, root, args)
-            runs.append(run)
+        order = arms[shift:] + arms[:shift]
+        if args.one_at_a_time:
+            seed_runs = [run_one(workload, arm, seed, root, args) for arm in order]
+        else:
+            seed_runs = run_side_by_side(workload, order, seed, root, args)
+        for run in seed_runs:
             mark = "" if run.reached else " (not reached: censored)"
             console.print(
-                f"  {workload.name} {arm} seed {seed}: {run.time_s:.1f} s{mark}, {run.trials_started} "
+                f"  {workload.name} {run.arm} seed {seed}: {run.time_s:.1f} s{mark}, {run.trials_started} "
                 f"trials started, best {run.best:.4g}  [load {os.getloadavg()[0]:.1f}]"
             )
+        runs += seed_runs
     return runs
 
 
-def run_one(workload: Workload, arm: str, seed: int, root: Path, args: argparse.Namespace) -> StudyRun:
+def run_side_by_side(
+    workload: Workload, arms: list[str], seed: int, root: Path, args: argparse.Namespace
+) -> list[StudyRun]:
+    """The studies of ``arms`` for one seed at once, one thread watching each. A failure in one (or a
+    signal to this process) aborts the others: their watchers kill their studies' processes."""
+    abort = threading.Event()
+    with ThreadPoolExecutor(max_workers=len(arms), thread_name_prefix="arm") as pool:
+        futures = [pool.submit(run_one, workload, arm, seed, root, args, abort) for arm in arms]
+        try:
+            return [future.result() for future in futures]
+        except BaseException:
+            abort.set()
+            raise
+
+
+def run_one(
+    workload: Workload,
+    arm: str,
+    seed: int,
+    root: Path,
+    args: argparse.Namespace,
+    abort: threading.Event | None = None,
+) -> StudyRun:
     if arm == RAY_ASHA:
         from benchmarks.quality.ray_asha import run_ray_study  # Ray only when asked for
 
-        return run_ray_study(workload, seed, root, stop_at_target=not args.full_budget)
+        return run_ray_study(workload, seed, root, stop_at_target=not args.full_budget, abort=abort)
     return run_study(
         workload,
         arm,
@@ -147,6 +182,7 @@ def run_one(workload: Workload, arm: str, seed: int, root: Path, args: argparse.
         driver=args.driver,
         stop_at_target=not args.full_budget,
         prefect_api=args.prefect_api,
+        abort=abort,
     )
 
 

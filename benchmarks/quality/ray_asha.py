@@ -26,6 +26,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -57,7 +58,9 @@ class RayStudy:
     max_step: int
 
 
-def run_ray_study(workload: Workload, seed: int, root: Path, *, stop_at_target: bool) -> StudyRun:
+def run_ray_study(
+    workload: Workload, seed: int, root: Path, *, stop_at_target: bool, abort: threading.Event | None = None
+) -> StudyRun:
     """One Ray Tune study in a child process, stopped at its target like tunepod's (see study.py)."""
     folder = root / workload.study_name(RAY_ASHA, seed)
     folder.mkdir(parents=True)
@@ -80,7 +83,7 @@ def run_ray_study(workload: Workload, seed: int, root: Path, *, stop_at_target: 
 
     # Ray gives its node 60 s to come up by default, which a loaded 2-core machine can exceed.
     env = {"RAY_raylet_start_wait_time_s": "300", **os.environ}
-    stopped = watch_child(argv, env, folder / "ray.log", reached, stop_at_target)
+    stopped = watch_child(argv, env, folder / "ray.log", reached, stop_at_target, abort)
     fit = json.loads((folder / FIT_FILE).read_text())
     reports = trial_reports(jobs)
     hit = first_hit(reports, workload.goal)

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -90,6 +91,7 @@ def run_study(
     driver: str = "library",
     stop_at_target: bool = True,
     prefect_api: str | None = None,
+    abort: threading.Event | None = None,
 ) -> StudyRun:
     """One tunepod study of ``arm`` with ``seed``, its stores under ``root`` (see Workload.overrides)."""
     argv = tunepod_argv(workload, workload.overrides(arm, seed, root), driver)
@@ -102,7 +104,7 @@ def run_study(
     def reached() -> bool:
         return first_hit(trial_reports(jobs_dir), workload.goal) is not None
 
-    stopped = watch_child(argv, env, root / f"{name}.log", reached, stop_at_target)
+    stopped = watch_child(argv, env, root / f"{name}.log", reached, stop_at_target, abort)
     span = study_span(workload.storage(root, arm, seed), name)
     reports = trial_reports(jobs_dir)
     hit = first_hit(reports, workload.goal)
@@ -124,10 +126,16 @@ def run_study(
 
 
 def watch_child(
-    argv: list[str], env: dict[str, str], log: Path, done: Callable[[], bool], stop_when_done: bool
+    argv: list[str],
+    env: dict[str, str],
+    log: Path,
+    done: Callable[[], bool],
+    stop_when_done: bool,
+    abort: threading.Event | None = None,
 ) -> bool:
     """Run ``argv`` (output into ``log``) to its end, or stop it once ``done()`` holds and
-    ``stop_when_done``; return whether it was stopped. ``StudyFailed`` when it exits non-zero."""
+    ``stop_when_done``; return whether it was stopped. ``StudyFailed`` when it exits non-zero or
+    ``abort`` is set (a study beside it failed)."""
     marker = str(log)
     with open(log, "wb") as out:
         child = subprocess.Popen(
@@ -138,6 +146,9 @@ def watch_child(
                 if stop_when_done and done():
                     stop_marked(child, marker)
                     return True
+                if abort is not None and abort.is_set():
+                    stop_marked(child, marker)
+                    raise StudyFailed(f"{' '.join(argv[:4])} ... stopped: a study beside it failed")
                 time.sleep(POLL_S)
         except BaseException:
             stop_marked(child, marker)
