@@ -454,6 +454,26 @@ def test_override_creates_missing_mappings() -> None:
     assert spec.steps["extra"].uses == "stage"
 
 
+def test_a_text_parsed_once_is_not_changed_by_the_overrides_of_an_earlier_parse() -> None:
+    # The YAML of a text is parsed once and kept (a webhook receiver checks one spec for every
+    # delivery): each parse must work on its own copy of the document and of its line map.
+    broken = VALID.replace("num_trials: 16", "num_trials: twelve")
+    assert broken != VALID
+    fixed = parse_spec(broken, "broken.yaml", ["steps.search.with.num_trials=3"], base_dir=REPO)
+    assert fixed.steps["search"].with_.num_trials == 3
+    with pytest.raises(SpecError) as raised:
+        parse_spec(broken, "broken.yaml", base_dir=REPO)
+    issue = the_issue(raised.value, "steps.search.with.num_trials")
+    assert issue.line == line_of(broken, "num_trials: twelve")
+    parse_spec(
+        VALID,
+        "valid.yaml",
+        ["steps.extra.uses=stage", "steps.extra.with.source=/d", "steps.extra.with.target=/t"],
+        base_dir=REPO,
+    )
+    assert "extra" not in parse_spec(VALID, "valid.yaml", base_dir=REPO).steps
+
+
 @pytest.mark.parametrize(
     ("override", "path", "message"),
     [

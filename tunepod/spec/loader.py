@@ -17,6 +17,8 @@ not to the spec file: ``entrypoint: examples/digits/train.py`` works from the re
 
 from __future__ import annotations
 
+import copy
+import functools
 import hashlib
 import json
 import re
@@ -89,9 +91,9 @@ def parse_spec(
     base_dir: Path | None = None,
 ) -> PipelineSpec:
     """Validate the spec ``text`` (``source`` names it in messages); see ``load_spec`` for the rest."""
-    raw, root = _read_yaml(text, source)
-    lines = _line_map(root)
-    problems = _duplicate_keys(root)
+    parsed = _read_yaml(text, source)
+    # Copies: the overrides below write into the document and drop the lines they replace.
+    raw, lines, problems = copy.deepcopy(parsed.raw), dict(parsed.lines), list(parsed.duplicates)
     issues: list[SpecIssue] = []
     origins = _apply_overrides(raw, overrides, lines, issues)
     spec = None
@@ -124,15 +126,34 @@ def dump_spec(spec: PipelineSpec) -> str:
 # ---------------------------------------------------------------------------------------------- YAML
 
 
-def _read_yaml(text: str, source: str) -> tuple[dict[Any, Any], yaml.Node]:
-    """The document as a dict and as composed nodes (which know their lines); ``SpecError`` if unusable."""
+@dataclass(frozen=True)
+class _ParsedText:
+    """What a spec's text says before any override: never modified (``parse_spec`` copies it)."""
+
+    raw: dict[Any, Any]
+    lines: dict[YamlPath, int]
+    duplicates: list[dag.Problem]
+
+
+@functools.lru_cache(maxsize=16)
+def _read_yaml(text: str, source: str) -> _ParsedText:
+    """The document as a dict, its lines and its duplicated keys; ``SpecError`` if unusable.
+
+    Once per text: a webhook receiver checks the same spec file with other overrides for every
+    delivery, and YAML was most of that check's time (PyYAML constructs the objects in Python even
+    with libyaml's parser). A ``SpecError`` is raised each time, never cached."""
+    loader = _SAFE_LOADER(text)
     try:
-        root = yaml.compose(text, Loader=_SAFE_LOADER)
-        raw = yaml.load(text, Loader=_SAFE_LOADER)
+        root = loader.get_single_node()  # parsed once; the dict is constructed from these nodes
+        # Read before constructing: construction expands merge keys (<<: *base) in the nodes themselves.
+        lines, duplicates = (_line_map(root), _duplicate_keys(root)) if root is not None else ({}, [])
+        raw = loader.construct_document(root) if root is not None else None
     except yaml.MarkedYAMLError as exc:
         raise SpecError(source, [_yaml_syntax_issue(exc)]) from None
     except yaml.YAMLError as exc:
         raise SpecError(source, [SpecIssue("", f"not valid YAML: {exc}", "fix the YAML syntax")]) from None
+    finally:
+        loader.dispose()
     if root is None or raw is None:
         fix = "declare name, tracking, launcher and steps; examples/digits/pipeline.yaml is a starting point"
         raise SpecError(source, [SpecIssue("", "the spec is empty", fix, line=1)])
@@ -140,7 +161,7 @@ def _read_yaml(text: str, source: str) -> tuple[dict[Any, Any], yaml.Node]:
         message = f"expected a mapping at the top (name:, tracking:, steps:), got {_describe(raw)}"
         fix = "write the spec as keys at the top level: name, tracking, launcher, steps"
         raise SpecError(source, [SpecIssue("", message, fix, line=root.start_mark.line + 1)])
-    return raw, root
+    return _ParsedText(raw, lines, duplicates)
 
 
 def _yaml_syntax_issue(exc: yaml.MarkedYAMLError) -> SpecIssue:
