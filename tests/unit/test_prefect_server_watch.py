@@ -4,6 +4,9 @@ fault, with Prefect, is ``tests/integration/test_stack.py::test_a_run_rides_out_
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -12,7 +15,7 @@ import httpx
 import pytest
 from ports import free_port
 
-from tunepod.stack.watch import ServerWatch, lost_server
+from tunepod.stack.watch import TEMPORARY_SERVER_BOOT_S, ServerWatch, lost_server
 
 
 class _Health(BaseHTTPRequestHandler):
@@ -78,3 +81,19 @@ def assert_lost_connection_logged_without_traceback() -> None:
         record.exc_info = (type(exc), exc, exc.__traceback__)
     assert logging.getLogger("prefect.flow_runs").filter(record)
     assert record.exc_info is None, "the watch drops the traceback of a lost connection"
+
+
+def test_every_run_gives_prefects_temporary_server_two_minutes_to_boot() -> None:
+    # In a fresh interpreter without the test suite's own setting (conftest sets the same variable):
+    # Prefect itself must read the name tunepod sets, or a busy machine fails runs at Prefect's 20 s.
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"}
+    code = (
+        "import os\n"
+        "from tunepod.stack.watch import run_environment_defaults\n"
+        "for name, value in run_environment_defaults().items(): os.environ.setdefault(name, value)\n"
+        "from prefect.settings import get_current_settings\n"
+        "print(get_current_settings().server.ephemeral.startup_timeout_seconds)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout.strip()) == TEMPORARY_SERVER_BOOT_S == 120

@@ -28,6 +28,9 @@ about a minute, less than a busy machine takes to start Prefect's server again."
 RESTART_HINT = "`tunepod up` starts the local stack's server again and leaves what runs alone"
 
 
+TEMPORARY_SERVER_BOOT_S = 120
+
+
 def run_environment_defaults() -> dict[str, str]:
     """Prefect settings every run gets unless the user set them (the stack's runner starts with them too,
     so that its Prefect settings are those of the runs it forks)."""
@@ -36,6 +39,9 @@ def run_environment_defaults() -> dict[str, str]:
         # and prints a "database is locked" traceback; nothing could be sent from a closed network.
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_CLIENT_MAX_RETRIES": str(CLIENT_MAX_RETRIES),
+        # Prefect gives its temporary server 20 s to boot; on a laptop busy with the run's own jobs (or
+        # a host stealing a fifth of its CPU) that failed whole runs before their first trial.
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": str(TEMPORARY_SERVER_BOOT_S),
     }
 
 
