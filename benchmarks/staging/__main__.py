@@ -151,6 +151,8 @@ def folder_table(
     args: argparse.Namespace, data: dataset.Dataset, work: Path, failures: list[str]
 ) -> dict[str, Any]:
     chosen = chosen_sides(sides.folder_sides(data.root, sides.rsync_has_fsync()), args.sides)
+    if shutil.which("rsync") is None:
+        console.print("[yellow]no rsync (apt-get install rsync): its sides are left out[/yellow]")
     measured = sides.measure(chosen, data.root, work / "folder", run_settings(args, dict(os.environ), None))
     title = (f"2. Folder stage: {describe(args.spec)} from a local folder (page cache), "
              f"{data.num_bytes / 1e6:.0f} MB; median of {args.repeats}")  # fmt: skip

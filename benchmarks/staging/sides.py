@@ -108,6 +108,9 @@ def folder_sides(source: Path, with_fsync: bool) -> list[Side]:
 
 
 def rsync_has_fsync() -> bool:
+    """Whether an installed rsync has --fsync (3.2.4 and later); False without rsync."""
+    if shutil.which("rsync") is None:
+        return False
     done = subprocess.run(["rsync", "--help"], capture_output=True, text=True, check=False)
     return "--fsync" in done.stdout
 
