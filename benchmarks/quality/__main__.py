@@ -90,7 +90,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--one-at-a-time",
         action="store_true",
-        help="run a seed's arms one after the other instead of side by side (twice the wall time; each "
+        help="run a seed's arms one after the other instead of side by side (more wall time; each "
         "arm then has the CPUs to itself)",
     )
     parser.add_argument("--first-seed", type=int, default=0, help=f"seeds: this, + {SEED_STRIDE}, ...")

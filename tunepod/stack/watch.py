@@ -29,6 +29,7 @@ RESTART_HINT = "`tunepod up` starts the local stack's server again and leaves wh
 
 
 TEMPORARY_SERVER_BOOT_S = 120
+"""Seconds a run gives Prefect's temporary server to boot (Prefect's own default: 20)."""
 
 
 def run_environment_defaults() -> dict[str, str]:
