@@ -124,7 +124,9 @@ def forward_run(home: Path, argv: Sequence[str], say: Callable[[str], None]) -> 
         conn = _connect(home, _ACCEPT_TIMEOUT_S)
     except OSError:
         return None  # no runner for this stack: the normal case for a stack started before it had one
-    with conn:
+    # Held from the request on: the runner may start the child before its answer arrives, and a signal
+    # between that start and the forwarding handlers would kill this process and leave the run alone.
+    with conn, _signals_held():
         request = {"argv": list(argv), "cwd": os.getcwd(), "env": dict(os.environ), "path": sys.path}
         try:
             socket.send_fds(conn, [json.dumps(request).encode()], list(range(_STDIO)))
@@ -148,14 +150,27 @@ def forward_run(home: Path, argv: Sequence[str], say: Callable[[str], None]) -> 
 
 
 @contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Block ``FORWARDED_SIGNALS`` (they wait, pending) until the block ends or forwarding starts.
+    Blocked for this thread: ``forward_run`` runs before ``tunepod run`` starts any other thread."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)  # one still pending acts now
+
+
+@contextlib.contextmanager
 def _forwarding_signals(conn: socket.socket) -> Iterator[None]:
-    """Send each signal this process gets to the runner's child instead of acting on it."""
+    """Send each signal this process gets to the runner's child instead of acting on it (one that
+    came while they were held goes as soon as the handlers are in place)."""
 
     def forward(signum: int, _frame: object) -> None:
         with contextlib.suppress(OSError):
             _send(conn, {"signal": signum})
 
     previous = {signum: signal.signal(signum, forward) for signum in FORWARDED_SIGNALS}
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED_SIGNALS)
     try:
         yield
     finally:
