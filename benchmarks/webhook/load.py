@@ -45,7 +45,7 @@ class Load:
     statuses: Counter[int] = field(default_factory=Counter)
     errors: list[str] = field(default_factory=list)
     wall_s: float = 0.0
-    server_cpu_s: float = 0.0  # CPU time the server process spent meanwhile, all threads
+    server_cpu_s: float = 0.0  # CPU time the server (and its publisher process) spent meanwhile
 
     def add(self, other: Load) -> None:
         self.latencies_ms += other.latencies_ms

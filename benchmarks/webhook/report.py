@@ -20,12 +20,13 @@ PERCENTILES = ("p50", "p95", "p99")
 COLUMNS = ("side", "server", "requests", "p50 ms", "p95 ms", "p99 ms", "req/s", "CPU ms", "+p95 ms",
            "ratio p95", "ratio req/s", "ratio CPU", "answers")  # fmt: skip
 NOTES = (
-    "+p95: tunepod's p95 minus the baseline's; ratios: tunepod / baseline. CPU ms: the server process's "
-    "CPU time (all threads) per request, the figure least moved by other load on the machine (Prefect's "
-    "own is in none). same overrides: every delivery fills the same num_trials, so the spec check's "
-    "verdict is reused; new overrides: each delivery a num_trials of its own, so the spec file is loaded "
-    "and validated for each. sink alone: the publisher's call (a worker thread, a POST to Prefect's "
-    "/api/events) made by the load generator itself: what each delivery costs after its 202, off the answer."
+    "+p95: tunepod's p95 minus the baseline's; ratios: tunepod / baseline. CPU ms: the server's CPU time "
+    "(all threads, with its publisher process) per request, the figure least moved by other load on the "
+    "machine (Prefect's own is in none). same overrides: every delivery fills the same num_trials, so the"
+    " spec check's verdict is reused; new overrides: each delivery a num_trials of its own, so the spec "
+    "file is loaded and validated for each. sink alone: the publisher's call (a worker thread, a POST to "
+    "Prefect's /api/events) made by the load generator itself: what each delivery costs after its 202, "
+    "off the answer."
 )
 
 

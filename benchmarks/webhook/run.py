@@ -6,7 +6,7 @@ Sides, in each round's rotating order:
 - tunepod: the receiver, every delivery the same payload (so the same overrides);
 - tunepod-new: the receiver, every delivery a ``num_trials`` of its own (overrides never seen before);
 - sink alone: the receiver's publish call alone (``PrefectEventSink.publish`` in a worker thread),
-  made by the load generator: what the publisher thread does for each delivery after its 202.
+  made by the load generator: what the publisher does for each delivery after its 202.
 
 Prefect stores events after answering, in batches; after each batch of a side that publishes, the
 next batch waits until Prefect has stored them all, so that no side is measured while Prefect's

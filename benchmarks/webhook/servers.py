@@ -124,8 +124,27 @@ def stop(process: subprocess.Popen[Any]) -> None:
 
 
 def cpu_seconds(process: subprocess.Popen[Any]) -> float:
-    """User + system CPU seconds ``process`` has used so far, all its threads together (Linux /proc)."""
-    fields = Path(f"/proc/{process.pid}/stat").read_text().rpartition(")")[2].split()
+    """User + system CPU seconds ``process`` and its running children (the receiver's publisher
+    process) have used so far, all their threads together (Linux /proc)."""
+    return sum(_own_cpu_seconds(pid) for pid in [process.pid, *children(process.pid)])
+
+
+def children(pid: int) -> list[int]:
+    """The running child processes of ``pid`` (Linux /proc)."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found += [int(child) for child in (task / "children").read_text().split()]
+        except OSError:  # the thread ended meanwhile
+            continue
+    return found
+
+
+def _own_cpu_seconds(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:  # it ended meanwhile
+        return 0.0
     utime, stime = int(fields[11]), int(fields[12])  # fields 14 and 15 of proc(5), counted from 1
     return (utime + stime) / os.sysconf("SC_CLK_TCK")
 

@@ -26,6 +26,7 @@ from schemathesis.checks import not_a_server_error
 from tunepod.webhook.app import create_app
 from tunepod.webhook.config import load_webhook_config
 from tunepod.webhook.events import PrefectEventSink
+from tunepod.webhook.publisher import in_thread
 from tunepod.webhook.signatures import new_standard_secret, standard_headers
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ def fuzzed_app(prefect_api: None, in_repo: Path, tmp_path: Path) -> Iterator[Any
     config = load_webhook_config(config_file, {"FUZZ_SECRET": SECRET})
     with httpx.Client(timeout=30) as http:
         sink = PrefectEventSink(str(PREFECT_API_URL.value()), http)
-        yield create_app(config, sink, tmp_path / "state", registry=REGISTRY)
+        yield create_app(config, in_thread(sink), tmp_path / "state", registry=REGISTRY)
 
 
 FUZZ_SETTINGS = settings(

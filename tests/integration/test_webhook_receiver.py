@@ -9,9 +9,11 @@ metrics, and the ``sign`` / ``serve`` commands.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -49,7 +51,7 @@ from tunepod.webhook.events import (
     PrefectEventSink,
     hook_resource,
 )
-from tunepod.webhook.publisher import EventPublisher
+from tunepod.webhook.publisher import EventPublisher, in_thread
 from tunepod.webhook.signatures import github_headers, new_standard_secret, standard_headers
 
 SECRET = new_standard_secret()
@@ -132,7 +134,7 @@ class Receiver:
     @contextmanager
     def running(self) -> Iterator[Receiver]:
         sink = PrefectEventSink(self.api_url, self.http)
-        app = create_app(self.config, sink, self.state_dir, registry=self.registry)
+        app = create_app(self.config, in_thread(sink), self.state_dir, registry=self.registry)
         try:
             with serving(app) as self.url:
                 yield self
@@ -641,6 +643,111 @@ def test_serve_refuses_to_start_without_prefect_api_url_or_with_a_bad_config(in_
     bad = run_cli("serve", "--config", "deployments/webhooks.yaml", env=env)
     assert bad.returncode == 2
     assert b"hooks.s3-upload.secrets[0].env: environment variable TUNEPOD_HOOK_S3_SECRET" in bad.stderr
+
+
+def test_serve_publishes_from_its_own_process_which_survives_a_kill_and_ends_with_the_receiver(
+    api_url: str, in_repo: Path, tmp_path: Path
+) -> None:
+    """``tunepod webhook serve`` as a user runs it publishes from a child process. Faults, both real:
+    SIGKILL of that child (as the OOM killer would): a delivery made meanwhile is accepted, and the child
+    started in its place publishes it; SIGKILL of the receiver: the child sees its pipe end and exits."""
+    port = free_port()
+    argv = [sys.executable, "-m", "tunepod.webhook", "serve", "--config", str(write_config(tmp_path))]
+    argv += ["--port", str(port), "--state-dir", str(tmp_path / "state")]
+    log = tmp_path / "serve.log"
+    with log.open("wb") as output:
+        served = subprocess.Popen(
+            argv, env={**os.environ, **ENVIRON, "PREFECT_API_URL": api_url}, stdout=output, stderr=output
+        )
+    try:
+        url = f"http://127.0.0.1:{port}/hooks/digits"
+        wait_until_healthy(f"http://127.0.0.1:{port}/healthz", served, log)
+        first_child = only_child(served.pid)
+        assert "tunepod.webhook.publisher_process" in cmdline(first_child)
+        assert wait_for_event(api_url, deliver(url, {"num_trials": 2}))["payload"]["overrides"] == [
+            "steps.search.with.num_trials=2"
+        ]
+
+        os.kill(first_child, signal.SIGKILL)
+        while_down = deliver(url, {"num_trials": 3})  # the next child starts a second later
+        assert wait_for_event(api_url, while_down)["payload"]["overrides"] == [
+            "steps.search.with.num_trials=3"
+        ]
+        second_child = only_child(served.pid)
+        assert second_child != first_child
+        assert "the publisher process exited with -9" in log.read_text()
+
+        served.kill()
+        served.wait(10)
+        assert wait_until_gone(second_child), (
+            f"the publisher process outlived its receiver:\n{log.read_text()}"
+        )
+    finally:
+        served.kill()
+        served.wait(10)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def wait_until_healthy(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
+    for _ in range(600):
+        assert process.poll() is None, f"the receiver exited {process.returncode}:\n{log.read_text()}"
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"the receiver never answered {url}:\n{log.read_text()}")
+
+
+def deliver(url: str, payload: Any) -> str:
+    """Send ``payload`` signed; the event id of the 202."""
+    body = json.dumps(payload).encode()
+    answer = httpx.post(
+        url, content=body, headers={"Content-Type": "application/json", **standard_headers([SECRET], body)}
+    )
+    assert answer.status_code == 202, answer.text
+    event_id: str = answer.json()["event_id"]
+    return event_id
+
+
+def only_child(pid: int) -> int:
+    """The one running child process of ``pid`` (waiting up to 10 s for it to start)."""
+    for _ in range(100):
+        found = [int(c) for task in Path(f"/proc/{pid}/task").glob("*") for c in children_of(task)]
+        if len(found) == 1:
+            return found[0]
+        time.sleep(0.1)
+    raise AssertionError(f"process {pid} has children {found}, not one")
+
+
+def children_of(task: Path) -> list[str]:
+    try:
+        return (task / "children").read_text().split()
+    except OSError:  # the thread ended meanwhile
+        return []
+
+
+def cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
+def wait_until_gone(pid: int, timeout_s: float = 15.0) -> bool:
+    """True once ``pid`` has exited (gone, or a zombie nobody has reaped yet)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        except OSError:
+            return True
+        if state in ("Z", "X"):
+            return True
+        time.sleep(0.1)
+    return False
 
 
 # ---------------------------------------------------------------------------------------------- benchmark

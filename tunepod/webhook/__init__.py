@@ -1,11 +1,12 @@
 """The signed-webhook receiver: a verified delivery becomes a Prefect event that starts a pipeline run.
 
     config = load_webhook_config("deployments/webhooks.yaml")
-    app = create_app(config, PrefectEventSink(api_url, httpx.Client()), Path(".tunepod/webhook"))
+    app = create_app(config, in_process(api_url), Path(".tunepod/webhook"))  # publisher_process.in_process
 
 Modules: ``signatures`` (sign and verify, pure), ``config`` (hooks, secrets, payload -> overrides),
 ``dedupe`` (delivery id -> event id, SQLite), ``specs`` (overrides checked against the hook's spec,
-recent verdicts kept), ``events`` (``EventSink``, Prefect REST), ``app`` (FastAPI), ``cli``
+recent verdicts kept), ``events`` (``EventSink``, Prefect REST), ``publisher`` (the log's events to a
+sink, a thread), ``publisher_process`` (the same in a process of its own), ``app`` (FastAPI), ``cli``
 (``tunepod webhook serve|sign``).
 
 Names are loaded on first use: importing ``tunepod.webhook.cli`` must not pull in FastAPI.

@@ -12,8 +12,9 @@ counts only authenticated, new deliveries: unsigned floods cannot spend a real s
 sender's retries of a delivery already accepted do not either.
 
 202 means the delivery is on disk: its claim in the delivery log holds the event, which a publisher
-thread (``publisher.py``) sends to Prefect at once, or as soon as Prefect answers again (a restarted
-receiver sends what the last one had not). A sender never waits for Prefect, nor retries because of it.
+(``publisher.py``; in a process of its own under ``tunepod webhook serve``, ``publisher_process.py``)
+sends to Prefect at once, or as soon as Prefect answers again (a restarted receiver sends what the
+last one had not). A sender never waits for Prefect, nor retries because of it.
 Claims are atomic, so concurrent copies of one delivery produce one event; every copy after the first
 is answered as a duplicate naming the first one's event.
 
@@ -42,8 +43,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, 
 
 from tunepod.webhook.config import Hook, PayloadError, WebhookConfig
 from tunepod.webhook.dedupe import DeliveryLog
-from tunepod.webhook.events import EventSink, event_name, hook_resource
-from tunepod.webhook.publisher import EventPublisher
+from tunepod.webhook.events import event_name, hook_resource
+from tunepod.webhook.publisher import Publisher
 from tunepod.webhook.signatures import (
     GITHUB_DELIVERY,
     GITHUB_SIGNATURE,
@@ -97,18 +98,19 @@ class TokenBucket:
 
 def create_app(
     config: WebhookConfig,
-    sink: EventSink,
+    start_publisher: Callable[[DeliveryLog], Publisher],
     state_dir: Path,
     *,
     registry: CollectorRegistry | None = None,
 ) -> FastAPI:
-    """The receiver app for ``config``'s hooks, publishing to ``sink``, its dedupe log under ``state_dir``.
+    """The receiver app for ``config``'s hooks, its dedupe log under ``state_dir``.
 
-    ``registry`` receives the request counter (default: prometheus-client's global registry; apps
-    created on one registry share its counter).
+    ``start_publisher`` starts what publishes the log's events: ``publisher.in_thread(sink)`` or
+    ``publisher_process.in_process(api_url)``. ``registry`` receives the request counter (default:
+    prometheus-client's global registry; apps created on one registry share its counter).
     """
     deliveries = DeliveryLog(state_dir / DEDUPE_FILE)
-    publisher = EventPublisher(deliveries, sink).start()  # first, what an earlier receiver left
+    publisher = start_publisher(deliveries)  # first, what an earlier receiver left
     receiver = _Receiver(
         config=config,
         deliveries=deliveries,
@@ -157,7 +159,7 @@ def _add_routes(app: FastAPI, receiver: _Receiver, registry: CollectorRegistry) 
 class _Receiver:
     config: WebhookConfig
     deliveries: DeliveryLog
-    publisher: EventPublisher
+    publisher: Publisher
     buckets: Mapping[str, TokenBucket]
     requests_total: Counter
     specs: SpecChecker = field(default_factory=SpecChecker)

@@ -62,21 +62,15 @@ def serve(
 
 
 def _run_server(hooks: WebhookConfig, api_url: str, host: str, port: int, state_dir: Path) -> None:
-    import httpx
     import uvicorn
 
     from tunepod.webhook.app import create_app
-    from tunepod.webhook.events import PrefectEventSink
+    from tunepod.webhook.publisher_process import in_process
 
-    # Self-hosted Prefect behind basic auth reads the same setting Prefect's own client does.
-    auth_string = os.environ.get("PREFECT_API_AUTH_STRING", "")
-    user, _, password = auth_string.partition(":")
-    auth = httpx.BasicAuth(user, password) if auth_string else None
     # The receiver's own lines (accepted, rejected and why) beside uvicorn's access log.
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
-    with httpx.Client(auth=auth) as client:
-        app = create_app(hooks, PrefectEventSink(api_url, client), state_dir)
-        uvicorn.run(app, host=host, port=port, log_level="info")
+    app = create_app(hooks, in_process(api_url), state_dir)
+    uvicorn.run(app, host=host, port=port, log_level="info")
 
 
 @webhook_app.command()

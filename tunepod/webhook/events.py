@@ -13,6 +13,7 @@ never imports Prefect.
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -33,6 +34,16 @@ def event_name(hook: str) -> str:
 def hook_resource(hook: str) -> dict[str, str]:
     """The resource an event of ``hook`` is about (what Prefect's UI lists and triggers can match)."""
     return {"prefect.resource.id": event_name(hook), "prefect.resource.name": hook}
+
+
+def prefect_auth(environ: Mapping[str, str] = os.environ) -> httpx.BasicAuth | None:
+    """Basic auth for a self-hosted Prefect behind it: the setting Prefect's own client reads,
+    ``PREFECT_API_AUTH_STRING`` (``user:password``); None without it."""
+    auth_string = environ.get("PREFECT_API_AUTH_STRING", "")
+    if not auth_string:
+        return None
+    user, _, password = auth_string.partition(":")
+    return httpx.BasicAuth(user, password)
 
 
 class EventSinkError(TransientError):

@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
+from typing import Protocol
 
 from tunepod.webhook.dedupe import DeliveryLog, PendingEvent
 from tunepod.webhook.events import EventRefused, EventSink, EventSinkError, OutgoingEvent
@@ -30,6 +32,14 @@ LINGER_S = 0.05
 """How long a woken publisher lets deliveries gather before it sends them in one request: under load,
 one POST per 50 ms instead of one per delivery (its HTTP client's CPU competed with the receiver's
 answers for the interpreter lock); a pipeline run starts 50 ms later, out of seconds."""
+
+
+class Publisher(Protocol):
+    """What the receiver needs of a publisher, in this process or another (``publisher_process``)."""
+
+    def wake(self) -> None: ...
+
+    def stop(self, timeout_s: float = ...) -> None: ...
 
 
 class EventPublisher:
@@ -151,6 +161,11 @@ class EventPublisher:
             )
             self._down_since = None
         logger.info("webhook: published %s", ", ".join(f"event {p.event_id} of {p.hook}" for p in batch))
+
+
+def in_thread(sink: EventSink) -> Callable[[DeliveryLog], EventPublisher]:
+    """For ``create_app``: publish to ``sink`` from a thread of the receiver's process (tests, embedding)."""
+    return lambda deliveries: EventPublisher(deliveries, sink).start()
 
 
 def _outgoing(pending: PendingEvent) -> OutgoingEvent:
