@@ -11,9 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tunepod.errors import SpecError, SpecIssue
 from tunepod.spec import OverrideIssue, PipelineSpec, dump_spec, load_spec, parse_spec, spec_hash
+from tunepod.spec.loader import _parse_override
 
 REPO = Path(__file__).resolve().parents[2]
 VALID_PATH = REPO / "tests/fixtures/specs/valid.yaml"
@@ -452,6 +454,16 @@ def test_override_creates_missing_mappings() -> None:
         base_dir=REPO,
     )
     assert spec.steps["extra"].uses == "stage"
+
+
+@pytest.mark.parametrize("value", ["0", "12", "-3", "+4", "007", "1_000", "0x1f", "5 ", "1e3", "yes", "'12'"])
+def test_an_override_value_is_read_as_yaml_reads_it(value: str) -> None:
+    # Plain decimal integers skip the YAML parser (the webhook checks one spec per delivery): the
+    # shortcut must give what YAML gives, and leave everything else to YAML.
+    path, parsed = _parse_override(f"steps.search.with.seed={value}")
+    assert path == ("steps", "search", "with", "seed")
+    assert parsed == yaml.safe_load(value)
+    assert type(parsed) is type(yaml.safe_load(value))
 
 
 def test_a_text_parsed_once_is_not_changed_by_the_overrides_of_an_earlier_parse() -> None:
