@@ -6,7 +6,11 @@ python -m flows.pipeline examples/digits/pipeline.yaml
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import sys
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Annotated
 
 import httpx
@@ -62,36 +66,58 @@ def pipeline(
     except BaseException:
         run.finish(ok=False)
         raise
-    run.finish(ok=True)
-    summary = run.summary(outputs)
-    try:
-        _publish(summary)
-    except httpx.TransportError as exc:
-        # The work is done and tracked in MLflow; a Prefect server still away after the client's
-        # retries (see tunepod.stack.watch) costs the UI its trial table, not the run its result.
-        get_run_logger().warning("trial table and MLflow link not published to Prefect: %s", exc)
+    # The artifacts go to Prefect while MLflow ends its run: the end of a run is these few requests,
+    # each waiting on its server, and none waits on another.
+    with ThreadPoolExecutor(max_workers=3, thread_name_prefix="tunepod-artifacts") as pool:
+        try:
+            summary = run.summary(outputs)
+            # Each in a copy of this context, which holds the flow run the artifacts belong to.
+            pending = [pool.submit(contextvars.copy_context().run, create) for create in _artifacts(summary)]
+        finally:
+            run.finish(ok=True)
+        _wait_published(pending)
     _announce(summary)
     return summary
 
 
-def _publish(summary: PipelineSummary) -> None:
-    """The trial table and a link to the MLflow run, as Prefect artifacts on the flow run."""
+def _artifacts(summary: PipelineSummary) -> list[Callable[[], object]]:
+    """The trial table (and a multi-objective study's Pareto front) and a link to the MLflow run:
+    the Prefect artifacts of the flow run, each to create."""
     objectives = summary.objectives
     rows = [t.table_row(objectives) for t in summary.trials]
-    if rows:
-        measured = ", ".join(objectives) or summary.metric
-        create_table_artifact(rows, key="trials", description=f"Trials of {summary.pipeline} ({measured})")
+    measured = ", ".join(objectives) or summary.metric
     front = [row for row in rows if row.get("pareto_front")]
-    if front:
-        create_table_artifact(
-            front, key="pareto-front", description=f"Pareto front of {summary.pipeline} ({measured})"
-        )
-    create_link_artifact(
+    tables = [
+        (rows, "trials", f"Trials of {summary.pipeline} ({measured})"),
+        (front, "pareto-front", f"Pareto front of {summary.pipeline} ({measured})"),
+    ]
+    creates: list[Callable[[], object]] = [
+        functools.partial(create_table_artifact, table, key=key, description=description)
+        for table, key, description in tables
+        if table
+    ]
+    ui_hint = f"Serve the UI with: {summary.mlflow_ui_command}" if summary.mlflow_ui_command else None
+    link = functools.partial(
+        create_link_artifact,
         summary.run_url,
         link_text="MLflow pipeline run",
         key="mlflow-run",
-        description=f"Serve the UI with: {summary.mlflow_ui_command}" if summary.mlflow_ui_command else None,
+        description=ui_hint,
     )
+    return [*creates, link]
+
+
+def _wait_published(pending: list[Future[object]]) -> None:
+    unpublished = []
+    for future in pending:
+        try:
+            future.result()
+        except httpx.TransportError as exc:
+            unpublished.append(exc)
+    if unpublished:
+        # The work is done and tracked in MLflow; a Prefect server still away after the client's
+        # retries (see tunepod.stack.watch) costs the UI its trial table, not the run its result.
+        get_run_logger().warning("trial table and MLflow link not published to Prefect: %s", unpublished[0])
 
 
 def _announce(summary: PipelineSummary) -> None:
