@@ -53,12 +53,6 @@ class PublisherProcess:
             target=self._supervise, name="tunepod-webhook-publisher-supervisor", daemon=True
         )
 
-    @property
-    def pid(self) -> int | None:
-        """The running child's process id (None before ``start``)."""
-        child = self._child
-        return None if child is None else child.pid
-
     def start(self) -> PublisherProcess:
         with self._lock:
             self._child = self._spawn()
@@ -66,7 +60,7 @@ class PublisherProcess:
         return self
 
     def wake(self) -> None:
-        """A claim was just recorded: tell the child to publish it now (never blocks)."""
+        """A claim was just recorded: tell the child to publish it now (never waits on the child)."""
         # Under the lock: a pipe closed by ``stop`` or a restart between reading its descriptor and
         # writing to it could otherwise be a new file by then.
         with self._lock:
