@@ -211,6 +211,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.quality.simulate", description=__doc__)
     parser.add_argument("--arms", default="random/none,tpe/hyperband:2:6", help="comma-separated arms")
     parser.add_argument("--seeds", type=int, default=15)
+    parser.add_argument("--first-seed", type=int, default=0, help=f"seeds: this, + {SEED_STRIDE}, ...")
     parser.add_argument("--trials", type=int, default=40, help="trials per study")
     parser.add_argument("--parallel", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=6)
@@ -232,7 +233,8 @@ def main(argv: Sequence[str]) -> int:
     medians: dict[str, float] = {}
     for text in args.arms.split(","):
         outcomes = [
-            simulate(Arm(text), index * SEED_STRIDE, digits, clock, workload) for index in range(args.seeds)
+            simulate(Arm(text), args.first_seed + index * SEED_STRIDE, digits, clock, workload)
+            for index in range(args.seeds)
         ]
         medians[text] = statistics.median(o.time_s for o in outcomes)
         baseline = next(iter(medians.values()))
