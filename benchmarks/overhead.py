@@ -359,17 +359,17 @@ def exit_code_of(exit_file: Path) -> int | None:
     return parsed[0] if parsed else None
 
 
+# What `tunepod run` says when it starts a Prefect server for the run (tunepod.cli).
+TEMPORARY_SERVER_LINE = "Prefect: a temporary server for this run"
 # Prefect's console lines start with the local time of day: "05:59:31.586 | INFO    | prefect - ...".
 _PREFECT_LINE = re.compile(r"^(\d\d:\d\d:\d\d\.\d{3}) \| \w+\s*\| (.*)$", re.MULTILINE)
 
 
 def prefect_markers(stage_step: str) -> dict[str, re.Pattern[str]]:
     return {
-        "Prefect server starting": re.compile(r"Starting temporary server"),
         "flow run begins": re.compile(r"Beginning flow run"),
         "stage step done": re.compile(rf"Task run '{re.escape(stage_step)}' - Finished"),
         "flow run done": re.compile(r"^Flow run .* - Finished in state"),
-        "Prefect server stopping": re.compile(r"Stopping temporary server"),
     }
 
 
@@ -448,9 +448,9 @@ def print_report(
         console.print(
             f"Prefect: the server at {servers.prefect_api} (--prefect-api); no server start-up included."
         )
-    elif all("Prefect server starting" in run.events for run in tunepod):
+    elif all(TEMPORARY_SERVER_LINE in run.log.read_text(errors="replace") for run in tunepod if run.log):
         console.print(
-            "Prefect: `tunepod run` started Prefect's temporary server; its start-up (and stop) "
+            "Prefect: `tunepod run` started a temporary Prefect server; its start-up (and stop) "
             "is included in tunepod's end-to-end time. Use --prefect-api URL to leave it out."
         )
     else:

@@ -14,12 +14,12 @@ optuna, torch, prefect) are imported inside the commands that need them, never a
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import logging
 import os
 from collections.abc import Iterator
-from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -37,6 +37,7 @@ from tunepod.stack.cli import register as register_stack_commands
 from tunepod.stack.config import DEFAULT_HOME
 from tunepod.stack.manage import running_prefect_api
 from tunepod.stack.runner import exit_like, forward_run
+from tunepod.stack.temporary import TemporaryServer, TemporaryServerError
 from tunepod.stack.watch import ServerWatch, lost_server, rerun_advice, run_environment_defaults
 from tunepod.webhook.cli import webhook_app
 
@@ -165,15 +166,15 @@ def run(spec: SpecArgument, set_: SetOption = None, home: HomeOption = Path(DEFA
     _use_running_stack(home)
     for name, value in run_environment_defaults().items():
         os.environ.setdefault(name, value)
-    booting = _boot_temporary_server()
+    server = _temporary_server_unless_set()
     from flows.pipeline import pipeline  # Prefect is imported here only: it costs seconds
 
     _prewarm(pipeline_spec)
     # Everything imported so far lives until the exit: taken out of the collector's sight, it is not
     # walked by each collection during the run, nor by the last one at exit (2-3 s on two cores).
     gc.freeze()
-    if booting is not None:
-        booting.result()  # a server that failed to start fails here, as it would in the flow call
+    if server is not None:
+        _wait_until_ready(server)
     with _watching_prefect_server():
         state = pipeline(str(spec), list(set_ or []), return_state=True)
     if not state.is_completed():
@@ -182,13 +183,27 @@ def run(spec: SpecArgument, set_: SetOption = None, home: HomeOption = Path(DEFA
     print_summary(state.result())
 
 
-def _boot_temporary_server() -> Future[None] | None:
-    """With no server set, start Prefect's temporary one now (see ``flows.server``); None otherwise."""
+def _temporary_server_unless_set() -> TemporaryServer | None:
+    """With no Prefect server set, start a temporary one for this run now (``tunepod.stack.temporary``)
+    and point Prefect at it (before Prefect is imported: it reads its settings once); None when a
+    server is set. It stops at the interpreter's exit: after Prefect's own exit work, which sends the
+    logs and events still queued to it (a server stopped before that leaves Prefect retrying)."""
     if os.environ.get("PREFECT_API_URL"):
         return None
-    from flows.server import boot_temporary_server
+    server = TemporaryServer.start()
+    atexit.register(server.stop)
+    os.environ["PREFECT_API_URL"] = server.api_url
+    os.environ.setdefault("PREFECT_UI_URL", "")  # no UI on it: no "View at" link that leads nowhere
+    _say(f"Prefect: a temporary server for this run, {server.api_url} (`tunepod up` keeps one, with its UI)")
+    return server
 
-    return boot_temporary_server()
+
+def _wait_until_ready(server: TemporaryServer) -> None:
+    try:
+        server.wait_until_ready(float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
+    except TemporaryServerError as exc:
+        Console(stderr=True, soft_wrap=True, highlight=False).print(Text(str(exc), "red"))
+        raise typer.Exit(1) from None
 
 
 def _prewarm(spec: PipelineSpec) -> None:

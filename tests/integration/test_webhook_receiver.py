@@ -31,6 +31,7 @@ import uvicorn
 import yaml
 from fastapi import FastAPI
 from moto_server import MotoServer
+from ports import free_port
 from prometheus_client import CollectorRegistry
 from tcp_forward import forwarding
 
@@ -685,13 +686,6 @@ def test_serve_publishes_from_its_own_process_which_survives_a_kill_and_ends_wit
     finally:
         served.kill()
         served.wait(10)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def wait_until_healthy(url: str, process: subprocess.Popen[bytes], log: Path) -> None:

@@ -130,9 +130,9 @@ def stop_service(record: ServiceRecord, grace_s: float = 10.0) -> bool:
         leftovers = group_members(record.pid)
         if not leftovers:
             return False
-    _signal_group(record.pid, signal.SIGTERM)
+    signal_group(record.pid, signal.SIGTERM)
     if not _wait_group_gone(record, grace_s):
-        _signal_group(record.pid, signal.SIGKILL)
+        signal_group(record.pid, signal.SIGKILL)
         if not _wait_group_gone(record, 10.0):
             raise TimeoutError(
                 f"{record.name}: processes {group_members(record.pid)} of group {record.pid} survive SIGKILL"
@@ -140,7 +140,8 @@ def stop_service(record: ServiceRecord, grace_s: float = 10.0) -> bool:
     return True
 
 
-def _signal_group(pgid: int, signum: signal.Signals) -> None:
+def signal_group(pgid: int, signum: signal.Signals) -> None:
+    """Send ``signum`` to process group ``pgid``; nothing when the group is gone."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signum)
 
