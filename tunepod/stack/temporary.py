@@ -58,8 +58,9 @@ class TemporaryServer:
         is tied to the thread that starts the process."""
         port = _free_port()
         argv = [sys.executable, "-m", "prefect", "server", "start", "--host", HOST, "--port", str(port)]
-        log = Path(tempfile.mkstemp(prefix="tunepod-prefect-server-", suffix=".log")[1])
-        with log.open("wb") as output:
+        descriptor, name = tempfile.mkstemp(prefix="tunepod-prefect-server-", suffix=".log")
+        log = Path(name)
+        with os.fdopen(descriptor, "wb") as output:
             process = subprocess.Popen(
                 [*argv, *_SERVICES_OFF],
                 env=os.environ.copy() if env is None else env,
