@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 from tiny_study import write_tiny_study
 
+from tunepod.launch.procfs import read_process_stat
+
 REPO = Path(__file__).resolve().parents[2]
 SERVER_LINE = re.compile(r"Prefect: a temporary server for this run, http://127\.0\.0\.1:(\d+)/api")
 
@@ -43,10 +45,10 @@ def servers_on(port: str) -> list[int]:
             continue
         try:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
-            state = (entry / "stat").read_text().rpartition(")")[2].split()[0]
         except OSError:
             continue
-        if b"server" in argv and port.encode() in argv and state not in ("Z", "X"):
+        stat = read_process_stat(int(entry.name))
+        if b"server" in argv and port.encode() in argv and stat is not None and not stat.is_dead:
             found.append(int(entry.name))
     return found
 

@@ -35,6 +35,7 @@ from ports import free_port
 from prometheus_client import CollectorRegistry
 from tcp_forward import forwarding
 
+from tunepod.launch.procfs import read_process_stat
 from tunepod.spec.loader import load_spec
 from tunepod.webhook.app import MAX_BODY_BYTES, create_app
 from tunepod.webhook.config import (
@@ -734,11 +735,8 @@ def wait_until_gone(pid: int, timeout_s: float = 15.0) -> bool:
     """True once ``pid`` has exited (gone, or a zombie nobody has reaped yet)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-        except OSError:
-            return True
-        if state in ("Z", "X"):
+        stat = read_process_stat(pid)
+        if stat is None or stat.is_dead:
             return True
         time.sleep(0.1)
     return False
