@@ -513,6 +513,16 @@ def test_problem_from_an_override_is_located_by_the_override(
     assert f"{spec_file}:" not in str(error)
 
 
+def test_a_problem_under_a_twice_overridden_mapping_is_located_by_the_last_override(tmp_path: Path) -> None:
+    # The second override replaces lines the first already dropped; the problem is the second's.
+    first = "steps.search.with.space={lr: {type: float, low: 0.1, high: 1}}"
+    second = "steps.search.with.space.lr={type: float, low: x, high: 1}"
+    _, error = load_broken(tmp_path, VALID, (first, second))
+    issue = the_issue(error, "steps.search.with.space.lr.low")
+    assert isinstance(issue, OverrideIssue)
+    assert issue.override == second
+
+
 def test_file_and_override_problems_keep_their_own_locations(tmp_path: Path) -> None:
     text = VALID.replace("direction: maximize", "direction: max")
     spec_file, error = load_broken(tmp_path, text, ("steps.search.with.num_parallel=-1",))
