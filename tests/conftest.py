@@ -64,20 +64,45 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Groups for ``pytest -n N --dist loadgroup`` (what `make test` runs): a module's tests stay on one
     worker, so a module-scoped server (moto) starts once; the tests that use the session's local
     stack share a worker, so it starts once; every Slurm test shares one group, so tests never queue
     behind each other on the one-node cluster, nor see its sshd stopped by the head-node-unreachable
-    test."""
+    test. Under xdist the groups are then ordered longest first (see ``_longest_groups_first``)."""
+    groups = {item.nodeid: _group(item) for item in items}
     for item in items:
-        if item.get_closest_marker("slurm"):
-            group = "slurm"
-        elif "local_stack" in getattr(item, "fixturenames", ()):
-            group = "local-stack"
-        else:
-            group = item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+        item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
+    if config.getoption("dist", "no") != "no" or hasattr(config, "workerinput"):
+        items[:] = _longest_groups_first(items, groups)
+
+
+def _group(item: pytest.Item) -> str:
+    if item.get_closest_marker("slurm"):
+        return "slurm"
+    if "local_stack" in getattr(item, "fixturenames", ()):
+        return "local-stack"
+    return item.nodeid.split("::")[0]
+
+
+# Rough seconds a test takes here, by where it lives: what orders the groups, not a limit.
+_EXPECTED_S = {"tests/e2e/": 45.0, "tests/integration/": 6.0}
+_UNIT_S = 0.3
+
+
+def _longest_groups_first(items: list[pytest.Item], groups: dict[str, str]) -> list[pytest.Item]:
+    """The items with their groups in order of expected length, longest first (tests keep their order
+    within a group). xdist hands groups out in the order they first appear (with
+    --no-loadscope-reorder; by default it puts the groups of many tests first, so the slowest groups of
+    few tests - the chaos soak, the fault tests - would start last and run alone at the end). With
+    three workers on two cores, longest first lets the short unit tests fill the gaps at the end."""
+    expected: dict[str, float] = {}
+    for item in items:
+        seconds = next((s for prefix, s in _EXPECTED_S.items() if item.nodeid.startswith(prefix)), _UNIT_S)
+        if item.get_closest_marker("slow"):
+            seconds = max(seconds, _EXPECTED_S["tests/e2e/"])
+        expected[groups[item.nodeid]] = expected.get(groups[item.nodeid], 0.0) + seconds
+    return sorted(items, key=lambda item: -expected[groups[item.nodeid]])  # stable: order within kept
 
 
 def pytest_configure(config: pytest.Config) -> None:
