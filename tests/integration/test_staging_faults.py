@@ -47,6 +47,14 @@ def in_place(target: Path) -> set[str]:
         return set()
 
 
+def recorded_lines(target: Path) -> int:
+    """Whole lines in the progress log: what a kill cannot take back."""
+    try:
+        return (target / PROGRESS_NAME).read_bytes().count(b"\n")
+    except FileNotFoundError:
+        return 0
+
+
 def tree(target: Path) -> dict[str, bytes]:
     return {path.name: path.read_bytes() for path in target.iterdir() if not path.name.startswith(".")}
 
@@ -89,9 +97,11 @@ def stage_until_killed(
     stager = subprocess.Popen(command, start_new_session=True, env={**os.environ, **(env or {})})
     try:
         deadline = time.monotonic() + 120
-        while len(in_place(target)) < KILL_AFTER:
+        # Also wait for a first recorded line: on a busy host the recording thread can trail the
+        # copying threads by many files, and a kill before it wrote anything would test nothing.
+        while len(in_place(target)) < KILL_AFTER or not recorded_lines(target):
             assert stager.poll() is None, f"the stager ended (exit {stager.returncode}) before being killed"
-            assert time.monotonic() < deadline, "the stager copied nothing"
+            assert time.monotonic() < deadline, "the stager copied or recorded nothing"
             time.sleep(0.005)
         os.killpg(stager.pid, signal.SIGKILL)
     finally:
