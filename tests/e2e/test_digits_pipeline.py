@@ -9,7 +9,12 @@ from typing import Any
 import pytest
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterFlowRunId,
+    TaskRunFilter,
+    TaskRunFilterFlowRunId,
+)
 
 from flows.pipeline import pipeline
 from tunepod.pipeline import PipelineSummary
@@ -76,12 +81,14 @@ def assert_pipeline_recorded(state: Any, tmp_path: Path, num_trials: int) -> Pip
 
     with get_client(sync_client=True) as prefect:
         flow_run = prefect.read_flow_run(state.state_details.flow_run_id)
-        task_runs = prefect.read_task_runs()
+        # Filtered by the server: it holds other tests' runs too, and a read returns one page.
+        ours = TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[flow_run.id]))
+        task_runs = prefect.read_task_runs(task_run_filter=ours)
         artifacts = prefect.read_artifacts(
             artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id]))
         )
     assert flow_run.state is not None and flow_run.state.type.value == "COMPLETED"
-    names = {t.name for t in task_runs if t.flow_run_id == flow_run.id}
+    names = {t.name for t in task_runs}
     assert {"data", "search", "check", "promote"} <= names
     assert {f"search/trial-{n}" for n in range(num_trials)} <= names
     by_key = {a.key: a for a in artifacts}
