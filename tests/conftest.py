@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from local_stack import Stack, running_stack
 from moto_server import MotoServer, moto_server
+from prefect_server import shared_server, stop_shared_server
 from slurm_cluster import apply_slurm_marker
 
 REPO = Path(__file__).resolve().parents[1]
@@ -21,11 +22,14 @@ os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
 
 
 @pytest.fixture(scope="session")
-def prefect_api() -> Iterator[None]:
-    """A real Prefect server (temporary database) for the whole session."""
-    from prefect.testing.utilities import prefect_test_harness
+def prefect_api(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """A real Prefect server (a new database) for the whole session, one for all workers
+    (tests/prefect_server.py); this process's Prefect client points at it."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    with prefect_test_harness(server_startup_timeout=120):
+    base = tmp_path_factory.getbasetemp()
+    api_url = shared_server(base.parent if hasattr(request.config, "workerinput") else base)
+    with temporary_settings(updates={PREFECT_API_URL: api_url}):
         yield
 
 
@@ -113,3 +117,10 @@ def pytest_configure(config: pytest.Config) -> None:
             f"--dist loadgroup does not group tests with pytest {pytest.__version__}: install the "
             "pytest pyproject.toml names (`make test` does), or run the tests without -n"
         )
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    # The process that is not an xdist worker (or the only one) outlives every test: it stops the
+    # session's Prefect server, which the first worker that needed it started.
+    if not hasattr(session.config, "workerinput"):
+        stop_shared_server(session.config._tmp_path_factory.getbasetemp())  # as xdist reads it

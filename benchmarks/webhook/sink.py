@@ -1,6 +1,6 @@
 """Where the receiver's events go: a real Prefect server, and counting the events it stored.
 
-By default a temporary one, started the way the tests start theirs (``prefect_test_harness``: a
+By default a temporary one, started with Prefect's test harness (``prefect_test_harness``: a
 ``uvicorn`` subprocess of Prefect's server on a SQLite file, with its event persister); or a server
 already running (``--prefect-api``). Prefect stores events in batches (every 20 events, or every
 ``flush_interval``), in the order they arrived: once an event sent last is stored, every event sent
