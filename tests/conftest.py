@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from local_stack import Stack, running_stack
 from moto_server import MotoServer, moto_server
-from prefect_server import shared_server, stop_shared_server
+from prefect_server import drain_prefect_clients, shared_server, stop_shared_server
 from slurm_cluster import apply_slurm_marker
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,6 +31,7 @@ def prefect_api(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     api_url = shared_server(base.parent if hasattr(request.config, "workerinput") else base)
     with temporary_settings(updates={PREFECT_API_URL: api_url}):
         yield
+        drain_prefect_clients()
 
 
 @pytest.fixture(scope="session")

@@ -71,6 +71,17 @@ def stop_shared_server(session_folder: Path) -> None:
             admin.execute(f'DROP DATABASE IF EXISTS "{started["database"]}" WITH (FORCE)')
 
 
+def drain_prefect_clients() -> None:
+    """Send the logs and events this process's Prefect client still holds, while the server is up (as
+    Prefect's harness does): they are otherwise flushed at exit, after the server has stopped."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    with contextlib.suppress(RuntimeError):  # no log was ever sent: the worker never started
+        APILogWorker.instance().drain()
+    EventsWorker.drain_all()
+
+
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
     with path.open("a") as lock:
