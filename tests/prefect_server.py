@@ -15,6 +15,7 @@ recommends PostgreSQL for), else SQLite in the session folder. Prefect's migrati
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 import os
@@ -39,6 +40,26 @@ STATE_NAME = "prefect-server.json"
 _STARTED_HERE: subprocess.Popen[bytes] | None = None
 
 
+@dataclasses.dataclass
+class SessionServer:
+    """What the workers and the controller know of the session's server (its state file, as JSON)."""
+
+    api_url: str
+    pid: int
+    admin_url: str
+    """The PostgreSQL login that created ``database`` and drops it; empty on SQLite."""
+    database: str
+    error: str = ""
+    """Why it did not start, with its log; empty once it answers."""
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(dataclasses.asdict(self)))
+
+    @classmethod
+    def load(cls, path: Path) -> SessionServer:
+        return cls(**json.loads(path.read_text()))
+
+
 def shared_server(session_folder: Path) -> str:
     """The session server's API URL, starting the server if no worker has yet. The lock is held until
     it answers, so a worker never gets the address of a server still booting; a server that did not
@@ -47,13 +68,13 @@ def shared_server(session_folder: Path) -> str:
     with _locked(session_folder / "prefect-server.lock"):
         if not state.exists():
             started = _start(session_folder)
-            state.write_text(json.dumps(started))  # at once, so that the controller stops it whatever comes
-            started["error"] = _not_ready(started, session_folder)
-            state.write_text(json.dumps(started))
-        server = json.loads(state.read_text())
-    if server["error"]:
-        raise RuntimeError(server["error"])
-    return str(server["api_url"])
+            started.save(state)  # at once, so that the controller stops it whatever comes next
+            started.error = _not_ready(started, session_folder)
+            started.save(state)
+        server = SessionServer.load(state)
+    if server.error:
+        raise RuntimeError(server.error)
+    return server.api_url
 
 
 def stop_shared_server(session_folder: Path) -> None:
@@ -61,14 +82,17 @@ def stop_shared_server(session_folder: Path) -> None:
     state = session_folder / STATE_NAME
     if not state.exists():
         return
-    started = json.loads(state.read_text())
+    server = SessionServer.load(state)
     state.unlink()
-    _stop_group(int(started["pid"]))
-    if started["admin_url"]:
+    _stop_group(server.pid)
+    if server.admin_url:
         import psycopg
 
-        with psycopg.connect(started["admin_url"], autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{started["database"]}" WITH (FORCE)')
+        try:
+            with psycopg.connect(server.admin_url, autocommit=True, connect_timeout=5) as admin:
+                admin.execute(f'DROP DATABASE IF EXISTS "{server.database}" WITH (FORCE)')
+        except psycopg.OperationalError as exc:  # a database left behind harms nothing: say so, go on
+            print(f"warning: could not drop the session's Prefect database {server.database}: {exc}")
 
 
 def drain_prefect_clients() -> None:
@@ -92,7 +116,7 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _start(session_folder: Path) -> dict[str, object]:
+def _start(session_folder: Path) -> SessionServer:
     port = free_port()
     admin_url, database, database_url = _new_database(session_folder)
     argv = [sys.executable, "-m", "uvicorn", "--factory", "prefect.server.api.server:create_app"]
@@ -109,13 +133,7 @@ def _start(session_folder: Path) -> dict[str, object]:
             argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True,  # outlives the worker that started it; the controller stops it
         )  # fmt: skip
-    return {
-        "api_url": f"http://127.0.0.1:{port}/api",
-        "pid": process.pid,
-        "admin_url": admin_url,
-        "database": database,
-        "error": "",
-    }
+    return SessionServer(f"http://127.0.0.1:{port}/api", process.pid, admin_url, database)
 
 
 def _new_database(session_folder: Path) -> tuple[str, str, str]:
@@ -138,12 +156,12 @@ def _new_database(session_folder: Path) -> tuple[str, str, str]:
     return admin_url, name, f"postgresql+asyncpg://{server}/{name}"
 
 
-def _not_ready(started: dict[str, object], session_folder: Path) -> str:
+def _not_ready(server: SessionServer, session_folder: Path) -> str:
     """Wait until the server answers: ``""`` then, else (it exited, or did not answer within
     ``START_LIMIT_S``) what went wrong, with its log."""
     deadline = time.monotonic() + START_LIMIT_S
-    health = f"{started['api_url']}/health"
-    while _running(int(str(started["pid"]))) and time.monotonic() < deadline:
+    health = f"{server.api_url}/health"
+    while _running(server.pid) and time.monotonic() < deadline:
         with contextlib.suppress(httpx.TransportError):
             if httpx.get(health, timeout=5).status_code == 200:
                 return ""
