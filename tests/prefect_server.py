@@ -4,7 +4,9 @@ Each worker used to start one of its own (``prefect_test_harness``): the server'
 40-60 s of CPU each on a 2-core machine the suite keeps busy, three times over. Now the first worker
 that needs the server starts it, under a lock in the session's shared temp folder, and writes its
 address there; the others wait on the lock and use it; the controlling process (the one that is not
-a worker, or the only process without xdist) stops it when the session ends.
+a worker, or the only process without xdist) stops it when the session ends. Started and stopped as
+``tunepod up`` and ``down`` do their services (``tunepod.stack.processes``): detached, recorded, and
+stopped with SIGTERM, then SIGKILL after a grace period.
 
 The server is the one the harness starts: Prefect's API app under uvicorn in ephemeral mode (no UI,
 only the services an ephemeral server runs). Its database is a new one on the PostgreSQL test server
@@ -20,24 +22,21 @@ import fcntl
 import json
 import os
 import secrets
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 from ports import free_port
 from postgres import URL_FILE
 
-from tunepod.launch.procfs import read_process_stat
+from tunepod.stack.processes import Service, ServiceRecord, is_alive, start_service, stop_service
 
 START_LIMIT_S = 240.0  # bound on the boot (migrations included) of a busy machine: not a speed check
-STOP_GRACE_S = 10.0
 STATE_NAME = "prefect-server.json"
-
-_STARTED_HERE: subprocess.Popen[bytes] | None = None
+RECORD_NAME = "prefect-server.service.json"
 
 
 @dataclasses.dataclass
@@ -45,7 +44,6 @@ class SessionServer:
     """What the workers and the controller know of the session's server (its state file, as JSON)."""
 
     api_url: str
-    pid: int
     admin_url: str
     """The PostgreSQL login that created ``database`` and drops it; empty on SQLite."""
     database: str
@@ -67,10 +65,16 @@ def shared_server(session_folder: Path) -> str:
     state = session_folder / STATE_NAME
     with _locked(session_folder / "prefect-server.lock"):
         if not state.exists():
-            started = _start(session_folder)
-            started.save(state)  # at once, so that the controller stops it whatever comes next
-            started.error = _not_ready(started, session_folder)
-            started.save(state)
+            port = free_port()
+            admin_url, database, database_url = _new_database(session_folder)
+            server = SessionServer(f"http://127.0.0.1:{port}/api", admin_url, database)
+            server.save(state)  # before the start, so that the controller drops the database whatever comes
+            record = start_service(
+                _service(port, database_url), session_folder / "prefect-server.log", Path.cwd(),
+                session_folder / RECORD_NAME,
+            )  # fmt: skip
+            server.error = _not_ready(record)
+            server.save(state)
         server = SessionServer.load(state)
     if server.error:
         raise RuntimeError(server.error)
@@ -84,7 +88,9 @@ def stop_shared_server(session_folder: Path) -> None:
         return
     server = SessionServer.load(state)
     state.unlink()
-    _stop_group(server.pid)
+    record = ServiceRecord.read(session_folder / RECORD_NAME)
+    if record is not None:
+        stop_service(record)
     if server.admin_url:
         import psycopg
 
@@ -93,6 +99,17 @@ def stop_shared_server(session_folder: Path) -> None:
                 admin.execute(f'DROP DATABASE IF EXISTS "{server.database}" WITH (FORCE)')
         except psycopg.OperationalError as exc:  # a database left behind harms nothing: say so, go on
             print(f"warning: could not drop the session's Prefect database {server.database}: {exc}")
+
+
+def task_runs_of(client: Any, flow_run_id: Any) -> list[Any]:
+    """The task runs of one flow run, filtered by the server: the session's server holds other tests'
+    runs too, and an unfiltered read returns only its first page of them."""
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterFlowRunId
+
+    runs: list[Any] = client.read_task_runs(
+        task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[flow_run_id]))
+    )
+    return runs
 
 
 def drain_prefect_clients() -> None:
@@ -116,26 +133,6 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _start(session_folder: Path) -> SessionServer:
-    port = free_port()
-    admin_url, database, database_url = _new_database(session_folder)
-    argv = [sys.executable, "-m", "uvicorn", "--factory", "prefect.server.api.server:create_app"]
-    argv += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "error", "--lifespan", "on"]
-    env = {
-        **os.environ,
-        "PREFECT_UI_ENABLED": "0",
-        "PREFECT__SERVER_EPHEMERAL": "1",  # as the harness: no UI, an ephemeral server's services only
-        "PREFECT_SERVER_DATABASE_CONNECTION_URL": database_url,
-    }
-    global _STARTED_HERE
-    with (session_folder / "prefect-server.log").open("ab") as log:
-        process = _STARTED_HERE = subprocess.Popen(
-            argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True,  # outlives the worker that started it; the controller stops it
-        )  # fmt: skip
-    return SessionServer(f"http://127.0.0.1:{port}/api", process.pid, admin_url, database)
-
-
 def _new_database(session_folder: Path) -> tuple[str, str, str]:
     """(admin URL, database name, Prefect's connection URL): a new PostgreSQL database on the test
     server when it answers, else a SQLite file (admin URL and name empty)."""
@@ -156,35 +153,29 @@ def _new_database(session_folder: Path) -> tuple[str, str, str]:
     return admin_url, name, f"postgresql+asyncpg://{server}/{name}"
 
 
-def _not_ready(server: SessionServer, session_folder: Path) -> str:
+def _service(port: int, database_url: str) -> Service:
+    """The app Prefect's harness serves: its API under uvicorn in ephemeral mode (no UI, only the
+    services an ephemeral server runs)."""
+    argv = [sys.executable, "-m", "uvicorn", "--factory", "prefect.server.api.server:create_app"]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "error", "--lifespan", "on"]
+    env = {
+        **os.environ,
+        "PREFECT_UI_ENABLED": "0",
+        "PREFECT__SERVER_EPHEMERAL": "1",
+        "PREFECT_SERVER_DATABASE_CONNECTION_URL": database_url,
+    }
+    url = f"http://127.0.0.1:{port}/api"
+    return Service("prefect-server", argv, env, url, f"{url}/health")
+
+
+def _not_ready(record: ServiceRecord) -> str:
     """Wait until the server answers: ``""`` then, else (it exited, or did not answer within
     ``START_LIMIT_S``) what went wrong, with its log."""
     deadline = time.monotonic() + START_LIMIT_S
-    health = f"{server.api_url}/health"
-    while _running(server.pid) and time.monotonic() < deadline:
+    while is_alive(record) and time.monotonic() < deadline:
         with contextlib.suppress(httpx.TransportError):
-            if httpx.get(health, timeout=5).status_code == 200:
+            if httpx.get(record.health_url, timeout=5).status_code == 200:
                 return ""
         time.sleep(0.2)
-    log = (session_folder / "prefect-server.log").read_text(errors="replace")[-4000:]
-    return f"the session's Prefect server did not answer {health}:\n{log}"
-
-
-def _stop_group(pid: int) -> None:
-    """SIGTERM the server's process group, SIGKILL after ``STOP_GRACE_S``."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_S
-    while _running(pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if _running(pid):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pid, signal.SIGKILL)
-    if _STARTED_HERE is not None:  # without xdist this process is its parent: reap it
-        _STARTED_HERE.wait()
-
-
-def _running(pid: int) -> bool:
-    """Whether ``pid`` has not exited (a zombie, whose parent worker has not reaped it, has)."""
-    stat = read_process_stat(pid)
-    return stat is not None and not stat.is_dead
+    log = Path(record.log).read_text(errors="replace")[-4000:]
+    return f"the session's Prefect server did not answer {record.health_url}:\n{log}"

@@ -9,12 +9,8 @@ from typing import Any
 import pytest
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import (
-    ArtifactFilter,
-    ArtifactFilterFlowRunId,
-    TaskRunFilter,
-    TaskRunFilterFlowRunId,
-)
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+from prefect_server import task_runs_of
 
 from flows.pipeline import pipeline
 from tunepod.pipeline import PipelineSummary
@@ -81,9 +77,7 @@ def assert_pipeline_recorded(state: Any, tmp_path: Path, num_trials: int) -> Pip
 
     with get_client(sync_client=True) as prefect:
         flow_run = prefect.read_flow_run(state.state_details.flow_run_id)
-        # Filtered by the server: it holds other tests' runs too, and a read returns one page.
-        ours = TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[flow_run.id]))
-        task_runs = prefect.read_task_runs(task_run_filter=ours)
+        task_runs = task_runs_of(prefect, flow_run.id)
         artifacts = prefect.read_artifacts(
             artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id]))
         )

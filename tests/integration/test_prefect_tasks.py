@@ -13,8 +13,8 @@ import pytest
 import yaml
 from prefect import flow
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterFlowRunId
 from prefect.utilities.callables import parameter_schema
+from prefect_server import task_runs_of
 
 from tasks.steps import run_trial, submit_trial
 from tunepod.errors import JobError, TransientError
@@ -69,12 +69,6 @@ def test_transient_errors_are_retried(prefect_api: None, error: BaseException) -
     assert tuner.calls == 2
 
 
-def of_flow_run(flow_run_id: Any) -> TaskRunFilter:
-    """The task runs of one flow run, filtered by the server: the session's server holds other tests'
-    runs too, and an unfiltered read returns only the first page of them."""
-    return TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[flow_run_id]))
-
-
 def test_other_errors_fail_at_once(prefect_api: None) -> None:
     tuner = ScriptedTuner(JobError("trial 3 FAILED"))
     state = one_trial(tuner, 3, return_state=True)
@@ -87,7 +81,7 @@ def test_other_errors_fail_at_once(prefect_api: None) -> None:
 def test_each_trial_is_a_task_run_named_after_its_step_and_number(prefect_api: None) -> None:
     state = one_trial(ScriptedTuner(), 7, return_state=True)
     with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(task_run_filter=of_flow_run(state.state_details.flow_run_id))
+        runs = task_runs_of(client, state.state_details.flow_run_id)
     assert [t.name for t in runs] == ["search/trial-7"]
     assert runs[0].state is not None and runs[0].state.is_completed()
 
@@ -142,7 +136,7 @@ def test_a_tune_step_shows_live_progress_and_links_each_trial_to_mlflow_and_back
             for key in ("search-progress", "search-trials")
         }
         [progress] = by_key["search-progress"]
-        task_runs = {t.name: t for t in client.read_task_runs(task_run_filter=of_flow_run(flow_run_id))}
+        task_runs = {t.name: t for t in task_runs_of(client, flow_run_id)}
         markdown = [
             a
             for a in client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ours))
