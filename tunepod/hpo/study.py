@@ -25,6 +25,7 @@ from optuna.storages.journal import JournalFileBackend, JournalStorage
 from optuna.storages.journal._file import BaseJournalFileLock
 from optuna.trial import TrialState
 
+from tunepod import world
 from tunepod.errors import TunepodError
 from tunepod.runtime.files import append_whole, disk_full_explained
 from tunepod.spec.models import (
@@ -203,7 +204,7 @@ class ThreadSafeHyperbandPruner(optuna.pruners.HyperbandPruner):
             max_resource="auto" if max_resource is None else max_resource,
             reduction_factor=reduction_factor,
         )
-        self._lock = threading.RLock()
+        self._lock = world.rlock()
 
     def prune(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> bool:
         with self._lock:
@@ -236,12 +237,13 @@ def make_pruner(spec: PrunerSpec) -> optuna.pruners.BasePruner:
     return optuna.pruners.NopPruner()
 
 
-def open_study(settings: TuneSettings) -> optuna.Study:
-    """Create the study, or load it when one of that name exists (a rerun resumes it)."""
+def open_study(settings: TuneSettings, storage: BaseStorage | None = None) -> optuna.Study:
+    """Create the study, or load it when one of that name exists (a rerun resumes it); in
+    ``storage`` when given, else in the spec's ``study.storage``."""
     spec: StudySpec = settings.study
     directions = [goal.direction for goal in spec.goals]
     study = optuna.create_study(
-        storage=make_storage(spec.storage),
+        storage=storage if storage is not None else make_storage(spec.storage),
         study_name=spec.name,
         directions=directions,
         sampler=make_sampler(settings),

@@ -11,13 +11,14 @@ a way a retry can fix (a locked SQLite or journal file) is retried here with a s
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 import optuna
+from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
 
+from tunepod import world
 from tunepod.errors import is_transient
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,14 @@ class StudyTrials:
         for key, value in violations.items():
             retried(lambda key=key, value=value: live.set_constraint(key, value))  # type: ignore[misc]
 
+    def complete_params(self, number: int, distributions: Mapping[str, BaseDistribution]) -> None:
+        """Suggest the parameters of ``distributions`` that RUNNING trial ``number`` lacks, as
+        ``study.ask(distributions)`` would have (sampler, fixed params of an enqueued trial, relative
+        sampling): finishes an ask that was interrupted after Optuna created the trial."""
+        live = self.live(number)
+        for name, distribution in distributions.items():
+            retried(lambda name=name, distribution=distribution: live._suggest(name, distribution))  # type: ignore[misc]
+
     def tell(self, number: int, state: TrialState, value: float | Sequence[float] | None = None) -> None:
         """Record a trial's outcome once (a finished trial keeps the outcome it has); ``value`` is a
         list for a multi-objective study."""
@@ -84,6 +93,6 @@ def retried(call: Callable[[], T]) -> T:
             if not is_transient(exc) or attempt == _RETRIES - 1:
                 raise
             logger.warning("study storage busy (%s); retrying in %.1fs", exc, delay)
-            time.sleep(delay)
+            world.sleep(delay)
             delay *= 2
     raise AssertionError("unreachable")

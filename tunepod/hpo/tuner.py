@@ -9,7 +9,10 @@ Several orchestrators may run one study at once (``tunepod run`` twice, a Prefec
 step while its first attempt's trials still run). Each trial is driven by whoever holds its job dir's
 lease (``tunepod.launch.lease``); the others follow it until it finishes or its lease expires. Asking
 for new trials happens under a study-wide file lock, so the study ends with exactly ``num_trials``
-finished trials however many orchestrators share it.
+finished trials however many orchestrators share it. A trial that an interrupted ask left behind
+(created, but its parameters or its job dir not yet recorded) is finished being asked by the next
+ask, never trained half-asked. The outcome is told to Optuna inside the lease's fence: a driver whose
+lease was taken over tells nothing.
 """
 
 from __future__ import annotations
@@ -17,16 +20,16 @@ from __future__ import annotations
 import logging
 import math
 import shutil
-import threading
-import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import optuna
+from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial, TrialState
 
+from tunepod import world
 from tunepod.errors import JobError, TunepodError
 from tunepod.hpo.study import (
     distributions,
@@ -38,8 +41,8 @@ from tunepod.hpo.study import (
 from tunepod.hpo.trials import FINISHED, StudyTrials, retried
 from tunepod.launch.base import JobHandle, JobSpec, Launcher
 from tunepod.launch.contract import contract_env
-from tunepod.launch.drive import DriveResult, DriveSettings, JobDriver, LeaseLost, Outcome
-from tunepod.launch.lease import Lease, Leases
+from tunepod.launch.drive import DriveResult, DriveSettings, JobDriver, Outcome
+from tunepod.launch.lease import Lease, LeaseLost, Leases
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.submission import read_submission
 from tunepod.launch.watchdog import Limits
@@ -102,6 +105,8 @@ class TuneContext:
     pipeline: str
     flush_timeout_s: float = 600.0
     mlflow_ui_url: str = LOCAL_MLFLOW_UI
+    storage: BaseStorage | None = None
+    """The Optuna storage to use instead of opening the spec's ``study.storage`` (a simulation's)."""
 
 
 @dataclass(frozen=True)
@@ -124,7 +129,7 @@ class Tuner:
     def __init__(self, ctx: TuneContext) -> None:
         self.ctx = ctx
         self.settings = ctx.settings
-        self.study = open_study(ctx.settings)
+        self.study = open_study(ctx.settings, ctx.storage)
         self.trials = StudyTrials(self.study)
         self.leases = Leases(private_job_dirs=ctx.launcher.private_job_dirs)
         self._distributions = distributions(ctx.settings.space)
@@ -134,7 +139,7 @@ class Tuner:
         self._held: dict[int, Lease] = {}
         self._abandoned: dict[int, str] = {}
         self._following: frozenset[int] = frozenset()
-        self._lock = threading.Lock()
+        self._lock = world.lock()
 
     @property
     def step(self) -> str:
@@ -144,26 +149,18 @@ class Tuner:
     # ------------------------------------------------------------------------------------ the loop
 
     def run(self, submit: TrialSubmitter | None = None) -> TrialSet:
-        """Bring the study to ``num_trials`` finished trials, ``num_parallel`` at a time."""
+        """Bring the study to ``num_trials`` finished trials, ``num_parallel`` at a time. Each trial
+        is driven on a thread of its own, or wherever ``submit`` runs it (a Prefect task run)."""
         self._catch_up_tracking()
         self._enqueue_first_trials()
         self._metrics.count_trials(self.study)
-        workers = self.settings.num_parallel + len(self._running()) + 16
-        with ThreadPoolExecutor(workers, "trial") as pool:
-            submit = submit or (lambda tuner, number: pool.submit(tuner.run_trial, number))
-            in_flight: dict[Future[TrialRecord], int] = {}
-            while True:
-                started, following, room = self._schedule(set(in_flight.values()))
-                in_flight |= {submit(self, number): number for number in started}
-                if not in_flight and not following and room <= 0:
-                    break
-                if not in_flight:
-                    time.sleep(FOLLOW_POLL_S)
-                    continue
-                timeout = FOLLOW_POLL_S if following or room > 0 else None
-                done, _ = wait(in_flight, timeout=timeout, return_when=FIRST_COMPLETED)
-                for future in done:
-                    self._settled(in_flight.pop(future), future)
+        submit = submit or _on_a_thread
+        try:
+            self._keep_trials_in_flight(submit)
+        finally:
+            # Leases taken for trials whose driver never started (a failed ask, a failed submit): held
+            # on by this process's heartbeat, they would keep every later driver away for good.
+            self._let_go_of_unstarted()
         self.ctx.outbox.flush(self.ctx.flush_timeout_s)
         if self._abandoned:
             listed = "\n".join(f"trial {n}: {why}" for n, why in sorted(self._abandoned.items()))
@@ -173,6 +170,26 @@ class Tuner:
                 f"Run the pipeline again to re-attach to them.\n{listed}"
             )
         return self.trial_set()
+
+    def _keep_trials_in_flight(self, submit: TrialSubmitter) -> None:
+        in_flight: dict[Future[TrialRecord], int] = {}
+        while True:
+            started, following, room = self._schedule(set(in_flight.values()))
+            in_flight |= {submit(self, number): number for number in started}
+            if not in_flight and not following and room <= 0:
+                return
+            if not in_flight:
+                world.sleep(FOLLOW_POLL_S)
+                continue
+            timeout = FOLLOW_POLL_S if following or room > 0 else None
+            for future in world.wait_any(in_flight, timeout):
+                self._settled(in_flight.pop(future), future)
+
+    def _let_go_of_unstarted(self) -> None:
+        with self._lock:
+            unstarted, self._held = list(self._held.values()), {}
+        for lease in unstarted:
+            lease.release()
 
     def _enqueue_first_trials(self) -> None:
         """The spec's known-good configurations and warm-start trials, queued once (under the study
@@ -190,7 +207,8 @@ class Tuner:
         self.ctx.jobs_dir.mkdir(parents=True, exist_ok=True)
         with locked(self.ctx.jobs_dir / ".study.lock"):
             trials = self.trials.all()
-            running = [t for t in trials if t.state is TrialState.RUNNING]
+            # Half-asked trials are not running anything: the next asks finish asking them.
+            running = [t for t in trials if t.state is TrialState.RUNNING and not _half_asked(t)]
             claimed, following = [], []
             for trial in running:
                 if trial.number in mine or trial.number in self._abandoned:
@@ -214,15 +232,31 @@ class Tuner:
     def _ask(self, num_trials: int) -> int:
         """A new trial (under the study lock); the study holds ``num_trials`` trials before it."""
         reseed_for_next_trial(self.study, self.settings, num_trials)
-        trial = retried(lambda: self.study.ask(self._distributions))
-        job_dir = self.ctx.jobs_dir / f"trial-{trial.number}"
+        number = retried(self._new_trial)
+        job_dir = self.ctx.jobs_dir / f"trial-{number}"
         _set_aside_stale(job_dir)
-        self.trials.set_attr(trial.number, ATTR_JOB_DIR, str(job_dir))
-        lease = self.leases.acquire(job_dir)
+        self.trials.set_attr(number, ATTR_JOB_DIR, str(job_dir))
+        lease = self.leases.acquire(job_dir, wait=True)
         assert lease is not None, f"the new trial's job dir {job_dir} is leased already"
-        self._hold(trial.number, lease)
+        self._hold(number, lease)
         self._metrics.count_trials(self.study)
-        return trial.number
+        return number
+
+    def _new_trial(self) -> int:
+        """A trial with every parameter of the space: one that an interrupted ask left half asked (a
+        storage error after Optuna created it, a crash before its job dir was recorded), else a new
+        one. So a retried ask never leaves a trial behind, to be trained later with defaults."""
+        half_asked = next((t for t in self.trials.all() if _half_asked(t)), None)
+        if half_asked is None:
+            return int(self.study.ask(self._distributions).number)
+        log.warning(
+            "study %s: trial %d was left half asked (parameters %s); asking the rest",
+            self.settings.study.name,
+            half_asked.number,
+            sorted(half_asked.params),
+        )
+        self.trials.complete_params(half_asked.number, self._distributions)
+        return half_asked.number
 
     def _hold(self, number: int, lease: Lease) -> None:
         with self._lock:
@@ -268,7 +302,8 @@ class Tuner:
             try:
                 layout = job_layout(self.settings.train.parallelism, self.settings.train.resources, params)
             except ValueError as exc:
-                self._prune_unfit_layout(number, mirror, str(exc))
+                with lease.fenced():
+                    self._prune_unfit_layout(number, mirror, str(exc))
                 return self._record(self.trials.frozen(number))
             feed = ReportFeed(self, frozen, mirror)
             job = self._job_spec(number, params, mirror, layout)
@@ -282,7 +317,9 @@ class Tuner:
                 observe=self._observer(number, mirror),
                 leases=self.leases,
             )
-            self._conclude(number, driver.run(lease), mirror, feed)
+            driven = driver.run(lease)
+            with lease.fenced():
+                self._conclude(number, driven, mirror, feed)
             return self._record(self.trials.frozen(number))
         finally:
             lease.release()
@@ -291,6 +328,9 @@ class Tuner:
         with self._lock:
             held = self._held.pop(number, None)
         if held is not None and not held.lost:
+            # Taken when the trial was scheduled, maybe long ago (a queued Prefect task run): make sure
+            # it is still this orchestrator's before starting anything of the trial (its MLflow run).
+            held.check()
             return held
         job_dir = self._job_dir(self.trials.frozen(number))
         lease = self.leases.acquire(job_dir)
@@ -607,6 +647,26 @@ class ReportFeed:
         return None
 
 
+def _on_a_thread(tuner: Tuner, number: int) -> Future[TrialRecord]:
+    """The default ``TrialSubmitter``: drive the trial on a thread of this process."""
+    future: Future[TrialRecord] = Future()
+
+    def drive() -> None:
+        try:
+            future.set_result(tuner.run_trial(number))
+        except BaseException as exc:  # handed to the loop, which decides what it means
+            future.set_exception(exc)
+
+    world.start_thread(drive, f"trial-{number}")
+    return future
+
+
+def _half_asked(trial: FrozenTrial) -> bool:
+    """A trial Optuna created for an ask that never finished: every finished ask records its job
+    dir (under the study lock, so nobody sees an ask in progress)."""
+    return trial.state is TrialState.RUNNING and ATTR_JOB_DIR not in trial.user_attrs
+
+
 def _announce_run(number: int, mirror: RunMirror, links: TrialLinks) -> None:
     """Tell ``links`` the trial's MLflow run, if it exists by now (MLflow may be away: then the UI
     goes without the link, and the trial without waiting)."""
@@ -638,7 +698,7 @@ def next_step_to_tell(told: int) -> int:
 def _set_aside_stale(job_dir: Path) -> None:
     """A new trial must not resume from checkpoints of a deleted study that had the same name."""
     if job_dir.exists() and any(job_dir.iterdir()):
-        stale = job_dir.with_name(f"{job_dir.name}.stale-{int(time.time())}")
+        stale = job_dir.with_name(f"{job_dir.name}.stale-{int(world.time())}")
         log.warning("moving leftover %s (from an earlier study of the same name) to %s", job_dir, stale)
         shutil.move(job_dir, stale)
 

@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import logging
 import shutil
-import threading
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 
+from tunepod import world
 from tunepod.errors import JobError, TransientError
 from tunepod.launch.job_state import JobState
 from tunepod.launch.paths import JobPaths
@@ -182,11 +181,11 @@ class Launcher(Protocol):
 
 def wait(handle: JobHandle, poll_s: float = 0.5, timeout_s: float | None = None) -> JobState:
     """Block until ``handle`` reaches a terminal state (or ``timeout_s`` passes) and return it."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    deadline = None if timeout_s is None else world.monotonic() + timeout_s
     while not (state := handle.state()).is_terminal:
-        if deadline is not None and time.monotonic() > deadline:
+        if deadline is not None and world.monotonic() > deadline:
             return state
-        time.sleep(poll_s)
+        world.sleep(poll_s)
     return state
 
 
@@ -254,7 +253,7 @@ class LauncherBase(ABC, Generic[S]):
             self.poll, max_age_s=poll_cache_s, stale_limit_s=stale_limit_s
         )
         self._warned: set[str] = set()
-        self._warn_lock = threading.Lock()
+        self._warn_lock = world.lock()
 
     # ------------------------------------------------------------------------------------ hooks
 
@@ -335,9 +334,6 @@ class LauncherBase(ABC, Generic[S]):
         rendered = self.render(job, attempt)  # refuses bad input before anything is written
         make_job_dir(paths.job_dir, private=self.private_job_dirs)
         self.prepare(job, previous)
-        for stale in (paths.cancelled, paths.running, *self.stale_outcome_files(paths)):
-            stale.unlink(missing_ok=True)
-        shutil.rmtree(paths.progress, ignore_errors=True)  # the earlier attempt's heartbeats
         intent = Submission(
             backend=self.kind,
             name=rendered.name,
@@ -346,6 +342,12 @@ class LauncherBase(ABC, Generic[S]):
             details=dict(rendered.details),
             intent_at=unsent.intent_at if unsent else now_iso(),
         )
+        # The new attempt goes on record before its predecessor's outcome files go: a crash in between
+        # must not leave the old job's record without the cancel marker that tells why it ended.
+        write_submission(paths, intent)
+        for stale in (paths.cancelled, paths.running, *self.stale_outcome_files(paths)):
+            stale.unlink(missing_ok=True)
+        shutil.rmtree(paths.progress, ignore_errors=True)  # the earlier attempt's heartbeats
         accepted, intent = self._send_recorded(job, rendered, intent)
         record = intent.accepted(accepted.job_id, dict(accepted.details))
         # Should this write fail, the intent stays, and find() recovers the job from it.
@@ -457,7 +459,7 @@ class Job(Generic[S]):
         self.job_dir = job_dir
         self.record = record
         self.paths = JobPaths(job_dir)
-        self._cancel_lock = threading.Lock()
+        self._cancel_lock = world.lock()
         self._outcome: JobState | None = None
 
     def status(self, *, max_age_s: float | None = None) -> S:
@@ -503,16 +505,16 @@ class Job(Generic[S]):
         return self.launcher.describe_status(self, self.status())
 
     def idle(self, seconds: float) -> None:
-        time.sleep(seconds)  # a backend known only through its polls: nothing to wait on between them
+        world.sleep(seconds)  # a backend known only through its polls: nothing to wait on between them
 
     def _wait_until_ended(self) -> None:
-        deadline = time.monotonic() + self.launcher.cancel_timeout_s
+        deadline = world.monotonic() + self.launcher.cancel_timeout_s
         # Asked fresh each time: a long poll_cache_s must not slow a cancel down.
         while not (status := self.status(max_age_s=self.launcher.cancel_poll_s)).job_state.is_terminal:
-            if time.monotonic() > deadline:
+            if world.monotonic() > deadline:
                 raise JobError(
                     f"{self.launcher.describe_status(self, status)} {self.launcher.cancel_timeout_s:.0f}s "
                     f"after tunepod stopped it; {self.launcher.stop_command(self.job_id, self.record)} "
                     f"by hand and check its nodes; job dir: {self.job_dir}"
                 )
-            time.sleep(self.launcher.cancel_poll_s)
+            world.sleep(self.launcher.cancel_poll_s)

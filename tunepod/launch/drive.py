@@ -13,26 +13,29 @@ The job dir is the truth, on every (re)start:
 
 A transient backend error is waited out (logged), never read as "the job is gone", and never cancels
 anything. One driver per job dir: the driver holds the job dir's lease (``tunepod.launch.lease``)
-while it drives; a driver that finds the lease held by another live driver follows the job dir
-read-only until that driver lets go, then carries on from what the job dir says.
+while it drives, and acts on the job (submits, adopts, stops, restarts it, resets its clocks) only
+inside the lease's fence, so a driver whose lease another took over acts no more (``LeaseLost``); a
+driver that finds the lease held by another live driver follows the job dir read-only until that
+driver lets go, then carries on from what the job dir says.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
+from typing import TypeVar
 
-from tunepod.errors import JobError, TransientError
+from tunepod import world
+from tunepod.errors import TransientError
 from tunepod.launch.base import JobHandle, JobSpec, JobState, Launcher
-from tunepod.launch.lease import Lease, Leases
+from tunepod.launch.lease import Lease, LeaseLost, Leases
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.submission import CancelMarker, CancelReason, read_cancel_marker, read_submission
-from tunepod.launch.watchdog import Watchdog
+from tunepod.launch.watchdog import Stall, Watchdog
 from tunepod.runtime import Report, ReportTail, Result, read_result
 
 logger = logging.getLogger(__name__)
@@ -43,6 +46,8 @@ logger = logging.getLogger(__name__)
 ReportHandler = Callable[[list[Report]], bool]
 # Called with each job handle the driver follows (True when it was just submitted); may wrap it.
 JobObserver = Callable[[JobHandle, bool], JobHandle]
+
+T = TypeVar("T")
 
 LOG_TAIL_LINES = 20
 LOG_SCAN_LINES = 400
@@ -81,10 +86,6 @@ class DriveResult:
     """For FAILED and TIMED_OUT: a runbook (job id, state, log tail, where the logs are)."""
 
 
-class LeaseLost(JobError):
-    """Another driver took this job dir's lease (this one stalled past its TTL); it drives it now."""
-
-
 class JobDriver:
     """Drives one job dir; see the module docstring. One instance per job dir and call of ``run``."""
 
@@ -112,7 +113,10 @@ class JobDriver:
         limits = job.limits if launcher.job_writes_job_dir else job.limits.run_time_only()
         self._watchdog = Watchdog(self.paths, limits)
         self._outage_logged_at = -_OUTAGE_LOG_S
-        self._nudged_at = time.monotonic()
+        self._nudged_at = world.monotonic()
+        self._lease: Lease | None = None
+        self._stall: Stall | None = None
+        """Why this driver last stopped the job as hung (for the failure message)."""
 
     def run(self, lease: Lease | None = None) -> DriveResult:
         """Drive the job dir to an outcome, holding ``lease``. A lease given stays held: its caller
@@ -130,7 +134,8 @@ class JobDriver:
     # ------------------------------------------------------------------------------------ the loop
 
     def _drive(self, lease: Lease) -> DriveResult:
-        handle = self._waiting(self._current_job)
+        self._lease = lease
+        handle = self._waiting(lambda: self._fenced(self._current_job))
         if handle is None:
             result = read_result(self.paths.result)
             if result is not None:  # finished, and its record is gone: never run it again
@@ -156,7 +161,7 @@ class JobDriver:
                     self.what,
                     handle.job_id,
                 )
-                self._watchdog.new_run()
+                self._fenced(self._watchdog.new_run)
             seen_running = state is JobState.RUNNING or (seen_running and state is None)
             if stopping is None and self._feed_reports():
                 stopping = "pruned"
@@ -173,7 +178,9 @@ class JobDriver:
         """The outcome of a job that ended; None when it is to be started again. ``stopping`` is a
         stop this driver decided on, which the job may have beaten to the end."""
         result = read_result(self.paths.result)
-        if result is not None:
+        if result is not None or self._ended_on_its_own(state):
+            # Finished, whatever stop anyone decided on meanwhile: the stop came too late (or never
+            # got through; the cancel marker only says it was decided).
             return DriveResult(Outcome.COMPLETED, result, handle)
         marker = self._marker(handle)
         reason = marker.reason if marker is not None else stopping
@@ -183,9 +190,8 @@ class JobDriver:
         if reason == "hung":
             if self._may_restart(handle, "hung"):
                 return None
-            now = time.time()
-            stall = self._watchdog.stall(handle.job_id, now)
-            hung = f"{self.what} hung: {stall.describe(now) if stall else 'it stopped progressing'}"
+            stall = self._stall
+            hung = f"{self.what} hung: {stall.describe() if stall else 'it stopped progressing'}"
             return DriveResult(Outcome.FAILED, None, handle, failure_message(hung, handle, state, kind=kind))
         if reason == "timed_out":
             limit = self.job.resources.timeout_min
@@ -203,6 +209,10 @@ class JobDriver:
         if state is JobState.FAILED and reason is None and self._may_restart(handle, "failed"):
             return None
         return DriveResult(Outcome.FAILED, None, handle, failure_message(self.what, handle, state, kind=kind))
+
+    def _ended_on_its_own(self, state: JobState) -> bool:
+        """Exited 0 and not on a stop signal its script listened for (a preemption saves and exits 0)."""
+        return state is JobState.SUCCEEDED and self._watchdog.stop_requested_at() is None
 
     def _settle_stopped(self, handle: JobHandle, state: JobState, asked_at: float) -> DriveResult | None:
         """A job whose script saved and exited on a stop signal tunepod did not send: the warning
@@ -236,14 +246,19 @@ class JobDriver:
         return True
 
     def _overdue(self, handle: JobHandle) -> CancelReason | None:
-        """A reason to stop the running job: its run time is up, or it stopped progressing."""
-        now = time.time()
+        """A reason to stop the running job: its run time is up, or it stopped progressing. Fenced:
+        the first look at a job running records when it started."""
+        return self._fenced(lambda: self._overdue_now(handle))
+
+    def _overdue_now(self, handle: JobHandle) -> CancelReason | None:
+        now = world.time()
         if self._watchdog.timed_out(handle.job_id, now):
             return "timed_out"
         stall = self._watchdog.stall(handle.job_id, now)
         if stall is None:
             return None
-        logger.warning("%s: job %s is hung, stopping it: %s", self.what, handle.job_id, stall.describe(now))
+        self._stall = stall
+        logger.warning("%s: job %s is hung, stopping it: %s", self.what, handle.job_id, stall.describe())
         return "hung"
 
     # ------------------------------------------------------------------------------------ helpers
@@ -258,9 +273,16 @@ class JobDriver:
         return None if handle is None else self._observe(handle, False)
 
     def _submit(self) -> JobHandle:
-        handle = self._waiting(lambda: self.launcher.submit(self.job))
+        handle = self._waiting(lambda: self._fenced(lambda: self.launcher.submit(self.job)))
         assert handle is not None
         return self._observe(handle, True)
+
+    def _fenced(self, action: Callable[[], T]) -> T:
+        """``action()`` inside the lease's fence: ``LeaseLost``, and nothing done, once another driver
+        took the job dir over."""
+        assert self._lease is not None, "a driver acts only while it drives"
+        with self._lease.fenced():
+            return action()
 
     def _state(self, handle: JobHandle) -> JobState | None:
         """The job's state; None while the backend does not answer (logged once a minute)."""
@@ -268,16 +290,16 @@ class JobDriver:
             return handle.state()
         except TransientError as exc:
             self._log_outage(handle, exc)
-            time.sleep(self.settings.poll_s)
+            world.sleep(self.settings.poll_s)
             return None
 
     def _stop(self, handle: JobHandle, reason: CancelReason) -> None:
         try:
-            handle.cancel(reason=reason)
+            self._fenced(lambda: handle.cancel(reason=reason))
         except TransientError as exc:
             # The marker is written: the next round sends the stop again.
             self._log_outage(handle, exc)
-            time.sleep(self.settings.poll_s)
+            world.sleep(self.settings.poll_s)
 
     def _waiting(self, call: Callable[[], JobHandle | None]) -> JobHandle | None:
         """``call()``, retried for as long as it fails transiently (never read as "no job")."""
@@ -286,13 +308,13 @@ class JobDriver:
                 return call()
             except TransientError as exc:
                 self._log_outage(None, exc)
-                time.sleep(max(self.settings.poll_s, 1.0))
+                world.sleep(max(self.settings.poll_s, 1.0))
 
     def _feed_reports(self) -> bool:
         """Hand new reports to the handler (none, every ``TELEMETRY_NUDGE_S`` without any); True when
         it asks to stop the job."""
         reports = self._reports.read_new()
-        now = time.monotonic()
+        now = world.monotonic()
         if not reports and now - self._nudged_at < TELEMETRY_NUDGE_S:
             return False
         self._nudged_at = now
@@ -308,7 +330,7 @@ class JobDriver:
         return None if marker is None else marker.reason
 
     def _log_outage(self, handle: JobHandle | None, exc: Exception) -> None:
-        now = time.monotonic()
+        now = world.monotonic()
         if now - self._outage_logged_at < _OUTAGE_LOG_S:
             return
         self._outage_logged_at = now
@@ -330,7 +352,7 @@ def acquire_or_follow(leases: Leases, job_dir: Path, *, what: str, poll_s: float
         if not announced and holder is not None:
             logger.warning("%s: %s is driven by %s; following it", what, job_dir, holder.describe())
             announced = True
-        time.sleep(max(poll_s, 0.2))
+        world.sleep(max(poll_s, 0.2))
     return lease
 
 

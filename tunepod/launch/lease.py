@@ -1,42 +1,51 @@
-"""One driver per job dir: a lease, renewed by a heartbeat while the driver that holds it lives.
+"""One driver per job dir: a lease, renewed by a heartbeat while the driver that holds it lives, and a
+fence around every action the driver takes on the job.
 
 Two orchestrators on one study (``tunepod run`` twice, or a Prefect retry of a step whose first
 attempt is still driving jobs) must never both follow, prune or resubmit one job. Whoever drives a job
 dir first takes its lease (``<job_dir>/lease.json``); a background thread renews every lease this
 process holds every ``ttl_s / 3`` seconds. Another driver takes the lease only once it has expired:
-not renewed for ``ttl_s`` seconds, or at once when its holder ran on this host and that process is
-gone (a SIGKILLed orchestrator need not be waited for).
+not renewed for ``ttl_s`` seconds, or at once when its holder is certainly gone (it ran on this
+machine, in this PID namespace, and that process is not there any more: a SIGKILLed orchestrator
+need not be waited for, and a pid is never looked up across containers, where the same pid names
+another process).
 
-Every read-modify-write of a lease happens under an exclusive ``flock`` of ``<job_dir>/.lease.lock``,
-so two drivers never both see a lease free and both take it. (On Lustre this needs the ``flock`` mount
-option, which FSx for Lustre clients use by default.)
+Every read-modify-write of a lease happens under an exclusive ``flock`` of ``<job_dir>/.lease.lock``
+(``tunepod.locks``), so two drivers never both see a lease free and both take it. (On Lustre this
+needs the ``flock`` mount option, which FSx for Lustre clients use by default.)
 
-A holder that could not renew in time (a stopped process) may find its lease taken: ``Lease.lost``
-then turns True, and its driver stops driving that job without touching it.
+**Fencing.** Each acquisition gets the next ``generation`` of the job dir's lease. A driver acts on
+its job (submits, stops, restarts it, records a decision in the job dir or in Optuna) only inside
+``Lease.fenced()``: under the same lock, having checked that the lease file still names its owner
+and generation. So a holder that stalled past its TTL while another took over acts no more, at its
+very next action (``LeaseLost``), not a heartbeat later; and while an action runs, nobody can take
+the lease (the lock is held), so no action is ever half done by a holder that lost it. Taking and
+renewing never wait for that lock: a lease whose lock is held is being acted on by a live holder.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import socket
-import threading
-import time
-import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from tunepod import world
+from tunepod.errors import JobError
 from tunepod.launch.paths import JobPaths
-from tunepod.launch.procfs import is_same_process, read_process_stat
 from tunepod.launch.submission import make_job_dir
-from tunepod.locks import locked
+from tunepod.locks import locked, try_locked
 from tunepod.runtime.files import write_bytes_atomic
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TTL_S = 60.0
+
+
+class LeaseLost(JobError):
+    """Another driver took this job dir's lease (this one stalled past its TTL); it drives it now."""
 
 
 class LeaseRecord(BaseModel):
@@ -48,32 +57,69 @@ class LeaseRecord(BaseModel):
     host: str
     pid: int
     pid_start_ticks: int
+    boot_id: str = ""
+    pid_namespace: str = ""
     renewed_at: float
-    """``time.time()`` of the last renewal, on the holder's clock."""
+    """``time()`` of the last renewal, on the holder's clock."""
     ttl_s: float
+    generation: int = 0
+    """Counts the acquisitions of this job dir's lease: the fencing token (see the module docstring)."""
+    released: bool = False
+    """Given up by its holder; the record stays so that the next generation follows this one."""
+
+    @property
+    def process(self) -> world.ProcessId:
+        return world.ProcessId(self.host, self.pid, self.pid_start_ticks, self.boot_id, self.pid_namespace)
 
     def describe(self) -> str:
-        age = max(0.0, time.time() - self.renewed_at)
+        age = max(0.0, world.time() - self.renewed_at)
         return f"driver {self.owner} (pid {self.pid} on {self.host}, renewed {age:.0f}s ago)"
 
     def is_live(self) -> bool:
-        """Whether the holder still holds it: renewed within ``ttl_s``, and alive if on this host."""
-        if time.time() - self.renewed_at > self.ttl_s:
+        """Whether the holder still holds it: not released, renewed within ``ttl_s``, and not gone."""
+        if self.released or world.time() - self.renewed_at > self.ttl_s:
             return False
-        return self.host != socket.gethostname() or is_same_process(self.pid, self.pid_start_ticks)
+        return not world.is_gone(self.process)
 
 
 class Lease:
     """A lease this process holds on one job dir. ``lost`` turns True when another driver took it."""
 
-    def __init__(self, leases: Leases, job_dir: Path) -> None:
+    def __init__(self, leases: Leases, job_dir: Path, generation: int) -> None:
         self.leases = leases
         self.job_dir = job_dir
+        self.generation = generation
         self.lost = False
+        self._fence_depth = 0
 
     def release(self) -> None:
         """Give the lease up (a no-op once lost). Safe to call twice."""
         self.leases.release(self)
+
+    @contextlib.contextmanager
+    def fenced(self) -> Iterator[None]:
+        """Act on the job inside this block: it runs under the job dir's lease lock, once this lease
+        is known to be the current one. ``LeaseLost`` (and nothing done) when another driver took it.
+        Re-entrant for the thread that drives the job dir."""
+        if self._fence_depth:
+            self._fence_depth += 1
+            try:
+                yield
+            finally:
+                self._fence_depth -= 1
+            return
+        with locked(JobPaths(self.job_dir).lease_lock):
+            self.leases.check(self)
+            self._fence_depth = 1
+            try:
+                yield
+            finally:
+                self._fence_depth = 0
+
+    def check(self) -> None:
+        """``LeaseLost`` unless this lease is still the job dir's current one (reads the lease file)."""
+        with self.fenced():
+            pass
 
 
 class Leases:
@@ -86,29 +132,33 @@ class Leases:
     def __init__(
         self, *, private_job_dirs: bool, ttl_s: float = DEFAULT_TTL_S, owner: str | None = None
     ) -> None:
-        self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        me = world.this_process()
+        self.owner = owner or f"{me.host}:{me.pid}:{world.token_hex(4)}"
         self.private_job_dirs = private_job_dirs
         self.ttl_s = ttl_s
         self._held: dict[Path, Lease] = {}
-        self._lock = threading.Lock()
+        self._lock = world.lock()
 
-    def acquire(self, job_dir: Path) -> Lease | None:
+    def acquire(self, job_dir: Path, *, wait: bool = False) -> Lease | None:
         """Take the lease of ``job_dir`` (the same ``Lease`` again when this owner holds it already);
-        None when another live driver holds it."""
+        None when another live driver holds it, or (unless ``wait``) is acting on the job right now."""
         with self._lock:
             held = self._held.get(job_dir)
         if held is not None and not held.lost:
             return held
         make_job_dir(job_dir, private=self.private_job_dirs)
         paths = JobPaths(job_dir)
-        with _locked(paths):
+        with _lease_lock(paths, wait=wait) as got:
+            if not got:
+                return None
             current = read_lease(paths)
             if current is not None and current.owner != self.owner and current.is_live():
                 return None
-            if current is not None and current.owner != self.owner:
+            if current is not None and current.owner != self.owner and not current.released:
                 logger.warning("%s: taking over the expired lease of %s", job_dir, current.describe())
-            _write(paths, self._record())
-        lease = Lease(self, job_dir)
+            generation = current.generation + 1 if current is not None else 1
+            _write(paths, self._record(generation))
+        lease = Lease(self, job_dir, generation)
         with self._lock:
             self._held[job_dir] = lease
         _heartbeat().add(lease)
@@ -121,18 +171,26 @@ class Leases:
             return None
         return current
 
+    def check(self, lease: Lease) -> None:
+        """Under the lease lock: ``LeaseLost`` (and ``lease.lost``) unless ``lease`` is current."""
+        current = read_lease(JobPaths(lease.job_dir))
+        if not lease.lost and _names(current, self.owner, lease.generation):
+            return
+        self._lost(lease, current)
+        raise LeaseLost(f"{lease.job_dir} is driven by another orchestrator now; this one acts no more on it")
+
     def renew(self, lease: Lease) -> None:
+        """Renew ``lease`` unless its lock is held (an action of its holder, or a driver looking at
+        it, is under way: the next beat renews it)."""
         paths = JobPaths(lease.job_dir)
-        with _locked(paths):
+        with _lease_lock(paths, wait=False) as got:
+            if not got or lease.lost:
+                return
             current = read_lease(paths)
-            if current is None or current.owner != self.owner:
-                lease.lost = True
-            else:
-                _write(paths, self._record())
-        if lease.lost:
-            _heartbeat().discard(lease)
-            taker = current.describe() if current is not None else "nobody (the lease file is gone)"
-            logger.error("%s: lost the lease to %s; no longer driving it", lease.job_dir, taker)
+            if _names(current, self.owner, lease.generation):
+                _write(paths, self._record(lease.generation))
+                return
+        self._lost(lease, current)
 
     def release(self, lease: Lease) -> None:
         _heartbeat().discard(lease)
@@ -142,21 +200,39 @@ class Leases:
         if lease.lost:
             return
         paths = JobPaths(lease.job_dir)
-        with _locked(paths):
+        with _lease_lock(paths, wait=True):
             current = read_lease(paths)
-            if current is not None and current.owner == self.owner:
-                paths.lease.unlink(missing_ok=True)
+            if current is not None and _names(current, self.owner, lease.generation):
+                _write(paths, current.model_copy(update={"released": True}))
 
-    def _record(self) -> LeaseRecord:
-        stat = read_process_stat(os.getpid())
+    def _lost(self, lease: Lease, current: LeaseRecord | None) -> None:
+        if lease.lost:
+            return
+        lease.lost = True
+        _heartbeat().discard(lease)
+        taker = current.describe() if current is not None else "nobody (the lease file is gone)"
+        logger.error("%s: lost the lease to %s; no longer driving it", lease.job_dir, taker)
+
+    def _record(self, generation: int) -> LeaseRecord:
+        me = world.this_process()
         return LeaseRecord(
             owner=self.owner,
-            host=socket.gethostname(),
-            pid=os.getpid(),
-            pid_start_ticks=stat.start_ticks if stat is not None else 0,
-            renewed_at=time.time(),
+            host=me.host,
+            pid=me.pid,
+            pid_start_ticks=me.start_ticks,
+            boot_id=me.boot_id,
+            pid_namespace=me.pid_namespace,
+            renewed_at=world.time(),
             ttl_s=self.ttl_s,
+            generation=generation,
         )
+
+
+def _names(record: LeaseRecord | None, owner: str, generation: int) -> bool:
+    """Whether ``record`` is the unreleased record of ``owner``'s acquisition ``generation``."""
+    if record is None or record.released:
+        return False
+    return record.owner == owner and record.generation == generation
 
 
 def read_lease(paths: JobPaths) -> LeaseRecord | None:
@@ -171,8 +247,14 @@ def _write(paths: JobPaths, record: LeaseRecord) -> None:
     write_bytes_atomic(paths.lease, record.model_dump_json().encode())
 
 
-def _locked(paths: JobPaths) -> contextlib.AbstractContextManager[None]:
-    return locked(paths.lease_lock)
+@contextlib.contextmanager
+def _lease_lock(paths: JobPaths, *, wait: bool) -> Iterator[bool]:
+    if wait:
+        with locked(paths.lease_lock):
+            yield True
+    else:
+        with try_locked(paths.lease_lock) as got:
+            yield got
 
 
 class _Heartbeat:
@@ -183,20 +265,21 @@ class _Heartbeat:
     """
 
     def __init__(self) -> None:
-        self._leases: set[Lease] = set()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+        # A dict, not a set: renewals go in the order the leases were taken, the same on every run.
+        self._leases: dict[Lease, None] = {}
+        self._lock = world.lock()
+        self._started = False
 
     def add(self, lease: Lease) -> None:
         with self._lock:
-            self._leases.add(lease)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="tunepod-lease-heartbeat", daemon=True)
-                self._thread.start()
+            self._leases[lease] = None
+            start, self._started = not self._started, True
+        if start:
+            world.start_thread(self._run, "tunepod-lease-heartbeat")
 
     def discard(self, lease: Lease) -> None:
         with self._lock:
-            self._leases.discard(lease)
+            self._leases.pop(lease, None)
 
     def _run(self) -> None:
         while True:
@@ -209,11 +292,8 @@ class _Heartbeat:
                 except OSError as exc:
                     # A shared filesystem hiccup: the next beat tries again, well within the TTL.
                     logger.warning("%s: could not renew the lease: %s", lease.job_dir, exc)
-            time.sleep(max(0.05, interval))
-
-
-_HEARTBEAT = _Heartbeat()
+            world.sleep(max(0.05, interval))
 
 
 def _heartbeat() -> _Heartbeat:
-    return _HEARTBEAT
+    return world.process_local("tunepod.launch.lease.heartbeat", _Heartbeat)

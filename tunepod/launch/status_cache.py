@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, Protocol, TypeVar
 
+from tunepod import world
 from tunepod.errors import JobError, TransientError
 from tunepod.launch.job_state import JobState
 from tunepod.launch.submission import Submission
@@ -62,7 +61,7 @@ class StatusCache(Generic[S]):
         self._poll = poll
         self.max_age_s = max_age_s
         self.stale_limit_s = stale_limit_s
-        self._lock = threading.Lock()
+        self._lock = world.lock()
         self._tracked: dict[str, TrackedJob] = {}
         self._live: dict[str, S] = {}
         self._final: dict[str, S] = {}
@@ -83,7 +82,7 @@ class StatusCache(Generic[S]):
                 raise JobError(f"job {job_id} is not followed by this launcher; attach to it first")
             if job_id in self._final:
                 return self._final[job_id]
-            if job_id in self._live and time.monotonic() - self._fetched_at < limit:
+            if job_id in self._live and world.monotonic() - self._fetched_at < limit:
                 return self._live[job_id]
             try:
                 self._refresh()
@@ -107,11 +106,11 @@ class StatusCache(Generic[S]):
             else:
                 live[job_id] = status
         self._live = live
-        self._fetched_at = time.monotonic()
+        self._fetched_at = world.monotonic()
 
     def _stale_or_raise(self, job_id: str, exc: TransientError) -> S:
         last = self._live.get(job_id)
-        if last is None or time.monotonic() - self._fetched_at > self.stale_limit_s:
+        if last is None or world.monotonic() - self._fetched_at > self.stale_limit_s:
             raise exc
         logger.warning("state refresh failed, using the last known state of job %s: %s", job_id, exc)
         return last

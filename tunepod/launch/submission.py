@@ -16,13 +16,13 @@ before the stop is sent: a later reader knows why the job ended, or that it stil
 
 from __future__ import annotations
 
-import secrets
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tunepod import world
 from tunepod.errors import JobError
 from tunepod.launch.paths import JobPaths
 from tunepod.runtime.files import write_bytes_atomic
@@ -37,12 +37,12 @@ CancelReason = Literal["pruned", "timed_out", "hung", "cancelled"]
 
 def now_iso() -> str:
     """The current UTC time as the records write it."""
-    return datetime.now(UTC).isoformat(timespec="milliseconds")
+    return datetime.fromtimestamp(world.time(), UTC).isoformat(timespec="milliseconds")
 
 
 def new_submission_id() -> str:
     """A random id for one submission; the job carries it (environment, comment, annotation)."""
-    return secrets.token_hex(8)
+    return world.token_hex(8)
 
 
 class Submission(BaseModel):

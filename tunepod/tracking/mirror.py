@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 
+from tunepod import world
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.submission import read_submission
 from tunepod.runtime import Report, ReportTail
@@ -155,8 +154,8 @@ class RunMirror:
         # a restart, as that write may not have happened (the same value again is no change).
         self._params_pending: Mapping[str, object] = dict(plan.params) if plan is not None else {}
         self._final: Final | None = None
-        self._lock = threading.Lock()
-        self._run_known = threading.Event()
+        self._lock = world.lock()
+        self._run_known = world.event()
         if self._state.run_id is not None:
             self._run_known.set()
         # No record in the job dir: no run was ever asked for this job (see _ensure_run).
@@ -273,7 +272,7 @@ class RunMirror:
     def _sync_telemetry(self, run_id: str, *, last: bool) -> None:
         """Log the ranks' figures that are newer than the logged ones; while the job runs (not
         ``last``), at most every ``TELEMETRY_MIRROR_S``."""
-        now = time.monotonic()
+        now = world.monotonic()
         if not last and now - self._telemetry_synced_at < TELEMETRY_MIRROR_S:
             return
         fresh = [

@@ -16,9 +16,8 @@ again. A step ends with ``flush``: it waits, up to a limit, until every mirror h
 from __future__ import annotations
 
 import logging
-import threading
-import time
 
+from tunepod import world
 from tunepod.tracking.mirror import RunMirror
 
 logger = logging.getLogger(__name__)
@@ -47,18 +46,13 @@ class TrackingOutbox:
         self._syncing: set[int] = set()
         """Mirrors a thread is syncing now: no other thread takes them meanwhile."""
         self._version = 0
-        self._cond = threading.Condition()
+        self._cond = world.condition()
         self._closed = False
         self._failing_since: float | None = None
-        self._threads = [
-            threading.Thread(target=self._run, name=f"tunepod-tracking-outbox-{n}", daemon=True)
-            for n in range(threads)
-        ]
-        self._threads.append(
-            threading.Thread(target=self._run, args=(True,), name="tunepod-tracking-outbox-runs", daemon=True)
-        )
-        for thread in self._threads:
-            thread.start()
+        self._threads_running = threads + 1
+        for n in range(threads):
+            world.start_thread(self._run, f"tunepod-tracking-outbox-{n}")
+        world.start_thread(lambda: self._run(runs_only=True), "tunepod-tracking-outbox-runs")
 
     def add(self, mirror: RunMirror) -> None:
         """Sync ``mirror`` soon (again, if it is waiting already: something new came up)."""
@@ -69,10 +63,10 @@ class TrackingOutbox:
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every mirror has caught up; False (and the waiting runs logged) after ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
+        deadline = world.monotonic() + timeout_s
         with self._cond:
             while self._waiting:
-                remaining = deadline - time.monotonic()
+                remaining = deadline - world.monotonic()
                 if remaining <= 0:
                     behind = sorted(str(mirror.job_dir) for mirror, _ in self._waiting.values())
                     logger.error(
@@ -91,9 +85,7 @@ class TrackingOutbox:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        deadline = time.monotonic() + 5
-        for thread in self._threads:
-            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+            self._cond.wait_for(lambda: self._threads_running == 0, timeout=5)
 
     @property
     def num_waiting(self) -> int:
@@ -103,6 +95,14 @@ class TrackingOutbox:
     # ------------------------------------------------------------------------------------ the thread
 
     def _run(self, runs_only: bool = False) -> None:
+        try:
+            self._sync_until_closed(runs_only)
+        finally:
+            with self._cond:
+                self._threads_running -= 1
+                self._cond.notify_all()
+
+    def _sync_until_closed(self, runs_only: bool) -> None:
         backoff = _FIRST_BACKOFF_S
         while (picked := self._next(runs_only)) is not None:
             mirror, version = picked
@@ -149,7 +149,7 @@ class TrackingOutbox:
                     self._waiting[id(mirror)] = current
             if self._failing_since is not None:
                 logger.warning(
-                    "MLflow answers again after %.0fs; catching up", time.monotonic() - self._failing_since
+                    "MLflow answers again after %.0fs; catching up", world.monotonic() - self._failing_since
                 )
                 self._failing_since = None
             self._cond.notify_all()
@@ -163,7 +163,7 @@ class TrackingOutbox:
                 self._waiting[id(mirror)] = entry
             first = self._failing_since is None
             if first:
-                self._failing_since = time.monotonic()
+                self._failing_since = world.monotonic()
             self._cond.notify_all()  # it is free again for another thread
         if first:
             logger.warning(
