@@ -14,13 +14,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import asdict
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
 
-from tunepod import runtime
+from tunepod import runtime, world
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.watchdog import Limits, RunningSince, Watchdog
 from tunepod.runtime.contract import CHECKPOINT_DIR_ENV, METRICS_FILE_ENV, RANK_ENV
@@ -33,6 +33,7 @@ from tunepod.runtime.progress import (
     peak_memory,
     read_progress,
 )
+from tunepod.world import RealWorld
 
 
 def torch_cuda_available() -> bool:
@@ -115,38 +116,107 @@ def test_the_first_heartbeat_starts_the_clock_when_no_driver_saw_the_job_start(t
     assert Watchdog(paths, Limits()).running_since("job-1") == pytest.approx(now - 510)
 
 
-def test_a_stall_names_the_stuck_ranks_and_tells_alive_from_gone(tmp_path: Path) -> None:
+class ManualClocks(RealWorld):
+    """The real world with clocks the test sets: the driver's wall clock and its monotonic clock."""
+
+    def __init__(self, wall: float) -> None:
+        self.wall = wall
+        self.mono = 1000.0
+
+    def time(self) -> float:
+        return self.wall
+
+    def monotonic(self) -> float:
+        return self.mono
+
+    def advance(self, seconds: float) -> None:
+        self.wall += seconds
+        self.mono += seconds
+
+
+@pytest.fixture
+def clocks() -> Iterator[ManualClocks]:
+    with world.installed(ManualClocks(time.time())) as installed:
+        assert isinstance(installed, ManualClocks)
+        yield installed
+
+
+def test_a_stall_names_the_stuck_ranks_and_tells_alive_from_gone(
+    tmp_path: Path, clocks: ManualClocks
+) -> None:
     paths = JobPaths(tmp_path)
-    now = time.time()
-    write_beat(paths, 0, advanced_at=now - 100, beat_at=now - 1)  # alive, stuck
-    write_beat(paths, 1, advanced_at=now - 120, beat_at=now - 90)  # stopped beating: gone
+    now = clocks.wall
+    write_beat(paths, 0, advanced_at=now - 100, beat_at=now - 1)  # alive, stuck for 99 s by its own clock
+    write_beat(paths, 1, advanced_at=now - 120, beat_at=now - 90)  # stopped beating 30 s after advancing
     write_beat(paths, 2, advanced_at=now - 1, beat_at=now - 1)  # fine
     watchdog = Watchdog(paths, Limits(hang_timeout_s=60))
-    stall = watchdog.stall("job-1", now)
+    first = watchdog.stall("job-1", now)
+    # Rank 1's silence is not measured on another host's clock: this driver must hear it last.
+    assert first is not None and first.stalled_ranks == [0]
+    clocks.advance(40)  # rank 0 beats on without advancing; ranks 1 and 2 say nothing new
+    write_beat(paths, 0, advanced_at=now - 100, beat_at=now + 39)
+    stall = watchdog.stall("job-1", clocks.wall)
     assert stall is not None and stall.stalled_ranks == [0, 1]
-    described = stall.describe(now)
-    assert described.startswith("no progress for 100 s (last step 5); stopped: rank 0 on node-1 pid 100")
-    assert "rank 0 on node-1 pid 100 advanced 100 s ago, alive" in described
-    assert "rank 1 on node-1 pid 101 advanced 120 s ago, its heartbeat stopped 90 s ago" in described
-    assert Watchdog(paths, Limits(hang_timeout_s=150)).stall("job-1", now) is None
+    described = stall.describe()
+    assert described.startswith("no progress for 70 s (last step 5); stopped: rank 0 on node-1 pid 100")
+    assert "rank 0 on node-1 pid 100 advanced 139 s ago, alive" in described
+    assert "rank 1 on node-1 pid 101 advanced 70 s ago, its heartbeat stopped 40 s ago" in described
+    assert Watchdog(paths, Limits(hang_timeout_s=150)).stall("job-1", clocks.wall) is None
 
 
-def test_a_finished_rank_waiting_for_the_others_is_not_a_hang(tmp_path: Path) -> None:
+def test_a_finished_rank_waiting_for_the_others_is_not_a_hang(tmp_path: Path, clocks: ManualClocks) -> None:
     paths = JobPaths(tmp_path)
-    now = time.time()
+    now = clocks.wall
     write_beat(paths, 0, advanced_at=now - 1, beat_at=now - 1)
     write_beat(paths, 1, advanced_at=now - 500, beat_at=now - 500, finished=True)
     assert Watchdog(paths, Limits(hang_timeout_s=60)).stall("job-1", now) is None
 
 
-def test_no_heartbeat_past_the_startup_allowance_is_a_hang(tmp_path: Path) -> None:
+def test_no_heartbeat_past_the_startup_allowance_is_a_hang(tmp_path: Path, clocks: ManualClocks) -> None:
     paths = JobPaths(tmp_path)
     watchdog = Watchdog(paths, Limits(hang_timeout_s=60, startup_timeout_s=300))
-    since = watchdog.running_since("job-1")
-    assert watchdog.stall("job-1", since + 299) is None
-    stall = watchdog.stall("job-1", since + 301)
+    assert watchdog.stall("job-1", clocks.wall) is None  # the first look at it running
+    clocks.advance(299)
+    assert watchdog.stall("job-1", clocks.wall) is None
+    clocks.advance(2)
+    stall = watchdog.stall("job-1", clocks.wall)
     assert stall is not None
-    assert stall.describe(since + 301) == "no rank sent a heartbeat in 301 s of running (stuck starting up?)"
+    assert stall.describe() == "no rank sent a heartbeat in 301 s of running (stuck starting up?)"
+
+
+def test_a_jump_of_the_orchestrators_clock_neither_hangs_nor_times_out_a_job(
+    tmp_path: Path, clocks: ManualClocks
+) -> None:
+    """An NTP step or a resumed VM moves the driver's wall clock by an hour: the job's ranks, which
+    beat and advance on their own clocks, are neither hung nor over their time."""
+    paths = JobPaths(tmp_path)
+    now = clocks.wall
+    write_beat(paths, 0, advanced_at=now - 5, beat_at=now - 1)
+    watchdog = Watchdog(paths, Limits(timeout_s=600, hang_timeout_s=60))
+    assert watchdog.running_since("job-1") <= now
+    clocks.wall += 3600  # the jump; the monotonic clock does not move
+    assert watchdog.stall("job-1", clocks.wall) is None
+    assert not watchdog.timed_out("job-1", clocks.wall)
+
+
+def test_a_requeue_nobody_saw_does_not_time_out_the_new_run(tmp_path: Path, clocks: ManualClocks) -> None:
+    """Slurm requeued the job while the orchestrator was down: running.json keeps the first run's
+    start, but the new run's ranks started 60 s ago by their own clocks."""
+    paths = JobPaths(tmp_path)
+    now = clocks.wall
+    first_run = RunningSince(job_id="1234", since=now - 4000)
+    paths.running.write_text(first_run.model_dump_json())
+    beat = RankProgress(
+        rank=0, host="node-2", pid=7, started_at=now - 60, beat_at=now - 2, advanced_at=now - 3, step=1,
+        interval_s=10.0,
+    )  # fmt: skip
+    paths.progress.mkdir(parents=True)
+    (paths.progress / "rank-0.json").write_text(json.dumps(asdict(beat)))
+    watchdog = Watchdog(paths, Limits(timeout_s=3600, hang_timeout_s=600))
+    assert not watchdog.timed_out("1234", now)
+    clocks.advance(3600)  # the new run's ranks then beat on past its limit: now it is over
+    (paths.progress / "rank-0.json").write_text(json.dumps(asdict(replace(beat, beat_at=now + 3598))))
+    assert watchdog.timed_out("1234", clocks.wall)
 
 
 def test_a_requeue_starts_both_clocks_afresh(tmp_path: Path) -> None:
@@ -270,7 +340,7 @@ def test_a_loop_that_never_counts_has_no_rates_and_a_bad_count_names_itself() ->
 
 PEAK_SCRIPT = """
 import json, sys, time
-from tunepod import runtime
+from tunepod import runtime, world
 
 ctx = runtime.init({})
 progress = ctx.metrics_file.parent / "progress"
@@ -348,7 +418,7 @@ STRAGGLER_SCRIPT = """
 import time
 import torch
 import torch.distributed as dist
-from tunepod import runtime
+from tunepod import runtime, world
 
 ctx = runtime.init({})
 torch.set_num_threads(1)

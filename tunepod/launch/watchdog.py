@@ -3,17 +3,25 @@
 Both clocks start when the job starts running, not when it was submitted (queue time is not the
 job's fault), and both survive an orchestrator restart: the start is kept in ``running.json`` (the
 first time a driver saw this job id running, or the first heartbeat of its ranks if that is earlier),
-and progress is what the ranks' heartbeats say (``tunepod.runtime.progress``). Wall-clock times
-throughout, so a restarted orchestrator, on this host or another, sees the same history.
+and progress is what the ranks' heartbeats say (``tunepod.runtime.progress``).
+
+No clock of the orchestrator's host is trusted alone, since it may jump (an NTP step, a VM resumed)
+and differ from the compute nodes' clocks. How long a rank has not advanced, and how long it has
+run, are measured on the rank's own clock while it beats (``beat_at - advanced_at``, ``beat_at -
+started_at``), plus, once it stops beating, the time this driver has watched its heartbeat file not
+change, on the driver's monotonic clock. The wall clock only says when a job may be over its time
+(``running.json``; a job without heartbeats has nothing better); its ranks must agree, within one
+heartbeat interval, before it counts as timed out. So a requeued Slurm job's new run (whose ranks
+started afresh) is never taken for the old one, even when no driver saw the requeue.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from tunepod import world
 from tunepod.launch.paths import JobPaths
 from tunepod.runtime.files import write_bytes_atomic
 from tunepod.runtime.progress import RankProgress, read_progress
@@ -56,30 +64,44 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class RankIdle:
+    """One rank's last heartbeat, and how long it has not advanced (see the module docstring)."""
+
+    beat: RankProgress
+    idle_s: float
+    silent_s: float
+    """How long this driver has watched the rank's heartbeat not change (0: it just did)."""
+
+    def describe(self) -> str:
+        beat = self.beat
+        state = f"rank {beat.rank} on {beat.host} pid {beat.pid} advanced {self.idle_s:.0f} s ago"
+        if self.silent_s > 3 * beat.interval_s:
+            return f"{state}, its heartbeat stopped {self.silent_s:.0f} s ago (killed or frozen)"
+        return f"{state}, alive (stuck in a collective, I/O or a loop)"
+
+
+@dataclass(frozen=True)
 class Stall:
     """Why a running job counts as hung."""
 
     idle_s: float
-    beats: list[RankProgress]
+    ranks: list[RankIdle]
     """Every rank's last heartbeat (none: the job never got as far as ``runtime.init``)."""
     stalled_ranks: list[int]
 
-    def describe(self, now: float) -> str:
-        if not self.beats:
+    @property
+    def beats(self) -> list[RankProgress]:
+        return [rank.beat for rank in self.ranks]
+
+    def describe(self) -> str:
+        if not self.ranks:
             return f"no rank sent a heartbeat in {self.idle_s:.0f} s of running (stuck starting up?)"
-        steps = [beat.step for beat in self.beats if beat.step is not None]
+        steps = [rank.beat.step for rank in self.ranks if rank.beat.step is not None]
         last_step = f"last step {max(steps)}" if steps else "no step reached"
         # Every rank, not only those past the limit: a rank that went quiet a poll later (blocked in
         # the collective the first one left) is part of the picture, and the job stops as a whole.
-        ranks = ", ".join(_rank_state(beat, now) for beat in self.beats)
+        ranks = ", ".join(rank.describe() for rank in self.ranks)
         return f"no progress for {self.idle_s:.0f} s ({last_step}); stopped: {ranks}"
-
-
-def _rank_state(beat: RankProgress, now: float) -> str:
-    state = f"rank {beat.rank} on {beat.host} pid {beat.pid} advanced {now - beat.advanced_at:.0f} s ago"
-    if now - beat.beat_at > 3 * beat.interval_s:
-        return f"{state}, its heartbeat stopped {now - beat.beat_at:.0f} s ago (killed or frozen)"
-    return f"{state}, alive (stuck in a collective, I/O or a loop)"
 
 
 class Watchdog:
@@ -88,43 +110,57 @@ class Watchdog:
     def __init__(self, paths: JobPaths, limits: Limits) -> None:
         self.paths = paths
         self.limits = limits
+        # rank -> (its heartbeat as last read, the driver's monotonic time when that was new)
+        self._heard: dict[int, tuple[tuple[int, float, float], float]] = {}
+        # job id -> the driver's monotonic time of its first look at the job running
+        self._first_look: dict[str, float] = {}
 
     def running_since(self, job_id: str) -> float:
-        """When ``job_id`` started running; recorded now when this is the first look at it running."""
+        """When ``job_id`` started running (wall clock); recorded now when this is the first look at it
+        running."""
         recorded = self._read(job_id)
         beats = read_progress(self.paths.progress)
         first_beat = min((beat.started_at for beat in beats), default=None)
         if recorded is None:
-            since = min(time.time(), first_beat) if first_beat is not None else time.time()
+            now = world.time()
+            since = min(now, first_beat) if first_beat is not None else now
             record = RunningSince(job_id=job_id, since=since)
             write_bytes_atomic(self.paths.running, record.model_dump_json().encode())
             return since
         return recorded.since if first_beat is None else min(recorded.since, first_beat)
 
     def timed_out(self, job_id: str, now: float) -> bool:
+        """Over its run time by the wall clock, and, when its ranks beat, by their own clocks too."""
         limit = self.limits.timeout_s
-        return limit is not None and now - self.running_since(job_id) > limit
+        if limit is None or not self._wall_clock_past(job_id, now, limit):
+            return False
+        # A rank's own measure runs up to one heartbeat behind (and starts after its process did).
+        ranks = self._ranks()
+        return not ranks or max(ran + rank.beat.interval_s for rank, ran in ranks) > limit
 
     def stall(self, job_id: str, now: float) -> Stall | None:
-        """Why the running job ``job_id`` counts as hung at ``now``; None while it progresses."""
+        """Why the running job ``job_id`` counts as hung; None while it progresses. ``now`` (wall
+        clock) is only read for a job whose ranks never beat, to record when it was first seen."""
         limits = self.limits
         if limits.hang_timeout_s is None and limits.startup_timeout_s is None:
             return None
-        every_rank = read_progress(self.paths.progress)
-        if not every_rank:
-            idle = now - self.running_since(job_id)
+        ranks = self._ranks()
+        if not ranks:
+            self.running_since(job_id)
+            idle = world.monotonic() - self._first_look.setdefault(job_id, world.monotonic())
             if limits.startup_timeout_s is not None and idle > limits.startup_timeout_s:
                 return Stall(idle, [], [])
             return None
         if limits.hang_timeout_s is None:
             return None
         # A rank whose loop is over (it called finish, or exited) waits for the others legitimately.
-        working = [beat for beat in every_rank if not beat.finished]
-        stalled = [beat for beat in working if now - beat.advanced_at > limits.hang_timeout_s]
+        stalled = [
+            rank for rank, _ in ranks if not rank.beat.finished and rank.idle_s > limits.hang_timeout_s
+        ]
         if not stalled:
             return None
-        idle = now - max(beat.advanced_at for beat in stalled)
-        return Stall(idle, every_rank, [beat.rank for beat in stalled])
+        idle = min(rank.idle_s for rank in stalled)
+        return Stall(idle, [rank for rank, _ in ranks], [rank.beat.rank for rank in stalled])
 
     def stop_requested_at(self) -> float | None:
         """When the first rank of this run was asked to stop by a signal its script listened for
@@ -137,7 +173,9 @@ class Watchdog:
     def stopped_by_time_limit(self, job_id: str, stop_requested_at: float, grace_s: float) -> bool:
         """Whether a stop signal at ``stop_requested_at`` was the backend's warning before the run-time
         limit (``sbatch --signal`` sends it ``grace_s`` early, up to a minute earlier still)."""
-        return self.timed_out(job_id, stop_requested_at + grace_s + TIME_LIMIT_SIGNAL_SLACK_S)
+        limit = self.limits.timeout_s
+        at = stop_requested_at + grace_s + TIME_LIMIT_SIGNAL_SLACK_S
+        return limit is not None and self._wall_clock_past(job_id, at, limit)
 
     def new_run(self) -> None:
         """The backend put the job back in its queue (a Slurm requeue): its next run starts both
@@ -145,6 +183,25 @@ class Watchdog:
         self.paths.running.unlink(missing_ok=True)
         for beat_file in self.paths.progress.glob("rank-*.json"):
             beat_file.unlink(missing_ok=True)
+        self._heard.clear()
+        self._first_look.clear()
+
+    def _wall_clock_past(self, job_id: str, now: float, limit: float) -> bool:
+        return now - self.running_since(job_id) > limit
+
+    def _ranks(self) -> list[tuple[RankIdle, float]]:
+        """Each rank's idleness, and how long it has run (see the module docstring)."""
+        now = world.monotonic()
+        measured = []
+        for beat in read_progress(self.paths.progress):
+            heard = (beat.pid, beat.started_at, beat.beat_at)
+            last = self._heard.get(beat.rank)
+            if last is None or last[0] != heard:
+                self._heard[beat.rank] = last = (heard, now)
+            silent = now - last[1]
+            idle = RankIdle(beat, max(0.0, beat.beat_at - beat.advanced_at) + silent, silent)
+            measured.append((idle, max(0.0, beat.beat_at - beat.started_at) + silent))
+        return measured
 
     def _read(self, job_id: str) -> RunningSince | None:
         try:
