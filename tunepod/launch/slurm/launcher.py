@@ -8,8 +8,9 @@ write-ahead submission record, refuse-if-running, the cancel marker, warn-once, 
 - ``find``: the job of a submission whose reply never arrived, by its job name AND its comment
   ``tunepod:<submission id>`` (every attempt in a job dir has the same name);
 - ``poll``: ONE ``squeue`` call for every open job, then ``scontrol`` (or ``sacct``) once for each job
-  that left the queue, for its final state and exit code; K trials polling every half second cost
-  one squeue call per ``spec.poll_cache_s``, not K.
+  that left the queue, for its final state and exit code, and for a job Slurm has forgotten, the
+  exit code its script recorded in the job dir (``tunepod.launch.exit_code``); K trials polling
+  every half second cost one squeue call per ``spec.poll_cache_s``, not K.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from pathlib import Path
 
 from tunepod.errors import JobError
 from tunepod.launch.base import Accepted, Job, JobSpec, LauncherBase, Rendered
-from tunepod.launch.paths import file_logs
+from tunepod.launch.exit_code import read_exit_code, temp_exit_file
+from tunepod.launch.paths import JobPaths, file_logs
 from tunepod.launch.runner import CommandRunner, LocalRunner, SshRunner
 from tunepod.launch.slurm.commands import SlurmCommands
 from tunepod.launch.slurm.render import (
@@ -117,7 +119,7 @@ class SlurmLauncher(LauncherBase[SlurmStatus]):
     def poll(self, jobs: Mapping[str, TrackedJob]) -> dict[str, SlurmStatus]:
         open_ids = sorted(jobs, key=int)
         queued = self.slurm.queued(open_ids)
-        return {job_id: self._current_status(job_id, queued.get(job_id)) for job_id in open_ids}
+        return {job_id: self._current_status(job_id, queued.get(job_id), jobs[job_id]) for job_id in open_ids}
 
     def stop(self, job: Job[SlurmStatus]) -> None:
         self.slurm.scancel(job.job_id)
@@ -132,20 +134,38 @@ class SlurmLauncher(LauncherBase[SlurmStatus]):
     def ignored_settings(self, job: JobSpec) -> dict[str, str]:
         return ignored_resources(job.resources)
 
+    def stale_outcome_files(self, paths: JobPaths) -> list[Path]:
+        return [paths.exit_code, Path(temp_exit_file(paths))]
+
     def check_job_id(self, job_id: str) -> None:
         if not job_id.isdigit():
             raise JobError(f"{job_id!r} is not a slurm job id (expected digits, as sbatch --parsable prints)")
 
     # ------------------------------------------------------------------------------------ internals
 
-    def _current_status(self, job_id: str, queued: SlurmStatus | None) -> SlurmStatus:
+    def _current_status(self, job_id: str, queued: SlurmStatus | None, job: TrackedJob) -> SlurmStatus:
         if queued is not None and not queued.job_state.is_terminal:
             return queued
         # Gone from the queue (or ended): scontrol has the exit code while Slurm remembers the job
-        # (MinJobAge); sacct, where accounting runs, after that.
+        # (MinJobAge); sacct, where accounting runs, after that; else what the script recorded.
         return (
-            self.slurm.remembered(job_id) or queued or self.slurm.accounted(job_id) or purged_status(job_id)
+            self.slurm.remembered(job_id)
+            or queued
+            or self.slurm.accounted(job_id)
+            or recorded_status(job_id, job)
+            or purged_status(job_id)
         )
+
+
+def recorded_status(job_id: str, job: TrackedJob) -> SlurmStatus | None:
+    """The status of a job Slurm has forgotten, from the exit code its script recorded in the job dir
+    (None when it recorded none: killed, or never ran)."""
+    record = job.record
+    code = read_exit_code(JobPaths(job.job_dir), record.submission_id) if record is not None else None
+    if code is None:
+        return None
+    state = "COMPLETED" if code == 0 else "FAILED"
+    return SlurmStatus(state, reason=f"purged by Slurm; exit code recorded in {job.job_dir}", exit_code=code)
 
 
 def _warn_if_comments_missing(intent: Submission, accounted: list[ListedJob], mine: list[ListedJob]) -> None:

@@ -10,6 +10,10 @@ checkpoints.
 A job whose environment carries ``SUBMISSION_ID_ENV`` (every job the launcher sends) also carries
 ``--comment=tunepod:<submission id>``: the job name is the same for every attempt in a job dir, and
 the comment is how ``find`` tells this attempt's job from an earlier one's.
+
+The script's ``EXIT`` trap writes its exit code and submission id to the job dir
+(``tunepod.launch.exit_code``): once Slurm has purged an ended job (``MinJobAge``) and no
+accounting remembers it, that file is how a finished job is told from a failed one.
 """
 
 from __future__ import annotations
@@ -185,6 +189,16 @@ def _srun(spec: SlurmLauncherSpec, *, hyperpod: bool) -> list[str]:
     return srun
 
 
+def exit_code_trap(paths: JobPaths) -> list[str]:
+    """The lines that make the script record how it ended in the job dir (see the module docstring)."""
+    return [
+        "# How the script ended, kept in the job dir for when Slurm has forgotten the job (MinJobAge).",
+        f"tunepod_exit={shlex.quote(str(paths.exit_code))}",
+        "trap 'code=$?; printf \"%s %s\\n\" \"$code\" \"${TUNEPOD_SUBMISSION_ID:-}\" > \"$tunepod_exit.tmp\" "
+        "&& mv -f \"$tunepod_exit.tmp\" \"$tunepod_exit\"' EXIT",
+    ]
+
+
 def render_sbatch(job: JobSpec, spec: SlurmLauncherSpec, *, hyperpod: bool) -> str:
     """The batch script that runs ``job`` (pure). Raises ``TunepodError`` for what it cannot express."""
     header = ["#!/bin/bash", *(f"#SBATCH {option}" for option in sbatch_directives(job, spec))]
@@ -205,5 +219,6 @@ def render_sbatch(job: JobSpec, spec: SlurmLauncherSpec, *, hyperpod: bool) -> s
             f"rdzv_port=$(({RDZV_BASE_PORT} + SLURM_JOB_ID % {RDZV_PORT_RANGE}))",
             torchrun_command(job, spec, hyperpod=hyperpod),
         ]
-    blocks = [header, ["set -euo pipefail"], exports, list(spec.setup), launch]
+    trap = exit_code_trap(JobPaths(job.job_dir))
+    blocks = [header, ["set -euo pipefail"], exports, trap, list(spec.setup), launch]
     return "\n\n".join("\n".join(block) for block in blocks if block) + "\n"
