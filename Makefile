@@ -8,8 +8,8 @@ SPEC ?= examples/digits/pipeline.yaml
 # (2026-12-03). Groups are handed out longest first (tests/conftest.py).
 TEST_WORKERS ?= 3
 
-.PHONY: venv demo test lint services bench bench-overhead bench-checkpoints chaos clean slurm-up slurm-down \
-	postgres-up postgres-down
+.PHONY: venv demo test lint services bench bench-overhead bench-checkpoints chaos simulate clean slurm-up \
+	slurm-down postgres-up postgres-down
 
 # torch==2.13.0 first, with pip: it is the CPU build (pip finds it on this kind of machine's disk); a
 # bare `torch` requirement could pull a multi-GB CUDA build. The rest with uv, which installs the same
@@ -79,6 +79,15 @@ CHAOS_ARGS ?= --launcher both --minutes 10 --seed 1
 chaos: venv
 	scripts/slurm-up || echo "warning: no local Slurm cluster; run with CHAOS_ARGS='--launcher local'" >&2
 	$(PY) -m benchmarks.chaos $(CHAOS_ARGS)
+
+# The deterministic simulation of the tuning loop (tests/simulation): the real tuner, drivers, leases,
+# outbox and mirrors over simulated time, processes, backends and stores, faults at every boundary, the
+# invariants checked after every step. SEEDS seeds on two processes (prints "seeds: N, violations: K");
+# one seed with its trace and a replay: make simulate SEED=42 (SIMULATE_ARGS=--shrink: the fewest
+# faults that still break it); every fixed defect put back, each to be found: SIMULATE_ARGS=--mutants.
+SEEDS ?= 1000
+simulate: venv
+	PYTHONPATH=tests PYTHONHASHSEED=0 $(PY) -m simulation $(if $(SEED),--seed $(SEED),--seeds $(SEEDS)) $(SIMULATE_ARGS)
 
 clean:
 	rm -rf .tunepod

@@ -117,8 +117,9 @@ class World(Protocol):
         """Run ``target`` on a daemon thread of this process."""
         ...
 
-    def wait_any(self, futures: Collection[Future[T]], timeout: float | None) -> set[Future[T]]:
-        """Wait until one of ``futures`` is done (or ``timeout`` passed); the done ones."""
+    def wait_any(self, futures: Collection[Future[T]], timeout: float | None) -> list[Future[T]]:
+        """Wait until one of ``futures`` is done (or ``timeout`` passed); the done ones, in the order
+        of ``futures`` (never a set's order, which changes from run to run)."""
         ...
 
     def file_lock(self, path: Path, *, blocking: bool = True) -> contextlib.AbstractContextManager[bool]:
@@ -169,8 +170,9 @@ class RealWorld:
     def start_thread(self, target: Callable[[], object], name: str) -> None:
         threading.Thread(target=target, name=name, daemon=True).start()
 
-    def wait_any(self, futures: Collection[Future[T]], timeout: float | None) -> set[Future[T]]:
-        return _wait_futures(futures, timeout=timeout, return_when=FIRST_COMPLETED).done
+    def wait_any(self, futures: Collection[Future[T]], timeout: float | None) -> list[Future[T]]:
+        done = _wait_futures(futures, timeout=timeout, return_when=FIRST_COMPLETED).done
+        return [future for future in futures if future in done]
 
     @contextlib.contextmanager
     def file_lock(self, path: Path, *, blocking: bool = True) -> Iterator[bool]:
@@ -303,7 +305,7 @@ def start_thread(target: Callable[[], object], name: str) -> None:
     _current.start_thread(target, name)
 
 
-def wait_any(futures: Collection[Future[T]], timeout: float | None) -> set[Future[T]]:
+def wait_any(futures: Collection[Future[T]], timeout: float | None) -> list[Future[T]]:
     return _current.wait_any(futures, timeout)
 
 

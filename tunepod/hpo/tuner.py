@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import optuna
+from optuna.exceptions import UpdateFinishedTrialError
 from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial, TrialState
 
@@ -266,7 +267,8 @@ class Tuner:
         exc = future.exception()
         if exc is None:
             return
-        if isinstance(exc, TrialDrivenElsewhere | LeaseLost):
+        # Another orchestrator drives the trial now, or has finished it (Optuna refuses a report on it).
+        if isinstance(exc, TrialDrivenElsewhere | LeaseLost | UpdateFinishedTrialError):
             log.warning("trial %d: %s", number, exc)
             return
         self._abandoned[number] = f"{type(exc).__name__}: {exc}"

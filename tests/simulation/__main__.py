@@ -1,0 +1,138 @@
+"""``make simulate``: run the tuning loop's simulation over many seeds, or one seed with its trace.
+
+    python -m simulation --seeds 1000 --jobs 2        # many seeds; exit 1 on a violation
+    python -m simulation --seed 4242                   # one seed: its scenario, outcome and trace
+    python -m simulation --mutants                     # each fixed defect put back: a seed must find it
+    python -m simulation --seed 4242 --shrink          # the same, with the fewest faults that still break it
+
+(run from ``tests/``, or with ``tests`` on ``PYTHONPATH``, as the Makefile does). A failing seed is
+printed with the command that replays it; a replay runs the seed twice and says whether both runs
+told the same story, event for event.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import multiprocessing
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from simulation.mutants import MUTANTS, mutant
+from simulation.run import Outcome, describe, run_seed
+from simulation.shrink import shrink
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What a worker sends back about one seed."""
+
+    seed: int
+    violations: tuple[str, ...]
+    wall_s: float
+    simulated_s: float
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m simulation", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, default=1000, help="how many seeds (default 1000)")
+    parser.add_argument("--first-seed", type=int, default=0, help="the first seed (default 0)")
+    parser.add_argument("--jobs", type=int, default=2, help="processes running seeds at once (default 2)")
+    parser.add_argument("--seed", type=int, help="run this one seed and print its trace")
+    parser.add_argument(
+        "--shrink", action="store_true", help="with --seed: the fewest faults that still break it"
+    )
+    parser.add_argument("--mutant", help="run with this fixed defect put back (see simulation/mutants.py)")
+    parser.add_argument(
+        "--mutants", action="store_true", help="each fixed defect put back: a seed must find it"
+    )
+    args = parser.parse_args(argv)
+    with mutant(args.mutant).apply() if args.mutant else contextlib.nullcontext():
+        if args.mutants:
+            return _hunt(args.first_seed, args.seeds, args.jobs)
+        if args.seed is not None:
+            return _one(args.seed, shrinking=args.shrink)
+        return _many(range(args.first_seed, args.first_seed + args.seeds), args.jobs)
+
+
+def _one(seed: int, *, shrinking: bool) -> int:
+    first = run_seed(seed)
+    again = run_seed(seed)
+    print(describe(first))
+    same = first.trace.render() == again.trace.render()
+    print(
+        f"\nseed {seed}: {'held' if first.held else 'VIOLATED'}; {first.steps} steps, "
+        f"{first.simulated_s:.0f} s simulated, {first.orchestrators} tunepod runs"
+    )
+    print(f"replayed: {'the same trace, event for event' if same else 'A DIFFERENT TRACE (nondeterminism)'}")
+    if shrinking and not first.held:
+        smallest = shrink(first)
+        print("\nshrunk to the fewest faults that still break it:\n")
+        print(describe(smallest))
+    return 0 if first.held and same else 1
+
+
+def _many(seeds: range, jobs: int) -> int:
+    started = time.monotonic()
+    failed: list[Summary] = []
+    done = 0
+    slowest = 0.0
+    for summary in _summaries(seeds, jobs):
+        done += 1
+        slowest = max(slowest, summary.wall_s)
+        if summary.violations:
+            failed.append(summary)
+            print(f"seed {summary.seed}: {summary.violations[0]}", flush=True)
+        if done % 250 == 0:
+            print(
+                f"... {done} seeds, {len(failed)} violating, {time.monotonic() - started:.0f} s", flush=True
+            )
+    elapsed = time.monotonic() - started
+    print(
+        f"seeds: {done}, violations: {len(failed)} "
+        f"({elapsed:.0f} s on {jobs} processes; slowest seed {slowest:.1f} s)"
+    )
+    for summary in sorted(failed, key=lambda s: s.seed)[:20]:
+        print(f"  replay: make simulate SEED={summary.seed}   ({'; '.join(summary.violations)[:300]})")
+    return 1 if failed else 0
+
+
+def _hunt(first_seed: int, max_seeds: int, jobs: int) -> int:
+    """For each mutant, the first seed (of ``max_seeds``) that breaks an invariant."""
+    survivors = []
+    for candidate in MUTANTS:
+        started = time.monotonic()
+        seeds = range(first_seed, first_seed + max_seeds)
+        with candidate.apply():
+            found = next((s for s in _summaries(seeds, jobs) if s.violations), None)
+        took = time.monotonic() - started
+        if found is None:
+            survivors.append(candidate.name)
+            print(f"{candidate.name}: NOT FOUND in {max_seeds} seeds ({took:.0f} s): {candidate.defect}")
+        else:
+            print(f"{candidate.name}: found by seed {found.seed} ({took:.0f} s): {candidate.defect}")
+            print(f"    {found.violations[0][:300]}", flush=True)
+    print(f"mutants: {len(MUTANTS)}, found: {len(MUTANTS) - len(survivors)}")
+    return 1 if survivors else 0
+
+
+def _summaries(seeds: range, jobs: int) -> Iterator[Summary]:
+    if jobs <= 1:
+        yield from map(_summarize, seeds)
+        return
+    # Forked workers: each seed installs its own world, so nothing is shared between them but code.
+    with multiprocessing.get_context("fork").Pool(jobs) as pool:
+        yield from pool.imap_unordered(_summarize, seeds, chunksize=4)
+
+
+def _summarize(seed: int) -> Summary:
+    started = time.monotonic()
+    outcome: Outcome = run_seed(seed)
+    found = tuple(f"{v.invariant}: {v.detail}" for v in outcome.violations)
+    return Summary(seed, found, time.monotonic() - started, outcome.simulated_s)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

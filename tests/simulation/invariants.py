@@ -1,0 +1,296 @@
+"""The invariants of the tuning loop, checked while a seed runs and once it has settled.
+
+Checked at the moment it happens (the backends, the stores and the scheduler call the referee):
+
+- **one live job per trial**: a job is created, or starts to run, only while no other job of its
+  trial's job dir is queued or running;
+- **a finished trial never runs again**: no job is created for a trial Optuna holds as finished;
+- **fenced actions**: every job created or stopped, and every trial outcome told to Optuna, comes
+  from the process that holds the trial's lease at that moment, inside its fence (the lease lock held,
+  the lease file naming that process);
+- **no healthy job is cancelled**: a stop asked as ``timed_out`` comes after the job's run really ran
+  that long; as ``hung``, after it really stopped progressing for the hang timeout; a stop without a
+  reason in the job dir is a violation (the tuner never stops a job without one).
+
+Checked once every fault has stopped and the study has settled:
+
+- **liveness**: the study ends (a ``tunepod run`` returns) within the scenario's ``settle_s``;
+- **every trial ends counted once**: exactly ``num_trials`` finished trials, none left running or
+  queued, each with every parameter of the space, each told its outcome once;
+- **every trial ends with its job's outcome**: COMPLETE exactly when its last job exited 0 by itself;
+  PRUNED only after a stop asked as pruned (or a job that failed as the pruner decided);
+- **every report reaches MLflow once**: one MLflow run per trial, ended as Optuna says, whose metric
+  history is its metrics file line for line (same-step reports included), nothing else but the final
+  objective at the last step;
+- **every report reaches Optuna**: each intermediate value is a value the trial reported at that step;
+- nothing is left running: no job, no lease held by a live process, no simulated thread that died.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from optuna.trial import FrozenTrial, TrialState
+
+from simulation.cluster import HEARTBEAT_S, Cluster
+from simulation.scheduler import Scheduler
+from simulation.stores import MlflowTwin, OptunaDatabase
+from tunepod.hpo.tuner import ATTR_JOB_DIR
+from tunepod.launch.lease import read_lease
+from tunepod.launch.paths import JobPaths
+from tunepod.launch.submission import read_cancel_marker
+
+# A driver sees a state change at its next poll: a stop may come this much after the condition held.
+_POLL_SLACK_S = 1.0
+_RUN_STATUS = {TrialState.COMPLETE: "FINISHED", TrialState.PRUNED: "KILLED", TrialState.FAIL: "FAILED"}
+
+
+@dataclass(frozen=True)
+class Violation:
+    at: float
+    invariant: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class StudyFacts:
+    """What the referee must know of the study to judge it."""
+
+    study: str
+    jobs_dir: Path
+    num_trials: int
+    params: tuple[str, ...]
+    metric: str
+    timeout_s: float | None
+    hang_timeout_s: float | None
+
+
+class Referee:
+    """Collects violations; see the module docstring for what it checks and when."""
+
+    def __init__(
+        self,
+        sim: Scheduler,
+        cluster: Cluster,
+        database: OptunaDatabase,
+        mlflow: MlflowTwin,
+        facts: StudyFacts,
+    ) -> None:
+        self.sim = sim
+        self.cluster = cluster
+        self.database = database
+        self.mlflow = mlflow
+        self.facts = facts
+        self.violations: list[Violation] = []
+
+    def violated(self, invariant: str, detail: str) -> None:
+        self.violations.append(Violation(self.sim.now, invariant, detail))
+        self.sim.trace.event(self.sim.now, "violation", f"{invariant}: {detail}")
+
+    # ------------------------------------------------------------------------------ as it happens
+
+    def job_created(self, job_dir: Path, live_job_ids: list[str]) -> None:
+        self._fenced(job_dir, "creates a job")
+        if live_job_ids:
+            self.violated(
+                "one live job per trial", f"a job is created for {job_dir.name} while {live_job_ids} live"
+            )
+        trial = self._trial_of(job_dir)
+        if trial is not None and trial.state.is_finished():
+            self.violated(
+                "a finished trial never runs again",
+                f"a job is created for {job_dir.name}, whose trial is {trial.state.name}",
+            )
+        done = [run.job_id for run in self.cluster.runs if run.job_dir == job_dir and run.exit_code == 0]
+        if done:
+            self.violated(
+                "a finished trial never runs again",
+                f"a job is created for {job_dir.name}, whose job {done[0]} finished its training (exit 0)",
+            )
+
+    def job_started(self, job_dir: Path) -> None:
+        live = self.cluster.live_runs(job_dir)
+        if len(live) > 1:
+            ids = [run.job_id for run in live]
+            self.violated("one live job per trial", f"{job_dir.name} has jobs {ids} running at once")
+
+    def stop_requested(self, job_dir: Path, job_id: str) -> None:
+        self._fenced(job_dir, f"stops job {job_id}")
+        self.cluster.stop_requested(job_dir, job_id)
+        marker = read_cancel_marker(JobPaths(job_dir))
+        reason = marker.reason if marker is not None else None
+        runs = [run for run in self.cluster.live_runs(job_dir) if run.job_id == job_id]
+        if reason == "pruned" or not runs:
+            return
+        run, now, facts = runs[0], self.sim.now, self.facts
+        if reason == "timed_out":
+            ran = now - run.started_at
+            # The watchdog takes the ranks' word for it, which may run a heartbeat behind.
+            if facts.timeout_s is None or ran + HEARTBEAT_S + _POLL_SLACK_S < facts.timeout_s:
+                self.violated(
+                    "no healthy job is cancelled",
+                    f"job {job_id} of {job_dir.name} stopped as timed out after running {ran:.0f}s of "
+                    f"its {facts.timeout_s}s",
+                )
+        elif reason == "hung":
+            idle = now - run.last_progress_at
+            if not run.hung and (facts.hang_timeout_s is None or idle + _POLL_SLACK_S < facts.hang_timeout_s):
+                self.violated(
+                    "no healthy job is cancelled",
+                    f"job {job_id} of {job_dir.name} stopped as hung {idle:.0f}s after its last "
+                    f"progress (hang timeout {facts.hang_timeout_s}s)",
+                )
+        else:
+            self.violated(
+                "no healthy job is cancelled", f"job {job_id} of {job_dir.name} stopped for reason {reason!r}"
+            )
+
+    def told(self, trial_id: int, state: TrialState) -> None:
+        frozen = self.database.storage.get_trial(trial_id)
+        self._fenced(self._job_dir(frozen), f"tells trial {frozen.number} {state.name}")
+
+    def _fenced(self, job_dir: Path, action: str) -> None:
+        process = self.sim.process
+        paths = JobPaths(job_dir)
+        holder = self.sim.locks.held_by(paths.lease_lock)
+        lease = read_lease(paths)
+        if holder is process and lease is not None and not lease.released and lease.pid == process.pid:
+            return
+        who = f"lease of pid {lease.pid} (released: {lease.released})" if lease is not None else "no lease"
+        self.violated(
+            "fenced actions",
+            f"{process} {action} for {job_dir.name} without holding its fence (lock held by {holder}, {who})",
+        )
+
+    # ------------------------------------------------------------------------------ once settled
+
+    def settled(self) -> None:
+        """The end-of-run checks (see the module docstring)."""
+        storage = self.database.storage
+        study_id = storage.get_study_id_from_name(self.facts.study)
+        trials = storage.get_all_trials(study_id, deepcopy=False)
+        self._counted_once(trials)
+        for trial in trials:
+            if trial.state.is_finished():
+                self._true_outcome(trial)
+                self._mirrored(trial)
+                self._told_values(trial)
+        live = [run for run in self.cluster.runs if run.ended_at is None]
+        if live:
+            self.violated("nothing left running", f"job runs still live: {[run.job_id for run in live]}")
+
+    def _counted_once(self, trials: list[FrozenTrial]) -> None:
+        states = Counter(trial.state.name for trial in trials)
+        finished = [trial for trial in trials if trial.state.is_finished()]
+        if len(finished) != self.facts.num_trials or len(finished) != len(trials):
+            self.violated(
+                "every trial ends counted once",
+                f"{len(finished)} finished of {self.facts.num_trials} wanted; states {dict(states)}",
+            )
+        for trial in finished:
+            missing = set(self.facts.params) - set(trial.params)
+            if missing:
+                self.violated(
+                    "every trial ends counted once", f"trial {trial.number} lacks params {sorted(missing)}"
+                )
+            tells = self.database.finished_by.get(trial._trial_id, [])
+            if len(tells) != 1:
+                self.violated(
+                    "every trial ends counted once",
+                    f"trial {trial.number} was told {len(tells)} times: {tells}",
+                )
+
+    def _true_outcome(self, trial: FrozenTrial) -> None:
+        """COMPLETE exactly when the trial's last job exited 0 by itself; PRUNED only after a stop asked
+        as pruned, or for a job that failed as the pruner decided (the decision stands: no restart)."""
+        job_dir = self._job_dir(trial)
+        runs = [run for run in self.cluster.runs if run.job_dir == job_dir]
+        finished = bool(runs) and runs[-1].exit_code == 0
+        pruned = any(stop.reason == "pruned" for stop in self.cluster.stops if stop.job_dir == job_dir)
+        failed_alone = bool(runs) and runs[-1].exit_code not in (0, None)
+        wrong = (trial.state is TrialState.COMPLETE) != finished or (
+            trial.state is TrialState.PRUNED and not (pruned or failed_alone)
+        )
+        if wrong:
+            codes = [run.exit_code for run in runs]
+            self.violated(
+                "every trial ends with its job's outcome",
+                f"trial {trial.number} is {trial.state.name}; its job runs' exit codes {codes}, "
+                f"pruned: {pruned}",
+            )
+
+    def _mirrored(self, trial: FrozenTrial) -> None:
+        key = f"{self.facts.study}/trial-{trial.number}"
+        runs = self.mlflow.runs_with_key(key)
+        if len(runs) != 1:
+            self.violated(
+                "every report reaches MLflow once", f"trial {trial.number} has {len(runs)} MLflow runs"
+            )
+            return
+        run = runs[0]
+        wanted = _RUN_STATUS[trial.state]
+        if run.status != wanted:
+            self.violated(
+                "every report reaches MLflow once",
+                f"trial {trial.number} is {trial.state.name} in Optuna and {run.status} in MLflow",
+            )
+        reported = Counter(_reported_points(JobPaths(self._job_dir(trial)).metrics))
+        logged = Counter(
+            (key, value, step) for key, points in run.metrics.items() for value, step, _ in points
+        )
+        extra = logged - reported
+        if trial.state is TrialState.COMPLETE and trial.values:
+            extra -= Counter(
+                [(self.facts.metric, trial.values[0], max(trial.intermediate_values, default=0))]
+            )
+        missing = reported - logged
+        if missing or extra:
+            self.violated(
+                "every report reaches MLflow once",
+                f"trial {trial.number}: not in MLflow {sorted(missing)[:5]}, in MLflow but not reported "
+                f"once {sorted(extra)[:5]}",
+            )
+
+    def _told_values(self, trial: FrozenTrial) -> None:
+        reported = {
+            (step, value)
+            for key, value, step in _reported_points(JobPaths(self._job_dir(trial)).metrics)
+            if key == self.facts.metric
+        }
+        for step, value in trial.intermediate_values.items():
+            if (step, value) not in reported:
+                self.violated(
+                    "every report reaches Optuna",
+                    f"trial {trial.number} was told {value} at step {step}, never reported",
+                )
+
+    # ------------------------------------------------------------------------------ helpers
+
+    def _trial_of(self, job_dir: Path) -> FrozenTrial | None:
+        storage = self.database.storage
+        try:
+            study_id = storage.get_study_id_from_name(self.facts.study)
+        except KeyError:
+            return None
+        for trial in storage.get_all_trials(study_id, deepcopy=False):
+            if self._job_dir(trial) == job_dir:
+                return trial
+        return None
+
+    def _job_dir(self, trial: FrozenTrial) -> Path:
+        return Path(str(trial.user_attrs.get(ATTR_JOB_DIR, self.facts.jobs_dir / f"trial-{trial.number}")))
+
+
+def _reported_points(metrics: Path) -> list[tuple[str, float, int]]:
+    try:
+        lines = metrics.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    points = []
+    for line in lines:
+        report = json.loads(line)
+        points += [(key, float(value), int(report["step"])) for key, value in report["metrics"].items()]
+    return points

@@ -1,0 +1,407 @@
+"""One seed, end to end: the machine room, the stores, the cluster, the orchestrators, the faults.
+
+An *orchestrator* is a simulated process running what ``tunepod run`` runs for a tune step: the real
+``Tuner`` over the real launcher (whose backend is simulated), the real leases, outbox and mirrors,
+against the simulated Optuna database and MLflow store. A tune step that fails with a transient
+error is retried in the same process, as Prefect's task retries do (twice); a process whose step
+fails for good, or that is killed, is started again by the *operator* a little later, as a person or
+a deployment would. Timed faults strike from the *chaos* process. The run ends once a ``tunepod run``
+has returned with the study done and no orchestrator is left, or when an invariant breaks, or when
+the study fails to end ``settle_s`` after the faults stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+from unittest import mock
+
+import optuna
+
+from simulation.backends.slurm import SimSlurmRunner, Slurmctld
+from simulation.choices import Choices
+from simulation.cluster import Cluster
+from simulation.invariants import Referee, StudyFacts, Violation
+from simulation.scenario import Scenario, TimedFault, scenario_of
+from simulation.scheduler import Entropy, Host, Process, Scheduler, SimulationError, SimWorld, Task
+from simulation.stores import FaultSwitch, MlflowTwin, OptunaDatabase, SimStorage, SimTracker
+from simulation.trace import Trace
+from tunepod import world
+from tunepod.errors import is_transient
+from tunepod.hpo.tuner import TuneContext, Tuner
+from tunepod.launch.slurm.launcher import SlurmLauncher
+from tunepod.outputs import Dataset
+from tunepod.spec.models import SlurmLauncherSpec, TuneSettings
+from tunepod.tracking import MlflowTracker
+from tunepod.tracking.outbox import TrackingOutbox
+
+START = 1_800_000_000.0
+STUDY = "sim"
+METRIC = "score"
+_STEP_RETRIES = 2
+_MAX_STEPS = 400_000
+
+
+@dataclass
+class Outcome:
+    """What a seed's run came to."""
+
+    scenario: Scenario
+    violations: list[Violation]
+    trace: Trace
+    steps: int
+    simulated_s: float
+    orchestrators: int
+    completed: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def held(self) -> bool:
+        return not self.violations
+
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+# Optuna warns when a step is reported twice (a retried report whose first answer was lost).
+warnings.filterwarnings("ignore", category=UserWarning, module="optuna")
+
+
+def run_seed(seed: int, *, scenario: Scenario | None = None, keep: Path | None = None) -> Outcome:
+    """Run ``seed`` (or ``scenario``) once; ``keep``: leave its files there instead of deleting them."""
+    scenario = scenario or scenario_of(seed)
+    root = Path(keep) if keep is not None else Path(tempfile.mkdtemp(prefix="tunepod-sim-", dir=_scratch()))
+    try:
+        return _Run(scenario, root).run()
+    finally:
+        if keep is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _scratch() -> str | None:
+    """A memory-backed folder where there is one: a seed writes hundreds of small durable files."""
+    shm = Path("/dev/shm")
+    return str(shm) if shm.is_dir() else None
+
+
+class _Run:
+    def __init__(self, scenario: Scenario, root: Path) -> None:
+        self.scenario = scenario
+        self.root = root
+        self.trace = Trace(START)
+        self.sim = Scheduler(Choices(scenario.seed), self.trace, start_time=START)
+        self.world = SimWorld(self.sim, Entropy(scenario.seed))
+        self.switch = FaultSwitch()
+        self.database = OptunaDatabase()
+        self.mlflow = MlflowTwin()
+        self.cluster = Cluster(self.sim, scenario.program, scenario.jobs)
+        self.settings = _settings(scenario)
+        self.jobs_dir = root / "jobs" / STUDY
+        self.referee = Referee(
+            self.sim,
+            self.cluster,
+            self.database,
+            self.mlflow,
+            StudyFacts(
+                STUDY,
+                self.jobs_dir,
+                scenario.num_trials,
+                ("x",),
+                METRIC,
+                scenario.timeout_s,
+                scenario.hang_timeout_s,
+            ),
+        )
+        self.database.on_told = self.referee.told
+        self.sim.on_thread_death = self._thread_died
+        self.sim.after_step = self._maybe_crash
+        self.orchestrator_hosts = [
+            Host(f"orchestrator-host-{n}", f"boot-o{n}", f"pid:[o{n}]") for n in range(2)
+        ]
+        nodes = [
+            Host(f"node-{n}", f"boot-node-{n}", f"pid:[node-{n}]", skew_s=self.sim.choices.uniform(-2, 2))
+            for n in range(2)
+        ]
+        self.ctld = Slurmctld(
+            self.sim,
+            self.cluster,
+            self.referee,
+            nodes,
+            min_job_age_s=scenario.slurm_min_job_age_s,
+            accounting=scenario.slurm_accounting,
+            comments_in_accounting=scenario.slurm_comments_in_accounting,
+            faults=scenario.slurm,
+        )
+        self.orchestrators: list[Process] = []
+        self.completed = False
+        self.notes: list[str] = []
+        self.parent_run_id = ""
+
+    # ------------------------------------------------------------------------------ the run
+
+    def run(self) -> Outcome:
+        with (
+            world.installed(self.world),
+            _sim_files(self.sim),
+            _logs_into(self.trace, self.sim, self.root),
+        ):
+            try:
+                self._loop()
+            except SimulationError as exc:
+                self.referee.violated("the simulation runs", str(exc))
+            finally:
+                self.world.torn_down = True
+                self.sim.teardown()
+        return Outcome(
+            self.scenario,
+            self.referee.violations,
+            self.trace,
+            self.sim.steps,
+            self.sim.now - START,
+            len(self.orchestrators),
+            self.completed,
+            self.notes,
+        )
+
+    def _loop(self) -> None:
+        scenario = self.scenario
+        self.parent_run_id = self.mlflow.new_id("pipeline-run-")
+        self._start_orchestrator("first run")
+        helper = self.sim.start_process("operator", Host("operator", "boot-operator", "pid:[operator]"))
+        helper.spawn("operator", self._operate)
+        helper.spawn("chaos", lambda: self._strike(scenario.timed))
+        deadline = START + scenario.fault_phase_s + scenario.settle_s
+        while not self.referee.violations:
+            if self.sim.now >= START + scenario.fault_phase_s and self.switch.on:
+                self._faults_stop()
+            if self.completed and not any(p.alive for p in self.orchestrators):
+                self.referee.settled()
+                return
+            if self.sim.now > deadline:
+                self.referee.violated(
+                    "liveness",
+                    f"the study did not end {scenario.settle_s:.0f}s after the faults stopped "
+                    f"({self._state()})",
+                )
+                return
+            if self.sim.steps > _MAX_STEPS:
+                self.referee.violated("liveness", f"{_MAX_STEPS} steps without an end ({self._state()})")
+                return
+            if not self.sim.step():
+                self.referee.violated("liveness", f"every thread waits forever ({self._state()})")
+                return
+
+    def _faults_stop(self) -> None:
+        self.switch.on = False
+        self.cluster.faults_on = False
+        self.ctld.faults_on = False
+        self.trace.event(self.sim.now, "fault", "faults stop")
+
+    def _state(self) -> str:
+        storage = self.database.storage
+        try:
+            trials = storage.get_all_trials(storage.get_study_id_from_name(STUDY), deepcopy=False)
+        except KeyError:
+            trials = []
+        states = ", ".join(f"{t.number}:{t.state.name}" for t in trials)
+        alive = [p.name for p in self.orchestrators if p.alive]
+        return f"trials {states or 'none'}; orchestrators alive {alive}"
+
+    # ------------------------------------------------------------------------------ orchestrators
+
+    def _start_orchestrator(self, why: str) -> Process:
+        hosts = self.orchestrator_hosts if self.scenario.two_hosts else self.orchestrator_hosts[:1]
+        host = hosts[len(self.orchestrators) % len(hosts)]
+        process = self.sim.start_process(f"orchestrator-{len(self.orchestrators) + 1}", host)
+        self.orchestrators.append(process)
+        self.trace.event(self.sim.now, "process", f"{process.name}: tunepod run ({why})")
+        process.spawn("main", lambda: self._tunepod_run(process))
+        return process
+
+    def _tunepod_run(self, process: Process) -> None:
+        ctx = self._context()
+        quiet_from_the_start = not self.switch.on
+        for attempt in range(_STEP_RETRIES + 1):
+            try:
+                Tuner(ctx).run()
+            except Exception as exc:
+                if is_transient(exc) and attempt < _STEP_RETRIES:
+                    self.trace.event(
+                        self.sim.now, "process", f"{process.name}: the tune step is retried after {exc!r}"
+                    )
+                    world.sleep(5.0)
+                    continue
+                self.trace.event(self.sim.now, "process", f"{process.name}: tunepod run fails: {exc!r}"[:400])
+                break
+            else:
+                # While faults strike, MLflow may be left behind, to be caught up by the next run (as
+                # the run's own error says): the study's end is judged after a run wholly in quiet times.
+                self.completed = quiet_from_the_start
+                self.trace.event(self.sim.now, "process", f"{process.name}: tunepod run completes")
+                break
+        self._exit(process)
+
+    def _exit(self, process: Process) -> None:
+        self.sim.exit(process, "tunepod run returned")
+
+    def _context(self) -> TuneContext:
+        scenario = self.scenario
+        spec = SlurmLauncherSpec(
+            kind="slurm", root=str(self.root), poll_cache_s=self.sim.choices.pick([0.0, 2.0])
+        )
+        launcher = SlurmLauncher(spec, runner=SimSlurmRunner(self.ctld), cancel_timeout_s=120.0)
+        return TuneContext(
+            step="search",
+            settings=self.settings,
+            launcher=launcher,
+            dataset=Dataset(
+                source="sim",
+                path=str(self.root / "data"),
+                num_files=0,
+                num_bytes=0,
+                copied_files=0,
+                copied_bytes=0,
+            ),
+            jobs_dir=self.jobs_dir,
+            tracker=cast(MlflowTracker, SimTracker(self.sim, self.mlflow, scenario.mlflow, self.switch)),
+            outbox=TrackingOutbox(threads=1, max_backoff_s=10.0),
+            parent_run_id=self.parent_run_id,
+            pipeline="sim",
+            flush_timeout_s=60.0,
+            storage=SimStorage(
+                self.sim,
+                self.database,
+                write_faults=scenario.optuna_writes,
+                read_faults=scenario.optuna_reads,
+                switch=self.switch,
+            ),
+        )
+
+    def _operate(self) -> None:
+        """Start ``tunepod run`` again once no orchestrator is left and the study is not done."""
+        while True:
+            world.sleep(30.0)
+            if not self.completed and not any(p.alive for p in self.orchestrators):
+                self._start_orchestrator("the operator runs it again")
+
+    def _strike(self, timed: tuple[TimedFault, ...]) -> None:
+        for fault in timed:
+            world.sleep(max(0.0, START + fault.at - self.sim.now))
+            alive = [p for p in self.orchestrators if p.alive]
+            if fault.kind == "second_orchestrator":
+                self._start_orchestrator("a second run beside the first")
+            elif fault.kind == "clock_jump":
+                host = self.sim.choices.pick(self.orchestrator_hosts)
+                host.skew_s += fault.seconds
+                self.trace.event(
+                    self.sim.now, "fault", f"the clock of {host.name} jumps {fault.seconds:+.0f}s"
+                )
+            elif alive and fault.kind == "kill":
+                self.sim.crash(self.sim.choices.pick(alive), "SIGKILL")
+            elif alive and fault.kind == "stall":
+                self.sim.stall(self.sim.choices.pick(alive), fault.seconds)
+
+    def _maybe_crash(self, task: Task) -> None:
+        """A crash anywhere: the orchestrator that just ran dies where its thread stopped."""
+        process = task.process
+        orchestrating = self.switch.on and process in self.orchestrators and process.alive
+        if orchestrating and self.sim.choices.chance(self.scenario.crash_per_step):
+            self.sim.crash(process, f"SIGKILL while {task.name} was at {task.waiting_for}")
+
+    def _thread_died(self, task: object, exc: BaseException) -> None:
+        self.referee.violated("no thread dies", f"{task} died: {type(exc).__name__}: {exc}")
+
+
+def _settings(scenario: Scenario) -> TuneSettings:
+    pruner: dict[str, object] = {"kind": scenario.pruner}
+    if scenario.pruner == "threshold":
+        pruner["lower"] = 0.2
+    if scenario.pruner == "median":
+        pruner["warmup_steps"] = 1
+    resources: dict[str, object] = {}
+    if scenario.timeout_s is not None:
+        resources["timeout_min"] = scenario.timeout_s / 60
+    return TuneSettings.model_validate(
+        {
+            "train": {
+                "entrypoint": "train.py",
+                "resources": resources,
+                "max_restarts": scenario.max_restarts,
+                "hang_timeout_s": scenario.hang_timeout_s,
+            },
+            "study": {
+                "name": STUDY,
+                "storage": "journal://unused-the-simulation-passes-its-own.log",
+                "direction": "maximize",
+                "metric": METRIC,
+            },
+            "space": {"x": {"type": "float", "low": 0.0, "high": 1.0}},
+            "num_trials": scenario.num_trials,
+            "num_parallel": scenario.num_parallel,
+            "sampler": "random",
+            "seed": scenario.seed,
+            "pruner": pruner,
+            "poll_s": scenario.poll_s,
+        }
+    )
+
+
+@contextmanager
+def _sim_files(sim: Scheduler) -> Iterator[None]:
+    """Every atomic record write (``tunepod.runtime.files.write_bytes_atomic``, which starts with a
+    temporary file) becomes a yield point: a crash may strike just before any record is written."""
+    real = tempfile.mkstemp
+
+    def mkstemp(*args: Any, **kwargs: Any) -> tuple[int, str]:
+        if sim.current is not None:
+            sim.pause("write")
+        return real(*args, **kwargs)
+
+    with mock.patch.object(tempfile, "mkstemp", mkstemp):
+        yield
+
+
+class _TraceHandler(logging.Handler):
+    """The orchestrators' warnings and errors, into the trace; the seed's folder named ``<root>`` so
+    that two runs of a seed tell the same story."""
+
+    def __init__(self, trace: Trace, sim: Scheduler, root: Path) -> None:
+        super().__init__(logging.WARNING)
+        self.trace = trace
+        self.sim = sim
+        self.root = str(root)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        who = self.sim.current.process.name if self.sim.current is not None else "-"
+        text = f"{who}: {record.levelname} {record.getMessage()}".replace(self.root, "<root>")
+        self.trace.event(self.sim.now, "log", text[:600])
+
+
+@contextmanager
+def _logs_into(trace: Trace, sim: Scheduler, root: Path) -> Iterator[None]:
+    logger = logging.getLogger("tunepod")
+    handler = _TraceHandler(trace, sim, root)
+    before = (logger.propagate, logger.level)
+    logger.addHandler(handler)
+    logger.propagate = False
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate, _ = before
+        logger.setLevel(before[1])
+
+
+def describe(outcome: Outcome) -> str:
+    """A failing seed's story: its scenario, what broke, and the trace up to there."""
+    lines = [outcome.scenario.describe()]
+    lines += [f"VIOLATION at {v.at - START:.2f}s: {v.invariant}: {v.detail}" for v in outcome.violations]
+    lines.append("trace (faults, processes, jobs, stores, logs):")
+    lines.append(outcome.trace.render(last=400))
+    return "\n".join(lines)

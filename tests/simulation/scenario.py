@@ -1,0 +1,167 @@
+"""A seed's scenario: the study, the cluster, the training program, and the faults, drawn from the seed.
+
+Faults come in two kinds. *Rates* apply at every boundary call while the fault phase lasts (a store
+call failing before or after it commits, a backend command timing out or losing its reply, a job
+crashing or hanging at a step, a Slurm requeue). *Timed faults* strike once, at a time of the fault
+phase: an orchestrator killed (SIGKILL), stalled past its lease TTL, its host's clock jumping, a
+second orchestrator started beside the first. After ``fault_phase_s`` every fault stops, and the
+study must then end (liveness) within ``settle_s``.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field, replace
+
+from simulation.backends.slurm import SlurmFaults
+from simulation.cluster import JobFaults, Program
+from simulation.stores import Faults
+
+
+@dataclass(frozen=True)
+class TimedFault:
+    at: float
+    """Seconds after the start."""
+    kind: str
+    """``kill``, ``stall``, ``clock_jump``, ``second_orchestrator``."""
+    seconds: float = 0.0
+    """How long a stall lasts, or how far a clock jumps (negative: back)."""
+
+    def describe(self) -> str:
+        if self.kind == "stall":
+            return f"{self.at:.0f}s: an orchestrator stalls {self.seconds:.0f}s"
+        if self.kind == "clock_jump":
+            return f"{self.at:.0f}s: the orchestrators' host clock jumps {self.seconds:+.0f}s"
+        return f"{self.at:.0f}s: {self.kind.replace('_', ' ')}"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    seed: int
+    launcher: str
+    num_trials: int
+    num_parallel: int
+    max_restarts: int
+    pruner: str
+    timeout_s: float | None
+    hang_timeout_s: float | None
+    poll_s: float
+    program: Program
+    optuna_writes: Faults = field(default_factory=Faults)
+    optuna_reads: Faults = field(default_factory=Faults)
+    mlflow: Faults = field(default_factory=Faults)
+    slurm: SlurmFaults = field(default_factory=SlurmFaults)
+    jobs: JobFaults = field(default_factory=JobFaults)
+    timed: tuple[TimedFault, ...] = field(default_factory=tuple)
+    fault_phase_s: float = 600.0
+    settle_s: float = 7200.0
+    crash_per_step: float = 0.0
+    """The chance an orchestrator is SIGKILLed at any one of its yield points (a crash anywhere)."""
+    two_hosts: bool = False
+    """Orchestrators alternate between two hosts (their pids cannot be looked up across them)."""
+    slurm_min_job_age_s: float = 300.0
+    slurm_accounting: bool = False
+    slurm_comments_in_accounting: bool = False
+
+    def quiet(self) -> Scenario:
+        """The same study and cluster without any fault (for a run's baseline)."""
+        return replace(
+            self,
+            optuna_writes=Faults(),
+            optuna_reads=Faults(),
+            mlflow=Faults(),
+            slurm=SlurmFaults(),
+            jobs=JobFaults(),
+            timed=(),
+            crash_per_step=0.0,
+        )
+
+    def describe(self) -> str:
+        lines = [
+            f"seed {self.seed}: {self.launcher}, {self.num_trials} trials, {self.num_parallel} in parallel, "
+            f"max_restarts {self.max_restarts}, pruner {self.pruner}, timeout {self.timeout_s}, "
+            f"hang timeout {self.hang_timeout_s}, orchestrators on {2 if self.two_hosts else 1} host(s)",
+            f"program: {self.program.steps} steps of {self.program.step_s:.0f}s, "
+            f"{'a result file' if self.program.writes_result else 'exit 0 without a result file'}, "
+            f"same-step reports {self.program.same_step_reports}",
+            f"rates: optuna writes {self.optuna_writes}, reads {self.optuna_reads}, mlflow {self.mlflow}, "
+            f"slurm {self.slurm}, jobs {self.jobs}",
+            f"slurm: MinJobAge {self.slurm_min_job_age_s:.0f}s, accounting {self.slurm_accounting} "
+            f"(comments {self.slurm_comments_in_accounting})",
+        ]
+        if self.crash_per_step:
+            lines.append(
+                f"an orchestrator crashes at any yield point with probability {self.crash_per_step:.4f}"
+            )
+        lines += [f"timed: {fault.describe()}" for fault in self.timed]
+        return "\n".join(lines)
+
+
+def scenario_of(seed: int, *, launchers: tuple[str, ...] = ("slurm",)) -> Scenario:
+    """The scenario of ``seed`` (the same seed, the same scenario, on every machine)."""
+    draw = random.Random(f"scenario-{seed}")
+    program = Program(
+        steps=draw.randint(2, 6),
+        step_s=draw.choice([5.0, 10.0, 30.0]),
+        same_step_reports=draw.choice([0.0, 0.3]),
+        writes_result=draw.random() < 0.7,
+    )
+    run_s = program.steps * program.step_s
+    timeout_s = draw.choice([None, run_s * 3 + 120.0])
+    hang_timeout_s = draw.choice([None, 60.0 + 2 * program.step_s])
+    fault_phase_s = draw.uniform(200.0, 900.0)
+    timed = tuple(sorted(_timed_faults(draw, fault_phase_s), key=lambda fault: fault.at))
+    return Scenario(
+        seed=seed,
+        launcher=draw.choice(launchers),
+        num_trials=draw.randint(2, 6),
+        num_parallel=draw.randint(1, 3),
+        max_restarts=draw.randint(0, 2),
+        pruner=draw.choice(["none", "median", "threshold"]),
+        timeout_s=timeout_s,
+        hang_timeout_s=hang_timeout_s,
+        poll_s=draw.choice([1.0, 5.0]),
+        program=program,
+        optuna_writes=Faults(before=_rate(draw, 0.05), after=_rate(draw, 0.05)),
+        optuna_reads=Faults(before=_rate(draw, 0.02)),
+        mlflow=Faults(before=_rate(draw, 0.2), after=_rate(draw, 0.1)),
+        slurm=SlurmFaults(
+            transient=_rate(draw, 0.1), lost_reply=_rate(draw, 0.2), requeue_per_s=_rate(draw, 0.002)
+        ),
+        # A hang ends only where something watches for it: a hang timeout, or a run-time limit.
+        jobs=JobFaults(
+            crash=_rate(draw, 0.1), hang=_rate(draw, 0.05) if timeout_s or hang_timeout_s else 0.0
+        ),
+        timed=timed,
+        fault_phase_s=fault_phase_s,
+        crash_per_step=_rate(draw, 0.002),
+        two_hosts=draw.random() < 0.5,
+        slurm_min_job_age_s=draw.choice([30.0, 300.0]),
+        slurm_accounting=draw.random() < 0.5,
+        slurm_comments_in_accounting=draw.random() < 0.5,
+    )
+
+
+def _rate(draw: random.Random, high: float) -> float:
+    """Off in about half the seeds, so that every fault is also seen alone."""
+    return 0.0 if draw.random() < 0.5 else draw.uniform(0.0, high)
+
+
+def _timed_faults(draw: random.Random, phase_s: float) -> list[TimedFault]:
+    """Kills, stalls (some past the lease TTL), clock jumps and second orchestrators, each kind in
+    about half the seeds, several of a kind in some."""
+    faults = []
+    if draw.random() < 0.4:
+        faults.append(TimedFault(draw.uniform(0.0, min(60.0, phase_s)), "second_orchestrator"))
+    counts = {
+        kind: draw.choice([0, 0, 1, 2, 3]) for kind in ("kill", "stall", "clock_jump", "second_orchestrator")
+    }
+    for kind, count in counts.items():
+        for _ in range(count):
+            seconds = 0.0
+            if kind == "stall":
+                seconds = draw.uniform(5.0, 240.0)
+            elif kind == "clock_jump":
+                seconds = draw.choice([-1, 1]) * draw.uniform(1.0, 300.0)
+            faults.append(TimedFault(draw.uniform(0.0, phase_s), kind, seconds))
+    return faults

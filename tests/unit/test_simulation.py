@@ -1,0 +1,30 @@
+"""The simulation's short form (``make test``): seeds hold every invariant, a seed replays exactly, and
+the simulation finds a fixed defect put back. The long form is ``make simulate`` (1,000 seeds, a few
+minutes on two cores) and ``make simulate ARGS=--mutants`` (every fixed defect put back).
+"""
+
+from __future__ import annotations
+
+import pytest
+from simulation.mutants import mutant
+from simulation.run import describe, run_seed
+
+SHORT_FORM_SEEDS = range(0, 24)
+
+
+def test_seeds_hold_every_invariant() -> None:
+    failed = [outcome for seed in SHORT_FORM_SEEDS if not (outcome := run_seed(seed)).held]
+    assert not failed, f"{len(failed)} seed(s) broke an invariant; the first:\n{describe(failed[0])}"
+
+
+def test_a_seed_replays_its_run_event_for_event() -> None:
+    first, again = run_seed(7), run_seed(7)
+    assert first.steps > 100 and first.trace.events
+    assert first.trace.render() == again.trace.render()
+
+
+@pytest.mark.parametrize("name", ["half-asked", "host-clock", "unfenced"])
+def test_the_simulation_finds_a_fixed_defect_put_back(name: str) -> None:
+    with mutant(name).apply():
+        found = next((outcome for seed in range(300) if not (outcome := run_seed(seed)).held), None)
+    assert found is not None, f"300 seeds did not notice the {name} defect: {mutant(name).defect}"
