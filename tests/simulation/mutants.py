@@ -20,6 +20,7 @@ from tunepod.launch import drive, lease
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.slurm import render
 from tunepod.launch.watchdog import Watchdog
+from tunepod.locks import locked
 from tunepod.runtime.progress import read_progress
 
 
@@ -54,7 +55,7 @@ def _half_asked_trained() -> contextlib.AbstractContextManager[None]:
 def _unfenced() -> contextlib.AbstractContextManager[None]:
     @contextlib.contextmanager
     def fenced_without_a_check(self: lease.Lease) -> Iterator[None]:
-        with lease.locked(JobPaths(self.job_dir).lease_lock):
+        with locked(JobPaths(self.job_dir).lease_lock):
             yield
 
     return _patched(lease.Lease, "fenced", fenced_without_a_check)

@@ -25,7 +25,7 @@ from unittest import mock
 
 import optuna
 
-from simulation.backends.slurm import SimSlurmRunner, Slurmctld
+from simulation.backends import Machine
 from simulation.choices import Choices
 from simulation.cluster import Cluster
 from simulation.invariants import Referee, StudyFacts, Violation
@@ -36,9 +36,8 @@ from simulation.trace import Trace
 from tunepod import world
 from tunepod.errors import is_transient
 from tunepod.hpo.tuner import TuneContext, Tuner
-from tunepod.launch.slurm.launcher import SlurmLauncher
 from tunepod.outputs import Dataset
-from tunepod.spec.models import SlurmLauncherSpec, TuneSettings
+from tunepod.spec.models import TuneSettings
 from tunepod.tracking import MlflowTracker
 from tunepod.tracking.outbox import TrackingOutbox
 
@@ -123,20 +122,11 @@ class _Run:
         self.orchestrator_hosts = [
             Host(f"orchestrator-host-{n}", f"boot-o{n}", f"pid:[o{n}]") for n in range(2)
         ]
-        nodes = [
+        nodes = tuple(
             Host(f"node-{n}", f"boot-node-{n}", f"pid:[node-{n}]", skew_s=self.sim.choices.uniform(-2, 2))
             for n in range(2)
-        ]
-        self.ctld = Slurmctld(
-            self.sim,
-            self.cluster,
-            self.referee,
-            nodes,
-            min_job_age_s=scenario.slurm_min_job_age_s,
-            accounting=scenario.slurm_accounting,
-            comments_in_accounting=scenario.slurm_comments_in_accounting,
-            faults=scenario.slurm,
         )
+        self.backend = scenario.backend.make(Machine(self.sim, self.cluster, self.referee, root, nodes))
         self.orchestrators: list[Process] = []
         self.completed = False
         self.notes: list[str] = []
@@ -199,7 +189,7 @@ class _Run:
     def _faults_stop(self) -> None:
         self.switch.on = False
         self.cluster.faults_on = False
-        self.ctld.faults_on = False
+        self.backend.faults_stop()
         self.trace.event(self.sim.now, "fault", "faults stop")
 
     def _state(self) -> str:
@@ -251,10 +241,7 @@ class _Run:
 
     def _context(self) -> TuneContext:
         scenario = self.scenario
-        spec = SlurmLauncherSpec(
-            kind="slurm", root=str(self.root), poll_cache_s=self.sim.choices.pick([0.0, 2.0])
-        )
-        launcher = SlurmLauncher(spec, runner=SimSlurmRunner(self.ctld), cancel_timeout_s=120.0)
+        launcher = self.backend.launcher()
         return TuneContext(
             step="search",
             settings=self.settings,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field, replace
 
-from simulation.backends.slurm import SlurmFaults
+from simulation.backends import KINDS, BackendSettings, draws, rate
 from simulation.cluster import JobFaults, Program
 from simulation.stores import Faults
 
@@ -38,7 +38,8 @@ class TimedFault:
 @dataclass(frozen=True)
 class Scenario:
     seed: int
-    launcher: str
+    backend: BackendSettings
+    """The launcher kind, its simulated cluster's settings and faults."""
     num_trials: int
     num_parallel: int
     max_restarts: int
@@ -50,7 +51,6 @@ class Scenario:
     optuna_writes: Faults = field(default_factory=Faults)
     optuna_reads: Faults = field(default_factory=Faults)
     mlflow: Faults = field(default_factory=Faults)
-    slurm: SlurmFaults = field(default_factory=SlurmFaults)
     jobs: JobFaults = field(default_factory=JobFaults)
     timed: tuple[TimedFault, ...] = field(default_factory=tuple)
     fault_phase_s: float = 600.0
@@ -59,9 +59,6 @@ class Scenario:
     """The chance an orchestrator is SIGKILLed at any one of its yield points (a crash anywhere)."""
     two_hosts: bool = False
     """Orchestrators alternate between two hosts (their pids cannot be looked up across them)."""
-    slurm_min_job_age_s: float = 300.0
-    slurm_accounting: bool = False
-    slurm_comments_in_accounting: bool = False
 
     def quiet(self) -> Scenario:
         """The same study and cluster without any fault (for a run's baseline)."""
@@ -70,7 +67,7 @@ class Scenario:
             optuna_writes=Faults(),
             optuna_reads=Faults(),
             mlflow=Faults(),
-            slurm=SlurmFaults(),
+            backend=self.backend.quiet(),
             jobs=JobFaults(),
             timed=(),
             crash_per_step=0.0,
@@ -78,16 +75,16 @@ class Scenario:
 
     def describe(self) -> str:
         lines = [
-            f"seed {self.seed}: {self.launcher}, {self.num_trials} trials, {self.num_parallel} in parallel, "
+            f"seed {self.seed}: {self.backend.kind}, {self.num_trials} trials, "
+            f"{self.num_parallel} in parallel, "
             f"max_restarts {self.max_restarts}, pruner {self.pruner}, timeout {self.timeout_s}, "
             f"hang timeout {self.hang_timeout_s}, orchestrators on {2 if self.two_hosts else 1} host(s)",
             f"program: {self.program.steps} steps of {self.program.step_s:.0f}s, "
             f"{'a result file' if self.program.writes_result else 'exit 0 without a result file'}, "
             f"same-step reports {self.program.same_step_reports}",
             f"rates: optuna writes {self.optuna_writes}, reads {self.optuna_reads}, mlflow {self.mlflow}, "
-            f"slurm {self.slurm}, jobs {self.jobs}",
-            f"slurm: MinJobAge {self.slurm_min_job_age_s:.0f}s, accounting {self.slurm_accounting} "
-            f"(comments {self.slurm_comments_in_accounting})",
+            f"jobs {self.jobs}",
+            self.backend.describe(),
         ]
         if self.crash_per_step:
             lines.append(
@@ -97,9 +94,11 @@ class Scenario:
         return "\n".join(lines)
 
 
-def scenario_of(seed: int, *, launchers: tuple[str, ...] = ("slurm",)) -> Scenario:
-    """The scenario of ``seed`` (the same seed, the same scenario, on every machine)."""
+def scenario_of(seed: int, *, kinds: tuple[str, ...] = KINDS) -> Scenario:
+    """The scenario of ``seed`` (the same seed, the same scenario, on every machine), on one of the
+    backends ``kinds``."""
     draw = random.Random(f"scenario-{seed}")
+    backend = draws()[draw.choice(kinds)](draw)
     program = Program(
         steps=draw.randint(2, 6),
         step_s=draw.choice([5.0, 10.0, 30.0]),
@@ -113,7 +112,7 @@ def scenario_of(seed: int, *, launchers: tuple[str, ...] = ("slurm",)) -> Scenar
     timed = tuple(sorted(_timed_faults(draw, fault_phase_s), key=lambda fault: fault.at))
     return Scenario(
         seed=seed,
-        launcher=draw.choice(launchers),
+        backend=backend,
         num_trials=draw.randint(2, 6),
         num_parallel=draw.randint(1, 3),
         max_restarts=draw.randint(0, 2),
@@ -122,29 +121,16 @@ def scenario_of(seed: int, *, launchers: tuple[str, ...] = ("slurm",)) -> Scenar
         hang_timeout_s=hang_timeout_s,
         poll_s=draw.choice([1.0, 5.0]),
         program=program,
-        optuna_writes=Faults(before=_rate(draw, 0.05), after=_rate(draw, 0.05)),
-        optuna_reads=Faults(before=_rate(draw, 0.02)),
-        mlflow=Faults(before=_rate(draw, 0.2), after=_rate(draw, 0.1)),
-        slurm=SlurmFaults(
-            transient=_rate(draw, 0.1), lost_reply=_rate(draw, 0.2), requeue_per_s=_rate(draw, 0.002)
-        ),
+        optuna_writes=Faults(before=rate(draw, 0.05), after=rate(draw, 0.05)),
+        optuna_reads=Faults(before=rate(draw, 0.02)),
+        mlflow=Faults(before=rate(draw, 0.2), after=rate(draw, 0.1)),
         # A hang ends only where something watches for it: a hang timeout, or a run-time limit.
-        jobs=JobFaults(
-            crash=_rate(draw, 0.1), hang=_rate(draw, 0.05) if timeout_s or hang_timeout_s else 0.0
-        ),
+        jobs=JobFaults(crash=rate(draw, 0.1), hang=rate(draw, 0.05) if timeout_s or hang_timeout_s else 0.0),
         timed=timed,
         fault_phase_s=fault_phase_s,
-        crash_per_step=_rate(draw, 0.002),
+        crash_per_step=rate(draw, 0.002),
         two_hosts=draw.random() < 0.5,
-        slurm_min_job_age_s=draw.choice([30.0, 300.0]),
-        slurm_accounting=draw.random() < 0.5,
-        slurm_comments_in_accounting=draw.random() < 0.5,
     )
-
-
-def _rate(draw: random.Random, high: float) -> float:
-    """Off in about half the seeds, so that every fault is also seen alone."""
-    return 0.0 if draw.random() < 0.5 else draw.uniform(0.0, high)
 
 
 def _timed_faults(draw: random.Random, phase_s: float) -> list[TimedFault]:

@@ -15,7 +15,7 @@ from typing import Any
 from simulation.run import Outcome, run_seed
 from simulation.scenario import Scenario
 
-_RATES = ("optuna_writes", "optuna_reads", "mlflow", "slurm", "jobs")
+_RATES = ("optuna_writes", "optuna_reads", "mlflow", "jobs")
 
 
 def shrink(outcome: Outcome) -> Outcome:
@@ -35,6 +35,8 @@ def shrink(outcome: Outcome) -> Outcome:
 
 def smaller(scenario: Scenario) -> Iterator[Scenario]:
     """Scenarios one step smaller than ``scenario``, the biggest cuts first."""
+    if scenario.backend != scenario.backend.quiet():
+        yield replace(scenario, backend=scenario.backend.quiet())
     for name in _RATES:
         rates = getattr(scenario, name)
         quiet = type(rates)()

@@ -1,0 +1,72 @@
+"""The simulated backends, one per launcher kind.
+
+Each gives every orchestrator process a *real* launcher of its kind (``SlurmLauncher``, ...) whose
+calls reach a simulated cluster with that backend's own semantics, and draws from a seed its own
+settings and faults. A backend module defines:
+
+- a frozen settings class with ``kind``, ``describe()``, ``quiet()`` (the same without faults) and
+  ``make(machine) -> Backend``;
+- ``draw(random) -> settings``, registered in ``DRAWS`` below.
+
+``Backend`` is what the run needs: a new launcher for an orchestrator (made inside its process), and
+a switch to stop the backend's faults when the scenario's fault phase ends.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from simulation.cluster import Cluster
+from simulation.invariants import Referee
+from simulation.scheduler import Host, Scheduler
+from tunepod.launch.base import Launcher
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What a backend may use of the run: the scheduler, the cluster's ground truth, the referee, the
+    shared root (job dirs live under it), and the compute nodes."""
+
+    sim: Scheduler
+    cluster: Cluster
+    referee: Referee
+    root: Path
+    nodes: tuple[Host, ...]
+
+
+class Backend(Protocol):
+    def launcher(self) -> Launcher:
+        """A new launcher for the orchestrator process that calls it."""
+        ...
+
+    def faults_stop(self) -> None: ...
+
+
+class BackendSettings(Protocol):
+    @property
+    def kind(self) -> str: ...
+
+    def describe(self) -> str: ...
+
+    def quiet(self) -> BackendSettings: ...
+
+    def make(self, machine: Machine) -> Backend: ...
+
+
+def rate(draw: random.Random, high: float) -> float:
+    """A fault rate: off in about half the seeds, so that every fault is also seen alone."""
+    return 0.0 if draw.random() < 0.5 else draw.uniform(0.0, high)
+
+
+def draws() -> dict[str, Callable[[random.Random], BackendSettings]]:
+    """Each backend kind's ``draw``."""
+    from simulation.backends import slurm
+
+    return {"slurm": slurm.draw}
+
+
+KINDS = ("slurm",)

@@ -22,18 +22,23 @@ Modelled, as Slurm does it:
 
 from __future__ import annotations
 
+import random
 import shlex
 import subprocess
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
+from simulation.backends import Machine, rate
 from simulation.cluster import Cluster, JobRun
 from simulation.invariants import Referee
 from simulation.scheduler import Host, Scheduler
+from tunepod.launch.base import Launcher
 from tunepod.launch.runner import CommandFailed, TransientCommandFailed, is_transient_failure
+from tunepod.launch.slurm.launcher import SlurmLauncher
 from tunepod.runtime.files import write_bytes_atomic
+from tunepod.spec.models import SlurmLauncherSpec
 
 _TIMED_OUT = "slurm_load_jobs error: Socket timed out on send/recv operation"
 _INVALID = "slurm_load_jobs error: Invalid job id specified"
@@ -48,6 +53,55 @@ class SlurmFaults:
     """``sbatch``/``scancel`` take effect, and their answer is lost."""
     requeue_per_s: float = 0.0
     """Per running job and second: a node failure or ``scontrol requeue``."""
+
+
+@dataclass(frozen=True)
+class SlurmSettings:
+    """The simulated cluster's configuration and faults."""
+
+    faults: SlurmFaults
+    min_job_age_s: float
+    accounting: bool
+    comments_in_accounting: bool
+    kind: str = "slurm"
+
+    def describe(self) -> str:
+        return (
+            f"slurm: MinJobAge {self.min_job_age_s:.0f}s, accounting {self.accounting} "
+            f"(comments {self.comments_in_accounting}), faults {self.faults}"
+        )
+
+    def quiet(self) -> SlurmSettings:
+        return replace(self, faults=SlurmFaults())
+
+    def make(self, machine: Machine) -> SlurmBackend:
+        return SlurmBackend(Slurmctld(machine, self))
+
+
+def draw(random_: random.Random) -> SlurmSettings:
+    return SlurmSettings(
+        faults=SlurmFaults(
+            transient=rate(random_, 0.1), lost_reply=rate(random_, 0.2), requeue_per_s=rate(random_, 0.002)
+        ),
+        min_job_age_s=random_.choice([30.0, 300.0]),
+        accounting=random_.random() < 0.5,
+        comments_in_accounting=random_.random() < 0.5,
+    )
+
+
+class SlurmBackend:
+    """The real ``SlurmLauncher`` of each orchestrator, all reaching one simulated controller."""
+
+    def __init__(self, ctld: Slurmctld) -> None:
+        self.ctld = ctld
+
+    def launcher(self) -> Launcher:
+        sim, root = self.ctld.sim, self.ctld.root
+        spec = SlurmLauncherSpec(kind="slurm", root=str(root), poll_cache_s=sim.choices.pick([0.0, 2.0]))
+        return SlurmLauncher(spec, runner=SimSlurmRunner(self.ctld), cancel_timeout_s=120.0)
+
+    def faults_stop(self) -> None:
+        self.ctld.faults_on = False
 
 
 @dataclass
@@ -75,27 +129,18 @@ class SlurmJob:
 class Slurmctld:
     """The controller and its nodes; see the module docstring."""
 
-    def __init__(
-        self,
-        sim: Scheduler,
-        cluster: Cluster,
-        referee: Referee,
-        nodes: list[Host],
-        *,
-        min_job_age_s: float,
-        accounting: bool,
-        comments_in_accounting: bool,
-        faults: SlurmFaults,
-    ) -> None:
-        self.sim = sim
-        self.cluster = cluster
-        self.referee = referee
-        self.nodes = nodes
-        self.min_job_age_s = min_job_age_s
-        self.accounting = accounting
-        self.comments_in_accounting = comments_in_accounting
-        self.faults = faults
+    def __init__(self, machine: Machine, settings: SlurmSettings) -> None:
+        self.sim: Scheduler = machine.sim
+        self.cluster: Cluster = machine.cluster
+        self.referee: Referee = machine.referee
+        self.root = machine.root
+        self.nodes: list[Host] = list(machine.nodes)
+        self.min_job_age_s = settings.min_job_age_s
+        self.accounting = settings.accounting
+        self.comments_in_accounting = settings.comments_in_accounting
+        self.faults = settings.faults
         self.faults_on = True
+        sim = self.sim
         self.memory: dict[str, SlurmJob] = {}
         self.accounted: dict[str, SlurmJob] = {}
         self._next_id = 1000 + sim.choices.integer(0, 5000)
