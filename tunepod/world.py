@@ -22,8 +22,8 @@ import secrets
 import socket
 import threading
 import time as _time
-from collections.abc import Callable, Collection, Iterator
-from concurrent.futures import FIRST_COMPLETED, Future
+from collections.abc import Callable, Collection, Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as _wait_futures
 from dataclasses import dataclass
 from functools import cache
@@ -34,6 +34,7 @@ from typing import Protocol, TypeVar, cast
 from tunepod.errors import TunepodError
 
 T = TypeVar("T")
+A = TypeVar("A")
 
 
 class Lock(Protocol):
@@ -122,6 +123,11 @@ class World(Protocol):
         of ``futures`` (never a set's order, which changes from run to run)."""
         ...
 
+    def map_concurrently(self, call: Callable[[A], T], items: Sequence[A], max_threads: int) -> list[T]:
+        """``[call(item) for item in items]``, up to ``max_threads`` calls at once (round trips to a
+        backend); the first exception of a call is raised."""
+        ...
+
     def file_lock(self, path: Path, *, blocking: bool = True) -> contextlib.AbstractContextManager[bool]:
         """Hold an exclusive lock of ``path`` that other processes (and threads) respect and that is
         released when its holder dies. Yields True once held; without ``blocking``, yields False at
@@ -173,6 +179,12 @@ class RealWorld:
     def wait_any(self, futures: Collection[Future[T]], timeout: float | None) -> list[Future[T]]:
         done = _wait_futures(futures, timeout=timeout, return_when=FIRST_COMPLETED).done
         return [future for future in futures if future in done]
+
+    def map_concurrently(self, call: Callable[[A], T], items: Sequence[A], max_threads: int) -> list[T]:
+        if len(items) <= 1:
+            return [call(item) for item in items]
+        with ThreadPoolExecutor(min(max_threads, len(items))) as pool:
+            return list(pool.map(call, items))
 
     @contextlib.contextmanager
     def file_lock(self, path: Path, *, blocking: bool = True) -> Iterator[bool]:
@@ -309,6 +321,10 @@ def wait_any(futures: Collection[Future[T]], timeout: float | None) -> list[Futu
     return _current.wait_any(futures, timeout)
 
 
+def map_concurrently(call: Callable[[A], T], items: Sequence[A], max_threads: int) -> list[T]:
+    return _current.map_concurrently(call, items, max_threads)
+
+
 def file_lock(path: Path, *, blocking: bool = True) -> contextlib.AbstractContextManager[bool]:
     return _current.file_lock(path, blocking=blocking)
 
@@ -343,6 +359,7 @@ __all__ = [
     "installed",
     "is_gone",
     "lock",
+    "map_concurrently",
     "monotonic",
     "process_local",
     "rlock",

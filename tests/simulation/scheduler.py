@@ -20,7 +20,7 @@ import contextlib
 import enum
 import math
 from collections import deque
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +34,7 @@ from simulation.trace import Trace
 from tunepod import world
 
 T = TypeVar("T")
+A = TypeVar("A")
 
 
 class SimulationError(Exception):
@@ -533,6 +534,11 @@ class SimWorld:
         finally:
             waiting[0] = False
         return [future for future in futures if future.done()]
+
+    def map_concurrently(self, call: Callable[[A], T], items: Sequence[A], max_threads: int) -> list[T]:
+        """One after another: the calls' concurrency is a backend's speed, not the loop's logic."""
+        self._check()
+        return [call(item) for item in items]
 
     def file_lock(self, path: Path, *, blocking: bool = True) -> contextlib.AbstractContextManager[bool]:
         self._check()

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tunepod import world
 from tunepod.errors import JobError, TransientError, TunepodError
 from tunepod.launch.hyperpod_eks.render import (
     HYPERPOD_GROUP,
@@ -306,12 +306,12 @@ def delete_and_wait(api: KubeApi, ref: ObjectRef, timeout_s: float) -> None:
     cancel down.
     """
     api.delete_object(ref)
-    deadline = time.monotonic() + timeout_s
+    deadline = world.monotonic() + timeout_s
     while api.get_referenced(ref) is not None or api.list_pods(ref):
-        if time.monotonic() > deadline:
+        if world.monotonic() > deadline:
             raise JobError(
                 f"{ref.title} (uid {ref.uid}) or its pods are still there {timeout_s:.0f}s after tunepod "
                 f"deleted it; look for stuck finalizers or nodes: {ref.kubectl('describe')}; "
                 f"kubectl -n {ref.namespace} get pods -l {OBJECT_LABEL}={ref.name}"
             )
-        time.sleep(_GONE_POLL_S)
+        world.sleep(_GONE_POLL_S)

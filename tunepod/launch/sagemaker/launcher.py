@@ -29,10 +29,10 @@ import json
 import logging
 import re
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from tunepod import world
 from tunepod.errors import JobError, TransientError, TunepodError
 from tunepod.launch.base import SUBMISSION_ID_ENV, Accepted, Job, JobSpec, LauncherBase, NameTaken, Rendered
 from tunepod.launch.sagemaker.clients import aws_client, aws_error, error_code, is_not_found, sagemaker_client
@@ -146,10 +146,8 @@ class SageMakerLauncher(LauncherBase[TrainingJobStatus]):
         """One DescribeTrainingJob per job, concurrently. ``TransientError`` when any of them was throttled
         or unanswered; ``JobError`` when SageMaker refused one (access denied)."""
         names = list(jobs)
-        if len(names) <= 1:
-            return {name: self._status(name) for name in names}
-        with ThreadPoolExecutor(min(_DESCRIBE_THREADS, len(names)), thread_name_prefix="describe") as pool:
-            return dict(zip(names, pool.map(self._status, names), strict=True))
+        statuses = world.map_concurrently(self._status, names, _DESCRIBE_THREADS)
+        return dict(zip(names, statuses, strict=True))
 
     def stop(self, job: Job[TrainingJobStatus]) -> None:
         try:

@@ -7,10 +7,10 @@ SageMaker writes each instance's output to group ``/aws/sagemaker/TrainingJobs``
 from __future__ import annotations
 
 import re
-import threading
 from collections.abc import Callable
 from typing import Any
 
+from tunepod import world
 from tunepod.launch.sagemaker.clients import error_code
 
 LOG_GROUP = "/aws/sagemaker/TrainingJobs"
@@ -32,7 +32,7 @@ class CloudWatchLogReader:
     def __init__(self, make_client: Callable[[], Any]) -> None:
         self._make_client = make_client
         self._client: Any | None = None
-        self._lock = threading.Lock()
+        self._lock = world.lock()
 
     def tail(self, job_id: str, lines: int) -> list[str]:
         """The last ``lines`` lines of every instance's stream (algo-1 first), or why there are none."""
