@@ -27,6 +27,8 @@ from tunepod.launch.base import JobHandle, JobSpec, JobState, Launcher, Resource
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.runner import LocalRunner
 from tunepod.launch.slurm import SCRIPT_NAME, SlurmLauncher
+from tunepod.launch.slurm.launcher import recorded_status
+from tunepod.launch.status_cache import TrackedJob
 from tunepod.launch.submission import read_submission
 from tunepod.spec.models import SlurmLauncherSpec
 
@@ -187,6 +189,23 @@ def test_failed_job_is_described_with_state_reason_and_exit_code(
     assert (status.state, status.reason, status.exit_code) == ("FAILED", "NonZeroExitCode", 1)
     assert handle.describe() == f"slurm job {handle.job_id} FAILED (reason NonZeroExitCode, exit code 1)"
     assert "ValueError: boom for the runbook" in handle.logs()
+
+
+def test_a_job_records_its_exit_in_the_job_dir_for_when_slurm_has_forgotten_it(
+    slurm_launcher: SlurmLauncher, tmp_path: Path
+) -> None:
+    """The batch script's EXIT trap writes ``<exit code> <submission id>``: once Slurm has purged an
+    ended job (MinJobAge, one hour on the test cluster, so the purge itself is the simulation's:
+    ``tests/simulation``), its status comes from that file, a job that exited 0 COMPLETED."""
+    done = slurm_launcher.submit(fixture_job(tmp_path / "done", "succeed.py"))
+    failed = slurm_launcher.submit(fixture_job(tmp_path / "failed", "fail.py", "boom"))
+    assert finish(done) is JobState.SUCCEEDED and finish(failed) is JobState.FAILED
+    for handle, code, state in ((done, 0, "COMPLETED"), (failed, 1, "FAILED")):
+        record = read_submission(JobPaths(handle.job_dir))
+        assert record is not None
+        assert JobPaths(handle.job_dir).exit_code.read_text() == f"{code} {record.submission_id}\n"
+        forgotten = recorded_status(handle.job_id, TrackedJob(handle.job_dir, record))
+        assert forgotten is not None and (forgotten.state, forgotten.exit_code) == (state, code)
 
 
 def test_purged_or_unknown_job_is_failed_with_a_clear_reason(
