@@ -86,10 +86,14 @@ def test_a_backlog_is_logged_batch_by_batch_and_each_saved_as_mirrored(
     mirror = RunMirror(cast(MlflowTracker, tracker), tmp_path, run_id="run-1", mirror_telemetry=False)
     with pytest.raises(ConnectionError):
         mirror.sync()
-    assert read_mirror_state(tmp_path).synced_step == 3  # the first batch is in, and saved so
+    lines = JobPaths(tmp_path).metrics.read_bytes().splitlines(keepends=True)
+    saved = read_mirror_state(tmp_path)
+    assert saved.synced_offset == len(b"".join(lines[:4]))  # the first batch is in, and saved so
+    assert saved.synced_step == 3
     mirror.sync()
     assert [steps for _, steps in tracker.calls] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
-    assert read_mirror_state(tmp_path).synced_step == 9
+    saved = read_mirror_state(tmp_path)
+    assert (saved.synced_offset, saved.synced_step) == (len(b"".join(lines)), 9)
 
 
 def test_a_final_objective_that_is_the_jobs_own_last_point_is_logged_once(tmp_path: Path) -> None:

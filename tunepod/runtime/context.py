@@ -76,7 +76,8 @@ class TrainingContext:
 
         The orchestrator reads that file to prune and mirrors it into MLflow. Other ranks: no-op, so
         pass metrics that are already global (reduced across ranks) if they differ between ranks.
-        Raises ``TypeError``/``ValueError`` on rank 0 for a non-numeric or non-finite value.
+        Raises ``TypeError``/``ValueError`` on rank 0 for a non-numeric or non-finite value, or a
+        metric name MLflow would refuse (``metrics.metric_name_problem``).
         """
         self.heartbeat(step)
         if not self.is_main:
@@ -186,6 +187,7 @@ class TrainingContext:
         Its ``step`` is the last step this process reported or, for a job resumed after its last
         report, the last step in the metrics file; ``None`` if nothing was ever reported. An async
         sharded save in flight is waited for and committed first (on every rank: call it on each).
+        Refuses the values ``report`` refuses, names included.
         """
         self.wait_for_checkpoint()
         if self._heartbeat is not None:

@@ -6,6 +6,10 @@ on a full disk is cut back off and raises ``DiskFullError``) and, when it finish
 well, writes the result file once, atomically (``{"metrics": {...}, "step": int | None, "time": float}``).
 The orchestrator only reads them, possibly while the job is still writing, hence the tolerance of
 ``read_reports`` for a last line that is still being written.
+
+Both writers take only metric names MLflow takes (``metric_name_problem``): the orchestrator mirrors
+every report into MLflow, and a name refused there is better refused at ``report`` than found missing
+from the run. The readers take any name (a job on an older runtime, a script writing the file itself).
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import json
 import logging
 import math
 import numbers
+import posixpath
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,6 +33,17 @@ log = logging.getLogger(__name__)
 # (file, line number) of malformed lines already warned about: the orchestrator rereads the file on
 # every poll and should say so once, not twice a second. Set operations are atomic under the GIL.
 _warned_lines: set[tuple[str, int]] = set()
+
+MAX_STEP = 2**63 - 1
+"""MLflow and Optuna's storages keep a step as a signed 64-bit integer."""
+MAX_METRIC_NAME_CHARS = 250
+"""MLflow's limit on a metric name (``MAX_ENTITY_KEY_LENGTH`` in ``mlflow.utils.validation``)."""
+METRIC_NAME_CHARACTERS = (
+    "letters, digits, underscores (_), dashes (-), periods (.), spaces ( ), colons (:) and slashes (/)"
+)
+# MLflow 3.17's rule (``validate_param_and_metric_name``) on a POSIX tracking server or store; ``\w``
+# is Unicode, as there. Matched whole: MLflow's ``^...$`` also lets a trailing newline through.
+_METRIC_NAME = re.compile(r"[/\w.\- :]*")
 
 
 @dataclass(frozen=True)
@@ -73,18 +90,48 @@ def checked_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
     return checked
 
 
+def metric_name_problem(name: str) -> str | None:
+    """Why MLflow would refuse ``name`` as a metric name (the rule of MLflow 3.17's
+    ``_validate_metric_name`` and its length limit, on a POSIX server or store), or None if it takes it."""
+    if len(name) > MAX_METRIC_NAME_CHARS:
+        return f"it is {len(name)} characters long; MLflow takes at most {MAX_METRIC_NAME_CHARS}"
+    if _METRIC_NAME.fullmatch(name) is None:
+        return f"a name may only contain {METRIC_NAME_CHARACTERS}"
+    normalized = posixpath.normpath(name)
+    if normalized != name or normalized == "." or normalized.startswith(("..", "/")):
+        # MLflow keeps names as paths (a file store's files): two names must not be one path.
+        return (
+            f"a name may only contain {METRIC_NAME_CHARACTERS}, and MLflow keeps it as a file path: it "
+            "may not be empty, start with '/' or '..', end with '/', or hold '//', '/./' or '/../'"
+        )
+    return None
+
+
+def loggable_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """``checked_metrics``, whose names are also all names MLflow takes: ``ValueError`` naming the
+    metric, the problem and the allowed characters otherwise. What ``report`` and ``finish`` write."""
+    checked = checked_metrics(metrics)
+    for name in checked:
+        problem = metric_name_problem(name)
+        if problem is not None:
+            raise ValueError(f"metric name {name!r} cannot be logged to MLflow: {problem}")
+    return checked
+
+
 def checked_step(step: Any) -> int:
-    """``step`` as an int; ``TypeError``/``ValueError`` if it is not a non-negative integer."""
+    """``step`` as an int; ``TypeError``/``ValueError`` if it is not an integer in [0, ``MAX_STEP``]."""
     if isinstance(step, bool) or not isinstance(step, numbers.Integral):
         raise TypeError(f"step must be an integer, got {type(step).__name__} {step!r}")
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
+    if int(step) > MAX_STEP:
+        raise ValueError(f"step must be at most {MAX_STEP} (MLflow and Optuna store 64 bits), got {step}")
     return int(step)
 
 
 def append_report(path: Path, step: int, metrics: Mapping[str, Any]) -> Report:
     """Validate and append one report line to the metrics file at ``path``; rank 0 calls this."""
-    report = Report(step=checked_step(step), metrics=checked_metrics(metrics), time=time.time())
+    report = Report(step=checked_step(step), metrics=loggable_metrics(metrics), time=time.time())
     line = {"step": report.step, "metrics": report.metrics, "time": report.time}
     fix = "free space there, or give the job's folder (the launcher's root) a larger filesystem"
     with disk_full_explained(path, f"{fix}; the reports before this one are intact"):
@@ -131,9 +178,15 @@ class ReportTail:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.offset = 0
+        """Bytes of the file consumed: whole lines, from its start."""
         self._line = 0
 
     def read_new(self) -> list[Report]:
+        return [report for report, _ in self.read_new_with_ends()]
+
+    def read_new_with_ends(self) -> list[tuple[Report, int]]:
+        """The new reports, each with the offset in the file just past its line: where a reader that
+        has taken it, and every line before it, carries on."""
         try:
             with open(self.path, "rb") as handle:
                 if handle.seek(0, 2) < self.offset:
@@ -143,15 +196,16 @@ class ReportTail:
         except FileNotFoundError:
             return []
         complete = data[: data.rfind(b"\n") + 1]
-        self.offset += len(complete)
         reports = []
-        for line in complete.decode("utf-8", errors="replace").splitlines():
+        for raw in complete.split(b"\n")[:-1]:
             self._line += 1
+            self.offset += len(raw) + 1
+            line = raw.decode("utf-8", errors="replace")
             if not line.strip():
                 continue
             report = _parse_report(line)
             if report is not None:
-                reports.append(report)
+                reports.append((report, self.offset))
             elif (str(self.path), self._line) not in _warned_lines:
                 _warned_lines.add((str(self.path), self._line))
                 log.warning("skipping malformed line %d of %s: %.200s", self._line, self.path, line)
@@ -161,16 +215,18 @@ class ReportTail:
 def _parse_report(line: str) -> Report | None:
     try:
         raw = json.loads(line)
-        return Report(
+        report = Report(
             step=checked_step(raw["step"]), metrics=checked_metrics(raw["metrics"]), time=float(raw["time"])
         )
     except (ValueError, TypeError, KeyError, AttributeError):
         return None
+    # A time that is no time (NaN, infinite, before the epoch) is no point MLflow takes either.
+    return report if math.isfinite(report.time) and report.time >= 0 else None
 
 
 def write_result(path: Path, metrics: Mapping[str, Any], step: int | None) -> Result:
     """Validate ``metrics`` and write the result file at ``path`` atomically; rank 0 calls this."""
-    result = Result(metrics=checked_metrics(metrics), step=step, time=time.time())
+    result = Result(metrics=loggable_metrics(metrics), step=step, time=time.time())
     body = {"metrics": result.metrics, "step": result.step, "time": result.time}
     write_bytes_atomic(path, (json.dumps(body, allow_nan=False, indent=2) + "\n").encode("utf-8"))
     return result

@@ -2,12 +2,23 @@
 
 A mirror never runs on a thread that drives a job: the ``TrackingOutbox`` calls ``sync`` from its own
 thread, and again, later, for as long as MLflow does not answer. So ``sync`` is idempotent, and what it
-has already brought over is kept in the job dir (``<job_dir>/mlflow.json``): the run id, the last
-report step mirrored, the logged model, whether the final record was written. A restarted
-orchestrator carries on from there instead of logging anything twice.
+has already brought over is kept in the job dir (``<job_dir>/mlflow.json``): the run id, how far into
+the metrics file the run holds the reports, the logged model, whether the final record was written. A
+restarted orchestrator carries on from there instead of logging anything twice.
 
 The job's reports wait in its metrics file, which the job appends durably: the metrics file IS the
-outbox, and an MLflow outage costs nothing but delay.
+outbox, and an MLflow outage costs nothing but delay. Every line of it reaches the run once, two lines
+at one step included (a resumed job that redoes steps appends new lines: new points). The position
+saved is that of whole lines, after the batch that logged them: a crash between a batch and its save
+logs that batch again, the same points (each carries its report's own time), which MLflow's SQL store
+keeps once.
+
+A point MLflow refuses (a metric name it does not take: a job on an older runtime, or writing the file
+itself) would fail every sync and hold back everything after it. The mirror sets such points aside for
+good (a warning, the names in ``mlflow.json`` and in the run's ``<tag prefix>refused_metrics`` tag) and
+logs the rest: those the runtime's rule (``metric_name_problem``) refuses without asking MLflow, and
+those MLflow itself refuses (``INVALID_PARAMETER_VALUE``) on a run that takes writes, narrowed down to
+the points refused. An MLflow that does not answer is no refusal: the sync fails, and is retried.
 
 The ranks' telemetry (``ctx.step_done``: step time, samples and tokens per second, peak memory, in
 their heartbeat files) is logged as ``rank<N>/<figure>`` metrics at the rank's step, when a sync finds
@@ -18,9 +29,11 @@ restarted orchestrator that logs the same figures again writes the same point, w
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -32,6 +45,7 @@ from tunepod.launch.submission import read_submission
 from tunepod.runtime import Report, ReportTail
 from tunepod.runtime.checkpoints import verified_checkpoint
 from tunepod.runtime.files import write_bytes_atomic
+from tunepod.runtime.metrics import metric_name_problem
 from tunepod.runtime.progress import RankProgress, read_progress
 from tunepod.tracking import tags
 from tunepod.tracking.mlflow_tracker import MlflowTracker, RunStatus
@@ -45,11 +59,27 @@ TELEMETRY_MIRROR_S = 30.0
 the last figures): a point per rank and figure every 30 s, whatever the job's step rate."""
 
 
+MAX_TAG_CHARS = 8000
+"""MLflow's limit on a tag's value."""
+
+# Every metric of every line is checked, and a job's few names come back on every line: a cache makes
+# the check cost a lookup (bounded: a job may make up a name per step).
+_name_problem = functools.lru_cache(maxsize=1024)(metric_name_problem)
+
+
 class MirrorState(BaseModel):
     """``<job_dir>/mlflow.json``: how far the job's run is up to date."""
 
     run_id: str | None = None
+    synced_offset: int | None = None
+    """The run holds the reports of the metrics file's first ``synced_offset`` bytes (whole lines).
+    None: a record of a version that kept only ``synced_step`` (see ``legacy_offset``)."""
     synced_step: int = -1
+    """The highest step of a report in the run. What versions before ``synced_offset`` went by (they
+    lost a report at a step already mirrored); still kept, for an older tunepod reading this record and
+    for the growth benchmark."""
+    refused_metrics: tuple[str, ...] = ()
+    """Metric names whose points were set aside because MLflow refuses them (sorted)."""
     model_id: str | None = None
     finalized: bool = False
 
@@ -142,13 +172,16 @@ class RunMirror:
         self._state = read_mirror_state(job_dir)
         if run_id is not None and self._state.run_id is None:
             self._state = self._state.model_copy(update={"run_id": run_id})
+        # Read from the top, also after a restart: the lines up to the saved position are in the run
+        # already, and only fill in _logged_last.
         self._tail = ReportTail(JobPaths(job_dir).metrics)
-        self._pending: list[Report] = []
-        # Each metric's point at the highest step the job reported it (the later line, for a step
-        # reported twice): the final record's objectives are at the last step, and one that is the
-        # job's own point is not logged again. Kept as the reports are read, so that the final record
-        # need not read the whole metrics file again.
-        self._last_points: dict[str, tuple[int, float]] = {}
+        self._pending: list[tuple[Report, int]] = []  # read, not yet logged: each with its line's end
+        # Each metric's logged point at the highest step (the later line, for a step reported twice):
+        # the final record's objectives are at the last step, and one that is that very point is not
+        # logged again. Kept as the reports are logged, so that the final record need not read the
+        # whole metrics file again.
+        self._logged_last: dict[str, tuple[int, float]] = {}
+        self._refusals_tagged: tuple[str, ...] = ()
         self._tagged: tuple[str, int] | None = None
         # Logged with the job's tags (or its final record), not in a write of their own; again after
         # a restart, as that write may not have happened (the same value again is no change).
@@ -200,6 +233,7 @@ class RunMirror:
         self._sync_job_tags(run_id)
         if self.mirror_reports:
             self._sync_reports(run_id)
+        self._tag_refusals(run_id)
         if self.mirror_telemetry and not self._state.finalized:
             self._sync_telemetry(run_id, last=final is not None)
         if final is not None and not self._state.finalized:
@@ -212,9 +246,12 @@ class RunMirror:
         already brought over, so it is not written twice."""
         disk = read_mirror_state(self.job_dir)
         mine = self._state
+        offsets = [offset for offset in (mine.synced_offset, disk.synced_offset) if offset is not None]
         self._state = MirrorState(
             run_id=mine.run_id or disk.run_id,
+            synced_offset=max(offsets, default=None),
             synced_step=max(mine.synced_step, disk.synced_step),
+            refused_metrics=tuple(sorted({*mine.refused_metrics, *disk.refused_metrics})),
             model_id=mine.model_id or disk.model_id,
             finalized=mine.finalized or disk.finalized,
         )
@@ -251,23 +288,98 @@ class RunMirror:
         self._params_pending = {}
 
     def _sync_reports(self, run_id: str) -> None:
-        new = self._tail.read_new()
-        for report in new:
-            for key, value in report.metrics.items():
-                if report.step >= self._last_points.get(key, (-1, 0.0))[0]:
-                    self._last_points[key] = (report.step, value)
-        self._pending += [r for r in new if r.step > self._state.synced_step]
+        self._pending += self._tail.read_new_with_ends()
+        if self._state.synced_offset is None:
+            self._save(synced_offset=legacy_offset(self._pending, self._state.synced_step))
+        in_run = self._state.synced_offset or 0
+        # Lines up to the saved position are in the run: logged before a restart, or by another
+        # driver of the job dir since this one read them (see _catch_up_with_disk).
+        for report, end in self._pending:
+            if end <= in_run:
+                self._note_logged(report)
+        pending = [(report, end) for report, end in self._pending if end > in_run]
         # Saved after each batch: a job that reported faster than MLflow took its reports leaves a
         # backlog, and a restart (or an MLflow outage) then costs one batch, not the whole backlog.
-        pending, logged = self._pending, 0
+        logged = 0
         try:
             while logged < len(pending):
                 batch = pending[logged : logged + REPORTS_PER_BATCH]
-                self.tracker.log_reports(run_id, batch)
+                self._log_reports(run_id, [report for report, _ in batch])
                 logged += len(batch)
-                self._save(synced_step=max(self._state.synced_step, *(r.step for r in batch)))
+                self._save(
+                    synced_offset=batch[-1][1],
+                    synced_step=max(self._state.synced_step, *(report.step for report, _ in batch)),
+                )
         finally:
             self._pending = pending[logged:]
+
+    def _log_reports(self, run_id: str, reports: list[Report]) -> None:
+        """Log ``reports`` but the points MLflow refuses, which are set aside (see ``_set_aside``)."""
+        loggable, refused = screened(reports)
+        if loggable:
+            refused += self._log_refusing(run_id, loggable)
+        self._set_aside(refused)
+        for report in reports:
+            self._note_logged(report)
+
+    def _log_refusing(
+        self, run_id: str, reports: list[Report], *, run_checked: bool = False
+    ) -> list[tuple[str, str]]:
+        """Log ``reports``; if MLflow refuses them while the run takes writes, the refusal is about
+        points in them: those it refuses on their own are returned, as (name, MLflow's reason), and
+        the rest logged (halves, then quarters: a few calls for one bad point in a batch). Raises what
+        MLflow raises otherwise."""
+        try:
+            self.tracker.log_reports(run_id, reports)
+            return []
+        except Exception as exc:
+            # A deleted run refuses every write with the same error code: that is no reason to drop
+            # the job's reports (retried, as while MLflow is away).
+            if not refused_by_mlflow(exc) or not (run_checked or self.tracker.run_is_active(run_id)):
+                raise
+            reason = mlflow_reason(exc)
+        points = [Report(r.step, {key: value}, r.time) for r in reports for key, value in r.metrics.items()]
+        if len(points) == 1:
+            return [(next(iter(points[0].metrics)), reason)]
+        middle = len(points) // 2
+        return [
+            *self._log_refusing(run_id, points[:middle], run_checked=True),
+            *self._log_refusing(run_id, points[middle:], run_checked=True),
+        ]
+
+    def _note_logged(self, report: Report) -> None:
+        for key, value in report.metrics.items():
+            later = report.step >= self._logged_last.get(key, (-1, 0.0))[0]
+            if later and key not in self._state.refused_metrics:
+                self._logged_last[key] = (report.step, value)
+
+    def _set_aside(self, refused: Sequence[tuple[str, str]]) -> None:
+        """Points MLflow refuses, as (metric name, why): each new name warned about once and kept in
+        the state (saved with the position that passes them; tagged on the run by _tag_refusals)."""
+        new = {name: why for name, why in refused if name not in self._state.refused_metrics}
+        for name, why in new.items():
+            logger.warning(
+                "%s: MLflow refuses the metric %r (%s); its points are set aside and the rest of the job's "
+                "records are logged (the run's tag %s lists it)",
+                self.job_dir,
+                name,
+                why,
+                self._refusals_tag,
+            )
+        if new:
+            names = tuple(sorted({*self._state.refused_metrics, *new}))
+            self._state = self._state.model_copy(update={"refused_metrics": names})
+
+    @property
+    def _refusals_tag(self) -> str:
+        return f"{self.tag_prefix}{tags.REFUSED_METRICS}"
+
+    def _tag_refusals(self, run_id: str) -> None:
+        """The run's tag lists the names set aside (again after a restart: the same value is no change)."""
+        names = self._state.refused_metrics
+        if names != self._refusals_tagged:
+            self.tracker.set_tags(run_id, {self._refusals_tag: refused_tag_value(names)})
+            self._refusals_tagged = names
 
     def _sync_telemetry(self, run_id: str, *, last: bool) -> None:
         """Log the ranks' figures that are newer than the logged ones; while the job runs (not
@@ -293,11 +405,15 @@ class RunMirror:
         model_id = self._state.model_id
         if final.model is not None and model_id is None:
             model_id = self._log_model(run_id, final.model)
+        refused = [(m.key, problem) for m in final.metrics if (problem := _name_problem(m.key))]
+        self._set_aside(refused)
+        self._tag_refusals(run_id)
         points = [
             metric
             for metric in final.metrics
-            # The job's own report of that step is this very point: log it once.
-            if not (self.mirror_reports and self._last_points.get(metric.key) == (metric.step, metric.value))
+            if metric.key not in self._state.refused_metrics
+            # The job's own report of that step, logged, is this very point: log it once.
+            and self._logged_last.get(metric.key) != (metric.step, metric.value)
         ]
         final_tags = dict(final.tags)
         if final.model is not None:
@@ -330,6 +446,54 @@ class RunMirror:
         write_bytes_atomic(JobPaths(self.job_dir).tracking, self._state.model_dump_json().encode())
         if self._state.run_id is not None:
             self._run_known.set()
+
+
+def legacy_offset(reports: Sequence[tuple[Report, int]], synced_step: int) -> int:
+    """Where the run's reports end in the metrics file, for a record that kept only ``synced_step`` (a
+    tunepod before ``synced_offset``), from the file's ``reports`` (each with its line's end).
+
+    That version logged each line it read whose step was above the highest step already logged, so
+    the run holds the first line that reached ``synced_step``, and the lines before it were all read
+    (logged, or lost to its same-step bug: not recoverable without logging the whole file again). The
+    position is just past that line: the lines after it are logged now; one logged then too is the
+    same point again, which MLflow keeps once. No such line (the file is not the one mirrored): 0.
+    """
+    if synced_step < 0:
+        return 0
+    return next((end for report, end in reports if report.step >= synced_step), 0)
+
+
+def screened(reports: Sequence[Report]) -> tuple[list[Report], list[tuple[str, str]]]:
+    """``reports`` without the metrics whose names MLflow refuses (``metric_name_problem``), and those
+    as (name, why). A report left with no metric is dropped."""
+    kept: list[Report] = []
+    refused: list[tuple[str, str]] = []
+    for report in reports:
+        problems = {key: problem for key in report.metrics if (problem := _name_problem(key))}
+        refused += problems.items()
+        metrics = {key: value for key, value in report.metrics.items() if key not in problems}
+        if metrics:
+            kept.append(report if not problems else replace(report, metrics=metrics))
+    return kept, refused
+
+
+def refused_by_mlflow(exc: BaseException) -> bool:
+    """MLflow answered and refused the data sent (``INVALID_PARAMETER_VALUE``: a name, value, step or
+    timestamp it does not take; also any write to a deleted run), as opposed to not answering: no
+    server, a locked SQLite file, a proxy's error (no MLflow error code, or ``INTERNAL_ERROR``,
+    ``TEMPORARILY_UNAVAILABLE``), which is retried. MLflow's exceptions (``MlflowException``, and
+    ``RestException`` for a tracking server's answer) carry the code's name as ``error_code``."""
+    return getattr(exc, "error_code", None) == "INVALID_PARAMETER_VALUE"
+
+
+def mlflow_reason(exc: BaseException) -> str:
+    return str(getattr(exc, "message", exc))[:500]
+
+
+def refused_tag_value(names: Sequence[str]) -> str:
+    """The names as a JSON list, cut to what a tag holds."""
+    value = json.dumps(list(names))
+    return value if len(value) <= MAX_TAG_CHARS else value[: MAX_TAG_CHARS - 3] + "..."
 
 
 def intact_model(model: ModelPlan) -> ModelPlan | None:

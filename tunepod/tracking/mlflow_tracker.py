@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from tunepod.errors import TunepodError
 from tunepod.runtime import Report
-from tunepod.stores import schema_lock, sync_sqlalchemy_url
+from tunepod.stores import opening_store, redacted, schema_lock, sync_sqlalchemy_url
 from tunepod.tracking import tags as tag_names
 from tunepod.tracking.sqlite_store import seed_new_store
 
@@ -67,22 +67,25 @@ class MlflowTracker:
     def __init__(self, tracking_uri: str, experiment: str) -> None:
         from mlflow import MlflowClient
 
-        tracking_uri = absolute_tracking_uri(tracking_uri)
-        self.tracking_uri = tracking_uri
-        with schema_lock(tracking_uri, "mlflow"):
-            # Opening a database store creates (or migrates) its tables: two pipelines starting at
-            # once on a new store would both run the migration and one fail, or break the store.
-            seed_new_store(tracking_uri)  # a new SQLite store: a copy of a cached empty one
-            self.client: MlflowClient = MlflowClient(tracking_uri)
-            self.experiment_id = self._experiment_id(experiment)
+        # A store that cannot be opened is a StoreError that quotes neither the URI nor its password
+        # (MLflow's own message quotes the URI with it).
+        with opening_store("the MLflow tracking store", "tracking.uri", tracking_uri):
+            tracking_uri = absolute_tracking_uri(tracking_uri)
+            self.tracking_uri = tracking_uri
+            with schema_lock(tracking_uri, "mlflow"):
+                # Opening a database store creates (or migrates) its tables: two pipelines starting at
+                # once on a new store would both run the migration and one fail, or break the store.
+                seed_new_store(tracking_uri)  # a new SQLite store: a copy of a cached empty one
+                self.client: MlflowClient = MlflowClient(tracking_uri)
+                self.experiment_id = self._experiment_id(experiment)
 
     def _experiment_id(self, name: str) -> str:
         found = self.client.get_experiment_by_name(name)
         if found is not None:
             if found.lifecycle_stage == "deleted":
                 raise TunepodError(
-                    f"MLflow experiment {name!r} is deleted in {self.tracking_uri}; fix: restore it "
-                    f"(mlflow experiments restore) or choose another tracking.experiment"
+                    f"MLflow experiment {name!r} is deleted in {redacted(self.tracking_uri)}; fix: restore "
+                    f"it (mlflow experiments restore) or choose another tracking.experiment"
                 )
             return str(found.experiment_id)
         from mlflow.exceptions import MlflowException
@@ -205,6 +208,11 @@ class MlflowTracker:
 
     def end_run(self, run_id: str, status: RunStatus) -> None:
         self.client.set_terminated(run_id, status=status)
+
+    def run_is_active(self, run_id: str) -> bool:
+        """Whether the run takes writes: MLflow refuses every write to a deleted run with the error it
+        gives for a name it does not take (``INVALID_PARAMETER_VALUE``)."""
+        return str(self.client.get_run(run_id).info.lifecycle_stage) == "active"
 
     def find_runs(self, filter_string: str) -> list[Any]:
         return list(self.client.search_runs([self.experiment_id], filter_string=filter_string))

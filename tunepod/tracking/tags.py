@@ -25,8 +25,10 @@ LAUNCHER = "tunepod.launcher"
 JOB_ID = "job_id"
 JOB_DIR = "job_dir"
 ATTEMPT = "attempt"
+REFUSED_METRICS = "refused_metrics"
 """Suffixes of the job tags, under ``tunepod.`` for the run's own job, under ``tunepod.<step>.`` for a
-job that runs in another job's run (an evaluation in its trial's run)."""
+job that runs in another job's run (an evaluation in its trial's run). ``refused_metrics``: the names
+(a JSON list) of the job's metrics MLflow refuses, whose points the mirror set aside."""
 MODEL_ID = "tunepod.model_id"
 CHECKPOINTS = "tunepod.checkpoints"
 PRUNED_AT_STEP = "tunepod.pruned_at_step"
