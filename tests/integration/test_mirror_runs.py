@@ -79,13 +79,42 @@ def test_a_record_without_a_run_id_finds_the_run_a_killed_orchestrator_created(
 ) -> None:
     job_dir = tmp_path / "trial-0"
     job_dir.mkdir()
-    RunMirror(tracker, job_dir, plan=plan())  # wrote the record; then MLflow created the run ...
+    RunMirror(tracker, job_dir, plan=plan())  # wrote the record; then it asked MLflow for the run ...
+    asked = read_mirror_state(job_dir).model_copy(update={"run_requested": True})
+    JobPaths(job_dir).tracking.write_text(asked.model_dump_json())
     created = tracker.start_run("trial-0", tags={tags.KEY: KEY})
-    assert read_mirror_state(job_dir).run_id is None  # ... and the process died before saving it
+    assert read_mirror_state(job_dir).run_id is None  # ... and the process died before saving its id
     mirror = RunMirror(tracker, job_dir, plan=plan())  # the next orchestrator
     mirror.sync()
     assert mirror.run_id == created
     assert runs_with_key(tracker) == [created]
+
+
+def test_a_record_of_an_older_version_without_a_run_id_looks_the_run_up(
+    tmp_path: Path, tracker: MlflowTracker
+) -> None:
+    """A record that does not say whether a run was asked for (written before run_requested) may
+    belong to a run created by an orchestrator killed before it saved the id."""
+    job_dir = tmp_path / "trial-0"
+    job_dir.mkdir()
+    JobPaths(job_dir).tracking.write_text('{"run_id": null, "synced_step": -1}')
+    created = tracker.start_run("trial-0", tags={tags.KEY: KEY})
+    mirror = RunMirror(tracker, job_dir, plan=plan())
+    mirror.sync()
+    assert mirror.run_id == created
+    assert runs_with_key(tracker) == [created]
+
+
+def test_two_mirrors_of_one_job_dir_make_one_run(tmp_path: Path, tracker: MlflowTracker) -> None:
+    """Two orchestrators (one of them stale, whose lease was taken over) mirror one job dir, both
+    made before either asked for a run (found by the simulation: two runs for one trial)."""
+    job_dir = tmp_path / "trial-0"
+    job_dir.mkdir()
+    first, second = RunMirror(tracker, job_dir, plan=plan()), RunMirror(tracker, job_dir, plan=plan())
+    first.sync()
+    second.sync()
+    assert first.run_id == second.run_id
+    assert runs_with_key(tracker) == [first.run_id]
 
 
 def test_a_create_whose_answer_was_lost_is_looked_up_before_creating_again(tmp_path: Path) -> None:

@@ -86,6 +86,11 @@ class JobPaths:
         """Written by the orchestrator: how far the job's MLflow run is brought up to date."""
         return self.job_dir / "mlflow.json"
 
+    @property
+    def tracking_lock(self) -> Path:
+        """Held while the job's MLflow run is looked up or created: one run per job dir."""
+        return self.job_dir / ".mlflow.lock"
+
 
 @dataclass(frozen=True)
 class SharedRoot:

@@ -42,6 +42,7 @@ from pydantic import BaseModel, ValidationError
 from tunepod import world
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.submission import read_submission
+from tunepod.locks import locked
 from tunepod.runtime import Report, ReportTail
 from tunepod.runtime.checkpoints import verified_checkpoint
 from tunepod.runtime.files import write_bytes_atomic
@@ -78,6 +79,9 @@ class MirrorState(BaseModel):
     """The highest step of a report in the run. What versions before ``synced_offset`` went by (they
     lost a report at a step already mirrored); still kept, for an older tunepod reading this record and
     for the growth benchmark."""
+    run_requested: bool | None = None
+    """Whether a run was asked of MLflow for this job dir (it may exist though its id never came
+    back); None in a record of a version that did not say (then it may have been)."""
     refused_metrics: tuple[str, ...] = ()
     """Metric names whose points were set aside because MLflow refuses them (sorted)."""
     model_id: str | None = None
@@ -191,12 +195,10 @@ class RunMirror:
         self._run_known = world.event()
         if self._state.run_id is not None:
             self._run_known.set()
-        # No record in the job dir: no run was ever asked for this job (see _ensure_run).
-        self._fresh = not JobPaths(job_dir).tracking.exists()
-        if self._fresh:
+        if not JobPaths(job_dir).tracking.exists():
             # Written at once: a job dir with this file is one whose run must be brought up to date,
             # even when MLflow never answered while the job ran.
-            self._save()
+            self._save(run_requested=False)
 
     @property
     def run_id(self) -> str | None:
@@ -249,6 +251,7 @@ class RunMirror:
         offsets = [offset for offset in (mine.synced_offset, disk.synced_offset) if offset is not None]
         self._state = MirrorState(
             run_id=mine.run_id or disk.run_id,
+            run_requested=_either(mine.run_requested, disk.run_requested),
             synced_offset=max(offsets, default=None),
             synced_step=max(mine.synced_step, disk.synced_step),
             refused_metrics=tuple(sorted({*mine.refused_metrics, *disk.refused_metrics})),
@@ -261,18 +264,27 @@ class RunMirror:
     def _ensure_run(self) -> str:
         if self._state.run_id is not None:
             return self._state.run_id
+        # Under the job dir's tracking lock: two mirrors of one job dir (two orchestrators, one of
+        # them stale) must not both create its run.
+        with locked(JobPaths(self.job_dir).tracking_lock):
+            self._catch_up_with_disk()
+            if self._state.run_id is not None:
+                return self._state.run_id
+            return self._find_or_create_run()
+
+    def _find_or_create_run(self) -> str:
+        """The job's run: looked up by its key once a run was ever asked for (a restart, a create whose
+        answer was lost, a crash before its id was saved), else created, the request recorded first."""
         assert self.plan is not None
         plan = self.plan
-        # Looked up first unless this mirror made the job dir's record itself and has not asked
-        # MLflow for a run yet, when none can exist; every other time (a restarted orchestrator, a
-        # create whose answer was lost) an earlier create may have made it. A search per trial saved.
-        found = None if self._fresh else self.tracker.find_run(plan.key)
-        self._fresh = False
-        run_id = found or self.tracker.start_run(
-            plan.name, parent_run_id=plan.parent_run_id, tags={**plan.tags, tags.KEY: plan.key}
-        )
-        self._save(run_id=run_id)
-        return run_id
+        found = None if self._state.run_requested is False else self.tracker.find_run(plan.key)
+        if found is None:
+            self._save(run_requested=True)
+            found = self.tracker.start_run(
+                plan.name, parent_run_id=plan.parent_run_id, tags={**plan.tags, tags.KEY: plan.key}
+            )
+        self._save(run_id=found)
+        return found
 
     def _sync_job_tags(self, run_id: str) -> None:
         record = read_submission(JobPaths(self.job_dir))
@@ -494,6 +506,13 @@ def refused_tag_value(names: Sequence[str]) -> str:
     """The names as a JSON list, cut to what a tag holds."""
     value = json.dumps(list(names))
     return value if len(value) <= MAX_TAG_CHARS else value[: MAX_TAG_CHARS - 3] + "..."
+
+
+def _either(mine: bool | None, disk: bool | None) -> bool | None:
+    """True if either knows a run was requested, None if either does not know, else False."""
+    if mine or disk:
+        return True
+    return None if mine is None or disk is None else False
 
 
 def intact_model(model: ModelPlan) -> ModelPlan | None:
