@@ -37,7 +37,7 @@ from tcp_forward import forwarding
 
 from tunepod.launch.procfs import read_process_stat
 from tunepod.spec.loader import load_spec
-from tunepod.webhook.app import MAX_BODY_BYTES, create_app
+from tunepod.webhook.app import DEDUPE_FILE, MAX_BODY_BYTES, create_app
 from tunepod.webhook.config import (
     PayloadError,
     WebhookConfig,
@@ -166,6 +166,14 @@ def prefect_events(api_url: str, **event_filter: Any) -> list[dict[str, Any]]:
     return events
 
 
+def nested(levels: int) -> Any:
+    """``levels`` lists, one inside the other, around the number 1."""
+    value: Any = 1
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
 def wait_for_event(api_url: str, event_id: str) -> dict[str, Any]:
     """The event once Prefect has stored it (the server persists events in batches, every few seconds)."""
     for _ in range(300):
@@ -246,6 +254,31 @@ def test_twenty_concurrent_copies_of_one_delivery_publish_one_event(receiver: Re
     assert [e["id"] for e in delivered if e["payload"]["delivery_id"] == headers["webhook-id"]] == [event_id]
 
 
+def test_a_github_delivery_replayed_under_a_new_delivery_id_is_a_duplicate(receiver: Receiver) -> None:
+    """Defect: GitHub does not sign X-GitHub-Delivery, yet it was the dedupe key, so a captured
+    delivery sent again under a new id started a second run. The key is now the digest of the body,
+    which the signature covers: the replay is answered as a duplicate of the first event, and Prefect
+    gets one event."""
+    marker = uuid.uuid4().hex
+    push = {"after": marker, "repository": {"name": "digits-trainer", "pushed_at": int(time.time())}}
+    body = json.dumps(push).encode()
+    captured = github_headers(GITHUB_SECRET, body)
+    first = receiver.post("gh", body, captured)
+    assert first.status_code == 202, first.text
+    event_id = first.json()["event_id"]
+    replayed = receiver.post("gh", body, {**captured, "X-GitHub-Delivery": str(uuid.uuid4())})
+    assert replayed.status_code == 200, replayed.text
+    assert replayed.json() == {"duplicate": True, "event_id": event_id}
+    # Prefect stores events in the order they arrive: once a later delivery's event is stored, an event
+    # the replay made would be stored too.
+    later_body = json.dumps({"after": uuid.uuid4().hex, "repository": {"name": "digits-trainer"}}).encode()
+    later = receiver.post("gh", later_body, github_headers(GITHUB_SECRET, later_body))
+    assert later.status_code == 202, later.text
+    wait_for_event(receiver.api_url, later.json()["event_id"])
+    delivered = prefect_events(receiver.api_url, event={"name": ["tunepod.webhook.gh"]})
+    assert [e["id"] for e in delivered if e["payload"]["body"].get("after") == marker] == [event_id]
+
+
 # ---------------------------------------------------------------------------------------------- rejecting
 
 
@@ -268,6 +301,20 @@ def test_missing_bad_and_stale_signatures_are_401(receiver: Receiver) -> None:
         assert "clock" in answer.json()["detail"]
     # A GitHub hook wants GitHub's header; a Standard Webhooks signature does not open it.
     assert receiver.post("gh", body, standard_headers([GITHUB_SECRET], body)).status_code == 401
+
+
+def test_a_github_push_older_than_the_dedupe_window_or_from_the_future_is_401(receiver: Receiver) -> None:
+    """A GitHub push carries when GitHub took it (repository.pushed_at, signed with the body). One older
+    than the dedupe window could be a replay the receiver no longer recognizes, so it is refused."""
+    now = int(time.time())
+    for pushed_at, expected in [
+        (now - 2 * 86_400, "refused as a possible replay"),
+        (now + 3_600, "ahead of the receiver's clock"),
+    ]:
+        body = json.dumps({"repository": {"name": "digits-trainer", "pushed_at": pushed_at}}).encode()
+        answer = receiver.post("gh", body, github_headers(GITHUB_SECRET, body))
+        assert answer.status_code == 401, answer.text
+        assert expected in answer.json()["detail"]
 
 
 def test_a_body_over_one_mib_is_413_whether_announced_or_streamed(receiver: Receiver) -> None:
@@ -302,6 +349,77 @@ def test_overrides_the_spec_rejects_are_422_with_the_spec_error(receiver: Receiv
     assert "the payload has no payload.num_trials" in missing.json()["detail"]
     # A rejected delivery is not recorded: once fixed upstream, its retry is not a duplicate.
     assert receiver.send("digits", [1]).status_code == 422
+
+
+# JSON Python reads that Prefect could never take: (body, where the 422 says the problem is, its fix).
+UNSENDABLE_BODIES = {
+    "a number beyond a float": (
+        b'{"num_trials": 2, "loss": 1e400}',
+        "payload.loss is a number beyond a 64-bit float",
+        "send it as a string",
+    ),
+    "a negative one": (
+        b'{"num_trials": 2, "history": [0.5, -1e400]}',
+        "payload.history[1] is a number beyond a 64-bit float",
+        "send it as a string",
+    ),
+    "a lone surrogate": (
+        b'{"num_trials": 2, "note": "ab\\ud800"}',
+        "payload.note holds a lone UTF-16 surrogate (\\ud800), which is not Unicode text",
+        "as a surrogate pair",
+    ),
+    "a lone surrogate in a key": (
+        b'{"num_trials": 2, "tags": {"x\\udc00": 1}}',
+        'the key "x\\udc00" in payload.tags holds a lone UTF-16 surrogate',
+        "as a surrogate pair",
+    ),
+    "NUL": (
+        b'{"num_trials": 2, "note": "a\\u0000b"}',
+        "payload.note holds U+0000 (NUL), which Prefect cannot store on PostgreSQL",
+        "remove it",
+    ),
+    "nesting past 128 levels": (
+        json.dumps({"num_trials": 2, "deep": nested(128)}).encode(),
+        "payload.deep[0][0]",
+        "nests lists and objects more than 128 deep",
+    ),
+    "numbers that grow past the size Prefect keeps": (
+        b'{"num_trials": 2, "x": [' + b",".join([b"1e15"] * 100_000) + b"]}",
+        "the event is 1,9",
+        "bytes as Prefect writes it, over the 1,400,000 it keeps",
+    ),
+}
+
+
+def test_a_body_prefect_could_never_take_is_422_and_recorded_nowhere(receiver: Receiver) -> None:
+    """Defect: such bodies were accepted (202); the publisher then failed to send their events and
+    retried them forever, ahead of every later event. Each is refused with what is wrong and where, and
+    nothing is recorded: a fixed retry under the same id is a new delivery, whose event reaches Prefect."""
+    delivery_ids = []
+    for name, (body, where, fix) in UNSENDABLE_BODIES.items():
+        headers = standard_headers([SECRET], body)
+        answer = receiver.post("digits", body, headers)
+        assert answer.status_code == 422, (name, answer.text)
+        assert where in answer.json()["detail"] and fix in answer.json()["detail"], (name, answer.text)
+        delivery_ids.append(headers["webhook-id"])
+    deliveries = DeliveryLog(receiver.state_dir / DEDUPE_FILE)
+    assert [d for d in delivery_ids if deliveries.event_for("digits", d) is not None] == []
+    assert deliveries.unpublished() == [] and deliveries.refused() == []
+    fixed = b'{"num_trials": 2, "note": "ab"}'
+    retried = receiver.post("digits", fixed, standard_headers([SECRET], fixed, msg_id=delivery_ids[0]))
+    assert retried.status_code == 202, retried.text
+    assert wait_for_event(receiver.api_url, retried.json()["event_id"])["payload"]["body"]["note"] == "ab"
+
+
+def test_a_body_at_the_limits_prefect_reads_reaches_it_whole(receiver: Receiver) -> None:
+    """The limits hold against the real server: a body nested 128 deep whose event is just under the
+    size limit once its numbers are written out in full is accepted, and Prefect stores it as sent."""
+    numbers = b",".join([b"1e15"] * 70_000)  # 350 kB here, 1.3 MB written in full
+    deep = json.dumps(nested(127)).encode()
+    body = b'{"num_trials": 2, "deep": ' + deep + b', "numbers": [' + numbers + b"]}"
+    answer = receiver.post("digits", body, standard_headers([SECRET], body))
+    assert answer.status_code == 202, answer.text
+    assert wait_for_event(receiver.api_url, answer.json()["event_id"])["payload"]["body"] == json.loads(body)
 
 
 def test_the_rate_limit_is_429_with_retry_after(receiver: Receiver) -> None:
@@ -388,8 +506,52 @@ def test_an_event_prefect_refuses_is_set_aside_and_the_events_after_it_go_on(
     assert (refused.delivery_id, refused.event_id, refused.event) == (bad, bad_id, bad_event)
     assert "422" in answer
     assert deliveries.unpublished() == []
-    assert f"Prefect refused event {bad_id}" in caplog.text
+    assert f"set aside event {bad_id}" in caplog.text
     assert prefect_events(api_url, id={"id": [bad_id]}) == []
+
+
+def test_events_an_older_receiver_accepted_but_nobody_can_send_are_set_aside(
+    api_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Defect: an event whose body held 1e400 or a lone surrogate, accepted by an older receiver, failed
+    to encode at every try, and the publisher retried it forever ahead of every later event (one nested
+    300 deep got a 500 from Prefect, retried the same way). Such claims are written into a real log on
+    disk as that receiver wrote them, a good event behind them; the publisher sets each aside with its
+    reason, and publishes the good one to the real Prefect server."""
+    caplog.set_level(logging.INFO, logger="tunepod.webhook")
+    clock = iter(float(n) for n in range(1000, 2000))
+    deliveries = DeliveryLog(tmp_path / "deliveries.sqlite3", clock=lambda: next(clock))
+    bodies = {
+        "payload.body.loss is a number beyond a 64-bit float": {"loss": float("inf")},
+        "payload.body.note holds a lone UTF-16 surrogate": {"note": "\ud800"},
+        "nests lists and objects more than 129 deep": {"deep": nested(300)},
+    }
+    reasons = {}
+    for reason, body in bodies.items():
+        event_id = str(uuid.uuid4())
+        event = {
+            "name": "tunepod.webhook.digits",
+            "resource": hook_resource("digits"),
+            "payload": {"body": body},
+        }
+        assert deliveries.claim("digits", f"old-{event_id}", event_id, event) is None
+        reasons[event_id] = reason
+    good_id = str(uuid.uuid4())
+    good_event = {"name": "tunepod.webhook.digits", "resource": hook_resource("digits"), "payload": {"n": 1}}
+    assert deliveries.claim("digits", f"good-{good_id}", good_id, good_event) is None
+    with httpx.Client(timeout=30) as http:
+        publisher = EventPublisher(deliveries, PrefectEventSink(api_url, http), first_backoff_s=0.05).start()
+        try:
+            published = wait_for_event(api_url, good_id)
+        finally:
+            publisher.stop()
+    assert published["payload"] == {"n": 1}
+    set_aside = {pending.event_id: answer for pending, answer in DeliveryLog(deliveries.path).refused()}
+    assert set(set_aside) == set(reasons)
+    assert [event_id for event_id, reason in reasons.items() if reason not in set_aside[event_id]] == []
+    assert deliveries.unpublished() == []
+    assert [event_id for event_id in reasons if f"set aside event {event_id}" not in caplog.text] == []
+    assert prefect_events(api_url, id={"id": list(reasons)}) == []
 
 
 class CountingSink(PrefectEventSink):

@@ -11,6 +11,8 @@ from tunepod.webhook.signatures import (
     TOLERANCE_S,
     SecretFormatError,
     SignatureError,
+    check_github_push_age,
+    github_dedupe_key,
     github_headers,
     new_standard_secret,
     sign_github,
@@ -174,3 +176,43 @@ def test_every_signature_comparison_is_constant_time(monkeypatch: pytest.MonkeyP
     with pytest.raises(SignatureError):
         verify_github(["a", "b"], github_headers("c", BODY), BODY)
     assert [a for a, _ in compared] == [sign_github("a", BODY).encode(), sign_github("b", BODY).encode()]
+
+
+def test_a_github_delivery_is_deduplicated_by_its_signed_body_not_its_delivery_id() -> None:
+    first = github_headers("s", BODY, delivery_id="d-1")
+    replayed = {**first, "X-GitHub-Delivery": "d-2"}  # the header is not signed: a replay may pick any
+    assert verify_github(["s"], replayed, BODY) == "d-2"
+    assert github_dedupe_key(BODY) == github_dedupe_key(BODY)  # same body, same key, whatever the header
+    assert github_dedupe_key(BODY) != github_dedupe_key(BODY + b" ")
+    assert github_dedupe_key(BODY).startswith("sha256:")
+
+
+WINDOW_S = 86_400 - TOLERANCE_S
+
+
+def push(pushed_at: object) -> dict[str, object]:
+    return {"ref": "refs/heads/main", "repository": {"name": "r", "pushed_at": pushed_at}}
+
+
+@pytest.mark.parametrize("age_s", [0, WINDOW_S, -TOLERANCE_S])
+def test_a_push_within_the_window_passes(age_s: int) -> None:
+    check_github_push_age(push(NOW - age_s), WINDOW_S, now=NOW)
+
+
+@pytest.mark.parametrize(
+    ("age_s", "message"),
+    [(WINDOW_S + 1, "refused as a possible replay"), (-TOLERANCE_S - 1, "ahead of the receiver's clock")],
+)
+def test_a_push_older_than_the_window_or_from_the_future_is_refused(age_s: int, message: str) -> None:
+    with pytest.raises(SignatureError, match=message):
+        check_github_push_age(push(NOW - age_s), WINDOW_S, now=NOW)
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [push("2020-01-01T00:00:00Z"), push(None), push(True), {"repository": "r"}, {"zen": "ping"}, [1], "x"],
+    ids=["text", "null", "bool", "no-mapping", "no-repository", "list", "string"],
+)
+def test_a_body_without_a_push_time_is_not_dated(payload: object) -> None:
+    # Only push events write pushed_at as epoch seconds; elsewhere it dates the repository, not the event.
+    check_github_push_age(payload, WINDOW_S, now=NOW)

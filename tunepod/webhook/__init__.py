@@ -3,11 +3,12 @@
     config = load_webhook_config("deployments/webhooks.yaml")
     app = create_app(config, in_process(api_url), Path(".tunepod/webhook"))  # publisher_process.in_process
 
-Modules: ``signatures`` (sign and verify, pure), ``config`` (hooks, secrets, payload -> overrides),
-``dedupe`` (delivery id -> event id, SQLite), ``specs`` (overrides checked against the hook's spec,
-recent verdicts kept), ``events`` (``EventSink``, Prefect REST), ``publisher`` (the log's events to a
-sink, a thread), ``publisher_process`` (the same in a process of its own), ``app`` (FastAPI), ``cli``
-(``tunepod webhook serve|sign``).
+Modules: ``signatures`` (sign and verify, GitHub's dedupe key and push age, pure), ``config`` (hooks,
+secrets, payload -> overrides), ``dedupe`` (delivery id -> event id, SQLite), ``specs`` (overrides
+checked against the hook's spec, recent verdicts kept), ``sendable`` (what Prefect can take of an
+event), ``events`` (``EventSink``, Prefect REST), ``publisher`` (the log's events to a sink, a thread),
+``publisher_process`` (the same in a process of its own), ``app`` (FastAPI), ``cli`` (``tunepod
+webhook serve|sign``).
 
 Names are loaded on first use: importing ``tunepod.webhook.cli`` must not pull in FastAPI.
 """

@@ -6,10 +6,17 @@
     GET  /openapi.json   the schema (FastAPI)
 
 The checks run cheapest and least trusting first: hook known (404), content type (415), size (413,
-reading at most ``MAX_BODY_BYTES`` and stopping there), signature and timestamp (401), JSON (415),
-already seen (200 duplicate), rate limit (429), overrides valid against the spec (422). The rate limit
-counts only authenticated, new deliveries: unsigned floods cannot spend a real sender's budget, and a
-sender's retries of a delivery already accepted do not either.
+reading at most ``MAX_BODY_BYTES`` and stopping there), signature and timestamp (401), JSON (415), a
+GitHub push's age (401), a body Prefect could never take (422: ``sendable``), already seen (200
+duplicate), rate limit (429), overrides valid against the spec (422), the event within what Prefect
+keeps (422). The rate limit counts only authenticated, new deliveries: unsigned floods cannot spend a
+real sender's budget, and a sender's retries of a delivery already accepted do not either.
+
+"Already seen" asks the delivery log about a key the signature covers: ``webhook-id`` for Standard
+Webhooks (signed with the body and the timestamp), the body's SHA-256 for GitHub, whose
+``X-GitHub-Delivery`` is not signed (a captured body sent again under a new id is a duplicate; see
+``signatures``). A 202 is given only to an event the publisher can send (``events.encode_event``
+passes it), so a delivery accepted is never one that holds back the events after it.
 
 202 means the delivery is on disk: its claim in the delivery log holds the event, which a publisher
 (``publisher.py``; in a process of its own under ``tunepod webhook serve``, ``publisher_process.py``)
@@ -33,6 +40,7 @@ import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -43,15 +51,19 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, 
 
 from tunepod.webhook.config import Hook, PayloadError, WebhookConfig
 from tunepod.webhook.dedupe import DeliveryLog
-from tunepod.webhook.events import event_name, hook_resource
+from tunepod.webhook.events import EventUnsendable, OutgoingEvent, encode_event, event_name, hook_resource
 from tunepod.webhook.publisher import Publisher
+from tunepod.webhook.sendable import MAX_BODY_DEPTH, payload_problem
 from tunepod.webhook.signatures import (
     GITHUB_DELIVERY,
     GITHUB_SIGNATURE,
+    TOLERANCE_S,
     WEBHOOK_ID,
     WEBHOOK_SIGNATURE,
     WEBHOOK_TIMESTAMP,
     SignatureError,
+    check_github_push_age,
+    github_dedupe_key,
     verify_github,
     verify_standard,
 )
@@ -71,6 +83,15 @@ class _Rejection(Exception):
     outcome: str
     detail: str
     headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Delivery:
+    """A verified delivery: ``key`` is what it is deduplicated by, covered by its signature;
+    ``sender_id`` is the id its sender gave it (logs, the event's payload), which for GitHub is not."""
+
+    key: str
+    sender_id: str
 
 
 class TokenBucket:
@@ -183,29 +204,41 @@ class _Receiver:
     async def _accept(self, hook: Hook, request: Request) -> tuple[int, str, dict[str, Any]]:
         _check_content_type(request.headers.get("content-type", ""))
         body = await _read_limited(request, MAX_BODY_BYTES)
-        delivery_id = _verify(hook, request.headers, body)
+        delivery = _verify(hook, request.headers, body)
         payload = _parse_json(body)
-        # Everything after the signature blocks (SQLite and its fsync, spec validation): one trip to
-        # a worker thread for all of it keeps the event loop free.
-        return await run_in_threadpool(self._admit, hook, delivery_id, payload)
+        if hook.scheme == "github":
+            self._check_push_age(payload)
+        # Everything after the signature blocks (a walk over the body, SQLite and its fsync, spec
+        # validation): one trip to a worker thread for all of it keeps the event loop free.
+        return await run_in_threadpool(self._admit, hook, delivery, payload)
 
-    def _admit(self, hook: Hook, delivery_id: str, payload: Any) -> tuple[int, str, dict[str, Any]]:
-        """Dedupe, rate limit, validate, claim: the checks after the signature, in order."""
-        original = self.deliveries.event_for(hook.name, delivery_id)
+    def _check_push_age(self, payload: Any) -> None:
+        """401 for a GitHub push older than the dedupe window: a copy of it would no longer be
+        recognized, so it may be a replay (GitHub signs no time; ``signatures``)."""
+        try:
+            check_github_push_age(payload, self.deliveries.ttl_s - TOLERANCE_S)
+        except SignatureError as exc:
+            raise _Rejection(401, "unauthorized", str(exc)) from None
+
+    def _admit(self, hook: Hook, delivery: _Delivery, payload: Any) -> tuple[int, str, dict[str, Any]]:
+        """Sendable, dedupe, rate limit, validate, claim: the checks after the signature, in order."""
+        _check_sendable(payload)  # first: a spec error quoting a lone surrogate could not even be answered
+        original = self.deliveries.event_for(hook.name, delivery.key)
         if original is not None:
-            return self._duplicate(hook, delivery_id, original)
+            return self._duplicate(hook, delivery.sender_id, original)
         wait_s = self.buckets[hook.name].take()
         if wait_s > 0:
             detail = f"hook {hook.name} accepts {hook.rate_limit_per_min} deliveries a minute; retry later"
             raise _Rejection(429, "rate_limited", detail, {"Retry-After": str(max(1, math.ceil(wait_s)))})
         overrides = self._checked_overrides(hook, payload)
         event_id = str(uuid.uuid4())
-        event = _event(hook, delivery_id, overrides, payload)
-        original = self.deliveries.claim(hook.name, delivery_id, event_id, event)
+        event = _event(hook, delivery.sender_id, overrides, payload)
+        _check_encodes(event_id, event)
+        original = self.deliveries.claim(hook.name, delivery.key, event_id, event)
         if original is not None:
-            return self._duplicate(hook, delivery_id, original)
+            return self._duplicate(hook, delivery.sender_id, original)
         self.publisher.wake()
-        logger.info("webhook %s accepted delivery %s as event %s", hook.name, delivery_id, event_id)
+        logger.info("webhook %s accepted delivery %s as event %s", hook.name, delivery.sender_id, event_id)
         content = {"event_id": event_id, "hook": hook.name, "spec": hook.spec, "overrides": overrides}
         return 202, "accepted", content
 
@@ -240,6 +273,25 @@ def _event(hook: Hook, delivery_id: str, overrides: list[str], payload: Any) -> 
     }
 
 
+def _check_sendable(payload: Any) -> None:
+    """422 for a body Prefect could never take (``sendable``), naming the value and the fix."""
+    problem = payload_problem(payload, "payload", MAX_BODY_DEPTH)
+    if problem is not None:
+        raise _Rejection(422, "unsendable", f"the body cannot become a Prefect event: {problem}")
+
+
+def _check_encodes(event_id: str, event: dict[str, Any]) -> None:
+    """422 unless the publisher can send ``event``: the same check it makes (``encode_event``), so what
+    is accepted is sent. Past ``_check_sendable`` only its size can fail it (numbers written in full),
+    or an override a filter made (``urldecode`` of ``%00``)."""
+    outgoing = OutgoingEvent(event_id, event["name"], event["resource"], event["payload"])
+    try:
+        encode_event(outgoing, datetime.now(UTC).isoformat())
+    except EventUnsendable as exc:
+        detail = f"the event this delivery becomes cannot be sent to Prefect: {exc.problem}"
+        raise _Rejection(422, "unsendable", detail) from None
+
+
 def _check_content_type(content_type: str) -> None:
     media_type = content_type.partition(";")[0].strip().lower()
     json_suffixed = media_type.startswith("application/") and media_type.endswith("+json")
@@ -263,19 +315,20 @@ async def _read_limited(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
-def _verify(hook: Hook, headers: Mapping[str, str], body: bytes) -> str:
-    """The delivery id of a request signed with one of the hook's secrets; 401 otherwise."""
+def _verify(hook: Hook, headers: Mapping[str, str], body: bytes) -> _Delivery:
+    """The delivery, if signed with one of the hook's secrets; 401 otherwise."""
     try:
         if hook.scheme == "github":
-            delivery_id = verify_github(hook.secret_values(), headers, body)
+            sender_id = verify_github(hook.secret_values(), headers, body)
+            key = github_dedupe_key(body)  # X-GitHub-Delivery is not signed: a replay may pick any
         else:
-            delivery_id = verify_standard(hook.secret_values(), headers, body)
+            sender_id = key = verify_standard(hook.secret_values(), headers, body)
     except SignatureError as exc:
         raise _Rejection(401, "unauthorized", str(exc)) from None
-    if len(delivery_id) > MAX_DELIVERY_ID_CHARS:
+    if len(sender_id) > MAX_DELIVERY_ID_CHARS:
         detail = f"the delivery id exceeds {MAX_DELIVERY_ID_CHARS} characters"
         raise _Rejection(400, "bad_delivery_id", detail)
-    return delivery_id
+    return _Delivery(key, sender_id)
 
 
 def _parse_json(body: bytes) -> Any:
@@ -330,11 +383,15 @@ _RESPONSES: dict[int | str, dict[str, Any]] = {
         "Prefect at once, or as soon as Prefect answers."
     },
     400: _detail("Delivery id too long."),
-    401: _detail("Missing, invalid or stale signature."),
+    401: _detail("Missing, invalid or stale signature; a GitHub push older than the dedupe window."),
     404: _detail("No such hook."),
     413: _detail("Body over 1 MiB."),
     415: _detail("Not JSON (Content-Type or body)."),
-    422: _detail("The overrides this payload fills in fail spec validation."),
+    422: _detail(
+        "The overrides this payload fills in fail spec validation, or the body holds what Prefect could "
+        "never take (a number beyond a float, a lone surrogate, NUL, nesting past 128 levels, an event "
+        "over its size limit)."
+    ),
     429: _detail("Rate limit reached; see Retry-After."),
 }
 # The signature headers are documented in the schema only: the receiver reads the raw headers itself (a

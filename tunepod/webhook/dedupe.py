@@ -3,18 +3,22 @@ survives restarts.
 
 Senders retry: GitHub redelivers, Standard Webhooks senders retry until they see a 2xx. Each delivery id
 (per hook) maps to the id of the one event it produced, so a retry is answered with that event id and
-publishes nothing. A claim also keeps its event (name, resource, payload) until it is published: the
+publishes nothing. The delivery id is the dedupe key the receiver chose, one the signature covers:
+``webhook-id`` for Standard Webhooks, the body's digest for GitHub (``signatures.github_dedupe_key``).
+A claim also keeps its event (name, resource, payload) until it is published: the
 receiver answers 202 once the claim is on disk and publishes from here (``unpublished``,
 ``mark_published``), so an event outlives a Prefect outage or a receiver restart. Published entries
 older than ``ttl_s`` are forgotten (a sender does not retry for days); unpublished ones stay, and so
-do those Prefect refused as invalid (``mark_refused``, ``refused``: kept with Prefect's answer).
+do those set aside as never sendable (``mark_refused``, ``refused``: kept with the reason, Prefect's
+answer or what Prefect could not take).
 
 Durability: the file is in WAL mode. A claim commits with ``synchronous=FULL``, so it is on disk (the
 WAL fsynced) before ``claim`` returns, at the cost of one fsync per claim rather than the rollback
 journal's several. The publisher's marks commit with ``synchronous=NORMAL`` (no fsync; they survive
 a crash of the process, and a power loss can only undo the last ones): a mark undone means an event
 published again under its same id, which Prefect keeps once, so a second fsync per delivery would buy
-nothing. WAL needs the file on a local filesystem (not NFS), like any SQLite file shared by processes.
+nothing; a set-aside mark undone means the event is met again and set aside again, for the same reason.
+WAL needs the file on a local filesystem (not NFS), like any SQLite file shared by processes.
 
 Thread and process safety: each thread keeps one connection of its own (opening one costs more than
 the query) and every call runs one transaction, so one ``DeliveryLog`` may be shared by threads, and
@@ -48,7 +52,7 @@ CREATE INDEX IF NOT EXISTS deliveries_received_at ON deliveries (received_at);
 """
 # Added after the first release: a file written before has every event published (it published before
 # answering), hence the default of the first column for its rows. ``published``: 0 waiting, 1
-# published, 2 refused by Prefect (``refusal`` says why; the event is kept).
+# published, 2 set aside, never to be sent (``refusal`` says why; the event is kept).
 _EVENT_COLUMNS = {"published": "INTEGER NOT NULL DEFAULT 1", "event": "TEXT", "refusal": "TEXT"}
 _REFUSED = 2
 
@@ -90,6 +94,11 @@ class DeliveryLog:
             conn.execute(
                 "CREATE INDEX IF NOT EXISTS deliveries_unpublished ON deliveries (published, received_at)"
             )
+
+    @property
+    def ttl_s(self) -> float:
+        """How long a published delivery is remembered: a copy of it arriving later is new."""
+        return self._ttl_s
 
     def event_for(self, hook: str, delivery_id: str) -> str | None:
         """The event id recorded for this delivery, or None if it is new (or expired)."""
@@ -147,7 +156,8 @@ class DeliveryLog:
             )
 
     def mark_refused(self, pending: PendingEvent, reason: str) -> None:
-        """Prefect refused ``pending``'s event for good: keep it, with ``reason``, out of the queue."""
+        """``pending``'s event can never be sent (Prefect refused it, or could never take it): keep it,
+        with ``reason``, out of the queue, so the events after it go on."""
         with self._transaction(durable=False) as conn:
             conn.execute(
                 "UPDATE deliveries SET published = ?, refusal = ? WHERE hook = ? AND delivery_id = ?"
@@ -156,7 +166,7 @@ class DeliveryLog:
             )
 
     def refused(self) -> list[tuple[PendingEvent, str]]:
-        """The events Prefect refused, oldest first, each with Prefect's answer."""
+        """The events set aside by ``mark_refused``, oldest first, each with its reason."""
         with self._transaction() as conn:
             rows = conn.execute(
                 "SELECT hook, delivery_id, event_id, event, refusal FROM deliveries WHERE published = ?"

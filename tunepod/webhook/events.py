@@ -8,7 +8,8 @@ The receiver posts ``tunepod.webhook.<hook>`` with the payload below; a trigger 
      "overrides": ["steps.data.with.source=\\"s3://bucket/key\\""], "body": {...the sender's JSON...}}
 
 This module talks to Prefect's REST API with httpx (``POST {api}/events``) so that ``tunepod`` itself
-never imports Prefect.
+never imports Prefect. ``encode_event`` writes an event as it is posted, and refuses one Prefect could
+never take (``sendable``): the receiver calls it before it accepts a delivery, the sink before it sends.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 
 import httpx
+import pydantic_core
 
 from tunepod.errors import TransientError, TunepodError
+from tunepod.webhook.sendable import payload_problem, size_problem
 
 EVENT_PREFIX = "tunepod.webhook."
 
@@ -53,6 +56,15 @@ class EventSinkError(TransientError):
 class EventRefused(TunepodError):
     """Prefect answered that the event itself is invalid (400, 413, 422): sending it again cannot
     change that, so the publisher sets it aside instead of holding back every event after it."""
+
+
+class EventUnsendable(EventRefused):
+    """The event is one Prefect could never take (see ``sendable``): it is not even sent, and the
+    publisher sets it aside like one Prefect refused. ``problem`` says what is wrong, and where."""
+
+    def __init__(self, event_id: str, problem: str) -> None:
+        self.problem = problem
+        super().__init__(f"event {event_id} cannot be sent to Prefect: {problem}")
 
 
 # 401/403/404 are not among them: a wrong API key or URL is fixed by the operator, and then every
@@ -107,21 +119,13 @@ class PrefectEventSink:
 
     def publish_all(self, events: Sequence[OutgoingEvent]) -> None:
         occurred = datetime.now(UTC).isoformat()
-        body = [
-            {
-                "id": event.event_id,
-                "occurred": occurred,
-                "event": event.name,
-                "resource": dict(event.resource),
-                "related": [],
-                "payload": dict(event.payload),
-            }
-            for event in events
-        ]
+        body = b"[" + b",".join(encode_event(event, occurred) for event in events) + b"]"
         names = ", ".join(sorted({event.name for event in events}))
         url = f"{self.api_url}/events"
         try:
-            response = self._client.post(url, json=body, timeout=self._timeout_s)
+            response = self._client.post(
+                url, content=body, headers={"Content-Type": "application/json"}, timeout=self._timeout_s
+            )
         except httpx.HTTPError as exc:
             raise EventSinkError(f"could not reach the Prefect API at {url}: {exc}") from exc
         if response.status_code in REFUSED_STATUSES:
@@ -134,3 +138,31 @@ class PrefectEventSink:
                 f"the Prefect API at {url} answered {response.status_code} to event {names}: "
                 f"{response.text[:500]}"
             )
+
+
+def encode_event(event: OutgoingEvent, occurred: str) -> bytes:
+    """``event`` as JSON, the way it is posted to Prefect's API, ``occurred`` at that ISO 8601 time.
+
+    Raises ``EventUnsendable`` for an event Prefect could never take: a payload ``sendable`` finds a
+    problem in, or an event over ``sendable.MAX_EVENT_BYTES``. Written by pydantic, as Prefect's server
+    writes it again, so that the size measured is the one Prefect measures.
+    """
+    problem = payload_problem(event.payload, "payload")
+    if problem is not None:
+        raise EventUnsendable(event.event_id, problem)
+    wire = {
+        "id": event.event_id,
+        "occurred": occurred,
+        "event": event.name,
+        "resource": dict(event.resource),
+        "related": [],
+        "payload": dict(event.payload),
+    }
+    try:
+        encoded = pydantic_core.to_json(wire)
+    except ValueError as exc:  # PydanticSerializationError: what the check above did not foresee
+        raise EventUnsendable(event.event_id, f"it cannot be written as JSON: {exc}") from None
+    problem = size_problem(len(encoded))
+    if problem is not None:
+        raise EventUnsendable(event.event_id, problem)
+    return encoded

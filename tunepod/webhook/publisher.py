@@ -6,9 +6,15 @@ load, events accumulate while a request is out), and marks them published in one
 does not take an event, it waits (0.5 s, doubling to ``max_backoff_s``) and tries again, never dropping
 one: a Prefect outage delays runs, it loses no delivery, and a receiver restarted after a crash
 publishes what the last one had not. Each event keeps the id the sender was given, so one published
-twice (a crash between Prefect's answer and the mark) is one event id at Prefect. An event Prefect
-refuses as invalid (``EventRefused``: sending it again cannot help) is set aside in the log with
-Prefect's answer and logged as an error, so it does not hold back the events after it.
+twice (a crash between Prefect's answer and the mark) is one event id at Prefect.
+
+Set aside, never retried: an event that cannot be sent for good (``EventRefused``). Either Prefect
+refused it as invalid (400, 413, 422), or the sink found before sending that Prefect could never take
+it (``EventUnsendable``: a number beyond a float, a lone surrogate, NUL, nesting or size past Prefect's
+limits; the receiver refuses such deliveries, but a log written by an earlier version may hold them).
+It is marked in the log with the reason (``DeliveryLog.refused`` lists them) and logged as an error,
+and the events after it go on. Everything else (no answer, a timeout, 5xx, 401/403/404, which an
+operator fixes) is retried, the event staying first in line.
 """
 
 from __future__ import annotations
@@ -128,8 +134,8 @@ class EventPublisher:
         except EventRefused as exc:
             self._deliveries.mark_refused(pending, str(exc))
             logger.error(
-                "webhook %s: Prefect refused event %s of delivery %s (%s); it is kept in %s (refused) "
-                "and the events after it go on",
+                "webhook %s: set aside event %s of delivery %s, never to be sent (%s); it is kept in %s "
+                "with this reason (published = 2) and the events after it go on",
                 pending.hook,
                 pending.event_id,
                 pending.delivery_id,

@@ -11,9 +11,15 @@ spec's form); any other string is its own UTF-8 bytes. The timestamp must lie wi
 can be replayed.
 
 GitHub: ``X-Hub-Signature-256: sha256=<hex HMAC-SHA256 of the body>``, keyed by the secret's UTF-8
-bytes exactly as typed into GitHub (no ``whsec_`` decoding: GitHub does none). GitHub signs neither a
-timestamp nor the delivery id, so replay protection for this scheme is only the receiver's dedupe
-window; prefer the standard scheme where the sender offers it.
+bytes exactly as typed into GitHub (no ``whsec_`` decoding: GitHub does none). GitHub signs the body
+only: neither ``X-GitHub-Delivery`` nor a timestamp. So the receiver deduplicates a GitHub delivery
+by the digest of its body (``github_dedupe_key``), never by that header: a captured delivery sent
+again under a new id is a duplicate, like GitHub's own Redeliver, which sends the same body. Its
+dedupe entry lasts the receiver's dedupe window (24 h), and past it only a push carries a time to
+bound replays with: ``repository.pushed_at``, when GitHub took the push (``check_github_push_age``
+refuses a push older than the window; a commit's own ``timestamp`` is its author's clock and says
+nothing about the push). A captured non-push delivery (no time of its own in the body) can be
+replayed once its dedupe entry is gone: prefer the standard scheme where the sender offers it.
 
 Every comparison of a computed signature with a received one goes through ``hmac.compare_digest``,
 so the time taken does not reveal how many leading characters matched. Secrets never appear in the
@@ -29,6 +35,7 @@ import hmac
 import time
 import uuid
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 from tunepod.errors import TunepodError
 
@@ -141,6 +148,44 @@ def verify_github(secrets: Iterable[str], headers: Mapping[str, str], body: byte
         if _any_matches(sign_github(secret, body).encode("ascii"), [received]):
             return delivery_id
     raise SignatureError(f"{GITHUB_SIGNATURE} matches none of the hook's secrets")
+
+
+def github_dedupe_key(body: bytes) -> str:
+    """What a GitHub delivery is deduplicated by: the SHA-256 of its body, which the signature covers.
+
+    Two deliveries with one key are one event: a replay under a new ``X-GitHub-Delivery``, or GitHub's
+    Redeliver. Two events GitHub sends differ in their bodies (each names its own ids and times).
+    """
+    return "sha256:" + hashlib.sha256(body).hexdigest()
+
+
+def check_github_push_age(payload: Any, max_age_s: float, *, now: float | None = None) -> None:
+    """Refuse a GitHub push whose ``repository.pushed_at`` is more than ``max_age_s`` before ``now``
+    (default: the current time), or more than ``TOLERANCE_S`` after it: ``SignatureError``.
+
+    A push event writes ``pushed_at`` as whole seconds since the epoch, when GitHub took the push;
+    other events write the repository's last push there, as text, which dates nothing about them, so
+    they pass unchecked. The receiver passes its dedupe window less ``TOLERANCE_S`` as ``max_age_s``:
+    a push younger than that is still remembered if it was accepted, so a replay of it is a duplicate,
+    and an older one is refused whatever it is.
+    """
+    repository = payload.get("repository") if isinstance(payload, dict) else None
+    pushed_at = repository.get("pushed_at") if isinstance(repository, dict) else None
+    if type(pushed_at) is not int:  # bool is an int subclass; JSON true is no time
+        return
+    age_s = (time.time() if now is None else now) - pushed_at
+    if age_s > max_age_s:
+        raise SignatureError(
+            f"this GitHub push was made {int(age_s)} s ago (repository.pushed_at), more than the "
+            f"{int(max_age_s)} s for which the receiver recognizes a copy of it; it is refused as a "
+            "possible replay. A push the receiver never took (it was down): start that run by hand, "
+            "or push again"
+        )
+    if -age_s > TOLERANCE_S:
+        raise SignatureError(
+            f"repository.pushed_at is {int(-age_s)} s ahead of the receiver's clock (at most "
+            f"{TOLERANCE_S} s); check the receiver's clock"
+        )
 
 
 def _any_matches(expected: bytes, received: list[bytes]) -> bool:
