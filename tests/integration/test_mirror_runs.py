@@ -11,7 +11,9 @@ tests/e2e/test_faults.py and the chaos soak.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from mlflow import MlflowClient
@@ -106,15 +108,27 @@ def test_a_record_of_an_older_version_without_a_run_id_looks_the_run_up(
 
 
 def test_two_mirrors_of_one_job_dir_make_one_run(tmp_path: Path, tracker: MlflowTracker) -> None:
-    """Two orchestrators (one of them stale, whose lease was taken over) mirror one job dir, both
-    made before either asked for a run (found by the simulation: two runs for one trial)."""
+    """Two orchestrators (one of them stale, its lease taken over) mirror one job dir: the second
+    syncs while the first one's create is on its way to MLflow (found by the simulation: two runs for
+    one trial). It must wait for that create and take its run, not look, find nothing and create."""
     job_dir = tmp_path / "trial-0"
     job_dir.mkdir()
-    first, second = RunMirror(tracker, job_dir, plan=plan()), RunMirror(tracker, job_dir, plan=plan())
+    second = RunMirror(tracker, job_dir, plan=plan())
+    meanwhile = threading.Thread(target=second.sync)
+
+    class SlowToCreate(MlflowTracker):
+        def start_run(self, *args: Any, **kwargs: Any) -> str:
+            meanwhile.start()
+            meanwhile.join(timeout=3)  # the other mirror syncs meanwhile, or waits for this create
+            return super().start_run(*args, **kwargs)
+
+    slow = SlowToCreate(tracker.tracking_uri, "mirror-runs")
+    first = RunMirror(slow, job_dir, plan=plan())
     first.sync()
-    second.sync()
-    assert first.run_id == second.run_id
+    meanwhile.join(timeout=30)
+    assert not meanwhile.is_alive()
     assert runs_with_key(tracker) == [first.run_id]
+    assert second.run_id == first.run_id
 
 
 def test_a_create_whose_answer_was_lost_is_looked_up_before_creating_again(tmp_path: Path) -> None:
