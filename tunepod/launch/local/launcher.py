@@ -7,6 +7,21 @@ job inherits that id (``processes.py``), which is how ``find`` and ``stop`` reac
 the wrapper is gone. The wrapper's pid and start time, recorded at submit, make the common "is it
 still running" question one ``/proc/<pid>/stat`` read.
 
+A job is not over while any process of its submission lives, wrapper or not: torchrun's workers run
+in sessions of their own and outlive an agent that was killed, and a script may leave a child behind
+in a session of its own (``setsid``, a double fork). Ending such a job early would let the driver start
+its next attempt beside them, two writers of one checkpoint folder. So, once the wrapper is gone:
+
+- with its exit code recorded, the job is RUNNING while such leftovers live. Nothing would ever
+  collect them, so the poll that sees them stops them, as ``stop`` does: SIGTERM at once, SIGKILL
+  once the job's grace (``resources.stop_grace_s``, else ``cancel_grace_s``) has passed, each sent by
+  a poll (never waited for inside one). Then the recorded exit code is the outcome, and ``describe``
+  says how many leftovers were stopped. Only a job without its wrapper costs a pass over ``/proc``
+  (one per poll, however many such jobs it asks about), until it has ended (then it is never polled
+  again);
+- without an exit code (the wrapper itself was killed, maybe by hand while torchrun trains on), the
+  job runs until its last process exits, and nothing is stopped unless someone cancels the job.
+
 ``Resources.timeout_min`` is not enforced here: the caller enforces it by cancelling the job
 (``tunepod.launch.drive``), the same way for every backend that has no limit of its own.
 """
@@ -23,15 +38,20 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tunepod.errors import JobError
 from tunepod.launch.base import SUBMISSION_ID_ENV, Accepted, Job, JobSpec, JobState, LauncherBase, Rendered
-from tunepod.launch.local.processes import carries_submission, live_processes, submission_processes
+from tunepod.launch.local.processes import (
+    SubmissionProcesses,
+    carries_submission,
+    live_processes,
+    submission_processes,
+)
 from tunepod.launch.local.render import job_argv, parse_exit_file, wrapper_argv
 from tunepod.launch.paths import JobPaths, file_logs
-from tunepod.launch.procfs import is_same_process, read_process_stat
+from tunepod.launch.procfs import ProcessStat, is_same_process, read_process_stat
 from tunepod.launch.status_cache import TrackedJob
 from tunepod.launch.submission import Submission
 
@@ -53,6 +73,51 @@ def parse_job_id(job_id: str) -> str:
     return match["submission"]
 
 
+@dataclass
+class _Sweep:
+    """Stopping what a job left running after its wrapper recorded the exit code (see the module
+    docstring)."""
+
+    job_id: str
+    grace_s: float
+    started_at: float = field(default_factory=time.monotonic)
+    """When the first SIGTERM went out: the grace counts from it."""
+    signalled: dict[int, int] = field(default_factory=dict)
+    """Every leftover process signalled so far: pid -> start ticks."""
+    killing: bool = False
+
+    def still_alive(self, found: list[tuple[int, ProcessStat]]) -> list[int]:
+        """The leftovers that live: those the scan ``found``, and those signalled earlier that have not
+        finished exiting (an exiting process's environment, which the scan reads, goes first)."""
+        exiting = [pid for pid, ticks in self.signalled.items() if is_same_process(pid, ticks)]
+        return sorted({pid for pid, _ in found} | set(exiting))
+
+    def advance(self, found: list[tuple[int, ProcessStat]]) -> None:
+        """SIGTERM to each leftover not signalled yet; SIGKILL to all once the grace has passed."""
+        pids = [pid for pid, _ in found]
+        if time.monotonic() - self.started_at < self.grace_s:
+            self._terminate([pid for pid in pids if pid not in self.signalled])
+        else:
+            self._kill(pids)
+        self.signalled.update((pid, stat.start_ticks) for pid, stat in found)
+
+    def _terminate(self, pids: list[int]) -> None:
+        if pids:
+            logger.warning("local job %s left processes %s running; stopping them", self.job_id, pids)
+        _signal(pids, signal.SIGTERM)
+
+    def _kill(self, pids: list[int]) -> None:
+        if not self.killing:
+            logger.warning(
+                "leftover processes %s of local job %s ignored SIGTERM for %.1fs; sending SIGKILL",
+                pids,
+                self.job_id,
+                self.grace_s,
+            )
+            self.killing = True
+        _signal(pids, signal.SIGKILL)
+
+
 @dataclass(frozen=True)
 class LocalStatus:
     """What this machine says about a local job."""
@@ -60,6 +125,9 @@ class LocalStatus:
     running: bool
     exit_code: int | None
     """The command's exit code; None while it runs or when the wrapper itself was killed."""
+    leftovers: int = 0
+    """Processes the job left behind after its wrapper recorded ``exit_code``: those still being
+    stopped while ``running``, those the launcher stopped once it has ended."""
 
     @property
     def job_state(self) -> JobState:
@@ -68,10 +136,14 @@ class LocalStatus:
         return JobState.SUCCEEDED if self.exit_code == 0 else JobState.FAILED
 
     def describe(self, job_id: str) -> str:
+        if self.running and self.exit_code is not None:
+            return f"local job {job_id}: exit code {self.exit_code}; stopping {_processes(self.leftovers)}"
         if self.running:
             return f"local job {job_id} (running)"
         if self.exit_code is None:
             return f"local job {job_id}: no exit code (the job's wrapper was killed)"
+        if self.leftovers:
+            return f"local job {job_id}: exit code {self.exit_code}; {_processes(self.leftovers)} stopped"
         return f"local job {job_id}: exit code {self.exit_code}"
 
 
@@ -143,6 +215,8 @@ class LocalLauncher(LauncherBase[LocalStatus]):
         self.direct_single_process = direct_single_process
         self._children: dict[str, subprocess.Popen[bytes]] = {}
         self._children_lock = threading.Lock()
+        self._sweeps: dict[str, _Sweep] = {}
+        self._sweeps_lock = threading.Lock()
 
     # ------------------------------------------------------------------------------------ hooks
 
@@ -189,17 +263,14 @@ class LocalLauncher(LauncherBase[LocalStatus]):
 
     def poll(self, jobs: Mapping[str, TrackedJob]) -> dict[str, LocalStatus]:
         self._reap()
-        return {job_id: self._status(job_id, job) for job_id, job in jobs.items()}
+        processes = SubmissionProcesses(parse_job_id(job_id) for job_id in jobs)
+        return {job_id: self._status(job_id, job, processes) for job_id, job in jobs.items()}
 
     def stop(self, job: Job[LocalStatus]) -> None:
         """SIGTERM every process of the job, SIGKILL what is left after its ``resources.stop_grace_s``
         (the launcher's ``cancel_grace_s`` when the job sets none)."""
         assert isinstance(job, LocalJob)
-        grace_s = (
-            float(job.record.details.get("stop_grace_s", self.cancel_grace_s))
-            if job.record
-            else self.cancel_grace_s
-        )
+        grace_s = self._grace_s(job.record)
         _signal_all(job, signal.SIGTERM)
         if self._wait_until_gone(job, grace_s):
             return
@@ -228,17 +299,41 @@ class LocalLauncher(LauncherBase[LocalStatus]):
 
     # ------------------------------------------------------------------------------------ internals
 
-    def _status(self, job_id: str, job: TrackedJob) -> LocalStatus:
+    def _status(self, job_id: str, job: TrackedJob, processes: SubmissionProcesses) -> LocalStatus:
         submission_id = parse_job_id(job_id)
         wrapper = _wrapper(job.record)
         if wrapper is not None and is_same_process(*wrapper):
             return LocalStatus(running=True, exit_code=None)
+        # No wrapper (any more): the job lives while any of its processes does.
         code = read_exit_code(JobPaths(job.job_dir), submission_id)
-        if code is not None:
-            return LocalStatus(running=False, exit_code=code)
-        # No wrapper, or no exit code (the wrapper was killed): the job lives while any process does.
-        running = bool(submission_processes(submission_id))
-        return LocalStatus(running=running, exit_code=None)
+        found = processes.of(submission_id)
+        if code is None:  # the wrapper was killed: its command may still be training
+            return LocalStatus(running=bool(found), exit_code=None)
+        return self._sweep_leftovers(job_id, job.record, code, found)
+
+    def _sweep_leftovers(
+        self, job_id: str, record: Submission | None, code: int, found: list[tuple[int, ProcessStat]]
+    ) -> LocalStatus:
+        """The status of a job whose wrapper exited with ``code``: RUNNING while processes of it
+        remain (``found`` by the scan, or signalled and still exiting), which are signalled here,
+        SIGTERM then SIGKILL after the grace; ended (with ``code``) once they are all gone."""
+        with self._sweeps_lock:
+            sweep = self._sweeps.get(job_id)
+            alive = sweep.still_alive(found) if sweep else [pid for pid, _ in found]
+            if not alive:
+                self._sweeps.pop(job_id, None)
+                stopped = len(sweep.signalled) if sweep else 0
+                return LocalStatus(running=False, exit_code=code, leftovers=stopped)
+            if sweep is None:
+                sweep = self._sweeps[job_id] = _Sweep(job_id, self._grace_s(record))
+            sweep.advance(found)
+            return LocalStatus(running=True, exit_code=code, leftovers=len(alive))
+
+    def _grace_s(self, record: Submission | None) -> float:
+        """How long the job's processes get between SIGTERM and SIGKILL."""
+        if record is None:
+            return self.cancel_grace_s
+        return float(record.details.get("stop_grace_s", self.cancel_grace_s))
 
     def _wait_until_gone(self, job: LocalJob, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -284,11 +379,19 @@ def _pidfd(pid: int) -> int | None:
 
 
 def _signal_all(job: LocalJob, signum: signal.Signals) -> None:
-    for pid in job.pids():
+    _signal(job.pids(), signum)
+
+
+def _signal(pids: list[int], signum: signal.Signals) -> None:
+    for pid in pids:
         try:
             os.kill(pid, signum)
         except ProcessLookupError:
             continue
+
+
+def _processes(count: int) -> str:
+    return f"{count} leftover process" + ("" if count == 1 else "es")
 
 
 def ignored_resources(job: JobSpec) -> dict[str, str]:
