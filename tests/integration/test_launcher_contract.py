@@ -36,7 +36,7 @@ from tunepod.launch.local import (
     read_process_stat,
     torchrun_argv,
 )
-from tunepod.launch.local.processes import submission_processes
+from tunepod.launch.local.processes import LinuxProcesses, submission_processes
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.submission import Submission, write_submission
 
@@ -77,7 +77,8 @@ class TestLocalLauncherContract(LauncherContract):
         # A local job's name is its id, and its wrapper is the one session leader carrying it: two
         # wrappers with one id would be two jobs. An ended job has left its exit file instead.
         submission_id = name.removeprefix("local-")
-        leaders = [pid for pid, stat in submission_processes(submission_id) if stat.pgid == pid]
+        processes = submission_processes(LinuxProcesses(), submission_id)
+        leaders = [pid for pid, stat in processes if stat.pgid == pid]
         if leaders:
             return [name] * len(leaders)
         exit_files = [

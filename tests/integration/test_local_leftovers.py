@@ -26,7 +26,7 @@ from tunepod.errors import JobError
 from tunepod.launch.base import JobSpec, JobState
 from tunepod.launch.drive import DriveSettings, JobDriver, Outcome
 from tunepod.launch.local import LocalJob, LocalLauncher
-from tunepod.launch.local.processes import live_processes, submission_processes
+from tunepod.launch.local.processes import LinuxProcesses, submission_processes
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.submission import read_submission
 
@@ -55,7 +55,7 @@ def tagged(job: JobSpec, tag: str) -> JobSpec:
 def tagged_processes(tag: str) -> list[int]:
     needle = f"\0{TAG_ENV}={tag}\0".encode()
     found = []
-    for pid, _ in live_processes():
+    for pid, _ in LinuxProcesses().live():
         with contextlib.suppress(OSError):
             if needle in b"\0" + Path(f"/proc/{pid}/environ").read_bytes():
                 found.append(pid)
@@ -108,7 +108,7 @@ def test_a_job_is_not_over_while_a_process_it_left_in_its_own_session_lives(
     assert finish(handle) is outcome
     assert not is_alive(leftover)
     assert handle.describe().endswith(f"exit code {exit_code}; 1 leftover process stopped")
-    assert submission_processes(handle.submission_id) == []
+    assert submission_processes(LinuxProcesses(), handle.submission_id) == []
 
 
 def test_workers_that_outlive_a_killed_torchrun_agent_end_before_the_job_does(
@@ -122,7 +122,8 @@ def test_workers_that_outlive_a_killed_torchrun_agent_end_before_the_job_does(
     handle = launcher.submit(job)
     assert isinstance(handle, LocalJob)
     wait_until(lambda: len(list(pid_dir.glob("rank-*.json"))) == 2, "both ranks to start")
-    (agent,) = [pid for pid, _ in submission_processes(handle.submission_id) if is_torchrun_agent(pid)]
+    processes = submission_processes(LinuxProcesses(), handle.submission_id)
+    (agent,) = [pid for pid, _ in processes if is_torchrun_agent(pid)]
     os.kill(agent, signal.SIGKILL)
 
     state = finish(handle)
@@ -130,7 +131,7 @@ def test_workers_that_outlive_a_killed_torchrun_agent_end_before_the_job_does(
     assert [pid for pid in recorded_pids(pid_dir) if is_alive(pid)] == [], f"{state}: {handle.describe()}"
     assert state is JobState.FAILED
     assert re.search(r"exit code 137; \d+ leftover processes stopped$", handle.describe()), handle.describe()
-    assert submission_processes(handle.submission_id) == []
+    assert submission_processes(LinuxProcesses(), handle.submission_id) == []
 
 
 def test_a_restart_starts_only_once_the_failed_attempt_left_nothing_running(tmp_path: Path, tag: str) -> None:
@@ -152,5 +153,5 @@ def test_a_restart_starts_only_once_the_failed_attempt_left_nothing_running(tmp_
     assert result.outcome is Outcome.COMPLETED, result.message
     assert not is_alive(int(str(first["pid"])))
     for submission_id in (str(first["submission_id"]), record.submission_id):
-        assert submission_processes(submission_id) == []
+        assert submission_processes(LinuxProcesses(), submission_id) == []
     assert first["submission_id"] != record.submission_id

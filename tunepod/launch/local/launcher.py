@@ -24,6 +24,9 @@ its next attempt beside them, two writers of one checkpoint folder. So, once the
 
 ``Resources.timeout_min`` is not enforced here: the caller enforces it by cancelling the job
 (``tunepod.launch.drive``), the same way for every backend that has no limit of its own.
+
+Processes are reached through a ``ProcessTable`` (``processes.py``): ``/proc`` and the kernel by
+default, simulated processes in the simulation of the tuning loop.
 """
 
 from __future__ import annotations
@@ -31,27 +34,27 @@ from __future__ import annotations
 import logging
 import os
 import re
-import select
 import signal
-import subprocess
 import sys
-import threading
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tunepod import world
 from tunepod.errors import JobError
 from tunepod.launch.base import SUBMISSION_ID_ENV, Accepted, Job, JobSpec, JobState, LauncherBase, Rendered
+from tunepod.launch.exit_code import read_exit_code, temp_exit_file
 from tunepod.launch.local.processes import (
+    LinuxProcesses,
+    ProcessTable,
     SubmissionProcesses,
     carries_submission,
-    live_processes,
+    is_same_process,
     submission_processes,
 )
-from tunepod.launch.local.render import job_argv, parse_exit_file, wrapper_argv
+from tunepod.launch.local.render import job_argv, wrapper_argv
 from tunepod.launch.paths import JobPaths, file_logs
-from tunepod.launch.procfs import ProcessStat, is_same_process, read_process_stat
+from tunepod.launch.procfs import ProcessStat
 from tunepod.launch.status_cache import TrackedJob
 from tunepod.launch.submission import Submission
 
@@ -80,7 +83,8 @@ class _Sweep:
 
     job_id: str
     grace_s: float
-    started_at: float = field(default_factory=time.monotonic)
+    table: ProcessTable
+    started_at: float = field(default_factory=world.monotonic)
     """When the first SIGTERM went out: the grace counts from it."""
     signalled: dict[int, int] = field(default_factory=dict)
     """Every leftover process signalled so far: pid -> start ticks."""
@@ -89,13 +93,13 @@ class _Sweep:
     def still_alive(self, found: list[tuple[int, ProcessStat]]) -> list[int]:
         """The leftovers that live: those the scan ``found``, and those signalled earlier that have not
         finished exiting (an exiting process's environment, which the scan reads, goes first)."""
-        exiting = [pid for pid, ticks in self.signalled.items() if is_same_process(pid, ticks)]
+        exiting = [pid for pid, ticks in self.signalled.items() if is_same_process(self.table, pid, ticks)]
         return sorted({pid for pid, _ in found} | set(exiting))
 
     def advance(self, found: list[tuple[int, ProcessStat]]) -> None:
         """SIGTERM to each leftover not signalled yet; SIGKILL to all once the grace has passed."""
         pids = [pid for pid, _ in found]
-        if time.monotonic() - self.started_at < self.grace_s:
+        if world.monotonic() - self.started_at < self.grace_s:
             self._terminate([pid for pid in pids if pid not in self.signalled])
         else:
             self._kill(pids)
@@ -104,7 +108,7 @@ class _Sweep:
     def _terminate(self, pids: list[int]) -> None:
         if pids:
             logger.warning("local job %s left processes %s running; stopping them", self.job_id, pids)
-        _signal(pids, signal.SIGTERM)
+        _signal(self.table, pids, signal.SIGTERM)
 
     def _kill(self, pids: list[int]) -> None:
         if not self.killing:
@@ -115,7 +119,7 @@ class _Sweep:
                 self.grace_s,
             )
             self.killing = True
-        _signal(pids, signal.SIGKILL)
+        _signal(self.table, pids, signal.SIGKILL)
 
 
 @dataclass(frozen=True)
@@ -162,30 +166,25 @@ class LocalJob(Job[LocalStatus]):
 
     def idle(self, seconds: float) -> None:
         """Up to ``seconds``, returning as soon as the job's wrapper exits (it writes the exit code
-        first): waited on through a pidfd, which works for a wrapper another orchestrator started."""
+        first)."""
         wrapper = _wrapper(self.record)
-        pidfd = _pidfd(wrapper[0]) if wrapper is not None else None
-        try:
-            # Checked after the open, so the pidfd is the wrapper's and not a later process's.
-            if pidfd is not None and wrapper is not None and is_same_process(*wrapper):
-                select.select([pidfd], [], [], seconds)
-            else:  # no wrapper to wait on (gone, killed): only the next poll can tell
-                time.sleep(seconds)
-        finally:
-            if pidfd is not None:
-                os.close(pidfd)
+        if wrapper is None:  # no wrapper to wait on: only the next poll can tell
+            world.sleep(seconds)
+        else:
+            self.launcher.processes.wait(*wrapper, seconds)
 
     def pids(self) -> list[int]:
         """The live processes of this job: the wrapper, torchrun, its workers and their children."""
+        table = self.launcher.processes
         wrapper = _wrapper(self.record)
         # The process group only counts while its leader is our wrapper: once the leader is gone, the
         # group id could name a stranger's group after pid reuse. The submission id never can.
-        pgid = wrapper[0] if wrapper is not None and is_same_process(*wrapper) else None
+        pgid = wrapper[0] if wrapper is not None and is_same_process(table, *wrapper) else None
         submission_id = self.submission_id
         return sorted(
             pid
-            for pid, stat in live_processes()
-            if stat.pgid == pgid or carries_submission(pid, submission_id)
+            for pid, stat in table.live()
+            if stat.pgid == pgid or carries_submission(table, pid, submission_id)
         )
 
 
@@ -206,6 +205,7 @@ class LocalLauncher(LauncherBase[LocalStatus]):
         python: str = sys.executable,
         *,
         direct_single_process: bool = True,
+        processes: ProcessTable | None = None,
     ) -> None:
         # No cache: reading /proc is cheaper than any bookkeeping around it.
         super().__init__(poll_cache_s=0.0, cancel_timeout_s=_AFTER_KILL_WAIT_S, cancel_poll_s=_POLL_S)
@@ -213,10 +213,9 @@ class LocalLauncher(LauncherBase[LocalStatus]):
         self.cancel_grace_s = cancel_grace_s
         self.python = python
         self.direct_single_process = direct_single_process
-        self._children: dict[str, subprocess.Popen[bytes]] = {}
-        self._children_lock = threading.Lock()
+        self.processes: ProcessTable = processes if processes is not None else LinuxProcesses()
         self._sweeps: dict[str, _Sweep] = {}
-        self._sweeps_lock = threading.Lock()
+        self._sweeps_lock = world.lock()
 
     # ------------------------------------------------------------------------------------ hooks
 
@@ -228,31 +227,20 @@ class LocalLauncher(LauncherBase[LocalStatus]):
 
     def send(self, job: JobSpec, rendered: Rendered, intent: Submission) -> Accepted:
         paths = job.paths
-        with open(paths.stdout, "ab") as stdout, open(paths.stderr, "ab") as stderr:
-            # A session of its own: the job outlives the orchestrator and a terminal's Ctrl-C.
-            process = subprocess.Popen(
-                rendered.payload,
-                stdin=subprocess.DEVNULL,
-                stdout=stdout,
-                stderr=stderr,
-                env={**os.environ, **job.env},
-                start_new_session=True,
-            )
-        job_id = rendered.name
-        with self._children_lock:
-            self._children[job_id] = process
+        # A session of its own: the job outlives the orchestrator and a terminal's Ctrl-C.
+        pid = self.processes.start(rendered.payload, {**os.environ, **job.env}, paths.stdout, paths.stderr)
         # The wrapper is our unreaped child, so its pid cannot be reused while we read its stat.
-        stat = read_process_stat(process.pid)
+        stat = self.processes.stat(pid)
         details: dict[str, object] = {"argv": rendered.payload}
         if job.resources.stop_grace_s is not None:
             details["stop_grace_s"] = job.resources.stop_grace_s
         if stat is not None:
-            details |= {"pid": process.pid, "start_ticks": stat.start_ticks}
-        return Accepted(job_id, details)
+            details |= {"pid": pid, "start_ticks": stat.start_ticks}
+        return Accepted(rendered.name, details)
 
     def find(self, intent: Submission, job_dir: Path) -> Accepted | None:
         """The job's wrapper (or, with the wrapper gone, any of its processes, or its exit file)."""
-        processes = submission_processes(intent.submission_id)
+        processes = submission_processes(self.processes, intent.submission_id)
         leaders = [(pid, stat) for pid, stat in processes if stat.pgid == pid]
         if leaders:
             pid, stat = leaders[0]
@@ -262,8 +250,8 @@ class LocalLauncher(LauncherBase[LocalStatus]):
         return None
 
     def poll(self, jobs: Mapping[str, TrackedJob]) -> dict[str, LocalStatus]:
-        self._reap()
-        processes = SubmissionProcesses(parse_job_id(job_id) for job_id in jobs)
+        self.processes.reap()
+        processes = SubmissionProcesses(self.processes, (parse_job_id(job_id) for job_id in jobs))
         return {job_id: self._status(job_id, job, processes) for job_id, job in jobs.items()}
 
     def stop(self, job: Job[LocalStatus]) -> None:
@@ -271,11 +259,11 @@ class LocalLauncher(LauncherBase[LocalStatus]):
         (the launcher's ``cancel_grace_s`` when the job sets none)."""
         assert isinstance(job, LocalJob)
         grace_s = self._grace_s(job.record)
-        _signal_all(job, signal.SIGTERM)
+        _signal(self.processes, job.pids(), signal.SIGTERM)
         if self._wait_until_gone(job, grace_s):
             return
         logger.warning("job %s ignored SIGTERM for %.1fs; sending SIGKILL", job.job_id, grace_s)
-        _signal_all(job, signal.SIGKILL)
+        _signal(self.processes, job.pids(), signal.SIGKILL)
         if not self._wait_until_gone(job, _AFTER_KILL_WAIT_S):
             raise JobError(
                 f"local job {job.job_id} still has processes {job.pids()} {_AFTER_KILL_WAIT_S:.0f}s after "
@@ -289,7 +277,7 @@ class LocalLauncher(LauncherBase[LocalStatus]):
         return ignored_resources(job)
 
     def stale_outcome_files(self, paths: JobPaths) -> list[Path]:
-        return [paths.exit_code, paths.exit_code.with_name(paths.exit_code.name + ".tmp")]
+        return [paths.exit_code, Path(temp_exit_file(paths))]
 
     def check_job_id(self, job_id: str) -> None:
         parse_job_id(job_id)
@@ -302,7 +290,7 @@ class LocalLauncher(LauncherBase[LocalStatus]):
     def _status(self, job_id: str, job: TrackedJob, processes: SubmissionProcesses) -> LocalStatus:
         submission_id = parse_job_id(job_id)
         wrapper = _wrapper(job.record)
-        if wrapper is not None and is_same_process(*wrapper):
+        if wrapper is not None and is_same_process(self.processes, *wrapper):
             return LocalStatus(running=True, exit_code=None)
         # No wrapper (any more): the job lives while any of its processes does.
         code = read_exit_code(JobPaths(job.job_dir), submission_id)
@@ -325,7 +313,7 @@ class LocalLauncher(LauncherBase[LocalStatus]):
                 stopped = len(sweep.signalled) if sweep else 0
                 return LocalStatus(running=False, exit_code=code, leftovers=stopped)
             if sweep is None:
-                sweep = self._sweeps[job_id] = _Sweep(job_id, self._grace_s(record))
+                sweep = self._sweeps[job_id] = _Sweep(job_id, self._grace_s(record), self.processes)
             sweep.advance(found)
             return LocalStatus(running=True, exit_code=code, leftovers=len(alive))
 
@@ -336,32 +324,14 @@ class LocalLauncher(LauncherBase[LocalStatus]):
         return float(record.details.get("stop_grace_s", self.cancel_grace_s))
 
     def _wait_until_gone(self, job: LocalJob, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
+        deadline = world.monotonic() + timeout_s
         while True:
-            self._reap()
+            self.processes.reap()
             if not job.pids():
                 return True
-            if time.monotonic() >= deadline:
+            if world.monotonic() >= deadline:
                 return False
-            time.sleep(_POLL_S)
-
-    def _reap(self) -> None:
-        # Collect the exit status of wrappers we started, so no zombie of ours lingers.
-        with self._children_lock:
-            for job_id, process in list(self._children.items()):
-                if process.poll() is not None:
-                    del self._children[job_id]
-
-
-def read_exit_code(paths: JobPaths, submission_id: str) -> int | None:
-    """The exit code the wrapper of ``submission_id`` recorded; None if it has not (or another did)."""
-    try:
-        parsed = parse_exit_file(paths.exit_code.read_text())
-    except FileNotFoundError:
-        return None
-    if parsed is None or parsed[1] not in (None, submission_id):
-        return None
-    return parsed[0]
+            world.sleep(_POLL_S)
 
 
 def _wrapper(record: Submission | None) -> tuple[int, int] | None:
@@ -371,23 +341,9 @@ def _wrapper(record: Submission | None) -> tuple[int, int] | None:
     return int(record.details["pid"]), int(record.details["start_ticks"])
 
 
-def _pidfd(pid: int) -> int | None:
-    try:
-        return os.pidfd_open(pid)
-    except OSError:  # gone already, or a kernel without pidfds
-        return None
-
-
-def _signal_all(job: LocalJob, signum: signal.Signals) -> None:
-    _signal(job.pids(), signum)
-
-
-def _signal(pids: list[int], signum: signal.Signals) -> None:
+def _signal(table: ProcessTable, pids: list[int], signum: signal.Signals) -> None:
     for pid in pids:
-        try:
-            os.kill(pid, signum)
-        except ProcessLookupError:
-            continue
+        table.signal(pid, signum)
 
 
 def _processes(count: int) -> str:

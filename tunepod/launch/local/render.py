@@ -5,13 +5,14 @@ with the variables torchrun would have set. torchrun's agent costs seconds per j
 (it imports torch, starts a rendezvous store and tears it down), more than many tuning trials train.
 
 The wrapper writes ``<exit code> <submission id>`` to ``JobPaths.exit_code`` (temp file, then rename)
-once the command has exited, so the outcome can be read by anyone later, including an orchestrator
-that restarted and was never the parent of the job; the submission id says which attempt it belongs to.
+once the command has exited (``tunepod.launch.exit_code``), so the outcome can be read by anyone later,
+including an orchestrator that restarted and was never the parent of the job.
 """
 
 from __future__ import annotations
 
 from tunepod.launch.base import SINGLE_PROCESS_ENV, JobSpec
+from tunepod.launch.exit_code import temp_exit_file
 from tunepod.launch.paths import JobPaths
 
 # "$1"/"$2"/"$3" are the exit-code paths and the submission id, the rest is the command: passed as
@@ -54,24 +55,14 @@ def torchrun_argv(job: JobSpec, python: str) -> list[str]:
 
 def wrapper_argv(paths: JobPaths, command: list[str], submission_id: str) -> list[str]:
     """``command`` wrapped in the shell that records its exit code under ``paths``."""
-    exit_tmp = paths.exit_code.with_name(paths.exit_code.name + ".tmp")
+    exit_tmp = temp_exit_file(paths)
     return [
         "/bin/sh",
         "-c",
         _WRAPPER_SCRIPT,
         "tunepod-job",
-        str(exit_tmp),
+        exit_tmp,
         str(paths.exit_code),
         submission_id,
         *command,
     ]
-
-
-def parse_exit_file(text: str) -> tuple[int, str | None] | None:
-    """``"<code> <submission id>"`` (or an older bare ``"<code>"``) -> (code, id); None if unreadable."""
-    parts = text.split()
-    try:
-        code = int(parts[0])
-    except (IndexError, ValueError):
-        return None
-    return code, parts[1] if len(parts) > 1 else None
