@@ -12,11 +12,12 @@ the study fails to end ``settle_s`` after the faults stopped.
 
 from __future__ import annotations
 
+import errno
 import logging
 import shutil
 import tempfile
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,7 +138,7 @@ class _Run:
     def run(self) -> Outcome:
         with (
             world.installed(self.world),
-            _sim_files(self.sim),
+            _sim_files(self.sim, self._disk_full),
             _logs_into(self.trace, self.sim, self.root),
         ):
             try:
@@ -293,6 +294,15 @@ class _Run:
             elif alive and fault.kind == "stall":
                 self.sim.stall(self.sim.choices.pick(alive), fault.seconds)
 
+    def _disk_full(self) -> bool:
+        """Whether this orchestrator's write meets a full disk (the jobs' filesystem stays usable)."""
+        process = self.sim.process
+        return (
+            self.switch.on
+            and process in self.orchestrators
+            and self.sim.choices.chance(self.scenario.disk_full_per_write)
+        )
+
     def _maybe_crash(self, task: Task) -> None:
         """A crash anywhere: the orchestrator that just ran dies where its thread stopped."""
         process = task.process
@@ -339,14 +349,18 @@ def _settings(scenario: Scenario) -> TuneSettings:
 
 
 @contextmanager
-def _sim_files(sim: Scheduler) -> Iterator[None]:
+def _sim_files(sim: Scheduler, full: Callable[[], bool]) -> Iterator[None]:
     """Every atomic record write (``tunepod.runtime.files.write_bytes_atomic``, which starts with a
-    temporary file) becomes a yield point: a crash may strike just before any record is written."""
+    temporary file) becomes a yield point: a crash may strike just before any record is written; and
+    when ``full()`` says so, the filesystem is full (ENOSPC) for that write."""
     real = tempfile.mkstemp
 
     def mkstemp(*args: Any, **kwargs: Any) -> tuple[int, str]:
         if sim.current is not None:
             sim.pause("write")
+            if full():
+                sim.trace.event(sim.now, "fault", f"{sim.process}: a write fails, the disk is full")
+                raise OSError(errno.ENOSPC, "No space left on device (simulated)")
         return real(*args, **kwargs)
 
     with mock.patch.object(tempfile, "mkstemp", mkstemp):

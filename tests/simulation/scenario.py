@@ -55,6 +55,8 @@ class Scenario:
     timed: tuple[TimedFault, ...] = field(default_factory=tuple)
     fault_phase_s: float = 600.0
     settle_s: float = 7200.0
+    disk_full_per_write: float = 0.0
+    """The chance an orchestrator's record write fails on a full filesystem (ENOSPC)."""
     crash_per_step: float = 0.0
     """The chance an orchestrator is SIGKILLed at any one of its yield points (a crash anywhere)."""
     two_hosts: bool = False
@@ -71,6 +73,7 @@ class Scenario:
             jobs=JobFaults(),
             timed=(),
             crash_per_step=0.0,
+            disk_full_per_write=0.0,
         )
 
     def describe(self) -> str:
@@ -86,6 +89,9 @@ class Scenario:
             f"jobs {self.jobs}",
             self.backend.describe(),
         ]
+        if self.disk_full_per_write:
+            chance = f"{self.disk_full_per_write:.3f}"
+            lines.append(f"an orchestrator's record write meets a full disk with probability {chance}")
         if self.crash_per_step:
             lines.append(
                 f"an orchestrator crashes at any yield point with probability {self.crash_per_step:.4f}"
@@ -129,6 +135,7 @@ def scenario_of(seed: int, *, kinds: tuple[str, ...] = KINDS) -> Scenario:
         timed=timed,
         fault_phase_s=fault_phase_s,
         crash_per_step=rate(draw, 0.002),
+        disk_full_per_write=rate(draw, 0.02),
         two_hosts=draw.random() < 0.5,
     )
 
