@@ -6,7 +6,8 @@
     tunepod dashboard examples/digits/pipeline.yaml --port 8080
 
 Exit codes: 0 success, 2 an invalid spec or a spec file that cannot be read (usage errors are 2 too,
-as in every click program). Error reports go to stderr, results to stdout.
+as in every click program), 1 a run that failed or a study storage that cannot be opened. Error reports
+go to stderr, results to stdout; a store URI shows with its password hidden (``tunepod.stores.redacted``).
 
 This module must import quickly (``tunepod --help`` should not wait seconds): heavy libraries (mlflow,
 optuna, torch, prefect) are imported inside the commands that need them, never at the top.
@@ -29,7 +30,7 @@ from rich.table import Table
 from rich.text import Text
 
 from tunepod.dag import Dag, build_dag
-from tunepod.errors import SpecError
+from tunepod.errors import SpecError, StoreError
 from tunepod.spec.loader import load_spec
 from tunepod.spec.models import PipelineSpec
 from tunepod.stack.cli import HomeOption
@@ -39,6 +40,7 @@ from tunepod.stack.manage import running_prefect_api
 from tunepod.stack.runner import exit_like, forward_run
 from tunepod.stack.temporary import TemporaryServer, TemporaryServerError
 from tunepod.stack.watch import ServerWatch, lost_server, rerun_advice, run_environment_defaults
+from tunepod.stores import redacted
 from tunepod.webhook.cli import webhook_app
 
 if TYPE_CHECKING:
@@ -126,8 +128,13 @@ def dashboard(
 
     from tunepod.hpo.study import make_storage
 
-    typer.echo(f"optuna-dashboard on {storage}: http://{host}:{port}/dashboard/ (Ctrl+C stops it)")
-    optuna_dashboard.run_server(make_storage(storage), host=host, port=port)
+    try:
+        opened = make_storage(storage)
+    except StoreError as exc:  # its message is the runbook: the store (password hidden), why, the fix
+        Console(stderr=True, soft_wrap=True, highlight=False).print(Text(str(exc), "red"))
+        raise typer.Exit(1) from None
+    typer.echo(f"optuna-dashboard on {redacted(storage)}: http://{host}:{port}/dashboard/ (Ctrl+C stops it)")
+    optuna_dashboard.run_server(opened, host=host, port=port)
 
 
 def _study_storage(spec: PipelineSpec, step: str | None) -> str:
@@ -178,7 +185,9 @@ def run(spec: SpecArgument, set_: SetOption = None, home: HomeOption = Path(DEFA
     with _watching_prefect_server():
         state = pipeline(str(spec), list(set_ or []), return_state=True)
     if not state.is_completed():
-        Console(stderr=True, soft_wrap=True).print(Text(f"pipeline failed: {state.message}", "bold red"))
+        # Prefect's message quotes the exception, whose driver may have quoted a store URI.
+        message = redacted(f"pipeline failed: {state.message}", *pipeline_spec.store_uris())
+        Console(stderr=True, soft_wrap=True).print(Text(message, "bold red"))
         raise typer.Exit(1)
     print_summary(state.result())
 
@@ -240,6 +249,7 @@ def _watching_prefect_server() -> Iterator[None]:
         if lost is None:
             raise
         message = f"lost the Prefect server {api} ({type(lost).__name__}: {lost}). {rerun_advice(api)}"
+        message = redacted(message, api)
         Console(stderr=True, soft_wrap=True, highlight=False).print(Text(message, "bold red"))
         raise typer.Exit(1) from None
 

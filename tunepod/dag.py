@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from tunepod.errors import SpecError, SpecIssue
-from tunepod.spec.models import PipelineSpec, StepSpec
+from tunepod.spec.models import PipelineSpec, StepSpec, folder_problem
 
 YamlPath = tuple[str | int, ...]
 """A position in the spec document: mapping keys and list indices from the top, e.g.
@@ -96,16 +96,29 @@ def did_you_mean(word: str, choices: Sequence[str]) -> str:
 
 
 def find_problems(spec: PipelineSpec) -> list[Problem]:
-    """Every problem in how the steps connect: unknown or repeated needs, cycles, inputs of the wrong kind.
+    """Every problem in how the steps connect: unknown or repeated needs, cycles, inputs of the wrong kind;
+    and step names that cannot name a folder of job dirs (``..``, ``a/b``: see ``folder_problem``).
 
     Returns all of them (not just the first), each with the YAML path of the offending entry.
     """
     steps = spec.steps
     return [
+        *_step_name_problems(steps),
         *_unknown_and_repeated_needs(steps),
         *_cycles(_known_needs(steps)),
         *(problem for name in steps for problem in _input_kind_problems(name, steps)),
     ]
+
+
+def _step_name_problems(steps: Mapping[str, StepSpec]) -> list[Problem]:
+    """A step's name names its jobs' folder (``<root>/jobs/<pipeline>/<step>/``): one plain folder name."""
+    problems = []
+    for name in steps:
+        problem = folder_problem(name)
+        if problem is not None:
+            fix = "rename the step: any name but '.' or '..', without '/' or '\\'"
+            problems.append(Problem(("steps", name), f"step name {problem}", fix))
+    return problems
 
 
 def _known_needs(steps: Mapping[str, StepSpec]) -> dict[str, list[str]]:

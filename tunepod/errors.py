@@ -50,6 +50,11 @@ class DiskFullError(TunepodError):
     """
 
 
+class StoreError(TunepodError):
+    """A study storage or tracking store that could not be opened. The message names the store with
+    its secrets hidden (``tunepod.stores.redacted``), the driver's reason (likewise) and the fix."""
+
+
 class JobError(TunepodError):
     """A training or evaluation job ended badly; the message is a runbook (ids, state, log tail)."""
 

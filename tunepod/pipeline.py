@@ -26,6 +26,7 @@ from tunepod.outputs import Evaluation, Registration, StepOutput, TrialRecord, T
 from tunepod.spec.loader import dump_spec, load_spec, spec_hash
 from tunepod.spec.models import PipelineSpec
 from tunepod.steps import run_step
+from tunepod.stores import redacted
 from tunepod.tracking import MlflowTracker
 from tunepod.tracking import tags as tag_names
 from tunepod.tracking.outbox import TrackingOutbox, sync_threads_for
@@ -70,7 +71,8 @@ class PipelineRun:
                 tag_names.PIPELINE: spec.name,
                 tag_names.SPEC: str(spec_path),
                 tag_names.SPEC_HASH: spec_hash(spec),
-                tag_names.OVERRIDES: " ".join(overrides or []),
+                # An override may set a store URI: the tag, like every value MLflow shows, holds no password.
+                tag_names.OVERRIDES: redacted(" ".join(overrides or []), *spec.store_uris()),
                 tag_names.GIT_SHA: _git_sha(),
                 **(tags or {}),
             },
@@ -92,7 +94,7 @@ class PipelineRun:
     def job_dir(self, step: str, key: str) -> Path:
         """The job dir of one job of ``step`` (an evaluation, a train run): keyed by what the job is,
         so that a retry or a rerun of the step finds the job again (``tunepod.steps.jobs``)."""
-        return self.shared.jobs_dir(self.spec.name) / step / key
+        return self.shared.jobs_dir(self.spec.name, step, key)
 
     def finish(self, ok: bool) -> None:
         """End the pipeline run: what jobs reported reaches MLflow first (bounded), then the run ends."""
@@ -153,6 +155,7 @@ class PipelineSummary(BaseModel):
     pipeline: str
     run_id: str
     tracking_uri: str
+    """Shown ``redacted``: the summary is printed and returned by the flow."""
     experiment_id: str
     mlflow_ui_command: str
     """How to serve the MLflow UI over a local store (empty when the tracking URI is a server)."""
@@ -183,7 +186,7 @@ class PipelineSummary(BaseModel):
         return cls(
             pipeline=run.spec.name,
             run_id=run.run_id,
-            tracking_uri=run.tracker.tracking_uri,
+            tracking_uri=redacted(run.tracker.tracking_uri),
             experiment_id=run.tracker.experiment_id,
             mlflow_ui_command=_ui_command(run.tracker.tracking_uri),
             run_url=run.tracker.run_url(run.run_id, run.spec.tracking.browse_url),
@@ -201,10 +204,11 @@ class PipelineSummary(BaseModel):
 
 def _ui_command(tracking_uri: str) -> str:
     """The command that serves the MLflow UI over a local store; empty for a tracking server, which
-    serves its UI itself."""
+    serves its UI itself. A database store's password shows as ``***``, to be typed in its place: the
+    command is printed, and published as a Prefect artifact."""
     if tracking_uri.startswith(("http://", "https://")):
         return ""
-    return f"{_mlflow_cli()} ui --backend-store-uri {tracking_uri}"
+    return f"{_mlflow_cli()} ui --backend-store-uri {redacted(tracking_uri)}"
 
 
 def _mlflow_cli() -> str:

@@ -3,16 +3,22 @@
 Users write ``postgresql://user:password@host:5432/db`` (the libpq form RDS shows) everywhere. SQLAlchemy
 reads a bare ``postgresql://`` as psycopg2, which tunepod does not install: MLflow and Optuna get
 ``postgresql+psycopg://`` (psycopg 3), Prefect's async server ``postgresql+asyncpg://``.
+
+Such a URL holds a password: ``redacted`` is the one way tunepod shows a URL, or a message that may
+quote one (messages, logs, the console, MLflow tags, Prefect artifacts), and ``opening_store`` turns a
+driver's failure to open a store into an error that quotes neither the URL nor its password.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote
 
+from tunepod.errors import StoreError, TunepodError
 from tunepod.locks import locked
 
 POSTGRES_SCHEMES = ("postgresql", "postgres", "postgresql+psycopg")
@@ -23,8 +29,14 @@ class StoreUrlError(ValueError):
     """A database URL no engine of the stack can use; the message says which forms work."""
 
 
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
+
+
 def scheme_of(url: str) -> str:
-    return urlsplit(url).scheme.lower()
+    """The scheme of ``url``, lowercased; "" for a plain path. Never raises: it is asked of URLs that
+    do not parse too (an unclosed "[" of an IPv6 host), while reporting them."""
+    match = _SCHEME.match(url)
+    return match[1].lower() if match else ""
 
 
 def is_postgres(url: str) -> bool:
@@ -79,13 +91,98 @@ def schema_lock(url: str, owner: str) -> Iterator[None]:
         yield
 
 
-def redacted(url: str) -> str:
-    """``url`` with its password replaced by ``***``, for output and logs."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urlunsplit(parts._replace(netloc=netloc))
+HIDDEN = "***"
+
+# scheme://user:PASSWORD@host. Readers differ on where a password with an unencoded "@" or "/" ends
+# (SQLAlchemy: at the first "@"; urllib and libpq: at the authority's last "@"), so it is hidden up to
+# the last "@" of the URL: a path with an "@" (rare in a store URI) shows less, but no password shows.
+_URL_PASSWORD = re.compile(
+    r"(?P<head>\b[A-Za-z][A-Za-z0-9+.-]*://[^\s:/?#@]*:)(?P<secret>[^\s@]*@(?:[^\s@'\"]*@)*)"
+)
+# A secret query parameter (?password=..., &sslpassword=..., ?token=..., X-Amz-Signature=...).
+_QUERY_SECRET = re.compile(
+    r"(?P<head>[?&;][\w.-]*(?:pass|pwd|secret|token|api[_-]?key|signature|credential)[\w.-]*=)"
+    r"(?P<secret>[^&#\s]*)",
+    re.IGNORECASE,
+)
+# libpq's key=value form (host=db password=s3cret dbname=x), as psycopg may quote a connection string.
+_KEYWORD_SECRET = re.compile(
+    r"(?P<head>(?<![\w.-])(?:ssl)?password\s*=\s*)(?P<secret>'(?:[^'\\]|\\.)*'|[^\s&'\"]+)",
+    re.IGNORECASE,
+)
+_PATTERNS = (_URL_PASSWORD, _QUERY_SECRET, _KEYWORD_SECRET)
+#: A known secret shorter than this is hidden in URL and key=value form only: hidden wherever it occurs,
+#: it would cut ordinary words out of a message.
+MIN_LOOSE_SECRET = 4
+
+
+def redacted(text: str, *stores: str) -> str:
+    """``text`` as tunepod shows it, anywhere: a store URI, or a message that may quote one.
+
+    Every URL in it keeps its scheme, user, host, port and path; its password and the values of its
+    secret query parameters (``password=``, ``token=``, ...) become ``***``, as does a libpq
+    ``password=...``. The secrets of ``stores`` (the URIs a driver's message may quote in another form:
+    percent-decoded, or outside any URL) are hidden wherever they occur, each of at least
+    ``MIN_LOOSE_SECRET`` characters. Text with nothing to hide comes back unchanged.
+    """
+    for pattern in _PATTERNS:
+        text = pattern.sub(lambda match: match["head"] + _hidden(match["secret"]), text)
+    loose = {secret for store in stores for secret in _secrets(store) if len(secret) >= MIN_LOOSE_SECRET}
+    for secret in sorted(loose, key=len, reverse=True):  # a secret inside another goes after it
+        text = text.replace(secret, HIDDEN)
+    return text
+
+
+def _hidden(secret: str) -> str:
+    return f"{HIDDEN}@" if secret.endswith("@") else HIDDEN
+
+
+def _secrets(url: str) -> set[str]:
+    """The secrets of ``url`` as written and percent-decoded (without the "@" that ends a password)."""
+    found = {match["secret"].removesuffix("@") for pattern in _PATTERNS for match in pattern.finditer(url)}
+    return {form for secret in found for form in (secret, unquote(secret)) if form and form != HIDDEN}
+
+
+def browsable(url: str) -> str:
+    """``url`` without its userinfo, for a link a person opens: a browser asks for the login itself,
+    and a link is shown and stored where a password must not be (MLflow tags, Prefect artifacts)."""
+    scheme, sep, rest = url.partition("://")
+    authority_end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    authority = rest[:authority_end]
+    if not sep or "@" not in authority:
+        return redacted(url)
+    return redacted(f"{scheme}://{authority.rpartition('@')[2]}{rest[authority_end:]}")
+
+
+#: Schemes of stores that are a local file: nothing to hide, and their errors pass as they are (SQLite's
+#: "database is locked" is retried by its type).
+_FILE_SCHEMES = ("", "file", "sqlite", "journal")
+
+
+@contextlib.contextmanager
+def opening_store(what: str, field: str, url: str) -> Iterator[None]:
+    """Raise a failure to open the store at ``url`` (``what``, set by the spec's ``field``) as a
+    ``StoreError`` naming the store (``redacted``), the driver's reason (``redacted`` too: it keeps
+    "connection refused", "password authentication failed", "database does not exist") and the fix.
+
+    The driver's exception is left out of the chain, not attached as the cause: MLflow and SQLAlchemy
+    quote the URL in their messages, psycopg may quote the connection string, and a traceback prints
+    every exception of a chain. A ``TunepodError`` (tunepod's own words) and the errors of a local file
+    store (no password; SQLite's "database is locked" is retried by its type) pass as they are.
+    """
+    try:
+        yield
+    except TunepodError:
+        raise
+    except Exception as exc:
+        if scheme_of(url).partition("+")[0] in _FILE_SCHEMES:
+            raise
+        reason = redacted(f"{type(exc).__name__}: {exc}".strip(), url)
+        raise StoreError(
+            f"cannot open {what} {redacted(url)} ({reason}); fix: check that the server {field} names "
+            f"runs and accepts connections from this machine, and that the user, password and database "
+            f"in {field} are right (the reason says which)"
+        ) from None
 
 
 def _with_scheme(url: str, scheme: str) -> str:

@@ -79,6 +79,37 @@ def test_set_overrides(overrides: list[str], exit_code: int, expected: str) -> N
     assert expected in (result.stdout if exit_code == 0 else result.stderr)
 
 
+ALLOWED = "fix: use only letters, digits, '_', '-' and '.', and not '.' or '..' alone"
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("name=..", "name"),
+        ("steps.search.with.study.name=..", "steps.search.with.study.name"),
+        ("steps.search.with.study.name=.", "steps.search.with.study.name"),
+    ],
+    ids=["pipeline", "study", "study '.'"],
+)
+def test_validate_refuses_a_name_that_would_put_job_dirs_outside_jobs(override: str, field: str) -> None:
+    # The names become folders: <root>/jobs/<study>/trial-N, <root>/jobs/<pipeline>/<step>/<key>.
+    result = runner.invoke(app, ["validate", VALID, "--set", override])
+    assert result.exit_code == 2, result.output
+    value = override.partition("=")[2]
+    assert f"--set {override}: {field}: {value!r} cannot name a folder of job dirs" in result.stderr
+    assert f"    {ALLOWED}" in result.stderr
+
+
+def test_validate_refuses_a_step_named_dot_dot(tmp_path: Path) -> None:
+    spec = tmp_path / "pipeline.yaml"
+    text = (REPO / VALID).read_text()
+    spec.write_text(text.replace("  check:\n", "  '..':\n").replace("[check]", "['..']"))
+    result = runner.invoke(app, ["validate", str(spec)])
+    assert result.exit_code == 2, result.output
+    assert f"{spec}:27: steps...: step name '..' cannot name a folder of job dirs" in result.stderr
+    assert "    fix: rename the step: any name but '.' or '..', without '/' or '\\'" in result.stderr
+
+
 def test_graph_prints_mermaid() -> None:
     result = runner.invoke(app, ["graph", VALID])
     assert result.exit_code == 0, result.output

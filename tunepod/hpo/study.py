@@ -37,7 +37,7 @@ from tunepod.spec.models import (
     TuneSettings,
     WarmStart,
 )
-from tunepod.stores import schema_lock, sync_sqlalchemy_url
+from tunepod.stores import opening_store, redacted, schema_lock, sync_sqlalchemy_url
 
 JOURNAL_SCHEME = "journal://"
 log = logging.getLogger(__name__)
@@ -56,9 +56,12 @@ def _distribution(param: SearchParam) -> BaseDistribution:
     return IntDistribution(param.low, param.high, log=param.log, step=param.step)
 
 
-def make_storage(uri: str) -> BaseStorage:
+def make_storage(uri: str, field: str = "study.storage") -> BaseStorage:
     """``journal://<file>`` (a journal file, safe on a shared filesystem), ``sqlite:///<file>``, or a
-    database URL (``postgresql://user:password@host/db`` is opened through psycopg 3)."""
+    database URL (``postgresql://user:password@host/db`` is opened through psycopg 3).
+
+    A database that cannot be opened raises ``StoreError``, naming ``field`` (where the spec sets
+    ``uri``) and quoting neither the URL nor its password."""
     if uri.startswith(JOURNAL_SCHEME):
         path = Path(uri[len(JOURNAL_SCHEME) :]).expanduser()
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -67,7 +70,7 @@ def make_storage(uri: str) -> BaseStorage:
         Path(uri[len("sqlite:///") :]).expanduser().parent.mkdir(parents=True, exist_ok=True)
         # Trials report from several threads at once; wait for SQLite's lock instead of failing.
         return RDBStorage(uri, engine_kwargs={"connect_args": {"timeout": 30}})
-    with schema_lock(uri, "optuna"):
+    with opening_store("the study storage", field, uri), schema_lock(uri, "optuna"):
         # A pooled connection dropped by the server (a restart, an RDS failover) is replaced, not raised.
         return RDBStorage(sync_sqlalchemy_url(uri), engine_kwargs={"pool_pre_ping": True})
 
@@ -254,7 +257,7 @@ def open_study(settings: TuneSettings, storage: BaseStorage | None = None) -> op
     if stored != directions:
         wanted = ", ".join(f"{g.metric}: {g.direction}" for g in spec.goals)
         raise TunepodError(
-            f"study {spec.name!r} in {spec.storage} was created to {' and '.join(stored)} "
+            f"study {spec.name!r} in {redacted(spec.storage)} was created to {' and '.join(stored)} "
             f"({len(stored)} objective(s)), but the spec says {wanted}; fix: use another study name, "
             f"or declare {len(stored)} objective(s) with these directions: {', '.join(stored)}"
         )
@@ -286,9 +289,9 @@ def check_space_change(study: optuna.Study, settings: TuneSettings) -> None:
     name = settings.study.name
     if clashes:
         raise TunepodError(
-            f"study {name!r} in {settings.study.storage} was searched over another space, which Optuna "
-            f"cannot mix with the spec's in one study: {'; '.join(clashes)}. Fix: give the study a new "
-            f"name and add warm_start: [{{study: {name}}}]: its best trials that fit the new space run "
+            f"study {name!r} in {redacted(settings.study.storage)} was searched over another space, which "
+            f"Optuna cannot mix with the spec's in one study: {'; '.join(clashes)}. Fix: give the study a "
+            f"new name and add warm_start: [{{study: {name}}}]: its best trials that fit the new space run "
             "first, and those that do not are named"
         )
     for param, count in sorted(outside.items()):
@@ -337,12 +340,13 @@ def _warm_start_params(source: WarmStart, settings: TuneSettings) -> tuple[list[
     """The parameters of ``source``'s ``top_k`` best completed trials that fit ``settings.space``
     (parameters the space does not have are dropped), and why each of the others does not fit."""
     storage = source.storage or settings.study.storage
+    field = "warm_start[].storage" if source.storage else "study.storage"
     try:
-        earlier = optuna.load_study(study_name=source.study, storage=make_storage(storage))
+        earlier = optuna.load_study(study_name=source.study, storage=make_storage(storage, field))
     except KeyError:
         raise TunepodError(
-            f"warm_start: no study {source.study!r} in {storage}; fix: name a study that exists there "
-            "(optuna studies list), or set warm_start[].storage to where it is"
+            f"warm_start: no study {source.study!r} in {redacted(storage)}; fix: name a study that exists "
+            "there (optuna studies list), or set warm_start[].storage to where it is"
         ) from None
     completed = earlier.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     if len(earlier.directions) > 1:

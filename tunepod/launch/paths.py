@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from tunepod.errors import TunepodError
 from tunepod.runtime.progress import PROGRESS_DIR_NAME
 
 SHARED_SCHEME = "fsx://"
@@ -99,18 +100,40 @@ class SharedRoot:
     root: Path
 
     def resolve(self, uri: str) -> Path:
-        """``fsx:///datasets/x`` -> ``<root>/datasets/x``; any other string is a plain local path."""
+        """``fsx:///datasets/x`` -> ``<root>/datasets/x``; any other string is a plain local path.
+
+        Raises ``TunepodError`` for an ``fsx://`` path with a ``..`` in it: it would leave the root."""
         if uri.startswith(SHARED_SCHEME):
             rest = uri[len(SHARED_SCHEME) :]
             # fsx:///path (empty authority) is the launcher's own file system; an explicit file system
             # id (fsx://fs-0123/path) is for the AWS stager and means the same path on the cluster.
             relative = rest.split("/", 1)[1] if "/" in rest else ""
+            if ".." in relative.split("/"):
+                raise TunepodError(f"{uri!r} leaves the launcher root {self.root}; fix: remove its '..'")
             return (self.root / relative).resolve()
         return Path(uri).expanduser().resolve()
 
-    def jobs_dir(self, group: str) -> Path:
-        """Where the job directories of one study or step live."""
-        return self.root.resolve() / "jobs" / group
+    def jobs_dir(self, group: str, *below: str) -> Path:
+        """Where the job directories of one study (``group``) or pipeline live, or, with ``below``
+        (a step, a job's key), the folders under it: each name one folder, checked here too (the spec
+        refuses such names, but a path joined from a name is where a ``..`` would escape).
+
+        Raises ``TunepodError`` for a name that is not one plain folder name (``..``, ``a/b``, ``/x``)."""
+        folder = self.root.resolve() / "jobs"
+        for name in (group, *below):
+            folder = folder / _one_folder(name)
+        return folder
+
+
+def _one_folder(name: str) -> str:
+    """``name`` when it names one folder inside its parent; else ``TunepodError``."""
+    if name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise TunepodError(
+            f"{name!r} cannot name a folder of job dirs: it would not be one folder under <root>/jobs "
+            "(a study, pipeline or step name in the spec); fix: rename it: not '.' or '..', without "
+            "'/' or '\\'"
+        )
+    return name
 
 
 def tail_lines(path: Path, lines: int) -> str:

@@ -39,6 +39,7 @@ from pydantic_core import ErrorDetails
 from tunepod import dag
 from tunepod.errors import SpecError, SpecIssue
 from tunepod.spec.models import EvaluateStep, PipelineSpec, StepSpec, TrainStep, TuneStep
+from tunepod.stores import redacted
 
 YamlPath = tuple[str | int, ...]
 _MERGE_TAG = "tag:yaml.org,2002:merge"
@@ -54,7 +55,8 @@ class OverrideIssue(SpecIssue):
     override: str = ""
 
     def render(self, source: str) -> str:
-        return super().render(f"--set {self.override}")
+        # The override may set a store URI: it is shown as tunepod shows any, its password hidden.
+        return super().render(f"--set {redacted(self.override)}")
 
 
 # ---------------------------------------------------------------------------------------------- public API
@@ -116,14 +118,31 @@ def parse_spec(
 
 
 def spec_hash(spec: PipelineSpec) -> str:
-    """sha256 of the spec's canonical JSON: equal for specs that mean the same, whatever their layout."""
-    canonical = json.dumps(spec.model_dump(mode="json", by_alias=True), sort_keys=True, separators=(",", ":"))
+    """sha256 of the spec's canonical JSON: equal for specs that mean the same, whatever their layout.
+
+    Taken with the store passwords hidden (as ``dump_spec`` shows them): the hash is an MLflow tag,
+    beside the dumped spec, and must not let anyone test guesses of a password; a new password is not
+    a new meaning either."""
+    document = _shown(spec.model_dump(mode="json", by_alias=True))
+    canonical = json.dumps(document, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
 def dump_spec(spec: PipelineSpec) -> str:
-    """The resolved spec as YAML (defaults filled in, ``with`` spelled as in files), for logging."""
-    return yaml.safe_dump(spec.model_dump(mode="json", by_alias=True), sort_keys=False)
+    """The resolved spec as YAML (defaults filled in, ``with`` spelled as in files), for logging: every
+    string as tunepod shows it (``redacted``), so a spec with a store password reads back with ``***``."""
+    return yaml.safe_dump(_shown(spec.model_dump(mode="json", by_alias=True)), sort_keys=False)
+
+
+def _shown(document: Any) -> Any:
+    """``document`` (a dumped spec) with each string ``redacted``."""
+    if isinstance(document, str):
+        return redacted(document)
+    if isinstance(document, dict):
+        return {key: _shown(value) for key, value in document.items()}
+    if isinstance(document, list):
+        return [_shown(item) for item in document]
+    return document
 
 
 # ---------------------------------------------------------------------------------------------- YAML
@@ -305,8 +324,8 @@ def _parse_override(override: str) -> tuple[tuple[str, ...], Any]:
         return path, yaml.safe_load(value_text)
     except yaml.YAMLError as exc:
         problem = getattr(exc, "problem", None) or str(exc)
-        fix = f"quote the value: --set {key}='{value_text}'"
-        raise _BadOverride(key, f"the value is not valid YAML: {problem}", fix) from None
+        fix = f"quote the value: --set {key}='{redacted(value_text)}'"
+        raise _BadOverride(key, f"the value is not valid YAML: {redacted(problem)}", fix) from None
 
 
 def _set_path(raw: dict[Any, Any], path: tuple[str, ...], value: Any) -> list[YamlPath]:
@@ -692,4 +711,4 @@ def _describe(value: Any) -> str:
         return "a mapping"
     if isinstance(value, list):
         return "a list"
-    return repr(value) if isinstance(value, str) else str(value)
+    return repr(redacted(value)) if isinstance(value, str) else str(value)

@@ -9,9 +9,12 @@ from __future__ import annotations
 import functools
 import json
 import re
+from collections.abc import Iterable
+from pathlib import PurePosixPath
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -23,11 +26,43 @@ from pydantic import (
 
 from tunepod.spec.parallelism import ParallelismSpec, check_space, job_layout
 from tunepod.spec.resources import Resources
-from tunepod.stores import is_postgres, redacted
+from tunepod.stores import browsable, is_postgres, redacted
 
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    def __repr_args__(self) -> Iterable[tuple[str | None, Any]]:
+        # A spec's repr lands in logs and tracebacks: its store URIs show as tunepod shows them anywhere.
+        for name, value in super().__repr_args__():
+            yield name, redacted(value) if isinstance(value, str) else value
+
+
+# ---------------------------------------------------------------------------------------------- names
+
+#: The characters of a pipeline's and a study's name.
+NAME_PATTERN = r"^[A-Za-z0-9_.-]+$"
+NAME_CHARACTERS = "letters, digits, '_', '-' and '.', and not '.' or '..' alone"
+
+
+def folder_problem(name: str) -> str | None:
+    """Why ``name`` cannot be one folder under ``<root>/jobs`` (the job dirs are ``<root>/jobs/<study>/``
+    and ``<root>/jobs/<pipeline>/<step>/``): ``.``, ``..``, empty, or holding a ``/``, a ``\\`` or a
+    NUL, it would name another folder (``..`` the one above), or none; None when it can."""
+    if name in ("", ".", "..") or any(separator in name for separator in "/\\\0"):
+        return f"{name!r} cannot name a folder of job dirs: it would not be one folder under <root>/jobs"
+    return None
+
+
+def _one_folder(name: str) -> str:
+    problem = folder_problem(name)
+    if problem is not None:
+        raise ValueError(f"{problem}; fix: use only {NAME_CHARACTERS}")
+    return name
+
+
+FolderName = Annotated[str, Field(min_length=1, pattern=NAME_PATTERN), AfterValidator(_one_folder)]
+"""A pipeline's or a study's name: it names a folder of job dirs (``folder_problem``)."""
 
 
 # ---------------------------------------------------------------------------------------------- tracking
@@ -56,10 +91,23 @@ class TrackingSpec(Strict):
 
     @property
     def browse_url(self) -> str:
-        """The MLflow UI's base URL (``ui_url``, or its default)."""
+        """The MLflow UI's base URL (``ui_url``, or its default), without a login in it: links are
+        printed, and stored in MLflow tags and Prefect artifacts (a browser asks for the login)."""
         if self.ui_url:
-            return self.ui_url
-        return self.uri if self.uri.startswith(("http://", "https://")) else LOCAL_MLFLOW_UI
+            return browsable(self.ui_url)
+        return browsable(self.uri) if self.uri.startswith(("http://", "https://")) else LOCAL_MLFLOW_UI
+
+    @model_validator(mode="after")
+    def _check_artifact_folder(self) -> TrackingSpec:
+        # A local store keeps each experiment's artifacts in <store's folder>/mlartifacts/<experiment>.
+        experiment = PurePosixPath(self.experiment)
+        if self.uri.startswith("sqlite:///") and (experiment.is_absolute() or ".." in experiment.parts):
+            raise ValueError(
+                f"experiment {self.experiment!r} would put its artifacts outside the mlartifacts folder "
+                "beside the SQLite store; fix: give the experiment a name without '..' that does not "
+                "start with '/'"
+            )
+        return self
 
 
 #: Where ``mlflow ui`` listens by default.
@@ -501,7 +549,7 @@ class StudySpec(Strict):
     validation ``objectives`` always holds every objective and ``metric``/``direction`` the primary.
     """
 
-    name: str = Field(..., min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    name: FolderName = Field(..., description="The study's name; its trials' job dirs: <root>/jobs/<name>/.")
     storage: str = Field(
         "journal://.tunepod/optuna.log",
         description="journal://<file> (default, safe on a shared filesystem), sqlite:///<file>, or "
@@ -933,6 +981,11 @@ class StageSettings(Strict):
                 "itself, tunepod copies nothing to check; fix: remove verify, or stage to fsx:///<path>"
             )
         if file_system_id is None:
+            if self.target.startswith("fsx://") and ".." in self.target.split("/"):
+                raise ValueError(
+                    f"target {self.target!r} leaves the launcher's root: fsx:///<path> is a folder under "
+                    "it; fix: write the path without '..', e.g. fsx:///datasets/x"
+                )
             if self.fsx is not None:
                 raise ValueError(
                     "fsx settings apply only to an fsx://<file-system-id>/<path> target, not "
@@ -1076,10 +1129,25 @@ class MetricsSpec(Strict):
 class PipelineSpec(Strict):
     """A whole pipeline: where to track it, where to run its jobs, and its steps."""
 
-    name: str = Field(..., min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    name: FolderName = Field(..., description="The pipeline's name; its steps' jobs: <root>/jobs/<name>/.")
     tracking: TrackingSpec
     launcher: LauncherSpec = Field(default_factory=LocalLauncherSpec)
     metrics: MetricsSpec | None = Field(
         None, description="Prometheus endpoint of the running pipeline (e.g. {port: 9464}); off when unset."
     )
-    steps: dict[str, StepSpec] = Field(..., min_length=1)
+    steps: dict[str, StepSpec] = Field(
+        ...,
+        min_length=1,
+        description="The steps by name; a step's name names its jobs' folder, <root>/jobs/<pipeline>/<step>/ "
+        "(any name but '.' or '..', without '/' or '\\').",
+    )
+
+    def store_uris(self) -> list[str]:
+        """Every store URI the spec names (tracking, each study's storage, each warm start's): what a
+        message about the run may quote, and must show ``redacted``."""
+        uris = [self.tracking.uri]
+        for step in self.steps.values():
+            if isinstance(step, TuneStep):
+                uris.append(step.with_.study.storage)
+                uris += [w.storage for w in step.with_.warm_start if w.storage is not None]
+        return uris

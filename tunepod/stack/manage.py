@@ -21,6 +21,7 @@ from tunepod.stack import services
 from tunepod.stack.config import StackConfig
 from tunepod.stack.processes import Service, ServiceRecord, is_alive, start_service, stop_service
 from tunepod.stack.secrets import GeneratedSecrets, generate_missing
+from tunepod.stores import redacted
 
 _POLL_S = 0.5
 _LOG_TAIL = 20
@@ -227,9 +228,11 @@ def _wait_healthy(config: StackConfig, record: ServiceRecord) -> None:
 
 def _runbook(record: ServiceRecord, what: str) -> str:
     check = record.health_url or "worker ONLINE in Prefect's API"
+    # A server that cannot reach its database may log the database's URL.
+    tail = redacted(tail_lines(Path(record.log), _LOG_TAIL))
     return (
         f"{record.name} (pid {record.pid}) {what} (health check: {check}).\n"
-        f"Last {_LOG_TAIL} lines of {record.log}:\n{tail_lines(Path(record.log), _LOG_TAIL)}\n"
+        f"Last {_LOG_TAIL} lines of {record.log}:\n{tail}\n"
         f"Full log: {record.log}. Command: {' '.join(record.argv)}"
     )
 

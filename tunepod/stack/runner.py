@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tunepod.stores import redacted
+
 logger = logging.getLogger(__name__)
 
 RUNNER_ENV = "TUNEPOD_RUNNER"
@@ -365,7 +367,8 @@ class Runner:
         self._selector.register(pidfd, selectors.EVENT_READ, lambda _: self._ended(run))
         with contextlib.suppress(OSError):  # a caller gone already: reading its connection kills the run
             _send(conn, {"started": pid, "api": request["env"]["PREFECT_API_URL"]})
-        logger.info("run %d started: %s (cwd %s)", pid, " ".join(request["argv"]), request["cwd"])
+        # Its --set values may hold a store URI: the log (a file, and Prefect's) shows it redacted.
+        logger.info("run %d started: %s (cwd %s)", pid, redacted(" ".join(request["argv"])), request["cwd"])
 
     def _from_caller(self, run: _Run) -> None:
         try:
