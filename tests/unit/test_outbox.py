@@ -14,7 +14,9 @@ import time
 from pathlib import Path
 from typing import Any, cast
 
-from tunepod.tracking.mirror import RunMirror
+import pytest
+
+from tunepod.tracking.mirror import RunMirror, RunPlan
 from tunepod.tracking.outbox import TrackingOutbox
 
 
@@ -145,3 +147,28 @@ def test_one_mirror_is_never_synced_on_two_threads_at_once() -> None:
     finally:
         gate.set()
         outbox.close()
+
+
+def test_an_mlflow_error_quoting_the_tracking_uri_is_logged_redacted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """MLflow's client quotes the tracking server's URL, login included, in its errors: the outbox's
+    warning shows it as every store URI is shown, the password hidden. (A tracker that cannot reach its
+    server stands in for MLflow's client against a server that is down.)"""
+
+    class Unreachable:
+        tracking_uri = "http://tunepod:s3cret-Pa55@127.0.0.1:5000"
+
+        def start_run(self, *args: object, **kwargs: object) -> str:
+            raise ConnectionError(f"API request to {self.tracking_uri}/api/2.0/mlflow/runs/create failed")
+
+    mirror = RunMirror(cast(Any, Unreachable()), tmp_path, plan=RunPlan("k", "trial-0", None, {}, {}))
+    outbox = TrackingOutbox(max_backoff_s=0.05, threads=1)
+    try:
+        with caplog.at_level("WARNING"):
+            outbox.add(mirror)
+            assert not outbox.flush(timeout_s=0.5)
+    finally:
+        outbox.close()
+    assert "s3cret-Pa55" not in caplog.text
+    assert "http://tunepod:***@127.0.0.1:5000/api/2.0/mlflow/runs/create" in caplog.text

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 
 from tunepod import world
+from tunepod.stores import redacted
 from tunepod.tracking.mirror import RunMirror
 
 logger = logging.getLogger(__name__)
@@ -165,16 +166,18 @@ class TrackingOutbox:
             if first:
                 self._failing_since = world.monotonic()
             self._cond.notify_all()  # it is free again for another thread
+        # MLflow's messages may quote a tracking URI with its login: shown redacted, as every store URI.
+        why = redacted(str(exc), mirror.tracker.tracking_uri)
         if first:
             logger.warning(
                 "MLflow did not take the records of %s (%s: %s); the jobs run on, and their records wait "
                 "and are retried",
                 mirror.job_dir,
                 type(exc).__name__,
-                str(exc)[:500],
+                why[:500],
             )
         else:
-            logger.debug("MLflow still failing for %s: %s", mirror.job_dir, exc)
+            logger.debug("MLflow still failing for %s: %s", mirror.job_dir, why)
 
     def _sleep(self, seconds: float) -> None:
         with self._cond:
