@@ -50,6 +50,7 @@ from tunepod.launch.hyperpod_eks import (
     parse_job_id,
     render_manifest,
 )
+from tunepod.launch.paths import JobPaths
 from tunepod.launch.submission import new_submission_id, read_submission, write_submission
 from tunepod.spec.models import HyperPodEksLauncherSpec
 
@@ -289,6 +290,112 @@ def test_an_object_missing_from_the_list_is_looked_up_by_name(
     handle.cancel()
 
 
+# ------------------------------------------------------------------------------------- TTL
+
+
+def exit_records(job_dir: Path) -> list[str]:
+    """What each pod recorded of its command's end in ``job_dir`` (one record per pod)."""
+    return [path.read_text() for path in sorted(job_dir.glob("exit_code.*"))]
+
+
+def deleted_by_ttl(launcher: HyperPodEksLauncher, handle: Job[Any]) -> None:
+    """Wait, without asking the handle anything (as if no orchestrator ran), until the job's
+    ``ttlSecondsAfterFinished`` has deleted its object."""
+    name = launcher.object_ref(handle).name
+    wait_until(lambda: not object_ids(launcher, name), "ttlSecondsAfterFinished to delete the object")
+
+
+@pytest.mark.parametrize("crd", ["hyperpod", "kubeflow"])
+def test_a_job_that_exited_0_unwatched_and_was_deleted_by_its_ttl_succeeded(
+    kube: KubeApiStandIn, tmp_path: Path, crd: str
+) -> None:
+    """The job exits 0 without a result file (the contract allows it) while no orchestrator watches,
+    and its TTL deletes the object: the orchestrator that comes back finds no object (404) and reads
+    SUCCEEDED from the exit codes the pods recorded in the job dir, not FAILED (which would restart a
+    finished trial, or fail it)."""
+    launcher = eks_launcher(kube, tmp_path, crd=crd, ttl_after_finished_s=1)
+    out = tmp_path / "args.json"
+    job = eks_job(tmp_path / "job", "echo_args.py", str(out))
+    handle = launcher.submit(job)
+    deleted_by_ttl(launcher, handle)
+    assert out.exists() and not job.paths.result.exists()
+
+    found = restarted(launcher).recorded(job.job_dir)
+    assert found is not None and found.job_id == handle.job_id
+    assert found.state() is JobState.SUCCEEDED
+    assert "ttlSecondsAfterFinished expired" in found.describe()
+    assert "its pods recorded exit code 0" in found.describe()
+
+
+def test_an_intent_whose_object_ran_and_was_deleted_by_its_ttl_is_that_job_never_a_new_one(
+    kube: KubeApiStandIn, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The orchestrator died between the create and the record (only the intent is in the job dir),
+    and the job exited 0 and its TTL deleted the object before an orchestrator came back: no object
+    answers the intent's name, but its pods' exit records do. The intent resolves to that ended job,
+    SUCCEEDED; it is never sent again (which would train a finished trial a second time)."""
+    caplog.set_level(logging.WARNING, logger="tunepod.launch.base")
+    launcher = eks_launcher(kube, tmp_path, ttl_after_finished_s=1)
+    job = eks_job(tmp_path / "job", "echo_args.py", str(tmp_path / "args.json"))
+    handle = launcher.submit(job)
+    record = read_submission(job.paths)
+    assert record is not None
+    write_submission(job.paths, record.model_copy(update={"job_id": None, "submitted_at": None}))
+    deleted_by_ttl(launcher, handle)
+
+    found = restarted(launcher).recorded(job.job_dir)
+    assert found is not None, "the intent was taken for a job that never existed: it would be sent again"
+    assert found.state() is JobState.SUCCEEDED
+    assert "its pods recorded exit code 0" in found.describe()
+    assert "of an unrecorded submission" in caplog.text
+    completed = read_submission(job.paths)
+    assert completed is not None
+    assert (completed.job_id, completed.submission_id) == (found.job_id, record.submission_id)
+    assert kube.calls[f"create {HYPERPOD_PLURAL}"] == 1
+
+
+def test_a_failed_job_deleted_by_its_ttl_is_failed_with_its_code_and_the_next_attempt_starts_clean(
+    kube: KubeApiStandIn, tmp_path: Path
+) -> None:
+    launcher = eks_launcher(kube, tmp_path, ttl_after_finished_s=1)
+    job_dir = tmp_path / "job"
+    first = launcher.submit(eks_job(job_dir, "fail.py", "attempt 1 failed"))
+    deleted_by_ttl(launcher, first)
+    assert finish(first) is JobState.FAILED
+    assert "its pods recorded exit code 1" in first.describe()
+    record = read_submission(JobPaths(job_dir))
+    assert record is not None
+    assert exit_records(job_dir) == [f"1 {record.submission_id}\n"]  # one pod, one record
+
+    release = tmp_path / "release"
+    second = launcher.submit(eks_job(job_dir, "succeed.py", str(release)))
+    assert exit_records(job_dir) == []  # attempt 1's records went with its attempt
+    release.touch()
+    assert finish(second) is JobState.SUCCEEDED, second.logs()
+    record = read_submission(JobPaths(job_dir))
+    assert record is not None
+    assert exit_records(job_dir) == [f"0 {record.submission_id}\n"]
+
+
+def test_a_deleted_jobs_pods_record_how_the_stop_ended_its_command(
+    kube: KubeApiStandIn, tmp_path: Path
+) -> None:
+    """The recording shell outlives a delete's SIGTERM, waits for the command it passed it on to, and
+    records that command's status (torchrun's, nonzero), never a success."""
+    launcher = eks_launcher(kube, tmp_path)
+    pid_dir = tmp_path / "pids"
+    job = eks_job(tmp_path / "job", "hang.py", str(pid_dir))
+    handle = launcher.submit(job)
+    wait_until(lambda: (pid_dir / "rank-0.json").exists(), "the rank to start")
+    handle.cancel()
+    assert handle.state() is JobState.CANCELLED
+    submission = read_submission(job.paths)
+    assert submission is not None
+    [record] = exit_records(job.job_dir)
+    code, submission_id = record.split()
+    assert (int(code) != 0, submission_id) == (True, submission.submission_id)
+
+
 # ------------------------------------------------------------------------------------- exactly once
 
 
@@ -367,7 +474,8 @@ def test_crash_between_create_and_record_is_resolved_by_name_and_annotation(
     assert found is not None and found.job_id == submitted.job_id
     completed = read_submission(job.paths)
     assert completed is not None and completed.job_id == submitted.job_id
-    assert completed.details == record.details == {"kind": "HyperPodPyTorchJob", "namespace": "default"}
+    expected = {"kind": "HyperPodPyTorchJob", "namespace": "default", "pods": 1}
+    assert completed.details == record.details == expected
     assert kube.calls[f"create {HYPERPOD_PLURAL}"] == 1
     release.touch()
     assert finish(found) is JobState.SUCCEEDED, found.logs()

@@ -18,12 +18,14 @@ Emulated, and only this:
   timed-out client does after the API server has acted;
 - Secrets, as data only (``add_secret``): a container's ``valueFrom.secretKeyRef`` reads them when its
   pod starts (a missing Secret or key leaves the variable unset, where the kubelet would hold the pod
-  in CreateContainerConfigError);
+  in CreateContainerConfigError); ``valueFrom.fieldRef`` of ``metadata.name`` is the pod's name (the
+  downward API);
 - a tiny operator: each created job gets all its pods at once (labels from the template, an owner
   reference to the job), and each pod's container ``command`` runs as a LOCAL process tree in a new
   session with the container's env (``$(VAR)`` and ``$$`` expanded as Kubernetes does) and
-  ``workingDir``; the image's python becomes ``sys.executable``. The claim's mount path is the same
-  local path. stdout and stderr together are the pod log.
+  ``workingDir``; the image's python becomes ``sys.executable`` (also under a ``/bin/sh -c SCRIPT
+  NAME`` wrapper, which runs as it is). The claim's mount path is the same local path. stdout and
+  stderr together are the pod log.
 - rendezvous, all on 127.0.0.1 with a free port per job (every pod shares this machine's network,
   where a cluster gives each pod its own address and a Service name):
   - Kubeflow: the training operator v1's env (pkg/controller.v1/pytorch ``setPodEnv``, v1.9) is
@@ -49,12 +51,15 @@ Emulated, and only this:
   process, as kubelet reports).
 - deleting a job sends SIGTERM to its pods' processes, then SIGKILL after ``grace_s``; ``crash``
   SIGKILLs them like a node failure.
+- ``ttlSecondsAfterFinished``: a job that ended by itself (Succeeded, Completed or Failed) is deleted
+  that long after it ended, in the Background (the object at once, then its pods), so that a GET
+  answers 404 from then on.
 
 Not emulated: authentication, RBAC, watches, resourceVersion semantics, namespaces as objects, other
 resources, Services and DNS (every rendezvous address is 127.0.0.1), restarts
 (``jobMaxRetryCount``/``backoffLimit``/``maxRestarts``: a failed pod fails the job),
-``activeDeadlineSeconds``, ``ttlSecondsAfterFinished`` (ended jobs stay until deleted),
-``cleanPodPolicy`` (ended pods stay until their job is deleted), Kubeflow's success policy (the
+``activeDeadlineSeconds``, ``cleanPodPolicy`` (ended pods stay until their job is deleted), Kubeflow's
+success policy (the
 stand-in waits for every pod, where the real operator ends a job with a Master when the Master
 succeeds), schema validation of the objects, scheduling and resources.
 """
@@ -112,6 +117,9 @@ def local_argv(command: list[str], torchrun_flags: list[str]) -> list[str]:
     become this Python's ``torch.distributed.run`` with ``torchrun_flags`` (the rendezvous the
     operator would supply; see the module docstring) first."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", *torchrun_flags]
+    if command[:2] == ["/bin/sh", "-c"] and len(command) > 4:
+        # A wrapper script (tunepod's exit recorder): it runs as it is, its arguments are the command.
+        return [*command[:4], *local_argv(command[4:], torchrun_flags)]
     if command[0] == "hyperpodrun":
         return [*torchrun, *command[1:]]
     if Path(command[0]).name.startswith("python"):
@@ -211,7 +219,10 @@ class Pod:
         container = self.body["spec"]["containers"][0]
         env: dict[str, str] = {}
         for var in container.get("env") or []:
-            if "valueFrom" in var:
+            if "fieldRef" in var.get("valueFrom", {}):
+                assert var["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name", var
+                env[var["name"]] = self.body["metadata"]["name"]
+            elif "valueFrom" in var:
                 ref = var["valueFrom"]["secretKeyRef"]
                 if ref["key"] in self.secrets.get(ref["name"], {}):
                     env[var["name"]] = self.secrets[ref["name"]][ref["key"]]
@@ -279,6 +290,7 @@ class KubeApiStandIn:
         self._pods: dict[tuple[str, str], Pod] = {}
         self._versions = itertools.count(1)
         self._threads: list[threading.Thread] = []
+        self._stopping = threading.Event()
         standin = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -310,6 +322,7 @@ class KubeApiStandIn:
 
     def stop(self) -> None:
         """Stop serving (idempotent) and kill every process the pods still run."""
+        self._stopping.set()
         self._server.shutdown()
         self._server.server_close()
         with self._lock:
@@ -559,6 +572,18 @@ class KubeApiStandIn:
             if not failed and self._is_live(plural, ns, name, obj):
                 done = "Completed" if plural == "hyperpodpytorchjobs" else "Succeeded"
                 self._set_condition(obj, done, "completed successfully")
+            ended_by_itself = self._is_live(plural, ns, name, obj)
+        ttl = (obj["spec"].get("runPolicy") or {}).get("ttlSecondsAfterFinished")
+        if ended_by_itself and ttl is not None and not self._stopping.wait(float(ttl)):
+            self._expire(plural, ns, name, obj)
+
+    def _expire(self, plural: str, ns: str, name: str, obj: dict[str, Any]) -> None:
+        """``ttlSecondsAfterFinished`` ran out: delete the job in the Background (object, then pods)."""
+        with self._lock:
+            if self._objects.get((plural, ns, name)) is not obj or obj["metadata"].get("deletionTimestamp"):
+                return  # deleted (or replaced) meanwhile
+            del self._objects[(plural, ns, name)]
+        self._remove(plural, ns, name, obj)
 
     def _is_live(self, plural: str, ns: str, name: str, obj: dict[str, Any]) -> bool:
         """Whether ``obj`` is still the object under its name and not being deleted (a deleted job's

@@ -13,6 +13,9 @@ import dataclasses
 import json
 import os
 import re
+import signal
+import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +40,14 @@ from tunepod.launch.hyperpod_eks import (
     render_manifest,
     state_from_conditions,
 )
+from tunepod.launch.hyperpod_eks.exits import (
+    POD_NAME_ENV,
+    exit_recorder,
+    pod_name_env,
+    recorded_exit,
+    stale_records,
+)
+from tunepod.launch.hyperpod_eks.render import training_command
 from tunepod.launch.watchdog import Limits
 from tunepod.spec.models import HyperPodEksLauncherSpec, LauncherSpec
 
@@ -369,6 +380,83 @@ def test_a_zero_ttl_is_refused() -> None:
         spec(ttl_after_finished_s=0)
 
 
+# ------------------------------------------------------------------------------------------ exit records
+
+
+def as_kubelet_runs(command: list[str]) -> list[str]:
+    """The container command after Kubernetes' expansion (the renderer escapes every ``$`` as ``$$``)."""
+    return [part.replace("$$", "$") for part in command]
+
+
+def wrapped(job_dir: Path, *command: str) -> subprocess.Popen[bytes]:
+    """The exit recorder of a pod named ``trial-7-pod-0`` of submission ``sub-1``, running ``command``."""
+    env = {**os.environ, POD_NAME_ENV: "trial-7-pod-0", SUBMISSION_ID_ENV: "sub-1"}
+    return subprocess.Popen([*as_kubelet_runs(exit_recorder(job_dir)), *command], env=env)
+
+
+@pytest.mark.parametrize("crd", ["hyperpod", "kubeflow"])
+def test_the_container_runs_the_training_command_under_the_exit_recorder(crd: str) -> None:
+    launcher = spec(crd=crd)
+    manifest = render_manifest(job(), launcher)
+    replicas = manifest["spec"].get("replicaSpecs") or list(manifest["spec"]["pytorchReplicaSpecs"].values())
+    template = replicas[0]["template"]
+    container = template["spec"]["containers"][0]
+    assert container["command"] == [*exit_recorder(job().job_dir), *training_command(job(), launcher)]
+    assert container["command"][:2] == ["/bin/sh", "-c"]
+    assert "tunepod_job_dir=/fsx/tunepod/jobs/digits/trial-7\n" in container["command"][2]
+    # The pod's name reaches the shell through the downward API.
+    assert pod_name_env() in container["env"]
+    assert pod_name_env() == {"name": POD_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_the_recorder_records_the_commands_exit_code_and_submission_in_the_job_dir(
+    tmp_path: Path, code: int
+) -> None:
+    assert wrapped(tmp_path, "/bin/sh", "-c", f"exit {code}").wait(timeout=30) == code
+    assert (tmp_path / "exit_code.trial-7-pod-0").read_text() == f"{code} sub-1\n"
+    assert [path.name for path in tmp_path.iterdir()] == ["exit_code.trial-7-pod-0"]
+    assert recorded_exit(tmp_path, "sub-1", pods=1) == code
+
+
+def test_the_recorder_passes_sigterm_on_and_records_how_the_command_ended(tmp_path: Path) -> None:
+    """Only the shell gets the signal, as PID 1 of a container does: its child must get it from the
+    shell, and the shell must outlive it to record 143 (128 + SIGTERM)."""
+    started = tmp_path / "started"
+    process = wrapped(tmp_path, "/bin/sh", "-c", f"touch {started}; exec sleep 60")
+    deadline = time.monotonic() + 30
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.2)  # the shell has noted its child's pid by now
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 143
+    assert (tmp_path / "exit_code.trial-7-pod-0").read_text() == "143 sub-1\n"
+
+
+def test_a_job_is_judged_by_every_pods_record_of_its_submission(tmp_path: Path) -> None:
+    def record(pod: str, text: str) -> None:
+        (tmp_path / f"exit_code.{pod}").write_text(text)
+
+    assert recorded_exit(tmp_path, "sub-2", pods=2) is None
+    record("job-pod-0", "0 sub-2\n")
+    assert recorded_exit(tmp_path, "sub-2", pods=2) is None  # pod 1 has not recorded: unknown
+    record("job-pod-1", "0 sub-1\n")
+    assert recorded_exit(tmp_path, "sub-2", pods=2) is None  # an earlier attempt's record
+    record("job-pod-1", "0 sub-2\n")
+    assert recorded_exit(tmp_path, "sub-2", pods=2) == 0
+    record("job-pod-1.tmp", "137 sub-2\n")  # a write under way
+    record("job-pod-2", "garbage")
+    assert recorded_exit(tmp_path, "sub-2", pods=2) == 0
+    record("job-pod-1", "137 sub-2\n")
+    assert recorded_exit(tmp_path, "sub-2", pods=2) == 137  # any failed pod fails the job
+    assert [path.name for path in stale_records(tmp_path)] == [
+        "exit_code.job-pod-0",
+        "exit_code.job-pod-1",
+        "exit_code.job-pod-1.tmp",
+        "exit_code.job-pod-2",
+    ]
+
+
 # ------------------------------------------------------------------------------------------ states
 
 
@@ -404,6 +492,12 @@ def test_a_gone_object_is_failed_and_says_why() -> None:
         gone.describe(ref.job_id)
         == "HyperPodPyTorchJob ml-team/trial-7-0123abcd is gone: deleted outside tunepod"
     )
+
+
+def test_a_gone_object_whose_pods_recorded_exit_0_succeeded() -> None:
+    ref = ObjectRef(CRDS["hyperpod"], "ml-team", "trial-7-0123abcd", "uid-1")
+    assert ObjectStatus.gone(ref, "its TTL expired", recorded_exit=0).job_state is JobState.SUCCEEDED
+    assert ObjectStatus.gone(ref, "its TTL expired", recorded_exit=1).job_state is JobState.FAILED
 
 
 def test_a_status_names_its_newest_condition_and_a_pending_delete() -> None:

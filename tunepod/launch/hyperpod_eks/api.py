@@ -158,6 +158,11 @@ def kube_api_client(spec: HyperPodEksLauncherSpec) -> Any:
 class KubeApi:
     """The few API calls the launcher makes, with the client's errors translated into tunepod's.
 
+    Its public methods' signatures and docstrings are the contract between the launcher and the
+    Kubernetes side: the launcher, ``delete_and_wait`` and ``pods`` call nothing else, so another
+    implementation of them (the deterministic simulation's API server, a subclass that overrides every
+    call) can stand in for the cluster, raising the same errors for the same answers.
+
     Thread safety: the kubernetes ``ApiClient`` sends through a thread-safe urllib3 pool and keeps no
     per-call state, so every method may be called from several threads at once.
     """

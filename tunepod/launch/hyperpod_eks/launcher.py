@@ -8,7 +8,9 @@ cancel marker, refuse-if-running, warn-once, the status cache).
 Identity: a job id is ``<namespace>/<object name>/<uid>``. The object name is a function of the job
 name only (``object_name``), so ``kubectl get`` finds a trial's object without tunepod; the uid tells
 one submission from a later one under the same name, and the ``tunepod.io/submission`` annotation
-(the attempt's submission id) tells ``find`` which attempt created the object under the name.
+(the attempt's submission id) tells ``find`` which attempt created the object under the name. An
+object that was created, ran and was deleted before its creation reached the submission record is
+known only from its pods' exit records: its job id holds ``gone-<submission id>`` for the uid.
 
 Resubmission into a used job dir (resume after a crash, a retried trial) deletes the previous object
 once it has ended and waits until it is gone (``prepare``), then creates the new one under the SAME
@@ -20,8 +22,11 @@ the orchestrator has already read when it decided to resubmit.
 
 State: ``poll`` answers every followed job with ONE LIST per CRD and namespace (label
 ``app.kubernetes.io/managed-by=tunepod``). An object missing from the LIST is looked up once by name
-(the LIST may predate its creation); one that is gone gets a gone status, FAILED with the reason
-(tunepod's cancel, a later submission, or a delete outside tunepod / an expired TTL).
+(the LIST may predate its creation); one that is gone gets a gone status with the reason (tunepod's
+cancel, a later submission, or a delete outside tunepod / an expired TTL): SUCCEEDED when every pod of
+its submission recorded exit 0 in the job dir (``exits``: the container's command records it), else
+FAILED. So a job that exited 0 is never restarted, nor failed, because its TTL ran out before an
+orchestrator read its state.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from tunepod.launch.hyperpod_eks.api import (
     kube_api_client,
     parse_job_id,
 )
+from tunepod.launch.hyperpod_eks.exits import recorded_codes, recorded_exit, stale_records
 from tunepod.launch.hyperpod_eks.render import (
     JOB_DIR_ANNOTATION,
     SUBMISSION_ANNOTATION,
@@ -67,8 +73,11 @@ class HyperPodEksLauncher(LauncherBase[ObjectStatus]):
     """Creates one job object per job and follows them all with one LIST per period (see the module
     docstring); handles are the template's ``Job``.
 
-    ``api_client`` is a ``kubernetes.client.ApiClient`` (default: one from ``kube_api_client(spec)``).
-    ``spec.root`` must be where this process sees the claim the pods mount at the same path.
+    ``api_client`` is a ``kubernetes.client.ApiClient`` (default: one from ``kube_api_client(spec)``);
+    ``api``, when given, is used instead of a ``KubeApi`` over that client: any object with
+    ``KubeApi``'s methods and their contract (the deterministic simulation passes its simulated API
+    server this way). ``spec.root`` must be where this process sees the claim the pods mount at the
+    same path.
 
     Thread safety: as ``LauncherBase`` (``KubeApi`` may be called from several threads at once).
     """
@@ -79,14 +88,21 @@ class HyperPodEksLauncher(LauncherBase[ObjectStatus]):
     stop_hint = "delete it with kubectl"
 
     def __init__(
-        self, spec: HyperPodEksLauncherSpec, api_client: Any | None = None, *, cancel_timeout_s: float = 300.0
+        self,
+        spec: HyperPodEksLauncherSpec,
+        api_client: Any | None = None,
+        *,
+        cancel_timeout_s: float = 300.0,
+        api: KubeApi | None = None,
     ) -> None:
         super().__init__(
             poll_cache_s=spec.poll_cache_s, cancel_timeout_s=cancel_timeout_s, cancel_poll_s=_CANCEL_POLL_S
         )
         self.spec = spec
         self.crd = CRDS[spec.crd]
-        self.api = KubeApi(api_client if api_client is not None else kube_api_client(spec))
+        if api is None:
+            api = KubeApi(api_client if api_client is not None else kube_api_client(spec))
+        self.api = api
 
     def object_ref(self, job: Job[ObjectStatus]) -> ObjectRef:
         """The object ``job`` names (its CRD from the submission record, else the spec's)."""
@@ -101,7 +117,12 @@ class HyperPodEksLauncher(LauncherBase[ObjectStatus]):
             name=str(manifest["metadata"]["name"]),
             payload=manifest,
             files={MANIFEST_NAME: json.dumps(manifest, indent=2)},
-            details={"kind": self.crd.kind, "namespace": self.spec.namespace},
+            # pods: how many exit records a gone object's job must have left to count as exited 0.
+            details={
+                "kind": self.crd.kind,
+                "namespace": self.spec.namespace,
+                "pods": job.resources.num_nodes,
+            },
         )
 
     def send(self, job: JobSpec, rendered: Rendered, intent: Submission) -> Accepted:
@@ -115,12 +136,17 @@ class HyperPodEksLauncher(LauncherBase[ObjectStatus]):
         return Accepted(ObjectRef.of(crd, created).job_id)
 
     def find(self, intent: Submission, job_dir: Path) -> Accepted | None:
-        """The object under the intent's name, when its annotation holds the intent's submission id."""
+        """The object under the intent's name, when its annotation holds the intent's submission id;
+        else, when the intent's pods recorded how they ended, the object they ran in, which is gone
+        (deleted by its TTL, say, before the create reached the record): its uid unknown, its job id
+        holds ``gone_uid(submission id)`` in its place, and its status comes from those records."""
         crd, namespace = self._where(intent)
         obj = self.api.get_object(crd, namespace, intent.name)
-        if obj is None or annotation(obj, SUBMISSION_ANNOTATION) != intent.submission_id:
-            return None
-        return Accepted(ObjectRef.of(crd, obj).job_id)
+        if obj is not None and annotation(obj, SUBMISSION_ANNOTATION) == intent.submission_id:
+            return Accepted(ObjectRef.of(crd, obj).job_id)
+        if _ended_unrecorded(intent, job_dir):
+            return Accepted(ObjectRef(crd, namespace, intent.name, gone_uid(intent.submission_id)).job_id)
+        return None
 
     def poll(self, jobs: Mapping[str, TrackedJob]) -> dict[str, ObjectStatus]:
         """One LIST per (CRD, namespace) of the jobs; a GET for each job the LISTs do not hold."""
@@ -131,8 +157,7 @@ class HyperPodEksLauncher(LauncherBase[ObjectStatus]):
                 status = ObjectStatus.from_object(crd, obj)
                 listed[status.ref.uid] = status
         return {
-            job_id: listed.get(ref.uid) or self._look_up(ref, jobs[job_id].job_dir)
-            for job_id, ref in refs.items()
+            job_id: listed.get(ref.uid) or self._look_up(ref, jobs[job_id]) for job_id, ref in refs.items()
         }
 
     def stop(self, job: Job[ObjectStatus]) -> None:
@@ -172,6 +197,9 @@ class HyperPodEksLauncher(LauncherBase[ObjectStatus]):
             if obj is not None:
                 self._clear(crd, obj, job)
 
+    def stale_outcome_files(self, paths: JobPaths) -> list[Path]:
+        return stale_records(paths.job_dir)
+
     def check_job_id(self, job_id: str) -> None:
         parse_job_id(job_id)
 
@@ -187,11 +215,12 @@ class HyperPodEksLauncher(LauncherBase[ObjectStatus]):
         crd = self._where(record)[0] if record is not None else self.crd
         return ObjectRef(crd, namespace, name, uid)
 
-    def _look_up(self, ref: ObjectRef, job_dir: Path) -> ObjectStatus:
+    def _look_up(self, ref: ObjectRef, job: TrackedJob) -> ObjectStatus:
         obj = self.api.get_referenced(ref)
         if obj is not None:
             return ObjectStatus.from_object(ref.crd, obj)
-        return ObjectStatus.gone(ref, _why_gone(ref.job_id, job_dir))
+        code = _recorded_exit(job)
+        return ObjectStatus.gone(ref, _why_gone(ref.job_id, job.job_dir, code), recorded_exit=code)
 
     def _adopt_or_refuse(
         self, crd: Crd, namespace: str, intent: Submission, job_dir: Path, exc: ObjectExists
@@ -235,8 +264,31 @@ class HyperPodEksLauncher(LauncherBase[ObjectStatus]):
         delete_and_wait(self.api, ref, self.cancel_timeout_s)
 
 
-def _why_gone(job_id: str, job_dir: Path) -> str:
-    """Why the object of ``job_id`` no longer exists, from what its job dir holds."""
+def gone_uid(submission_id: str) -> str:
+    """What stands for the uid of an object known only from its pods' exit records (see ``find``):
+    no object has it, so the job reads as gone, and its records say how it ended."""
+    return f"gone-{submission_id}"
+
+
+def _ended_unrecorded(intent: Submission, job_dir: Path) -> bool:
+    """Whether pods of ``intent``'s submission recorded how they ended: its object existed, ran and
+    (the caller found no object of it) is gone. Never another attempt's records: they name theirs."""
+    return bool(recorded_codes(job_dir, intent.submission_id))
+
+
+def _recorded_exit(job: TrackedJob) -> int | None:
+    """The exit code the pods of ``job``'s submission recorded in its job dir (None: not known, or a
+    record from before tunepod rendered the pod count into it)."""
+    record = job.record
+    pods = record.details.get("pods") if record is not None else None
+    if record is None or not isinstance(pods, int):
+        return None
+    return recorded_exit(job.job_dir, record.submission_id, pods)
+
+
+def _why_gone(job_id: str, job_dir: Path, recorded: int | None = None) -> str:
+    """Why the object of ``job_id`` no longer exists, from what its job dir holds (``recorded``: the
+    exit code its pods recorded there)."""
     paths = JobPaths(job_dir)
     marker = read_cancel_marker(paths)
     if marker is not None and marker.job_id in (job_id, ""):
@@ -247,6 +299,11 @@ def _why_gone(job_id: str, job_dir: Path) -> str:
         record = None
     if record is not None and record.job_id not in (None, job_id):
         return f"replaced by a later submission into {job_dir} ({record.job_id})"
+    if recorded is not None:
+        return (
+            "deleted outside tunepod, or its ttlSecondsAfterFinished expired before its outcome was read; "
+            f"its pods recorded exit code {recorded} in {job_dir}"
+        )
     return (
         "deleted outside tunepod, or its ttlSecondsAfterFinished expired before its outcome was read; "
         f"its outcome is lost (the job's own files are in {job_dir})"

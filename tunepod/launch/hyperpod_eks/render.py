@@ -16,6 +16,10 @@ Every pod mounts the shared filesystem's PersistentVolumeClaim at ``spec.root``,
 checkpoints and result file of a job live on FSx where the orchestrator reads them. The job's output
 goes to the pod log (HyperPod's hang detection reads it there), not to files under the job dir.
 
+The container's command is the training command under ``exits.exit_recorder``, a shell that records
+each pod's exit code in the job dir, so that a job whose object ``ttlSecondsAfterFinished`` deleted
+is still told from a failed one.
+
 The variables of ``spec.secret_env`` are rendered as ``secretKeyRef``: their values stay in the
 Kubernetes Secret and never enter the object (which anyone who may read the job objects can read),
 nor ``manifest.json``.
@@ -32,6 +36,7 @@ from typing import Any
 
 from tunepod.errors import TunepodError
 from tunepod.launch.base import SUBMISSION_ID_ENV, JobSpec, Resources
+from tunepod.launch.hyperpod_eks.exits import exit_recorder, pod_name_env
 from tunepod.launch.watchdog import Limits
 from tunepod.runtime.progress import PROGRESS_LOG_PREFIX, PROGRESS_LOG_S_ENV
 from tunepod.spec.models import HyperPodEksLauncherSpec
@@ -214,8 +219,8 @@ def _container(job: JobSpec, spec: HyperPodEksLauncherSpec) -> dict[str, Any]:
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": spec.image,
-        "command": training_command(job, spec),
-        "env": container_env(job, spec),
+        "command": [*exit_recorder(job.job_dir), *training_command(job, spec)],
+        "env": [*container_env(job, spec), pod_name_env()],
         "volumeMounts": [
             {"name": SHARED_VOLUME, "mountPath": spec.root},
             {"name": SHM_VOLUME, "mountPath": "/dev/shm"},

@@ -3,7 +3,8 @@
 ``state_from_conditions`` reads an object's ``status.conditions``; ``ObjectStatus`` is the launcher's
 status type (what its status cache holds per job), including the status of an object that is gone:
 FAILED, with the reason the launcher worked out (tunepod's cancel, a later submission into the job dir,
-or a delete outside tunepod / an expired ``ttlSecondsAfterFinished``).
+or a delete outside tunepod / an expired ``ttlSecondsAfterFinished``), unless its pods recorded that
+they exited 0 (``exits.recorded_exit``): SUCCEEDED then.
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ class ObjectStatus:
     deleting: bool = False
     gone_reason: str | None = None
     """Why the object no longer exists; None while it does."""
+    recorded_exit: int | None = None
+    """For a gone object: the exit code its pods recorded in the job dir (None: none known)."""
 
     @classmethod
     def from_object(cls, crd: Crd, obj: Mapping[str, Any]) -> ObjectStatus:
@@ -72,8 +75,8 @@ class ObjectStatus:
         return cls(ObjectRef.of(crd, obj), tuple(conditions), deleting)
 
     @classmethod
-    def gone(cls, ref: ObjectRef, reason: str) -> ObjectStatus:
-        return cls(ref, gone_reason=reason)
+    def gone(cls, ref: ObjectRef, reason: str, recorded_exit: int | None = None) -> ObjectStatus:
+        return cls(ref, gone_reason=reason, recorded_exit=recorded_exit)
 
     @property
     def is_gone(self) -> bool:
@@ -81,9 +84,11 @@ class ObjectStatus:
 
     @property
     def job_state(self) -> JobState:
-        """From the conditions; a gone object is FAILED (the job handle makes it CANCELLED when
-        tunepod's cancel marker says tunepod deleted it)."""
-        return JobState.FAILED if self.is_gone else state_from_conditions(self.conditions)
+        """From the conditions; a gone object is SUCCEEDED when its pods recorded exit 0, else FAILED
+        (the job handle makes that CANCELLED when tunepod's cancel marker says tunepod deleted it)."""
+        if self.is_gone:
+            return JobState.SUCCEEDED if self.recorded_exit == 0 else JobState.FAILED
+        return state_from_conditions(self.conditions)
 
     def last_condition(self) -> str:
         """The newest condition as ``Type (Reason: message)``, or "" when there is none."""
