@@ -217,6 +217,34 @@ def test_max_runtime_exceeded_is_a_failure(tmp_path: Path) -> None:
         assert "exit code" not in handle.describe()
 
 
+def transitions(*statuses: str) -> list[dict[str, Any]]:
+    """``SecondaryStatusTransitions`` through ``statuses``, a minute each."""
+    return [{"Status": status, "StartTime": f"2025-01-01T00:0{n}:00Z"} for n, status in enumerate(statuses)]
+
+
+def test_a_stop_that_came_while_the_output_uploaded_stopped_no_training(tmp_path: Path) -> None:
+    """The script exited 0 and SageMaker was uploading (``Uploading``: "training is complete") when a
+    stop reached the job (a pruning decided on its last report): it ends Stopped, yet its training
+    finished by itself, so it SUCCEEDED, as a job that beat a stop to its end does elsewhere. A stop
+    during Training stays a cancellation, even when the SIGTERM'd script's output is uploaded after."""
+    client, stub = stubbed()
+    late = describe("trial-13", "Stopped", "Stopped")
+    late["SecondaryStatusTransitions"] = transitions(
+        "Starting", "Downloading", "Training", "Uploading", "Stopping", "Stopped"
+    )
+    stopped = describe("trial-14", "Stopped", "Stopped")
+    stopped["SecondaryStatusTransitions"] = transitions(
+        "Starting", "Downloading", "Training", "Stopping", "Uploading", "Stopped"
+    )
+    stub.add_response("describe_training_job", late, {"TrainingJobName": "trial-13"})
+    stub.add_response("describe_training_job", stopped, {"TrainingJobName": "trial-14"})
+    with stub:
+        launcher = SageMakerLauncher(launcher_spec(tmp_path), client)
+        assert launcher.attach("trial-13", tmp_path / "late").state() is JobState.SUCCEEDED
+        assert launcher.attach("trial-14", tmp_path / "stopped").state() is JobState.CANCELLED
+        stub.assert_no_pending_responses()
+
+
 def test_submit_refuses_a_job_dir_whose_job_still_runs(tmp_path: Path) -> None:
     client, stub = stubbed()
     job = a_job(tmp_path, "trial-6")

@@ -321,6 +321,28 @@ def test_state_table(status: str, secondary: str, expected: JobState) -> None:
     assert map_training_job_state(status, secondary) is expected
 
 
+@pytest.mark.parametrize(
+    ("secondaries", "expected"),
+    [
+        # The script exited 0 (Uploading: "training is complete"); the stop cut the upload short.
+        (("Starting", "Downloading", "Training", "Uploading", "Stopping", "Stopped"), JobState.SUCCEEDED),
+        # Stopped while training; the SIGTERM'd script's output was uploaded after.
+        (("Starting", "Downloading", "Training", "Stopping", "Uploading", "Stopped"), JobState.CANCELLED),
+        (("Starting", "Downloading", "Training", "Stopping", "Stopped"), JobState.CANCELLED),
+        (("Starting", "Stopping", "Stopped"), JobState.CANCELLED),
+    ],
+)
+def test_a_job_stopped_after_its_training_completed_succeeded(
+    secondaries: tuple[str, ...], expected: JobState
+) -> None:
+    described = {
+        "TrainingJobStatus": "Stopped",
+        "SecondaryStatus": "Stopped",
+        "SecondaryStatusTransitions": [{"Status": status} for status in secondaries],
+    }
+    assert TrainingJobStatus.from_describe(described).job_state is expected
+
+
 def test_the_stubber_check_can_fail() -> None:
     from botocore.exceptions import ParamValidationError
 

@@ -1,14 +1,16 @@
 """What DescribeTrainingJob says about a training job, and how tunepod reads it (pure).
 
 A job's state is its ``TrainingJobStatus`` and, while InProgress, its ``SecondaryStatus``; a script
-error's exit code is only in the ``FailureReason`` text.
+error's exit code is only in the ``FailureReason`` text. ``Uploading`` means the training is complete
+(the script exited 0; SageMaker uploads the model): a job stopped after it got there ends ``Stopped``
+although its training finished by itself, which ``SecondaryStatusTransitions`` tells.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,12 +58,17 @@ _LIMIT_SECONDARY_STATES = frozenset({"MaxRuntimeExceeded", "MaxWaitTimeExceeded"
 _EXIT_CODE = re.compile(r"exit\s*code\s*:?\s*(-?\d+)", re.IGNORECASE)
 
 
-def map_training_job_state(status: str, secondary_status: str = "") -> JobState:
-    """DescribeTrainingJob's ``TrainingJobStatus`` and ``SecondaryStatus`` -> ``JobState``.
+def map_training_job_state(status: str, secondary_status: str = "", *, trained: bool = False) -> JobState:
+    """DescribeTrainingJob's ``TrainingJobStatus`` and ``SecondaryStatus`` -> ``JobState``; ``trained``:
+    the job's training completed by itself before any stop (see ``trained_before_stop``).
 
-    An unknown status (a newer API) is logged once and read as RUNNING, so the job is followed until
-    a known state (or the caller's timeout) ends it.
+    A Stopped job that had ``trained`` SUCCEEDED: the stop (tunepod's, or a limit's) reached it only
+    while its output was uploaded, after its script had exited 0, so it stopped no training. An
+    unknown status (a newer API) is logged once and read as RUNNING, so the job is followed until a
+    known state (or the caller's timeout) ends it.
     """
+    if status == "Stopped" and trained:
+        return JobState.SUCCEEDED
     if status == "InProgress":
         mapped = IN_PROGRESS_SECONDARY_STATES.get(secondary_status)
         if mapped is None:
@@ -77,6 +84,18 @@ def map_training_job_state(status: str, secondary_status: str = "") -> JobState:
     return mapped
 
 
+def trained_before_stop(transitions: Iterable[Mapping[str, Any]]) -> bool:
+    """Whether ``SecondaryStatusTransitions`` reached ``Uploading`` (the training is complete) before any
+    ``Stopping``: an upload after a stop is the SIGTERM'd script's, which did not finish by itself."""
+    for transition in transitions:
+        status = transition.get("Status")
+        if status == "Stopping":
+            return False
+        if status == "Uploading":
+            return True
+    return False
+
+
 def exit_code_of(failure_reason: str) -> int | None:
     """The exit code in a FailureReason (``... ExitCode 1 ...``, ``exit code: 1``), or None."""
     match = _EXIT_CODE.search(failure_reason)
@@ -90,6 +109,8 @@ class TrainingJobStatus:
     status: str
     secondary_status: str = ""
     failure_reason: str = ""
+    trained: bool = False
+    """Its training completed by itself before any stop (``trained_before_stop``)."""
 
     @classmethod
     def from_describe(cls, response: Mapping[str, Any]) -> TrainingJobStatus:
@@ -97,6 +118,7 @@ class TrainingJobStatus:
             status=str(response.get("TrainingJobStatus", "")),
             secondary_status=str(response.get("SecondaryStatus", "")),
             failure_reason=str(response.get("FailureReason", "")),
+            trained=trained_before_stop(response.get("SecondaryStatusTransitions") or []),
         )
 
     @classmethod
@@ -111,7 +133,7 @@ class TrainingJobStatus:
 
     @property
     def job_state(self) -> JobState:
-        return map_training_job_state(self.status, self.secondary_status)
+        return map_training_job_state(self.status, self.secondary_status, trained=self.trained)
 
     @property
     def exit_code(self) -> int | None:
