@@ -24,13 +24,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import boto3
 import pytest
+from botocore.config import Config
 from launcher_contract import JOBS, LauncherContract, finish, fixture_job, is_alive, recorded_pids, wait_until
 from moto_server import MotoServer, moto_server
 from standins.sagemaker_api import SageMakerStandIn
 
 from tunepod import runtime
-from tunepod.errors import JobError
+from tunepod.errors import JobError, TransientError
 from tunepod.launch import base
 from tunepod.launch.base import SUBMISSION_ID_ENV, JobHandle, JobSpec, JobState, Launcher, Resources
 from tunepod.launch.paths import JobPaths
@@ -295,6 +297,34 @@ def test_resource_in_use_of_our_own_create_adopts_the_job(standin: SageMakerStan
     assert record is not None and (record.job_id, record.attempt) == ("job", 1)
     assert standin.jobs["job"].request["Environment"][SUBMISSION_ID_ENV] == record.submission_id
     assert record.details["arn"] == standin.jobs["job"].arn
+    release.touch()
+    assert finish(handle) is JobState.SUCCEEDED, handle.logs()
+
+
+def test_a_submit_retried_after_a_lost_create_reply_and_a_failed_look_up_returns_that_job(
+    standin: SageMakerStandIn, tmp_path: Path
+) -> None:
+    """CreateTrainingJob took effect but its reply was lost, and the look-up that follows failed too
+    (botocore's retries spent, as in an outage): submit fails transiently and leaves the intent. The
+    caller's retry (the driver waits out transient errors) finds that attempt's job and returns it:
+    one training job, followed to its end, rather than a refusal of a job dir "whose job has not
+    ended", which failed the whole tune step."""
+    no_retries = Config(retries={"total_max_attempts": 1})
+    client = boto3.client("sagemaker", config=no_retries)
+    launcher = SageMakerLauncher(sagemaker_spec(tmp_path), client, cancel_poll_s=0.05)
+    release = tmp_path / "release"
+    job = sagemaker_job(tmp_path / "job", "succeed.py", str(release))
+    standin.lose_replies("CreateTrainingJob")
+    standin.lose_replies("DescribeTrainingJob")
+    with pytest.raises(TransientError, match="describe sagemaker training job job"):
+        launcher.submit(job)
+    intent = read_submission(job.paths)
+    assert intent is not None and intent.is_intent and jobs_named(standin, "job") == ["job"]
+    handle = launcher.submit(job)
+    assert handle.job_id == "job" and jobs_named(standin, "job") == ["job"]
+    record = read_submission(job.paths)
+    assert record is not None and (record.job_id, record.attempt) == ("job", 1)
+    assert record.submission_id == intent.submission_id
     release.touch()
     assert finish(handle) is JobState.SUCCEEDED, handle.logs()
 

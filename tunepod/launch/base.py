@@ -10,7 +10,8 @@ Bookkeeping is written ONCE, here, in ``LauncherBase``:
   with the deterministic name and a submission id, then the backend's job id;
 - idempotent submission: after any error while sending, and whenever an intent without a job id is
   read back, the job is looked up on the backend by that name and submission id before anything is
-  created again, so a job dir never gets two live jobs;
+  created again, so a job dir never gets two live jobs; a submit that finds its intent's job that way
+  returns it (the attempt was sent: its caller follows it, whatever its state);
 - refuse-if-running: a job dir whose recorded job has not ended takes no new submission;
 - the cancel marker, written (with the reason) before the stop is sent;
 - warn-once on settings a backend ignores;
@@ -226,6 +227,14 @@ S = TypeVar("S", bound=NativeStatus)
 _NAME_VARIANTS = 5
 
 
+def _intent_was_sent(previous: Submission | None) -> bool:
+    """Whether a job that ``_resolve`` found for the job dir's ``previous`` record is that record's own
+    unfinished attempt (an intent: its job was created, its id never recorded). Refusing it as a running
+    job would fail the caller's retry of a submit that only lost its answer; starting a new attempt
+    beside it, once it ended, would run the attempt twice."""
+    return previous is not None and previous.is_intent
+
+
 class LauncherBase(ABC, Generic[S]):
     """The bookkeeping every backend shares (see the module docstring); a backend subclasses it.
 
@@ -319,12 +328,16 @@ class LauncherBase(ABC, Generic[S]):
         """Start a new attempt of ``job`` in its job dir; returns once the backend has accepted it.
 
         Refused (``JobError``) when the job dir's recorded job has not ended. An intent left by a crash
-        whose job never came to exist is sent again under the same name and submission id.
+        whose job never came to exist is sent again under the same name and submission id; one whose
+        job exists is that attempt, sent already (a submit that failed after the backend took it, its
+        reply lost and the look-up failing too): its job is returned, running or ended.
         """
         self._warn_ignored(job)
         paths = job.paths
         previous = read_submission(paths)
         current = self._resolve(previous, paths) if previous is not None else None
+        if current is not None and _intent_was_sent(previous):
+            return current
         if current is not None and not current.status(max_age_s=0).job_state.is_terminal:
             raise JobError(self._refusal(current))
         unsent = previous if previous is not None and previous.is_intent and current is None else None
