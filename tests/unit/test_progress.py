@@ -96,15 +96,20 @@ def write_beat(paths: JobPaths, rank: int, *, advanced_at: float, beat_at: float
     (paths.progress / f"rank-{rank}.json").write_text(json.dumps(asdict(beat)))
 
 
-def test_the_run_time_clock_survives_a_new_driver_and_restarts_with_a_new_job(tmp_path: Path) -> None:
+def test_the_run_time_clock_survives_a_new_driver_and_restarts_with_a_new_job(
+    tmp_path: Path, clocks: ManualClocks
+) -> None:
     paths = JobPaths(tmp_path)
-    now = time.time()
     first = Watchdog(paths, Limits(timeout_s=60))
     since = first.running_since("job-1")
+    assert not first.timed_out("job-1", clocks.wall)
+    clocks.advance(40)
+    assert not first.timed_out("job-1", clocks.wall)  # no heartbeat: the 40 s it watched are recorded
     restarted_orchestrator = Watchdog(paths, Limits(timeout_s=60))
     assert restarted_orchestrator.running_since("job-1") == since
-    assert not restarted_orchestrator.timed_out("job-1", now + 30)
-    assert restarted_orchestrator.timed_out("job-1", now + 61), "a re-attach must not get a fresh budget"
+    assert not restarted_orchestrator.timed_out("job-1", clocks.wall)
+    clocks.advance(21)
+    assert restarted_orchestrator.timed_out("job-1", clocks.wall), "a re-attach must not get a fresh budget"
     assert restarted_orchestrator.running_since("job-2") >= since  # a new attempt: a new clock
     assert RunningSince.model_validate_json(paths.running.read_bytes()).job_id == "job-2"
 
@@ -197,6 +202,26 @@ def test_a_jump_of_the_orchestrators_clock_neither_hangs_nor_times_out_a_job(
     clocks.wall += 3600  # the jump; the monotonic clock does not move
     assert watchdog.stall("job-1", clocks.wall) is None
     assert not watchdog.timed_out("job-1", clocks.wall)
+
+
+def test_without_heartbeats_a_jump_of_the_orchestrators_clock_does_not_time_out_a_job(
+    tmp_path: Path, clocks: ManualClocks
+) -> None:
+    """A job that writes no heartbeats (an evaluation; SageMaker without a writable FSx): its driver's
+    wall clock jumps, and a driver on a host whose clock runs ahead takes it over. Only the time
+    drivers watched it running counts, so neither stops it before it has run its limit."""
+    paths = JobPaths(tmp_path)
+    watchdog = Watchdog(paths, Limits(timeout_s=600))
+    assert not watchdog.timed_out("job-1", clocks.wall)
+    clocks.advance(100)
+    clocks.wall += 3600  # the jump; the monotonic clock does not move
+    assert not watchdog.timed_out("job-1", clocks.wall)
+    ahead = Watchdog(paths, Limits(timeout_s=600))  # the next driver, its host's clock an hour ahead
+    assert not ahead.timed_out("job-1", clocks.wall)
+    clocks.advance(499)
+    assert not ahead.timed_out("job-1", clocks.wall)
+    clocks.advance(2)
+    assert ahead.timed_out("job-1", clocks.wall)  # 601 s watched, the 100 s of the first driver included
 
 
 def test_a_requeue_nobody_saw_does_not_time_out_the_new_run(tmp_path: Path, clocks: ManualClocks) -> None:

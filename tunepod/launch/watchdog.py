@@ -10,9 +10,13 @@ and differ from the compute nodes' clocks. How long a rank has not advanced, and
 run, are measured on the rank's own clock while it beats (``beat_at - advanced_at``, ``beat_at -
 started_at``), plus, once it stops beating, the time this driver has watched its heartbeat file not
 change, on the driver's monotonic clock. The wall clock only says when a job may be over its time
-(``running.json``; a job without heartbeats has nothing better); its ranks must agree, within one
-heartbeat interval, before it counts as timed out. So a requeued Slurm job's new run (whose ranks
-started afresh) is never taken for the old one, even when no driver saw the requeue.
+(``running.json``); a second clock must agree before it counts as timed out: its ranks', within one
+heartbeat interval, so a requeued Slurm job's new run (whose ranks started afresh) is never taken for
+the old one, even when no driver saw the requeue; or, for a job without heartbeats (an evaluation,
+SageMaker without a writable FSx), how long drivers have watched it running on their monotonic
+clocks, which ``running.json`` keeps too: a re-attach goes on from there (only time no driver
+watched is not counted), and a driver whose wall clock jumped or runs ahead of its predecessor's
+cannot stop a healthy job early.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from tunepod.spec.resources import Resources
 
 # Slurm sends --signal up to a minute before the time it was asked for (its event resolution).
 TIME_LIMIT_SIGNAL_SLACK_S = 60.0
+# How often the watched time of a job without heartbeats is recorded: what a crash of the driver loses.
+WATCH_RECORD_S = 30.0
 
 
 class RunningSince(BaseModel):
@@ -39,6 +45,8 @@ class RunningSince(BaseModel):
 
     job_id: str
     since: float
+    watched_s: float = 0.0
+    """How long drivers have watched it running, on their monotonic clocks (no jump moves them)."""
 
 
 @dataclass(frozen=True)
@@ -114,6 +122,8 @@ class Watchdog:
         self._heard: dict[int, tuple[tuple[int, float, float], float]] = {}
         # job id -> the driver's monotonic time of its first look at the job running
         self._first_look: dict[str, float] = {}
+        # job id -> (the driver's monotonic time of its last look at the job running, watched_s then)
+        self._looked: dict[str, tuple[float, float]] = {}
 
     def running_since(self, job_id: str) -> float:
         """When ``job_id`` started running (wall clock); recorded now when this is the first look at it
@@ -130,13 +140,20 @@ class Watchdog:
         return recorded.since if first_beat is None else min(recorded.since, first_beat)
 
     def timed_out(self, job_id: str, now: float) -> bool:
-        """Over its run time by the wall clock, and, when its ranks beat, by their own clocks too."""
+        """Over its run time by the wall clock, and by its ranks' own clocks when they beat, else by how
+        long drivers have watched it running (see the module docstring). Called at each look at the
+        job running: the looks are what the watch adds up."""
         limit = self.limits.timeout_s
-        if limit is None or not self._wall_clock_past(job_id, now, limit):
+        if limit is None:
             return False
-        # A rank's own measure runs up to one heartbeat behind (and starts after its process did).
         ranks = self._ranks()
-        return not ranks or max(ran + rank.beat.interval_s for rank, ran in ranks) > limit
+        watched = self._watched_s(job_id, record=not ranks)
+        if not self._wall_clock_past(job_id, now, limit):
+            return False
+        if not ranks:
+            return watched > limit
+        # A rank's own measure runs up to one heartbeat behind (and starts after its process did).
+        return max(ran + rank.beat.interval_s for rank, ran in ranks) > limit
 
     def stall(self, job_id: str, now: float) -> Stall | None:
         """Why the running job ``job_id`` counts as hung; None while it progresses. ``now`` (wall
@@ -185,6 +202,23 @@ class Watchdog:
             beat_file.unlink(missing_ok=True)
         self._heard.clear()
         self._first_look.clear()
+        self._looked.clear()
+
+    def _watched_s(self, job_id: str, *, record: bool) -> float:
+        """How long drivers have watched ``job_id`` running: what ``running.json`` says earlier drivers
+        watched, plus this driver's monotonic time since its first look; written back (``record``)
+        every ``WATCH_RECORD_S``."""
+        self.running_since(job_id)  # the first look at this job id starts its record
+        kept = self._read(job_id)
+        recorded = kept.watched_s if kept is not None else 0.0
+        now = world.monotonic()
+        last = self._looked.get(job_id)
+        watched = recorded if last is None else last[1] + (now - last[0])
+        self._looked[job_id] = (now, watched)
+        if record and kept is not None and watched - recorded >= WATCH_RECORD_S:
+            updated = kept.model_copy(update={"watched_s": watched})
+            write_bytes_atomic(self.paths.running, updated.model_dump_json().encode())
+        return watched
 
     def _wall_clock_past(self, job_id: str, now: float, limit: float) -> bool:
         return now - self.running_since(job_id) > limit
