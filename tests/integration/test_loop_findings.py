@@ -196,9 +196,12 @@ def test_a_filesystem_without_locks_is_refused_with_the_fix(
         raise OSError(errno.ENOLCK, "No locks available")
 
     monkeypatch.setattr(fcntl, "flock", no_locks)
-    with pytest.raises(
-        TunepodError, match=r"cannot lock .*lease.lock: its filesystem does not support file locks"
-    ), locked(tmp_path / "lease.lock"):
+    with (
+        pytest.raises(
+            TunepodError, match=r"cannot lock .*lease.lock: its filesystem does not support file locks"
+        ),
+        locked(tmp_path / "lease.lock"),
+    ):
         pass
 
 

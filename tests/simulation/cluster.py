@@ -65,6 +65,9 @@ class JobRun:
     exit_code: int | None = None
     last_progress_at: float = 0.0
     hung: bool = False
+    exit_unrecorded: bool = False
+    """What recorded its exit code is gone (a local job's wrapper was killed): nothing can tell how
+    it ended but its result file."""
 
 
 @dataclass
@@ -99,16 +102,21 @@ class Cluster:
         env: Mapping[str, str],
         node: Host,
         on_exit: ExitHook,
+        *,
+        paths: JobPaths | None = None,
     ) -> JobRun:
         """Start a run of a job with environment ``env`` on ``node``; ``on_exit(run)`` once its
-        program ends by itself (not when it is killed)."""
+        program ends by itself (not when it is killed). ``paths``: where the program writes its
+        reports, heartbeats, checkpoints and result (default: ``job_dir``'s; a backend whose jobs
+        write elsewhere, such as SageMaker without a writable FSx, says where)."""
         process = self.sim.start_process(f"job {job_id}", node)
         attempt_key = env.get("TUNEPOD_SUBMISSION_ID", "")
         run = JobRun(job_dir, job_id, attempt_key, self.sim.now, process, last_progress_at=self.sim.now)
         self.runs.append(run)
         self.sim.trace.event(self.sim.now, "job", f"job {job_id} runs ({job_dir.name})")
         params = dict(json.loads(env.get("TUNEPOD_PARAMS", "{}")))
-        process.spawn("train", lambda: self._train(run, params, on_exit))
+        writes = paths if paths is not None else JobPaths(job_dir)
+        process.spawn("train", lambda: self._train(run, writes, params, on_exit))
         return run
 
     def kill(self, run: JobRun, why: str) -> None:
@@ -126,8 +134,7 @@ class Cluster:
 
     # ------------------------------------------------------------------------------ the program
 
-    def _train(self, run: JobRun, params: dict[str, float], on_exit: ExitHook) -> None:
-        paths = JobPaths(run.job_dir)
+    def _train(self, run: JobRun, paths: JobPaths, params: dict[str, float], on_exit: ExitHook) -> None:
         sim = self.sim
         latest = latest_checkpoint(paths.checkpoints)
         step = latest.step + 1 if latest is not None else 0

@@ -104,7 +104,13 @@ class Referee:
                 "a finished trial never runs again",
                 f"a job is created for {job_dir.name}, whose trial is {trial.state.name}",
             )
-        done = [run.job_id for run in self.cluster.runs if run.job_dir == job_dir and run.exit_code == 0]
+        # A run whose exit nobody could record (its local wrapper killed) may be started again: that is
+        # recovery from lost knowledge, and the new run resumes from its last checkpoint.
+        done = [
+            run.job_id
+            for run in self.cluster.runs
+            if run.job_dir == job_dir and run.exit_code == 0 and not run.exit_unrecorded
+        ]
         if done:
             self.violated(
                 "a finished trial never runs again",
@@ -204,11 +210,15 @@ class Referee:
                 )
 
     def _true_outcome(self, trial: FrozenTrial) -> None:
-        """COMPLETE exactly when the trial's last job exited 0 by itself; PRUNED only after a stop asked
-        as pruned, or for a job that failed as the pruner decided (the decision stands: no restart)."""
+        """COMPLETE exactly when the trial's last job exited 0 by itself, having written its objective
+        where the orchestrator reads it (a job that writes elsewhere, as SageMaker's without a writable
+        FSx, cannot complete a trial: nothing tells its value); PRUNED only after a stop asked as pruned,
+        or for a job that failed as the pruner decided (the decision stands: no restart)."""
         job_dir = self._job_dir(trial)
         runs = [run for run in self.cluster.runs if run.job_dir == job_dir]
-        finished = bool(runs) and runs[-1].exit_code == 0
+        finished = bool(runs) and runs[-1].exit_code == 0 and self._objective_seen(job_dir)
+        if finished and runs[-1].exit_unrecorded and not JobPaths(job_dir).result.exists():
+            return  # it exited 0 unseen: a FAIL is all anyone could say, a COMPLETE would be luck
         pruned = any(stop.reason == "pruned" for stop in self.cluster.stops if stop.job_dir == job_dir)
         failed_alone = bool(runs) and runs[-1].exit_code not in (0, None)
         wrong = (trial.state is TrialState.COMPLETE) != finished or (
@@ -279,6 +289,11 @@ class Referee:
             if self._job_dir(trial) == job_dir:
                 return trial
         return None
+
+    def _objective_seen(self, job_dir: Path) -> bool:
+        paths = JobPaths(job_dir)
+        reported = any(key == self.facts.metric for key, _, _ in _reported_points(paths.metrics))
+        return reported or paths.result.exists()
 
     def _job_dir(self, trial: FrozenTrial) -> Path:
         return Path(str(trial.user_attrs.get(ATTR_JOB_DIR, self.facts.jobs_dir / f"trial-{trial.number}")))

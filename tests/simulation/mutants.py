@@ -16,8 +16,11 @@ from typing import Any
 from optuna.trial import FrozenTrial
 
 from tunepod.hpo import tuner
-from tunepod.launch import drive, lease
+from tunepod.launch import base, drive, lease
+from tunepod.launch.hyperpod_eks import launcher as eks_launcher
+from tunepod.launch.local import LocalLauncher, LocalStatus
 from tunepod.launch.paths import JobPaths
+from tunepod.launch.sagemaker import states as sagemaker_states
 from tunepod.launch.slurm import render
 from tunepod.launch.watchdog import Watchdog
 from tunepod.locks import locked
@@ -92,8 +95,54 @@ def _purged_is_failed() -> contextlib.AbstractContextManager[None]:
     return _patched(render, "exit_code_trap", lambda paths: [])
 
 
+def _leftovers_ignored() -> contextlib.AbstractContextManager[None]:
+    """The local launcher before: a wrapper's recorded exit code ends the job, whatever still runs."""
+
+    def ended(self: LocalLauncher, job_id: str, record: object, code: int, found: object) -> LocalStatus:
+        return LocalStatus(running=False, exit_code=code)
+
+    return _patched(LocalLauncher, "_sweep_leftovers", ended)
+
+
 def _decided_stop_wins() -> contextlib.AbstractContextManager[None]:
     return _patched(drive.JobDriver, "_ended_on_its_own", lambda self, state: False)
+
+
+def _stopped_upload_cancelled() -> contextlib.AbstractContextManager[None]:
+    """SageMaker's states before: a job stopped while its output uploaded (its script had exited 0,
+    ``Uploading`` before ``Stopping`` in its transitions) is CANCELLED, as if the stop ended its training."""
+    return _patched(sagemaker_states, "trained_before_stop", lambda transitions: False)
+
+
+def _wall_clock_timeout() -> contextlib.AbstractContextManager[None]:
+    """The watchdog before: a job without heartbeats times out on the driver's wall clock alone."""
+
+    def timed_out(self: Watchdog, job_id: str, now: float) -> bool:
+        limit = self.limits.timeout_s
+        if limit is None or not self._wall_clock_past(job_id, now, limit):
+            return False
+        ranks = self._ranks()
+        return not ranks or max(ran + rank.beat.interval_s for rank, ran in ranks) > limit
+
+    return _patched(Watchdog, "timed_out", timed_out)
+
+
+def _ttl_deleted_is_failed() -> contextlib.AbstractContextManager[None]:
+    """The HyperPod EKS launcher before: a gone object is FAILED whatever its pods recorded."""
+    return _patched(eks_launcher, "_recorded_exit", lambda job: None)
+
+
+def _sent_intent_refused() -> contextlib.AbstractContextManager[None]:
+    """The template before: a submit retried after a lost create reply and a failed look-up finds its
+    intent's job and refuses it while it runs (the trial abandoned), or starts a new attempt beside it
+    once it ended (the attempt run twice)."""
+    return _patched(base, "_intent_was_sent", lambda previous: False)
+
+
+def _gone_intent_sent_again() -> contextlib.AbstractContextManager[None]:
+    """The HyperPod EKS launcher before: an intent whose object is gone (its TTL deleted it before its
+    creation reached the record) is sent again, whatever its pods recorded."""
+    return _patched(eks_launcher, "_ended_unrecorded", lambda intent, job_dir: False)
 
 
 MUTANTS = [
@@ -116,6 +165,36 @@ MUTANTS = [
         "late-stop",
         "a job that finished before a decided stop reached it is counted as stopped",
         _decided_stop_wins,
+    ),
+    Mutant(
+        "leftovers-ignored",
+        "issue 28, 3: a local job whose wrapper exited counts as ended while its workers train on",
+        _leftovers_ignored,
+    ),
+    Mutant(
+        "ttl-failed",
+        "a HyperPod EKS job whose TTL deleted its object after it exited 0 is read as FAILED",
+        _ttl_deleted_is_failed,
+    ),
+    Mutant(
+        "gone-intent",
+        "a HyperPod EKS job that ran and was TTL-deleted before its creation was recorded is created again",
+        _gone_intent_sent_again,
+    ),
+    Mutant(
+        "stopped-upload",
+        "SageMaker: a job a stop reached while it uploaded, after its script exited 0, counts as stopped",
+        _stopped_upload_cancelled,
+    ),
+    Mutant(
+        "wall-clock-timeout",
+        "a job without heartbeats (SageMaker without writable FSx) times out on its driver's wall clock",
+        _wall_clock_timeout,
+    ),
+    Mutant(
+        "sent-intent-refused",
+        "a submit retried after a lost create reply refuses its own attempt's job, or runs it again",
+        _sent_intent_refused,
     ),
 ]
 

@@ -127,7 +127,8 @@ class _Run:
             Host(f"node-{n}", f"boot-node-{n}", f"pid:[node-{n}]", skew_s=self.sim.choices.uniform(-2, 2))
             for n in range(2)
         )
-        self.backend = scenario.backend.make(Machine(self.sim, self.cluster, self.referee, root, nodes))
+        machine = Machine(self.sim, self.cluster, self.referee, root, nodes, self.orchestrator_hosts[0])
+        self.backend = scenario.backend.make(machine)
         self.orchestrators: list[Process] = []
         self.completed = False
         self.notes: list[str] = []

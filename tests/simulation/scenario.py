@@ -136,7 +136,8 @@ def scenario_of(seed: int, *, kinds: tuple[str, ...] = KINDS) -> Scenario:
         fault_phase_s=fault_phase_s,
         crash_per_step=rate(draw, 0.002),
         disk_full_per_write=rate(draw, 0.02),
-        two_hosts=draw.random() < 0.5,
+        # The local launcher's jobs are processes of one machine, the orchestrators' own.
+        two_hosts=backend.kind != "local" and draw.random() < 0.5,
     )
 
 

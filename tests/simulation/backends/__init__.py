@@ -5,7 +5,8 @@ calls reach a simulated cluster with that backend's own semantics, and draws fro
 settings and faults. A backend module defines:
 
 - a frozen settings class with ``kind``, ``describe()``, ``quiet()`` (the same without faults) and
-  ``make(machine) -> Backend``;
+  ``make(machine) -> Backend``; a backend behind an API (Slurm's controller, the Kubernetes API
+  server, SageMaker) draws its API's faults as ``ServiceFaults`` (``service_faults``), plus its own;
 - ``draw(random) -> settings``, registered in ``DRAWS`` below.
 
 ``Backend`` is what the run needs: a new launcher for an orchestrator (made inside its process), and
@@ -29,13 +30,15 @@ from tunepod.launch.base import Launcher
 @dataclass(frozen=True)
 class Machine:
     """What a backend may use of the run: the scheduler, the cluster's ground truth, the referee, the
-    shared root (job dirs live under it), and the compute nodes."""
+    shared root (job dirs live under it), the compute nodes, and the host the orchestrators run on
+    (where the local launcher's jobs run too)."""
 
     sim: Scheduler
     cluster: Cluster
     referee: Referee
     root: Path
     nodes: tuple[Host, ...]
+    orchestrator_host: Host
 
 
 class Backend(Protocol):
@@ -62,11 +65,33 @@ def rate(draw: random.Random, high: float) -> float:
     return 0.0 if draw.random() < 0.5 else draw.uniform(0.0, high)
 
 
+@dataclass(frozen=True)
+class ServiceFaults:
+    """The faults of a backend's API, each per call."""
+
+    transient: float = 0.0
+    """A call fails before it takes effect (no answer, throttled, 5xx; botocore's or the client's own
+    retries spent)."""
+    lost_reply: float = 0.0
+    """A call that changes something (submit, create, cancel, delete, stop) takes effect, and its reply
+    is lost."""
+
+
+def service_faults(draw: random.Random) -> dict[str, float]:
+    """``ServiceFaults``' fields drawn from a seed: keyword arguments for a backend's faults class."""
+    return {"transient": rate(draw, 0.1), "lost_reply": rate(draw, 0.2)}
+
+
 def draws() -> dict[str, Callable[[random.Random], BackendSettings]]:
     """Each backend kind's ``draw``."""
-    from simulation.backends import slurm
+    from simulation.backends import hyperpod_eks, local, sagemaker, slurm
 
-    return {"slurm": slurm.draw}
+    return {
+        "slurm": slurm.draw,
+        "sagemaker": sagemaker.draw,
+        "hyperpod_eks": hyperpod_eks.draw,
+        "local": local.draw,
+    }
 
 
-KINDS = ("slurm",)
+KINDS = ("slurm", "sagemaker", "hyperpod_eks", "local")

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
-from simulation.backends import Machine, rate
+from simulation.backends import Machine, ServiceFaults, rate, service_faults
 from simulation.cluster import Cluster, JobRun
 from simulation.invariants import Referee
 from simulation.scheduler import Host, Scheduler
@@ -46,11 +46,9 @@ _ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"}
 
 
 @dataclass(frozen=True)
-class SlurmFaults:
-    transient: float = 0.0
-    """A command fails (the controller did not answer) before it takes effect."""
-    lost_reply: float = 0.0
-    """``sbatch``/``scancel`` take effect, and their answer is lost."""
+class SlurmFaults(ServiceFaults):
+    """The controller's (a command unanswered; ``sbatch``/``scancel`` answers lost), and requeues."""
+
     requeue_per_s: float = 0.0
     """Per running job and second: a node failure or ``scontrol requeue``."""
 
@@ -80,9 +78,7 @@ class SlurmSettings:
 
 def draw(random_: random.Random) -> SlurmSettings:
     return SlurmSettings(
-        faults=SlurmFaults(
-            transient=rate(random_, 0.1), lost_reply=rate(random_, 0.2), requeue_per_s=rate(random_, 0.002)
-        ),
+        faults=SlurmFaults(**service_faults(random_), requeue_per_s=rate(random_, 0.002)),
         min_job_age_s=random_.choice([30.0, 300.0]),
         accounting=random_.random() < 0.5,
         comments_in_accounting=random_.random() < 0.5,

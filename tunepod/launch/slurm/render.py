@@ -194,8 +194,8 @@ def exit_code_trap(paths: JobPaths) -> list[str]:
     return [
         "# How the script ended, kept in the job dir for when Slurm has forgotten the job (MinJobAge).",
         f"tunepod_exit={shlex.quote(str(paths.exit_code))}",
-        "trap 'code=$?; printf \"%s %s\\n\" \"$code\" \"${TUNEPOD_SUBMISSION_ID:-}\" > \"$tunepod_exit.tmp\" "
-        "&& mv -f \"$tunepod_exit.tmp\" \"$tunepod_exit\"' EXIT",
+        'trap \'code=$?; printf "%s %s\\n" "$code" "${TUNEPOD_SUBMISSION_ID:-}" > "$tunepod_exit.tmp" '
+        '&& mv -f "$tunepod_exit.tmp" "$tunepod_exit"\' EXIT',
     ]
 
 
