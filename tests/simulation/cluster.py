@@ -65,6 +65,9 @@ class JobRun:
     exit_code: int | None = None
     last_progress_at: float = 0.0
     hung: bool = False
+    wrote_result: bool = False
+    """Its program wrote its result file (``ctx.finish``): its training is done, whatever its exit (a
+    kill may land between the write and the exit)."""
     exit_unrecorded: bool = False
     """What recorded its exit code is gone (a local job's wrapper was killed): nothing can tell how
     it ended but its result file."""
@@ -168,6 +171,7 @@ class Cluster:
                 {"metrics": {"score": score(params, step)}, "step": step, "time": self._now(run)}
             ).encode(),
         )
+        run.wrote_result = paths.result.parent == run.job_dir
 
     def _exit(self, run: JobRun, code: int, on_exit: ExitHook, why: str) -> None:
         run.exit_code = code

@@ -109,7 +109,8 @@ class Referee:
         done = [
             run.job_id
             for run in self.cluster.runs
-            if run.job_dir == job_dir and run.exit_code == 0 and not run.exit_unrecorded
+            if run.job_dir == job_dir
+            and (run.wrote_result or (run.exit_code == 0 and not run.exit_unrecorded))
         ]
         if done:
             self.violated(
@@ -210,13 +211,17 @@ class Referee:
                 )
 
     def _true_outcome(self, trial: FrozenTrial) -> None:
-        """COMPLETE exactly when the trial's last job exited 0 by itself, having written its objective
-        where the orchestrator reads it (a job that writes elsewhere, as SageMaker's without a writable
-        FSx, cannot complete a trial: nothing tells its value); PRUNED only after a stop asked as pruned,
-        or for a job that failed as the pruner decided (the decision stands: no restart)."""
+        """COMPLETE exactly when the trial's last job wrote its result file in the job dir (the
+        contract's end of training, even when a kill came before its exit), or exited 0 by itself having
+        written its objective where the orchestrator reads it (a job that writes elsewhere, as
+        SageMaker's without a writable FSx, cannot complete a trial: nothing tells its value); PRUNED
+        only after a stop asked as pruned, or for a job that failed as the pruner decided (the decision
+        stands: no restart)."""
         job_dir = self._job_dir(trial)
         runs = [run for run in self.cluster.runs if run.job_dir == job_dir]
-        finished = bool(runs) and runs[-1].exit_code == 0 and self._objective_seen(job_dir)
+        finished = bool(runs) and (
+            runs[-1].wrote_result or (runs[-1].exit_code == 0 and self._objective_seen(job_dir))
+        )
         if finished and runs[-1].exit_unrecorded and not JobPaths(job_dir).result.exists():
             return  # it exited 0 unseen: a FAIL is all anyone could say, a COMPLETE would be luck
         pruned = any(stop.reason == "pruned" for stop in self.cluster.stops if stop.job_dir == job_dir)
