@@ -2,6 +2,7 @@
 
     tunepod validate examples/digits/pipeline.yaml --set steps.search.with.num_trials=40
     tunepod graph examples/digits/pipeline.yaml > pipeline.mmd
+    tunepod render examples/digits/pipeline-slurm.yaml --step search   # what a trial would send
     tunepod schema > pipeline.schema.json
     tunepod dashboard examples/digits/pipeline.yaml --port 8080
 
@@ -135,6 +136,28 @@ def dashboard(
         raise typer.Exit(1) from None
     typer.echo(f"optuna-dashboard on {redacted(storage)}: http://{host}:{port}/dashboard/ (Ctrl+C stops it)")
     optuna_dashboard.run_server(opened, host=host, port=port)
+
+
+@app.command()
+def render(
+    spec: SpecArgument,
+    set_: SetOption = None,
+    step: Annotated[str | None, typer.Option(help="The tune step to render (default: every one).")] = None,
+) -> None:
+    """Print what the launcher would send for each tune step's first trial, sending nothing: the
+    sbatch script, the HyperPod EKS manifest, the CreateTrainingJob request or the local command.
+    Secrets are redacted. Exit 2 for an invalid spec or a job the launcher would refuse."""
+    from tunepod.errors import TunepodError
+    from tunepod.launch.factory import make_launcher
+    from tunepod.preview import preview_trials
+
+    pipeline, _ = _load(spec, set_)
+    secrets = pipeline.store_uris()
+    try:
+        previews = preview_trials(pipeline, make_launcher(pipeline.launcher, connect=False), step=step)
+    except TunepodError as exc:
+        _exit_with(redacted(str(exc), *secrets))
+    typer.echo("\n".join(preview.text(*secrets) for preview in previews), nl=False)
 
 
 def _study_storage(spec: PipelineSpec, step: str | None) -> str:

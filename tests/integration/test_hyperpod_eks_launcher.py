@@ -25,8 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from launcher_contract import JOBS, LauncherContract, finish, fixture_job, is_alive, recorded_pids, wait_until
 from standins.kube_api import KubeApiStandIn
+from tiny_study import QUADRATIC, as_submitted, preview_first_trial
 
 from tunepod import runtime
 from tunepod.errors import JobError, TransientError, TunepodError
@@ -676,3 +678,35 @@ def test_without_the_kubernetes_package_the_error_names_the_extra(
 def test_attach_refuses_what_is_not_a_job_id(kube: KubeApiStandIn, tmp_path: Path) -> None:
     with pytest.raises(JobError, match="namespace/object-name/uid"):
         eks_launcher(kube, tmp_path).attach("local-1-1", tmp_path)
+
+
+def test_render_is_the_object_the_api_server_stored(kube: KubeApiStandIn, tmp_path: Path) -> None:
+    """``tunepod render``'s manifest for a trial is the object the API server keeps (but for the fields
+    the server sets, and the submission id, drawn anew by each submit), and it is shown as that YAML."""
+    code = tmp_path / "shared" / "code"
+    shutil.copytree(QUADRATIC.parent, code)
+    block = {
+        "kind": "hyperpod_eks",
+        "image": "123456789012.dkr.ecr.us-west-2.amazonaws.com/tunepod-train:latest",
+        "claim_name": "fsx-claim",
+        "python": sys.executable,
+        "kubeconfig": str(kube.write_kubeconfig(tmp_path / "kubeconfig")),
+        "poll_cache_s": 0.2,
+    }
+    preview, launcher = preview_first_trial(
+        tmp_path, block, HyperPodEksLauncher, trainer=code / QUADRATIC.name
+    )
+    assert isinstance(launcher, HyperPodEksLauncher)
+    handle = launcher.submit(preview.job)
+    try:
+        stored = stored_object(launcher, handle)
+    finally:
+        handle.cancel()
+    stored.pop("status", None)
+    for field in SERVER_FIELDS:
+        stored["metadata"].pop(field)
+    record = read_submission(preview.job.paths)
+    assert record is not None
+    shown = json.loads(as_submitted(json.dumps(preview.rendered.payload), preview, record.submission_id))
+    assert stored == shown
+    assert yaml.safe_load(preview.text()) == preview.rendered.payload

@@ -30,6 +30,7 @@ from botocore.config import Config
 from launcher_contract import JOBS, LauncherContract, finish, fixture_job, is_alive, recorded_pids, wait_until
 from moto_server import MotoServer, moto_server
 from standins.sagemaker_api import SageMakerStandIn
+from tiny_study import QUADRATIC, as_submitted, preview_first_trial
 
 from tunepod import runtime
 from tunepod.errors import JobError, TransientError
@@ -433,3 +434,26 @@ def test_one_failing_instance_fails_the_job_and_the_other_is_stopped(
     assert "rank 1 fails on purpose" in sections["algo-2"]
     assert recorded_pids(pid_dir)
     assert [pid for pid in recorded_pids(pid_dir) if is_alive(pid)] == []
+
+
+def test_render_is_the_create_training_job_request_sagemaker_received(
+    standin: SageMakerStandIn, tmp_path: Path
+) -> None:
+    """``tunepod render``'s request for a trial is the CreateTrainingJob request the service got (but
+    for the submission id, drawn anew by each submit), shown as the JSON ``--cli-input-json`` takes."""
+    code = tmp_path / "code"
+    shutil.copytree(QUADRATIC.parent, code)
+    block = sagemaker_spec(tmp_path, instance_type=INSTANCE_TYPES[1]).model_dump(
+        mode="json", exclude_unset=True
+    )
+    preview, launcher = preview_first_trial(tmp_path, block, SageMakerLauncher, trainer=code / QUADRATIC.name)
+    handle = launcher.submit(preview.job)
+    handle.cancel()
+    record = read_submission(preview.job.paths)
+    assert record is not None
+    received = standin.jobs[handle.job_id].request
+    assert received == json.loads(
+        as_submitted(json.dumps(preview.rendered.payload), preview, record.submission_id)
+    )
+    shown = preview.text()
+    assert json.loads(shown[shown.index("{") :]) == preview.rendered.payload

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from launcher_contract import JOBS, LauncherContract, finish, fixture_job, wait_until
+from tiny_study import as_submitted, preview_first_trial
 
 from tunepod.errors import JobError
 from tunepod.launch.base import JobHandle, JobSpec, JobState, Launcher, Resources
@@ -260,3 +261,25 @@ def test_pending_job_shows_slurms_reason_and_cancels(slurm_launcher: SlurmLaunch
     finally:
         handle.cancel()
     assert handle.state() is JobState.CANCELLED
+
+
+def test_render_is_the_batch_script_slurmctld_stored(tmp_path: Path) -> None:
+    """``tunepod render``'s script for a trial is byte for byte the one Slurm keeps for its job (but for
+    the submission id, drawn anew by each submit)."""
+    block = {"kind": "slurm", "python": sys.executable, "poll_cache_s": 0.2}
+    preview, launcher = preview_first_trial(tmp_path, block, SlurmLauncher)
+    handle = launcher.submit(preview.job)
+    try:
+        stored = subprocess.run(
+            ["scontrol", "write", "batch_script", handle.job_id, "-"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        ).stdout
+    finally:
+        handle.cancel()
+    record = read_submission(preview.job.paths)
+    assert record is not None and record.job_id == handle.job_id
+    assert stored == as_submitted(preview.rendered.payload, preview, record.submission_id)
+    assert preview.rendered.payload in preview.text()

@@ -387,22 +387,15 @@ class Tuner:
         run_id = mirror.wait_for_run(RUN_ID_WAIT_S)
         if run_id is not None:
             self.trials.set_attr(number, ATTR_RUN_ID, run_id)
-        env = contract_env(
-            JobPaths(job_dir),
-            params=script_params(params),
+        return trial_job_spec(
+            self.settings,
+            number,
+            job_dir,
+            params,
             data_dir=self.ctx.dataset.path,
-            trial=str(number),
             tracking_uri=self.ctx.tracker.tracking_uri,
             run_id=run_id,
-            parallelism=layout,
-        )
-        return JobSpec(
-            name=f"{self.settings.study.name}-trial-{number}",
-            entrypoint=Path(self.settings.train.entrypoint).resolve(),
-            job_dir=job_dir,
-            env=env,
-            resources=self.settings.train.resources,
-            limits=Limits.of(self.settings.train.resources, self.settings.train),
+            layout=layout,
         )
 
     # ------------------------------------------------------------------------------------ outcomes
@@ -647,6 +640,37 @@ class ReportFeed:
         if metric == self._study.primary.metric and frozen.intermediate_values:
             return float(frozen.intermediate_values[max(frozen.intermediate_values)])
         return None
+
+
+def trial_job_spec(
+    settings: TuneSettings,
+    number: int,
+    job_dir: Path,
+    params: Mapping[str, object],
+    *,
+    data_dir: str,
+    tracking_uri: str | None,
+    run_id: str | None,
+    layout: Parallelism | None,
+) -> JobSpec:
+    """The job of trial ``number`` (pure): what the tuner submits, and what ``tunepod render`` shows."""
+    env = contract_env(
+        JobPaths(job_dir),
+        params=script_params(params),
+        data_dir=data_dir,
+        trial=str(number),
+        tracking_uri=tracking_uri,
+        run_id=run_id,
+        parallelism=layout,
+    )
+    return JobSpec(
+        name=f"{settings.study.name}-trial-{number}",
+        entrypoint=Path(settings.train.entrypoint).resolve(),
+        job_dir=job_dir,
+        env=env,
+        resources=settings.train.resources,
+        limits=Limits.of(settings.train.resources, settings.train),
+    )
 
 
 def _on_a_thread(tuner: Tuner, number: int) -> Future[TrialRecord]:

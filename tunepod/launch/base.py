@@ -179,6 +179,11 @@ class Launcher(Protocol):
         None when no job was ever created there."""
         ...
 
+    def render(self, job: JobSpec, attempt: int, variant: int = 0) -> Rendered:
+        """What ``submit`` sends for ``attempt`` of ``job`` (its env holding ``SUBMISSION_ID_ENV``),
+        sending nothing and touching no backend: ``tunepod render`` shows it."""
+        ...
+
 
 def wait(handle: JobHandle, poll_s: float = 0.5, timeout_s: float | None = None) -> JobState:
     """Block until ``handle`` reaches a terminal state (or ``timeout_s`` passes) and return it."""

@@ -15,7 +15,9 @@ from tunepod.spec.models import (
 )
 
 
-def make_launcher(spec: LauncherSpec) -> Launcher:
+def make_launcher(spec: LauncherSpec, *, connect: bool = True) -> Launcher:
+    """The launcher of ``spec``. ``connect=False``: one that reads no cluster configuration until it
+    first needs the cluster (``render`` needs none), for ``tunepod render`` on a machine without it."""
     if isinstance(spec, LocalLauncherSpec):
         from tunepod.launch.local import LocalLauncher
 
@@ -35,5 +37,5 @@ def make_launcher(spec: LauncherSpec) -> Launcher:
     if isinstance(spec, HyperPodEksLauncherSpec):
         from tunepod.launch.hyperpod_eks import HyperPodEksLauncher
 
-        return HyperPodEksLauncher(spec)
+        return HyperPodEksLauncher(spec, connect=connect)
     assert_never(spec)

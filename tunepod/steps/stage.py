@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import tunepod.staging.preload_job
+from tunepod.launch.paths import SharedRoot
 from tunepod.metrics import default_metrics
 from tunepod.outputs import Dataset, FsxImport, StepOutput
 from tunepod.spec.models import FsxStageSpec, StageSettings, fsx_target_id
@@ -25,7 +26,7 @@ PRELOAD_ENTRYPOINT = Path(tunepod.staging.preload_job.__file__)
 def run(run: StepContext, name: str, settings: StageSettings, inputs: Mapping[str, StepOutput]) -> Dataset:
     if fsx_target_id(settings.target) is not None:
         return _run_fsx(run, name, settings, settings.fsx or FsxStageSpec())
-    target = run.shared.resolve(settings.target)
+    target = staged_path(run.shared, settings)
     report = stage(
         settings.source, target, cache_dir=run.shared.root.resolve() / ".cache", verify=settings.verify
     )
@@ -46,6 +47,16 @@ def run(run: StepContext, name: str, settings: StageSettings, inputs: Mapping[st
         copied_files=report.copied_files,
         copied_bytes=report.copied_bytes,
     )
+
+
+def staged_path(shared: SharedRoot, settings: StageSettings) -> Path:
+    """Where the step puts the dataset, as the jobs see it (pure: nothing is staged)."""
+    if fsx_target_id(settings.target) is not None:
+        fsx = settings.fsx or FsxStageSpec()
+        return FsxTarget.parse(settings.target).local(
+            Path(fsx.mount) if fsx.mount is not None else shared.root
+        )
+    return shared.resolve(settings.target)
 
 
 def _run_fsx(run: StepContext, name: str, settings: StageSettings, fsx: FsxStageSpec) -> Dataset:

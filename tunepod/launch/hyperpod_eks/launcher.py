@@ -32,6 +32,7 @@ orchestrator read its state.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -73,7 +74,9 @@ class HyperPodEksLauncher(LauncherBase[ObjectStatus]):
     """Creates one job object per job and follows them all with one LIST per period (see the module
     docstring); handles are the template's ``Job``.
 
-    ``api_client`` is a ``kubernetes.client.ApiClient`` (default: one from ``kube_api_client(spec)``);
+    ``api_client`` is a ``kubernetes.client.ApiClient`` (default: one from ``kube_api_client(spec)``,
+    made here, or with ``connect=False`` at the first call that needs the cluster: ``render`` needs
+    none);
     ``api``, when given, is used instead of a ``KubeApi`` over that client: any object with
     ``KubeApi``'s methods and their contract (the deterministic simulation passes its simulated API
     server this way). ``spec.root`` must be where this process sees the claim the pods mount at the
@@ -94,15 +97,28 @@ class HyperPodEksLauncher(LauncherBase[ObjectStatus]):
         *,
         cancel_timeout_s: float = 300.0,
         api: KubeApi | None = None,
+        connect: bool = True,
     ) -> None:
         super().__init__(
             poll_cache_s=spec.poll_cache_s, cancel_timeout_s=cancel_timeout_s, cancel_poll_s=_CANCEL_POLL_S
         )
         self.spec = spec
         self.crd = CRDS[spec.crd]
-        if api is None:
-            api = KubeApi(api_client if api_client is not None else kube_api_client(spec))
-        self.api = api
+        self._api = api
+        self._api_client = api_client
+        self._api_lock = threading.Lock()
+        if connect:
+            self.api  # noqa: B018 -- the configuration is read now: a wrong one fails before anything starts
+
+    @property
+    def api(self) -> KubeApi:
+        """The cluster's API, connected on first use: rendering a job (``tunepod render``) needs no
+        cluster, nor a kubeconfig."""
+        with self._api_lock:
+            if self._api is None:
+                client = self._api_client if self._api_client is not None else kube_api_client(self.spec)
+                self._api = KubeApi(client)
+            return self._api
 
     def object_ref(self, job: Job[ObjectStatus]) -> ObjectRef:
         """The object ``job`` names (its CRD from the submission record, else the spec's)."""

@@ -1,0 +1,146 @@
+"""``tunepod render``: what the launcher would send for a tune step's first trial, sent nowhere.
+
+A platform team reviews this before a first run, as with ``kubectl --dry-run`` or ``hyp create
+--dry-run``: the batch script (Slurm), the HyperPodPyTorchJob or PyTorchJob manifest (HyperPod EKS),
+the CreateTrainingJob request (SageMaker) or the command line and environment (local). It is the
+launcher's own ``render`` of the job the tuner builds (``trial_job_spec``), so it is what a run sends
+for that trial, but for three things a run only knows then: the submission id (new for each attempt;
+one is drawn here), the trial's MLflow run id (``RUN_ID_PLACEHOLDER``), and the parameters, which are
+what the step's sampler gives the first trial of a new study (its ``enqueue`` configurations first;
+a seeded sampler gives the same values in the run; a study that already has trials, or a
+``warm_start``, gives others).
+
+Nothing is written, submitted or opened: no study storage, no MLflow server, no cluster. Every store
+URI the spec names is shown redacted, and so is every secret a URL in the payload carries.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import optuna
+import yaml
+from optuna.storages import InMemoryStorage
+
+from tunepod.errors import TunepodError
+from tunepod.hpo.study import distributions, make_sampler, reseed_for_next_trial
+from tunepod.hpo.tuner import trial_job_spec
+from tunepod.launch.base import SUBMISSION_ID_ENV, JobSpec, Launcher, Rendered
+from tunepod.launch.paths import SharedRoot
+from tunepod.launch.submission import new_submission_id
+from tunepod.spec.models import PipelineSpec, StageStep, TuneSettings, TuneStep
+from tunepod.spec.parallelism import job_layout
+from tunepod.steps.stage import staged_path
+from tunepod.stores import redacted
+
+RUN_ID_PLACEHOLDER = "<mlflow-run-id>"
+"""Stands for the trial's MLflow run id, which exists only once a run has created it."""
+
+
+@dataclass(frozen=True)
+class TrialPreview:
+    """One tune step's first trial: its job, and the launcher's rendering of its first attempt."""
+
+    step: str
+    study: str
+    number: int
+    launcher: str
+    job: JobSpec
+    rendered: Rendered
+
+    def text(self, *secrets: str) -> str:
+        """The payload as the launcher sends it, in its native form, with ``secrets`` (store URIs)
+        and every URL's password shown as ``***``."""
+        header = (
+            f"# step {self.step}: trial {self.number} of study {self.study}, launcher {self.launcher}, "
+            f"job dir {self.job.job_dir}\n# ({SUBMISSION_ID_ENV} differs in each attempt; "
+            f"{RUN_ID_PLACEHOLDER} is the trial's MLflow run)\n"
+        )
+        return redacted(header + _native(self.launcher, self.rendered.payload, self.job), *secrets)
+
+
+def preview_trials(spec: PipelineSpec, launcher: Launcher, *, step: str | None = None) -> list[TrialPreview]:
+    """The first trial of each tune step (of ``step`` only, when given), rendered by ``launcher``.
+
+    Raises ``TunepodError`` for a ``step`` that is not a tune step of the spec, and for what the
+    launcher's ``render`` refuses (the error a run would meet at its first submit)."""
+    tune_steps = [name for name, body in spec.steps.items() if isinstance(body, TuneStep)]
+    if step is not None and step not in tune_steps:
+        raise TunepodError(
+            f"--step {step!r} is not a tune step of pipeline {spec.name}; fix: name one of "
+            f"{', '.join(tune_steps) or '(none: the spec has no tune step)'}"
+        )
+    shared = SharedRoot(Path(spec.launcher.root))
+    return [_first_trial(spec, name, shared, launcher) for name in tune_steps if step in (None, name)]
+
+
+def _first_trial(spec: PipelineSpec, name: str, shared: SharedRoot, launcher: Launcher) -> TrialPreview:
+    body = spec.steps[name]
+    assert isinstance(body, TuneStep)
+    settings = body.with_
+    number, sampled = _first_params(settings)
+    params = {**settings.train.args, **sampled}
+    try:
+        layout = job_layout(settings.train.parallelism, settings.train.resources, params)
+    except ValueError as exc:
+        raise TunepodError(
+            f"step {name}: the first trial's sampled layout does not fit its resources ({exc}); a run "
+            "prunes such a trial without a job, so there is nothing to render for it"
+        ) from exc
+    job_dir = shared.jobs_dir(settings.study.name) / f"trial-{number}"
+    job = trial_job_spec(
+        settings,
+        number,
+        job_dir,
+        params,
+        data_dir=str(_dataset(spec, name, shared)),
+        tracking_uri=spec.tracking.uri,
+        run_id=RUN_ID_PLACEHOLDER,
+        layout=layout,
+    )
+    job = job.with_env({SUBMISSION_ID_ENV: new_submission_id()})
+    return TrialPreview(
+        name, settings.study.name, number, launcher.kind, job, launcher.render(job, attempt=1)
+    )
+
+
+def _first_params(settings: TuneSettings) -> tuple[int, dict[str, Any]]:
+    """Trial 0 of a new study: its number and parameters, from the step's own sampler (in memory)."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(
+        storage=InMemoryStorage(),
+        directions=[goal.direction for goal in settings.study.goals],
+        sampler=make_sampler(settings),
+    )
+    for params in settings.enqueue:
+        study.enqueue_trial(params, skip_if_exists=True)
+    reseed_for_next_trial(study, settings, 0)
+    trial = study.ask(distributions(settings.space))
+    return trial.number, dict(trial.params)
+
+
+def _dataset(spec: PipelineSpec, step: str, shared: SharedRoot) -> Path:
+    """Where the step's needed stage step puts its dataset."""
+    for needed in spec.steps[step].needs:
+        body = spec.steps[needed]
+        if isinstance(body, StageStep):
+            return staged_path(shared, body.with_)
+    raise TunepodError(f"step {step} needs no stage step: nothing tells its dataset")  # the DAG refuses it
+
+
+def _native(launcher: str, payload: Any, job: JobSpec) -> str:
+    """A payload in the form a person would hand the platform: the batch script as it is, the
+    manifest as YAML (``kubectl apply -f``), the request as JSON (``aws sagemaker create-training-job
+    --cli-input-json``), the local command as a shell line after its environment."""
+    if isinstance(payload, str):
+        return payload if payload.endswith("\n") else payload + "\n"
+    if launcher == "local":
+        env = "".join(f"export {key}={shlex.quote(value)}\n" for key, value in sorted(job.env.items()))
+        return env + shlex.join(payload) + "\n"
+    if launcher == "hyperpod_eks":
+        return str(yaml.safe_dump(payload, sort_keys=False, width=120))
+    return json.dumps(payload, indent=2) + "\n"
