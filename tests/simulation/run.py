@@ -16,6 +16,7 @@ import errno
 import logging
 import shutil
 import tempfile
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -353,11 +354,14 @@ def _settings(scenario: Scenario) -> TuneSettings:
 def _sim_files(sim: Scheduler, full: Callable[[], bool]) -> Iterator[None]:
     """Every atomic record write (``tunepod.runtime.files.write_bytes_atomic``, which starts with a
     temporary file) becomes a yield point: a crash may strike just before any record is written; and
-    when ``full()`` says so, the filesystem is full (ENOSPC) for that write."""
+    when ``full()`` says so, the filesystem is full (ENOSPC) for that write. Only the simulation's
+    own OS thread (where all its greenlets run) meets it: a real thread of the same process (another
+    test's, under pytest) writes as usual."""
     real = tempfile.mkstemp
+    simulation_thread = threading.get_ident()
 
     def mkstemp(*args: Any, **kwargs: Any) -> tuple[int, str]:
-        if sim.current is not None:
+        if sim.current is not None and threading.get_ident() == simulation_thread:
             sim.pause("write")
             if full():
                 sim.trace.event(sim.now, "fault", f"{sim.process}: a write fails, the disk is full")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
@@ -26,6 +27,7 @@ class FlakyMirror:
     def __init__(self, failures: int) -> None:
         self.job_dir = Path("/jobs/flaky")
         self.run_id = "run"
+        self.tracker = SimpleNamespace(tracking_uri="http://mlflow.invalid:5000")  # what the outbox reads
         self.failures = failures
         self.calls = 0
         self.lock = threading.Lock()

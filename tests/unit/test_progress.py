@@ -490,4 +490,6 @@ def test_a_straggler_rank_stands_out_by_cpu_busy_where_step_times_match(tmp_path
     # Lockstep: one step time for both (the slow rank's), so step time cannot tell them apart.
     assert max(fast.step_time_s, slow.step_time_s) / min(fast.step_time_s, slow.step_time_s) < 1.3
     assert fast.cpu_busy is not None and slow.cpu_busy is not None
-    assert slow.cpu_busy > fast.cpu_busy + 0.3, (fast, slow)
+    # A ratio, not a margin: on a loaded machine the slow rank gets less CPU than it asks for, while
+    # the fast rank's wait stays off the CPU whatever the load.
+    assert slow.cpu_busy > 3 * fast.cpu_busy, (fast, slow)
