@@ -195,16 +195,18 @@ def test_failed_job_is_described_with_state_reason_and_exit_code(
 def test_a_job_records_its_exit_in_the_job_dir_for_when_slurm_has_forgotten_it(
     slurm_launcher: SlurmLauncher, tmp_path: Path
 ) -> None:
-    """The batch script's EXIT trap writes ``<exit code> <submission id>``: once Slurm has purged an
-    ended job (MinJobAge, one hour on the test cluster, so the purge itself is the simulation's:
-    ``tests/simulation``), its status comes from that file, a job that exited 0 COMPLETED."""
+    """The batch script's EXIT trap writes ``<exit code> <submission id> <job id>``: once Slurm has
+    purged an ended job (MinJobAge, one hour on the test cluster, so the purge itself is the
+    simulation's: ``tests/simulation``), its status comes from that file, a job that exited 0
+    COMPLETED, and an intent whose job id never reached the record finds its job there."""
     done = slurm_launcher.submit(fixture_job(tmp_path / "done", "succeed.py"))
     failed = slurm_launcher.submit(fixture_job(tmp_path / "failed", "fail.py", "boom"))
     assert finish(done) is JobState.SUCCEEDED and finish(failed) is JobState.FAILED
     for handle, code, state in ((done, 0, "COMPLETED"), (failed, 1, "FAILED")):
         record = read_submission(JobPaths(handle.job_dir))
         assert record is not None
-        assert JobPaths(handle.job_dir).exit_code.read_text() == f"{code} {record.submission_id}\n"
+        recorded = JobPaths(handle.job_dir).exit_code.read_text()
+        assert recorded == f"{code} {record.submission_id} {handle.job_id}\n"
         forgotten = recorded_status(handle.job_id, TrackedJob(handle.job_dir, record))
         assert forgotten is not None and (forgotten.state, forgotten.exit_code) == (state, code)
 

@@ -4,6 +4,7 @@
     python -m simulation --seed 4242                   # one seed: its scenario, outcome and trace
     python -m simulation --mutants                     # each fixed defect put back: a seed must find it
     python -m simulation --seed 4242 --shrink          # the same, with the fewest faults that still break it
+    python -m simulation --kinds sagemaker,local       # only these backends (a seed's scenario depends on it)
 
 (run from ``tests/``, or with ``tests`` on ``PYTHONPATH``, as the Makefile does). A failing seed is
 printed with the command that replays it; a replay runs the seed twice and says whether both runs
@@ -14,14 +15,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import multiprocessing
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from simulation.backends import KINDS
 from simulation.mutants import MUTANTS, mutant
 from simulation.run import Outcome, describe, run_seed
+from simulation.scenario import scenario_of
 from simulation.shrink import shrink
 
 
@@ -48,18 +52,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--mutants", action="store_true", help="each fixed defect put back: a seed must find it"
     )
+    parser.add_argument(
+        "--kinds",
+        type=_kinds,
+        default=KINDS,
+        help=f"the backends seeds draw from, comma separated (default {','.join(KINDS)})",
+    )
     args = parser.parse_args(argv)
     with mutant(args.mutant).apply() if args.mutant else contextlib.nullcontext():
         if args.mutants:
             return _hunt(args.first_seed, args.seeds, args.jobs)
         if args.seed is not None:
-            return _one(args.seed, shrinking=args.shrink)
-        return _many(range(args.first_seed, args.first_seed + args.seeds), args.jobs)
+            return _one(args.seed, args.kinds, shrinking=args.shrink)
+        return _many(range(args.first_seed, args.first_seed + args.seeds), args.jobs, args.kinds)
 
 
-def _one(seed: int, *, shrinking: bool) -> int:
-    first = run_seed(seed)
-    again = run_seed(seed)
+def _kinds(text: str) -> tuple[str, ...]:
+    kinds = tuple(kind.strip() for kind in text.split(",") if kind.strip())
+    unknown = [kind for kind in kinds if kind not in KINDS]
+    if unknown or not kinds:
+        raise argparse.ArgumentTypeError(f"{text!r}: choose among {', '.join(KINDS)}")
+    return kinds
+
+
+def _replay(seed: int, kinds: tuple[str, ...], mutant_name: str | None = None) -> str:
+    """The command that replays ``seed`` as it ran."""
+    args = [f"--kinds={','.join(kinds)}"] if kinds != KINDS else []
+    args += [f"--mutant={mutant_name}"] if mutant_name else []
+    extra = f" SIMULATE_ARGS='{' '.join(args)}'" if args else ""
+    return f"make simulate SEED={seed}{extra}"
+
+
+def _one(seed: int, kinds: tuple[str, ...], *, shrinking: bool) -> int:
+    first = run_seed(seed, scenario=scenario_of(seed, kinds=kinds))
+    again = run_seed(seed, scenario=scenario_of(seed, kinds=kinds))
     print(describe(first))
     same = first.trace.render() == again.trace.render()
     print(
@@ -74,12 +100,12 @@ def _one(seed: int, *, shrinking: bool) -> int:
     return 0 if first.held and same else 1
 
 
-def _many(seeds: range, jobs: int) -> int:
+def _many(seeds: range, jobs: int, kinds: tuple[str, ...]) -> int:
     started = time.monotonic()
     failed: list[Summary] = []
     done = 0
     slowest = 0.0
-    for summary in _summaries(seeds, jobs):
+    for summary in _summaries(seeds, jobs, kinds):
         done += 1
         slowest = max(slowest, summary.wall_s)
         if summary.violations:
@@ -95,41 +121,44 @@ def _many(seeds: range, jobs: int) -> int:
         f"({elapsed:.0f} s on {jobs} processes; slowest seed {slowest:.1f} s)"
     )
     for summary in sorted(failed, key=lambda s: s.seed)[:20]:
-        print(f"  replay: make simulate SEED={summary.seed}   ({'; '.join(summary.violations)[:300]})")
+        print(f"  replay: {_replay(summary.seed, kinds)}   ({'; '.join(summary.violations)[:300]})")
     return 1 if failed else 0
 
 
 def _hunt(first_seed: int, max_seeds: int, jobs: int) -> int:
-    """For each mutant, the first seed (of ``max_seeds``) that breaks an invariant."""
+    """For each mutant, the first seed (of ``max_seeds``, on the backends it can break) that breaks an
+    invariant."""
     survivors = []
     for candidate in MUTANTS:
         started = time.monotonic()
         seeds = range(first_seed, first_seed + max_seeds)
         with candidate.apply():
-            found = next((s for s in _summaries(seeds, jobs) if s.violations), None)
+            found = next((s for s in _summaries(seeds, jobs, candidate.kinds) if s.violations), None)
         took = time.monotonic() - started
         if found is None:
             survivors.append(candidate.name)
             print(f"{candidate.name}: NOT FOUND in {max_seeds} seeds ({took:.0f} s): {candidate.defect}")
         else:
             print(f"{candidate.name}: found by seed {found.seed} ({took:.0f} s): {candidate.defect}")
+            print(f"    replay: {_replay(found.seed, candidate.kinds, candidate.name)}")
             print(f"    {found.violations[0][:300]}", flush=True)
     print(f"mutants: {len(MUTANTS)}, found: {len(MUTANTS) - len(survivors)}")
     return 1 if survivors else 0
 
 
-def _summaries(seeds: range, jobs: int) -> Iterator[Summary]:
+def _summaries(seeds: range, jobs: int, kinds: tuple[str, ...]) -> Iterator[Summary]:
+    summarize = functools.partial(_summarize, kinds=kinds)
     if jobs <= 1:
-        yield from map(_summarize, seeds)
+        yield from map(summarize, seeds)
         return
     # Forked workers: each seed installs its own world, so nothing is shared between them but code.
     with multiprocessing.get_context("fork").Pool(jobs) as pool:
-        yield from pool.imap_unordered(_summarize, seeds, chunksize=4)
+        yield from pool.imap_unordered(summarize, seeds, chunksize=4)
 
 
-def _summarize(seed: int) -> Summary:
+def _summarize(seed: int, kinds: tuple[str, ...]) -> Summary:
     started = time.monotonic()
-    outcome: Outcome = run_seed(seed)
+    outcome: Outcome = run_seed(seed, scenario=scenario_of(seed, kinds=kinds))
     found = tuple(f"{v.invariant}: {v.detail}" for v in outcome.violations)
     return Summary(seed, found, time.monotonic() - started, outcome.simulated_s)
 

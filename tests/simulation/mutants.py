@@ -15,12 +15,14 @@ from typing import Any
 
 from optuna.trial import FrozenTrial
 
+from simulation.backends import KINDS
 from tunepod.hpo import tuner
 from tunepod.launch import base, drive, lease
 from tunepod.launch.hyperpod_eks import launcher as eks_launcher
 from tunepod.launch.local import LocalLauncher, LocalStatus
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.sagemaker import states as sagemaker_states
+from tunepod.launch.slurm import launcher as slurm_launcher
 from tunepod.launch.slurm import render
 from tunepod.launch.watchdog import Watchdog
 from tunepod.locks import locked
@@ -32,6 +34,8 @@ class Mutant:
     name: str
     defect: str
     apply: Callable[[], contextlib.AbstractContextManager[None]]
+    kinds: tuple[str, ...] = KINDS
+    """The backends whose seeds can show it (a defect of one launcher: its seeds only)."""
 
 
 @contextlib.contextmanager
@@ -104,6 +108,12 @@ def _leftovers_ignored() -> contextlib.AbstractContextManager[None]:
     return _patched(LocalLauncher, "_sweep_leftovers", ended)
 
 
+def _forgotten_intent_sent_again() -> contextlib.AbstractContextManager[None]:
+    """The Slurm launcher before: an intent whose job ran and was purged, with no accounting, is sent
+    again, whatever its script recorded."""
+    return _patched(slurm_launcher, "_ended_and_forgotten", lambda intent, job_dir: None)
+
+
 def _decided_stop_wins() -> contextlib.AbstractContextManager[None]:
     return _patched(drive.JobDriver, "_ended_on_its_own", lambda self, state: False)
 
@@ -160,7 +170,18 @@ MUTANTS = [
         "issue 28, 8 and clock jumps: the watchdog trusts the driver's wall clock",
         _host_clock_trusted,
     ),
-    Mutant("purged-failed", "a job Slurm purged after it exited 0 is read as FAILED", _purged_is_failed),
+    Mutant(
+        "purged-failed",
+        "a job Slurm purged after it exited 0 is read as FAILED",
+        _purged_is_failed,
+        kinds=("slurm",),
+    ),
+    Mutant(
+        "forgotten-intent",
+        "a Slurm job that ran and was purged before its job id reached the record is submitted again",
+        _forgotten_intent_sent_again,
+        kinds=("slurm",),
+    ),
     Mutant(
         "late-stop",
         "a job that finished before a decided stop reached it is counted as stopped",
@@ -170,21 +191,25 @@ MUTANTS = [
         "leftovers-ignored",
         "issue 28, 3: a local job whose wrapper exited counts as ended while its workers train on",
         _leftovers_ignored,
+        kinds=("local",),
     ),
     Mutant(
         "ttl-failed",
         "a HyperPod EKS job whose TTL deleted its object after it exited 0 is read as FAILED",
         _ttl_deleted_is_failed,
+        kinds=("hyperpod_eks",),
     ),
     Mutant(
         "gone-intent",
         "a HyperPod EKS job that ran and was TTL-deleted before its creation was recorded is created again",
         _gone_intent_sent_again,
+        kinds=("hyperpod_eks",),
     ),
     Mutant(
         "stopped-upload",
         "SageMaker: a job a stop reached while it uploaded, after its script exited 0, counts as stopped",
         _stopped_upload_cancelled,
+        kinds=("sagemaker",),
     ),
     Mutant(
         "wall-clock-timeout",
@@ -195,6 +220,7 @@ MUTANTS = [
         "sent-intent-refused",
         "a submit retried after a lost create reply refuses its own attempt's job, or runs it again",
         _sent_intent_refused,
+        kinds=("sagemaker",),
     ),
 ]
 

@@ -18,6 +18,7 @@ import pytest
 
 from tunepod.errors import TransientError, TunepodError, is_transient
 from tunepod.launch.base import JobState
+from tunepod.launch.paths import JobPaths
 from tunepod.launch.runner import (
     CommandFailed,
     CommandRunner,
@@ -38,7 +39,10 @@ from tunepod.launch.slurm import (
     parse_scontrol_job,
     parse_squeue,
 )
+from tunepod.launch.slurm.launcher import recorded_status
+from tunepod.launch.slurm.render import exit_code_trap
 from tunepod.launch.slurm.states import ListedJob
+from tunepod.launch.status_cache import TrackedJob
 from tunepod.launch.submission import Submission
 from tunepod.spec.models import SlurmLauncherSpec
 
@@ -254,6 +258,25 @@ def test_find_without_a_match_and_without_accounting_is_none(tmp_path: Path) -> 
     runner = ScriptedRunner({"squeue": "40|tunepod:00000000000000ff|trial-7\n", "sacct": NO_ACCOUNTING})
     assert SlurmLauncher(launcher_spec(tmp_path), runner).find(intent(), tmp_path) is None
     assert [call[0] for call in runner.calls] == ["squeue", "sacct"]
+
+
+def test_find_of_a_job_slurm_forgot_is_the_one_its_script_recorded_with_its_exit(tmp_path: Path) -> None:
+    """The orchestrator died between sbatch and the record; the job ran, exited 0 and was purged
+    (MinJobAge), and no accounting runs: squeue and sacct know nothing of it. Its EXIT trap (run here
+    by bash, as Slurm's batch host runs it) recorded its job id with its exit: the intent resolves to
+    that job, COMPLETED, and is never sent again (a finished trial would train twice)."""
+    paths = JobPaths(tmp_path)
+    trap = "\n".join(exit_code_trap(paths))
+    environment = {"PATH": "/usr/bin:/bin", "TUNEPOD_SUBMISSION_ID": "00000000000000aa", "SLURM_JOB_ID": "77"}
+    subprocess.run(["bash", "-c", f"{trap}\nexit 0"], env=environment, check=True, timeout=30)
+    runner = ScriptedRunner({"squeue": "", "sacct": NO_ACCOUNTING})
+    launcher = SlurmLauncher(launcher_spec(tmp_path), runner)
+    assert launcher.find(intent(submission_id="00000000000000bb"), tmp_path) is None  # another attempt's
+    found = launcher.find(intent(), tmp_path)
+    assert found is not None and found.job_id == "77"
+    record = intent().accepted(found.job_id, {})
+    status = recorded_status(found.job_id, TrackedJob(tmp_path, record))
+    assert status is not None and (status.job_state, status.exit_code) == (JobState.SUCCEEDED, 0)
 
 
 def test_find_falls_back_to_accounting_from_a_day_before_the_intent(tmp_path: Path) -> None:

@@ -75,11 +75,30 @@ class ServiceFaults:
     lost_reply: float = 0.0
     """A call that changes something (submit, create, cancel, delete, stop) takes effect, and its reply
     is lost."""
+    outage: float = 0.0
+    """A lost reply is the start of an outage (a partition, a failover): for up to a minute after it,
+    every call fails before it takes effect, the look-ups that would find the lost reply's job too."""
 
 
 def service_faults(draw: random.Random) -> dict[str, float]:
     """``ServiceFaults``' fields drawn from a seed: keyword arguments for a backend's faults class."""
-    return {"transient": rate(draw, 0.1), "lost_reply": rate(draw, 0.2)}
+    return {"transient": rate(draw, 0.1), "lost_reply": rate(draw, 0.2), "outage": rate(draw, 0.5)}
+
+
+@dataclass
+class Outage:
+    """An API's outage window (``ServiceFaults.outage``), opened by a lost reply."""
+
+    until: float = 0.0
+
+    def begins(self, sim: Scheduler, faults: ServiceFaults) -> None:
+        """After a lost reply: maybe the service stays out of reach a while."""
+        if sim.choices.chance(faults.outage):
+            self.until = sim.now + sim.choices.uniform(1.0, 60.0)
+            sim.trace.event(sim.now, "fault", f"the API is out of reach until {self.until:.2f}s")
+
+    def on(self, sim: Scheduler) -> bool:
+        return sim.now < self.until
 
 
 def draws() -> dict[str, Callable[[random.Random], BackendSettings]]:

@@ -68,7 +68,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
-from simulation.backends import Machine, ServiceFaults, rate, service_faults
+from simulation.backends import Machine, Outage, ServiceFaults, rate, service_faults
 from simulation.cluster import HEARTBEAT_S, Cluster, JobRun
 from simulation.invariants import Referee
 from simulation.scheduler import Host, Scheduler
@@ -268,6 +268,7 @@ class KubeServer:
         self.settings = settings
         self.faults = settings.faults
         self.faults_on = True
+        self.outage = Outage()
         self.objects: dict[tuple[str, str, str], JobObject] = {}
         """(plural, namespace, name) -> the object, in creation order."""
         self.orphans: list[Pod] = []
@@ -594,10 +595,10 @@ class KubeServer:
         sim = self.sim
         sim.pause(f"kube {doing}")
         sim.sleep(sim.choices.uniform(0.01, 0.2))
-        if not (self.faults_on and sim.choices.chance(self.faults.transient)):
+        if not (self.faults_on and (self.outage.on(sim) or sim.choices.chance(self.faults.transient))):
             return
         sim.trace.event(sim.now, "fault", f"{sim.process}: kube {doing.split(' ')[0]} is refused")
-        if sim.choices.chance(0.25):  # the API server restarting: nothing listens
+        if self.outage.on(sim) or sim.choices.chance(0.25):  # the API server restarting: nothing listens
             raise TransientError(
                 f"could not {doing}: the Kubernetes API did not answer (NewConnectionError: Failed to "
                 "establish a new connection: [Errno 111] Connection refused)"
@@ -612,6 +613,7 @@ class KubeServer:
             return
         verb = doing.split(" ")[0]
         sim.trace.event(sim.now, "fault", f"{sim.process}: kube {verb} took effect; its reply is lost")
+        self.outage.begins(sim, self.faults)
         if sim.choices.chance(0.5):
             raise TransientError(
                 f"could not {doing}: the Kubernetes API did not answer (('Connection aborted.', "

@@ -62,7 +62,7 @@ from botocore.exceptions import (  # type: ignore[import-untyped]
 )
 from botocore.validate import ParamValidator  # type: ignore[import-untyped]
 
-from simulation.backends import Machine, ServiceFaults, rate, service_faults
+from simulation.backends import Machine, Outage, ServiceFaults, rate, service_faults
 from simulation.cluster import Cluster, JobRun
 from simulation.invariants import Referee
 from simulation.scheduler import Host, Scheduler
@@ -213,6 +213,7 @@ class SageMakerApi:
         self.settings = settings
         self.faults = settings.faults
         self.faults_on = True
+        self.outage = Outage()
         self.jobs: dict[str, TrainingJob] = {}
         self.live: dict[str, TrainingJob] = {}
         """The jobs not ended yet, in creation order: the only ones the service still works on."""
@@ -477,8 +478,8 @@ class SageMakerApi:
         _validated(operation, params)
         sim.pause(f"sagemaker {operation}")
         sim.sleep(sim.choices.uniform(0.02, 0.3))
-        if self.faults_on and sim.choices.chance(self.faults.transient):
-            if sim.choices.chance(0.5):
+        if self.faults_on and (self.outage.on(sim) or sim.choices.chance(self.faults.transient)):
+            if self.outage.on(sim) or sim.choices.chance(0.5):
                 sim.trace.event(sim.now, "fault", f"{sim.process}: {operation} times out before AWS has it")
                 raise ReadTimeoutError(endpoint_url=ENDPOINT)
             sim.trace.event(sim.now, "fault", f"{sim.process}: {operation} is throttled")
@@ -490,6 +491,7 @@ class SageMakerApi:
         lost = self.faults_on and sim.choices.chance(self.faults.lost_reply)
         if lost:
             sim.trace.event(sim.now, "fault", f"{sim.process}: {operation} took effect; its reply is lost")
+            self.outage.begins(sim, self.faults)
         sim.sleep(sim.choices.uniform(0.01, 0.2))
         return lost
 

@@ -23,6 +23,7 @@ Modelled, as Slurm does it:
 from __future__ import annotations
 
 import random
+import re
 import shlex
 import subprocess
 from collections.abc import Sequence
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
-from simulation.backends import Machine, ServiceFaults, rate, service_faults
+from simulation.backends import Machine, Outage, ServiceFaults, rate, service_faults
 from simulation.cluster import Cluster, JobRun
 from simulation.invariants import Referee
 from simulation.scheduler import Host, Scheduler
@@ -118,6 +119,7 @@ class SlurmJob:
     started_at: float | None = None
     ended_at: float | None = None
     exit_file: Path | None = None
+    exit_fields: tuple[str, ...] = ()
     """Where the script's EXIT trap records how it ended (None: the script has no such trap)."""
     run: JobRun | None = field(default=None, repr=False)
 
@@ -136,6 +138,7 @@ class Slurmctld:
         self.comments_in_accounting = settings.comments_in_accounting
         self.faults = settings.faults
         self.faults_on = True
+        self.outage = Outage()
         sim = self.sim
         self.memory: dict[str, SlurmJob] = {}
         self.accounted: dict[str, SlurmJob] = {}
@@ -186,10 +189,13 @@ class Slurmctld:
         self._trap(job, code)
 
     def _trap(self, job: SlurmJob, code: int) -> None:
-        """The batch script's EXIT trap, as bash runs it."""
-        if job.exit_file is not None:
-            submission = job.env.get("TUNEPOD_SUBMISSION_ID", "")
-            write_bytes_atomic(job.exit_file, f"{code} {submission}\n".encode())
+        """The batch script's EXIT trap, as bash runs it: its printf's arguments, each ``"$code"`` or a
+        variable of the job's environment (Slurm's own included), joined by spaces."""
+        if job.exit_file is None:
+            return
+        values = {**job.env, "SLURM_JOB_ID": job.job_id, "code": str(code)}
+        fields = [values.get(name, "") for name in job.exit_fields]
+        write_bytes_atomic(job.exit_file, (" ".join(fields) + "\n").encode())
 
     def _end_run(self, job: SlurmJob, state: str, reason: str, *, exit_code: int, signal: int) -> None:
         if job.run is not None:
@@ -237,6 +243,7 @@ class Slurmctld:
             env=_exports(script),
             time_limit_s=_time_limit_s(options.get("time")),
             exit_file=_exit_file(script),
+            exit_fields=_exit_fields(script),
             submitted_at=self.sim.now,
             start_after=self.sim.now + self.sim.choices.uniform(0.0, 20.0),
         )
@@ -339,7 +346,7 @@ class SimSlurmRunner:
         sim, faults = self.ctld.sim, self.ctld.faults
         sim.pause(f"slurm {argv[0]}")
         sim.sleep(sim.choices.uniform(0.01, 0.3))
-        if self.ctld.faults_on and sim.choices.chance(faults.transient):
+        if self.ctld.faults_on and (self.ctld.outage.on(sim) or sim.choices.chance(faults.transient)):
             sim.trace.event(sim.now, "fault", f"{sim.process}: {argv[0]} times out")
             raise TransientCommandFailed(argv, 1, _TIMED_OUT)
         code, stdout, stderr = self.ctld.run_command(argv, input)
@@ -350,6 +357,7 @@ class SimSlurmRunner:
             and sim.choices.chance(faults.lost_reply)
         ):
             sim.trace.event(sim.now, "fault", f"{sim.process}: {argv[0]} took effect; its reply is lost")
+            self.ctld.outage.begins(sim, faults)
             raise TransientCommandFailed(argv, 1, _TIMED_OUT)
         if code != 0:
             if is_transient_failure(code, stderr):
@@ -379,6 +387,15 @@ def _exports(script: str) -> dict[str, str]:
             name, _, value = line[len("export ") :].partition("=")
             env[name] = shlex.split(value)[0] if value else ""
     return env
+
+
+def _exit_fields(script: str) -> tuple[str, ...]:
+    """The variables the EXIT trap's printf writes, in order (``"$code" "${X:-}"`` -> code, X)."""
+    trap = next(
+        (line for line in script.splitlines() if line.startswith("trap ") and line.endswith(" EXIT")), ""
+    )
+    printed = trap.partition("printf ")[2].partition(">")[0]
+    return tuple(re.findall(r'"\$\{?(\w+)(?::-)?\}?"', printed))
 
 
 def _exit_file(script: str) -> Path | None:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tunepod.errors import JobError
 from tunepod.launch.base import Accepted, Job, JobSpec, LauncherBase, Rendered
-from tunepod.launch.exit_code import read_exit_code, temp_exit_file
+from tunepod.launch.exit_code import read_exit_code, recorded_job_id, temp_exit_file
 from tunepod.launch.paths import JobPaths, file_logs
 from tunepod.launch.runner import CommandRunner, LocalRunner, SshRunner
 from tunepod.launch.slurm.commands import SlurmCommands
@@ -92,7 +92,9 @@ class SlurmLauncher(LauncherBase[SlurmStatus]):
 
     def find(self, intent: Submission, job_dir: Path) -> Accepted | None:
         """The job named ``intent.name`` whose comment names ``intent.submission_id``: first among the
-        jobs the controller knows (queued, running, recently ended), then in the accounting database."""
+        jobs the controller knows (queued, running, recently ended), then in the accounting database,
+        then, for a job that ended and was forgotten by both, the one its script recorded with its exit
+        in the job dir (never created again: it ran)."""
         comment = submission_comment(intent.submission_id)
         mine = [job for job in self.slurm.named(intent.name) if job.comment == comment]
         if not mine:
@@ -101,7 +103,7 @@ class SlurmLauncher(LauncherBase[SlurmStatus]):
             mine = [job for job in accounted if job.comment == comment]
             _warn_if_comments_missing(intent, accounted, mine)
         if not mine:
-            return None
+            return _ended_and_forgotten(intent, job_dir)
         newest, *others = sorted(mine, key=lambda job: int(job.job_id), reverse=True)
         if others:
             extra = " ".join(job.job_id for job in others)
@@ -166,6 +168,22 @@ def recorded_status(job_id: str, job: TrackedJob) -> SlurmStatus | None:
         return None
     state = "COMPLETED" if code == 0 else "FAILED"
     return SlurmStatus(state, reason=f"purged by Slurm; exit code recorded in {job.job_dir}", exit_code=code)
+
+
+def _ended_and_forgotten(intent: Submission, job_dir: Path) -> Accepted | None:
+    """The job of ``intent`` that ran, recorded its exit and job id, and was purged (``MinJobAge``) with
+    no accounting to remember it; None when its script recorded none (it never ran, or a script from
+    before job ids were recorded)."""
+    job_id = recorded_job_id(JobPaths(job_dir), intent.submission_id)
+    if job_id is None or not job_id.isdigit():
+        return None
+    logger.info(
+        "%s: job %s of submission %s ended and Slurm has forgotten it; its exit is recorded in the job dir",
+        job_dir,
+        job_id,
+        intent.submission_id,
+    )
+    return Accepted(job_id)
 
 
 def _warn_if_comments_missing(intent: Submission, accounted: list[ListedJob], mine: list[ListedJob]) -> None:

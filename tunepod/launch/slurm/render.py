@@ -11,9 +11,10 @@ A job whose environment carries ``SUBMISSION_ID_ENV`` (every job the launcher se
 ``--comment=tunepod:<submission id>``: the job name is the same for every attempt in a job dir, and
 the comment is how ``find`` tells this attempt's job from an earlier one's.
 
-The script's ``EXIT`` trap writes its exit code and submission id to the job dir
+The script's ``EXIT`` trap writes its exit code, submission id and job id to the job dir
 (``tunepod.launch.exit_code``): once Slurm has purged an ended job (``MinJobAge``) and no
-accounting remembers it, that file is how a finished job is told from a failed one.
+accounting remembers it, that file is how a finished job is told from a failed one, and how an
+intent whose job id never reached the record finds its job.
 """
 
 from __future__ import annotations
@@ -194,8 +195,8 @@ def exit_code_trap(paths: JobPaths) -> list[str]:
     return [
         "# How the script ended, kept in the job dir for when Slurm has forgotten the job (MinJobAge).",
         f"tunepod_exit={shlex.quote(str(paths.exit_code))}",
-        'trap \'code=$?; printf "%s %s\\n" "$code" "${TUNEPOD_SUBMISSION_ID:-}" > "$tunepod_exit.tmp" '
-        '&& mv -f "$tunepod_exit.tmp" "$tunepod_exit"\' EXIT',
+        'trap \'code=$?; printf "%s %s %s\\n" "$code" "${TUNEPOD_SUBMISSION_ID:-}" "${SLURM_JOB_ID:-}" '
+        '> "$tunepod_exit.tmp" && mv -f "$tunepod_exit.tmp" "$tunepod_exit"\' EXIT',
     ]
 
 
