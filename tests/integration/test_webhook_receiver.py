@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -23,7 +24,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -45,6 +46,7 @@ from tunepod.webhook.config import (
     load_webhook_config,
     parse_webhook_config,
 )
+from tunepod.webhook.dedupe import DEFAULT_TTL_S as DEDUPE_TTL_S
 from tunepod.webhook.dedupe import DeliveryLog
 from tunepod.webhook.events import (
     EventRefused,
@@ -54,11 +56,18 @@ from tunepod.webhook.events import (
     hook_resource,
 )
 from tunepod.webhook.publisher import EventPublisher, in_thread
-from tunepod.webhook.signatures import github_headers, new_standard_secret, standard_headers
+from tunepod.webhook.signatures import (
+    API_KEY_HEADER,
+    MIN_API_KEY_CHARS,
+    github_headers,
+    new_standard_secret,
+    standard_headers,
+)
 
 SECRET = new_standard_secret()
 OLD_SECRET = "an-older-raw-secret"
 GITHUB_SECRET = "github-hook-secret"
+API_KEY = "eventbridge-connection-key-0123456789"
 SECRETS = (SECRET, OLD_SECRET, GITHUB_SECRET)
 SPEC = "examples/digits/pipeline.yaml"
 
@@ -81,13 +90,21 @@ def write_config(folder: Path) -> Path:
             "overrides": ["tracking.experiment=digits-{payload.repository.name}"],
         },
         "slow": {"spec": SPEC, "secrets": [{"env": "TEST_DIGITS_SECRET"}], "rate_limit_per_min": 2},
+        "s3eb": {
+            "spec": SPEC,
+            "scheme": "eventbridge",
+            "secrets": [{"env": "TEST_EVENTBRIDGE_KEY"}],
+            "overrides": [
+                "steps.data.with.source=s3://{payload.detail.bucket.name}/{payload.detail.object.key|dirname}"
+            ],
+        },
     }
     path = folder / "webhooks.yaml"
     path.write_text(yaml.safe_dump({"hooks": hooks}))
     return path
 
 
-ENVIRON = {"TEST_DIGITS_SECRET": SECRET, "TEST_GITHUB_SECRET": GITHUB_SECRET}
+ENVIRON = {"TEST_DIGITS_SECRET": SECRET, "TEST_GITHUB_SECRET": GITHUB_SECRET, "TEST_EVENTBRIDGE_KEY": API_KEY}
 
 
 @pytest.fixture
@@ -697,12 +714,17 @@ def test_startup_names_the_hook_and_field_of_every_problem(in_repo: Path, tmp_pa
 
 def test_the_example_config_loads_with_its_secrets_set(in_repo: Path) -> None:
     config = load_webhook_config(in_repo / "deployments/webhooks.yaml", EXAMPLE_SECRETS)
-    assert set(config.hooks) == {"s3-upload", "github-push", "digits"}
+    assert set(config.hooks) == {"s3-upload", "s3-eventbridge", "github-push", "digits"}
 
 
 EXAMPLE_SECRETS = {
     name: SECRET
-    for name in ("TUNEPOD_HOOK_S3_SECRET", "TUNEPOD_HOOK_GITHUB_SECRET", "TUNEPOD_HOOK_DIGITS_SECRET")
+    for name in (
+        "TUNEPOD_HOOK_S3_SECRET",
+        "TUNEPOD_HOOK_S3_EVENTBRIDGE_KEY",
+        "TUNEPOD_HOOK_GITHUB_SECRET",
+        "TUNEPOD_HOOK_DIGITS_SECRET",
+    )
 }
 
 
@@ -931,3 +953,116 @@ def test_the_intake_benchmark_gets_only_expected_answers(api_url: str, in_repo: 
         "sink alone": {"204": 4},
     }
     assert "goal: tunepod adds at most 5 ms at p95, 2 in flight" in done.stdout, output
+
+
+# ---------------------------------------------------------------------------------------------- EventBridge
+
+
+def eventbridge_event_of_an_upload(moto: MotoServer, bucket: str, key: str) -> dict[str, Any]:
+    """The event EventBridge makes of an S3 upload: moto's S3 sends "Object Created" to its EventBridge
+    (the bucket's EventBridge notifications on), whose rule sends it to an SQS queue. moto's API
+    destinations post no body, so the last hop, the API destination's POST, is the test's
+    (``post_as_api_destination``)."""
+    s3, events, sqs = moto.client("s3"), moto.client("events"), moto.client("sqs")
+    s3.create_bucket(Bucket=bucket)
+    s3.put_bucket_notification_configuration(
+        Bucket=bucket, NotificationConfiguration={"EventBridgeConfiguration": {}}
+    )
+    queue = sqs.create_queue(QueueName=f"{bucket}-events")["QueueUrl"]
+    arn = sqs.get_queue_attributes(QueueUrl=queue, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+    pattern = {
+        "source": ["aws.s3"],
+        "detail-type": ["Object Created"],
+        "detail": {"bucket": {"name": [bucket]}},
+    }
+    events.put_rule(Name=f"{bucket}-uploads", EventPattern=json.dumps(pattern))
+    events.put_targets(Rule=f"{bucket}-uploads", Targets=[{"Id": "receiver", "Arn": arn}])
+    s3.put_object(Bucket=bucket, Key=key, Body=b"x")
+    messages = sqs.receive_message(QueueUrl=queue, MaxNumberOfMessages=10, WaitTimeSeconds=5)["Messages"]
+    [event] = [json.loads(message["Body"]) for message in messages]
+    return cast(dict[str, Any], event)
+
+
+def post_as_api_destination(receiver: Receiver, event: dict[str, Any], key: str = API_KEY) -> httpx.Response:
+    """What an EventBridge API destination sends: the event as the body, the connection's API key."""
+    return receiver.post("s3eb", json.dumps(event).encode(), {API_KEY_HEADER: key})
+
+
+def test_an_s3_upload_reaches_the_receiver_through_eventbridge_and_starts_a_run(
+    receiver: Receiver, moto: MotoServer, api_url: str
+) -> None:
+    """S3 -> EventBridge -> API destination: the event is accepted with the connection's key, its
+    override stages the folder the object was put in, Prefect gets the event that triggers the run,
+    and EventBridge's retry of the same event is a duplicate."""
+    bucket = f"data-{uuid.uuid4().hex[:8]}"
+    event = eventbridge_event_of_an_upload(moto, bucket, "digits/v2/train.npz")
+    assert (event["source"], event["detail-type"]) == ("aws.s3", "Object Created")
+
+    accepted = post_as_api_destination(receiver, event)
+    assert accepted.status_code == 202, accepted.text
+    assert accepted.json()["overrides"] == [f'steps.data.with.source="s3://{bucket}/digits/v2/"']
+    published = wait_for_event(api_url, accepted.json()["event_id"])
+    assert published["event"] == "tunepod.webhook.s3eb"
+    retried = post_as_api_destination(receiver, event)
+    assert retried.status_code == 200, retried.text
+    assert retried.json() == {"duplicate": True, "event_id": accepted.json()["event_id"]}
+
+
+def test_an_eventbridge_delivery_with_a_wrong_key_or_an_old_time_is_refused(receiver: Receiver) -> None:
+    fresh = {
+        "version": "0", "id": str(uuid.uuid4()), "detail-type": "Object Created", "source": "aws.s3",
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "detail": {"bucket": {"name": "data"}, "object": {"key": "digits/v3/train.npz"}},
+    }  # fmt: skip
+    wrong = post_as_api_destination(receiver, fresh, key=API_KEY + "0")
+    assert wrong.status_code == 401 and "X-Tunepod-Key matches none of the hook's keys" in wrong.text
+    unkeyed = receiver.post("s3eb", json.dumps(fresh).encode(), standard_headers([SECRET], b"{}"))
+    assert unkeyed.status_code == 401 and "missing header X-Tunepod-Key" in unkeyed.text
+    old = {**fresh, "id": str(uuid.uuid4()), "time": "2021-11-12T00:00:00Z"}
+    replayed = post_as_api_destination(receiver, old)
+    assert replayed.status_code == 401 and "refused as a possible replay" in replayed.text
+    anonymous = {key: value for key, value in fresh.items() if key != "id"}
+    assert post_as_api_destination(receiver, anonymous).status_code == 401
+    assert post_as_api_destination(receiver, fresh).status_code == 202
+
+
+def test_an_eventbridge_hook_refuses_a_short_key() -> None:
+    hooks = {"s3eb": {"spec": SPEC, "scheme": "eventbridge", "secrets": [{"env": "SHORT_KEY"}]}}
+    with pytest.raises(WebhookConfigError) as raised:
+        parse_webhook_config({"hooks": hooks}, "hooks.yaml", {"SHORT_KEY": "short-key"})
+    assert raised.value.problems == [
+        "hooks.s3eb.secrets: key #1 has fewer than 24 characters; an API key travels whole in a header, so "
+        "make it long and random (openssl rand -hex 24)"
+    ]
+    assert "short-key" not in str(raised.value)
+
+
+class _CloudFormationLoader(yaml.SafeLoader):
+    """YAML with CloudFormation's short tags (!Ref, !GetAtt, ...), each read as {tag: value}."""
+
+
+_CloudFormationLoader.add_multi_constructor(
+    "!",
+    lambda loader, tag, node: {
+        tag: loader.construct_sequence(node)
+        if isinstance(node, yaml.SequenceNode)
+        else loader.construct_scalar(node)
+    },
+)
+
+
+def test_the_eventbridge_deploy_file_sends_what_the_hook_checks(in_repo: Path) -> None:
+    """deployments/aws/s3-eventbridge.yaml: its connection sends the header the receiver reads, its
+    URL pattern takes the example hook's URL, and EventBridge stops retrying an event before the
+    receiver's dedupe window ends (a later copy would be refused as a replay, never run twice)."""
+    template = yaml.load((in_repo / "deployments/aws/s3-eventbridge.yaml").read_text(), _CloudFormationLoader)
+    resources = template["Resources"]
+    auth = resources["Connection"]["Properties"]["AuthParameters"]["ApiKeyAuthParameters"]
+    assert auth["ApiKeyName"] == API_KEY_HEADER
+    url = template["Parameters"]["ReceiverUrl"]["AllowedPattern"]
+    assert re.fullmatch(url, "https://tunepod.example.com/hooks/s3-eventbridge")
+    assert template["Parameters"]["ApiKey"]["MinLength"] == MIN_API_KEY_CHARS
+    [target] = resources["ObjectCreatedRule"]["Properties"]["Targets"]
+    assert target["RetryPolicy"]["MaximumEventAgeInSeconds"] <= DEDUPE_TTL_S
+    pattern = resources["ObjectCreatedRule"]["Properties"]["EventPattern"]
+    assert (pattern["source"], pattern["detail-type"]) == (["aws.s3"], ["Object Created"])

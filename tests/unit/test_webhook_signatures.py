@@ -8,10 +8,13 @@ import pytest
 
 from tunepod.webhook import signatures
 from tunepod.webhook.signatures import (
+    API_KEY_HEADER,
     TOLERANCE_S,
     SecretFormatError,
     SignatureError,
+    check_event_time,
     check_github_push_age,
+    eventbridge_dedupe_key,
     github_dedupe_key,
     github_headers,
     new_standard_secret,
@@ -19,6 +22,7 @@ from tunepod.webhook.signatures import (
     sign_standard,
     standard_headers,
     standard_key,
+    verify_api_key,
     verify_github,
     verify_standard,
 )
@@ -216,3 +220,71 @@ def test_a_push_older_than_the_window_or_from_the_future_is_refused(age_s: int, 
 def test_a_body_without_a_push_time_is_not_dated(payload: object) -> None:
     # Only push events write pushed_at as epoch seconds; elsewhere it dates the repository, not the event.
     check_github_push_age(payload, WINDOW_S, now=NOW)
+
+
+# ---------------------------------------------------------------------------------------------- EventBridge
+
+API_KEY = "k" * 12 + "0123456789ab"
+# An S3 "Object Created" event as EventBridge sends it (the shape of the S3 user guide's example).
+S3_EVENT = {
+    "version": "0",
+    "id": "17793124-05d4-b198-2fde-7ededc63b103",
+    "detail-type": "Object Created",
+    "source": "aws.s3",
+    "account": "111122223333",
+    "time": "2021-11-12T00:00:00Z",
+    "region": "ca-central-1",
+    "resources": ["arn:aws:s3:::example-bucket"],
+    "detail": {
+        "version": "0",
+        "bucket": {"name": "example-bucket"},
+        "object": {"key": "example-key", "size": 5, "etag": "b1946ac92492d2347c6235b4d2611184"},
+        "request-id": "N4N7GDK58NMKJ12R",
+        "requester": "123456789012",
+        "source-ip-address": "1.2.3.4",
+        "reason": "PutObject",
+    },
+}
+S3_EVENT_TIME = 1_636_675_200  # 2021-11-12T00:00:00Z
+
+
+def test_an_api_key_verifies_in_any_case_of_its_header_and_any_rotation_slot() -> None:
+    verify_api_key([API_KEY], {API_KEY_HEADER: API_KEY})
+    verify_api_key(["an-older-key-still-listed-xx", API_KEY], {API_KEY_HEADER.lower(): API_KEY})
+
+
+@pytest.mark.parametrize(
+    ("headers", "message"),
+    [
+        ({}, "missing header X-Tunepod-Key"),
+        ({API_KEY_HEADER: API_KEY + "x"}, "X-Tunepod-Key matches none of the hook's keys"),
+        ({API_KEY_HEADER: API_KEY[:-1]}, "X-Tunepod-Key matches none of the hook's keys"),
+        ({"Authorization": f"Bearer {API_KEY}"}, "missing header X-Tunepod-Key"),
+    ],
+)
+def test_a_wrong_or_missing_api_key_is_refused_without_showing_it(
+    headers: dict[str, str], message: str
+) -> None:
+    with pytest.raises(SignatureError, match=message) as raised:
+        verify_api_key([API_KEY], headers)
+    assert API_KEY not in str(raised.value)
+
+
+def test_an_eventbridge_event_is_deduplicated_by_its_own_id() -> None:
+    assert eventbridge_dedupe_key(S3_EVENT) == "eventbridge:17793124-05d4-b198-2fde-7ededc63b103"
+    for body in ({"detail": {}}, {"id": ""}, {"id": 7}, ["id"]):
+        with pytest.raises(SignatureError, match="an EventBridge event names itself in 'id'"):
+            eventbridge_dedupe_key(body)
+
+
+def test_an_event_older_than_the_dedupe_window_or_ahead_of_the_clock_is_refused() -> None:
+    window = 24 * 3600 - TOLERANCE_S
+    check_event_time(S3_EVENT, window, now=S3_EVENT_TIME + window - 1)
+    check_event_time(S3_EVENT, window, now=S3_EVENT_TIME - TOLERANCE_S + 1)  # a sender's clock a little ahead
+    with pytest.raises(SignatureError, match=r"happened 86101 s ago .* refused as a possible replay"):
+        check_event_time(S3_EVENT, window, now=S3_EVENT_TIME + window + 1)
+    with pytest.raises(SignatureError, match=r"301 s ahead of the receiver's clock"):
+        check_event_time(S3_EVENT, window, now=S3_EVENT_TIME - TOLERANCE_S - 1)
+    for when in (None, 1636675200, "yesterday"):
+        with pytest.raises(SignatureError, match=r"says when it happened in 'time' \(ISO 8601\)"):
+            check_event_time({**S3_EVENT, "time": when}, window, now=S3_EVENT_TIME)

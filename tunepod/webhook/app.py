@@ -55,6 +55,7 @@ from tunepod.webhook.events import EventUnsendable, OutgoingEvent, encode_event,
 from tunepod.webhook.publisher import Publisher
 from tunepod.webhook.sendable import MAX_BODY_DEPTH, payload_problem
 from tunepod.webhook.signatures import (
+    API_KEY_HEADER,
     GITHUB_DELIVERY,
     GITHUB_SIGNATURE,
     TOLERANCE_S,
@@ -62,8 +63,11 @@ from tunepod.webhook.signatures import (
     WEBHOOK_SIGNATURE,
     WEBHOOK_TIMESTAMP,
     SignatureError,
+    check_event_time,
     check_github_push_age,
+    eventbridge_dedupe_key,
     github_dedupe_key,
+    verify_api_key,
     verify_github,
     verify_standard,
 )
@@ -208,6 +212,8 @@ class _Receiver:
         payload = _parse_json(body)
         if hook.scheme == "github":
             self._check_push_age(payload)
+        if hook.scheme == "eventbridge":
+            delivery = self._eventbridge_delivery(payload)
         # Everything after the signature blocks (a walk over the body, SQLite and its fsync, spec
         # validation): one trip to a worker thread for all of it keeps the event loop free.
         return await run_in_threadpool(self._admit, hook, delivery, payload)
@@ -219,6 +225,21 @@ class _Receiver:
             check_github_push_age(payload, self.deliveries.ttl_s - TOLERANCE_S)
         except SignatureError as exc:
             raise _Rejection(401, "unauthorized", str(exc)) from None
+
+    def _eventbridge_delivery(self, payload: Any) -> _Delivery:
+        """The event's own id, once its time is within the dedupe window (401 otherwise: a copy of an
+        older event would not be recognized, so it may be a replay)."""
+        try:
+            check_event_time(payload, self.deliveries.ttl_s - TOLERANCE_S)
+            key = eventbridge_dedupe_key(payload)
+        except SignatureError as exc:
+            raise _Rejection(401, "unauthorized", str(exc)) from None
+        sender_id = key.removeprefix("eventbridge:")
+        if len(sender_id) > MAX_DELIVERY_ID_CHARS:
+            raise _Rejection(
+                400, "bad_delivery_id", f"the event id exceeds {MAX_DELIVERY_ID_CHARS} characters"
+            )
+        return _Delivery(key, sender_id)
 
     def _admit(self, hook: Hook, delivery: _Delivery, payload: Any) -> tuple[int, str, dict[str, Any]]:
         """Sendable, dedupe, rate limit, validate, claim: the checks after the signature, in order."""
@@ -321,6 +342,9 @@ def _verify(hook: Hook, headers: Mapping[str, str], body: bytes) -> _Delivery:
         if hook.scheme == "github":
             sender_id = verify_github(hook.secret_values(), headers, body)
             key = github_dedupe_key(body)  # X-GitHub-Delivery is not signed: a replay may pick any
+        elif hook.scheme == "eventbridge":
+            verify_api_key(hook.secret_values(), headers)
+            sender_id = key = ""  # the event's id, read from its body once it is parsed
         else:
             sender_id = key = verify_standard(hook.secret_values(), headers, body)
     except SignatureError as exc:
@@ -398,7 +422,14 @@ _RESPONSES: dict[int | str, dict[str, Any]] = {
 # signature is checked over exact bytes, not over what a model parsed), so FastAPI need not parse them.
 _SIGNATURE_HEADERS = [
     {"name": name, "in": "header", "required": False, "schema": {"type": "string"}}
-    for name in (WEBHOOK_ID, WEBHOOK_TIMESTAMP, WEBHOOK_SIGNATURE, GITHUB_SIGNATURE, GITHUB_DELIVERY)
+    for name in (
+        WEBHOOK_ID,
+        WEBHOOK_TIMESTAMP,
+        WEBHOOK_SIGNATURE,
+        GITHUB_SIGNATURE,
+        GITHUB_DELIVERY,
+        API_KEY_HEADER,
+    )
 ]
 _REQUEST_BODY = {
     "required": True,

@@ -4,7 +4,8 @@
     hooks:
       s3-upload:                          # POST /hooks/s3-upload
         spec: examples/digits/pipeline.yaml
-        scheme: standard                  # standard (webhook-* headers) | github (X-Hub-Signature-256)
+        scheme: standard                  # standard (webhook-*) | github (X-Hub-Signature-256) |
+                                          # eventbridge (an API destination's X-Tunepod-Key)
         secrets:                          # several = rotation: any one of them verifies
           - env: TUNEPOD_HOOK_S3_SECRET
           - file: /run/secrets/s3-hook-previous
@@ -51,7 +52,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from tunepod.errors import TunepodError
-from tunepod.webhook.signatures import SecretFormatError, standard_key
+from tunepod.webhook.signatures import MIN_API_KEY_CHARS, SecretFormatError, standard_key
 
 HOOK_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 _PLACEHOLDER_TOKEN = re.compile(r"\{\{|\}\}|\{([^{}]*)\}|[{}]")
@@ -99,9 +100,12 @@ class HookFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     spec: str = Field(description="The pipeline spec this hook runs; fixed, never taken from a payload.")
-    scheme: Literal["standard", "github"] = Field(
+    scheme: Literal["standard", "github", "eventbridge"] = Field(
         "standard",
-        description="Signature headers: Standard Webhooks (webhook-*) or GitHub (X-Hub-Signature-256).",
+        description=(
+            "How deliveries prove their sender: Standard Webhooks signatures (webhook-*), GitHub's "
+            "(X-Hub-Signature-256), or an EventBridge API destination's API key (X-Tunepod-Key)."
+        ),
     )
     secrets: list[SecretSource] = Field(min_length=1, description="Active secrets; any one verifies.")
     rate_limit_per_min: int = Field(60, ge=1, description="Accepted deliveries per minute (token bucket).")
@@ -182,7 +186,7 @@ class Hook:
 
     name: str
     spec: str
-    scheme: Literal["standard", "github"]
+    scheme: Literal["standard", "github", "eventbridge"]
     secrets: tuple[SecretStr, ...]
     rate_limit_per_min: int
     overrides: tuple[OverrideTemplate, ...]
@@ -238,6 +242,13 @@ def _resolve_hook(name: str, hook: HookFile, environ: Mapping[str, str], problem
         for index, source in enumerate(hook.secrets)
         for secret in _read_secrets(f"{where}.secrets[{index}]", source, environ, problems)
     ]
+    if hook.scheme == "eventbridge":
+        for index, secret in enumerate(secrets):
+            if len(secret.get_secret_value()) < MIN_API_KEY_CHARS:
+                problems.append(
+                    f"{where}.secrets: key #{index + 1} has fewer than {MIN_API_KEY_CHARS} characters; an "
+                    "API key travels whole in a header, so make it long and random (openssl rand -hex 24)"
+                )
     if hook.scheme == "standard":
         for index, secret in enumerate(secrets):
             try:

@@ -1,4 +1,5 @@
-"""Webhook signatures: Standard Webhooks (``webhook-*`` headers) and GitHub (``X-Hub-Signature-256``).
+"""Webhook signatures: Standard Webhooks (``webhook-*`` headers), GitHub (``X-Hub-Signature-256``), and
+the API key of an Amazon EventBridge API destination (``X-Tunepod-Key``).
 
 Pure functions, no I/O, safe to call from any thread. Signing is here too, so that ``tunepod webhook
 sign`` and the tests produce exactly what a sender would.
@@ -21,6 +22,16 @@ refuses a push older than the window; a commit's own ``timestamp`` is its author
 nothing about the push). A captured non-push delivery (no time of its own in the body) can be
 replayed once its dedupe entry is gone: prefer the standard scheme where the sender offers it.
 
+EventBridge: a rule's API destination sends each event (an S3 ``Object Created``, say) as its JSON
+body, with the headers of its connection. EventBridge signs nothing; its connection sends a static
+API key (``ApiKeyName: X-Tunepod-Key``) over HTTPS, which the receiver compares with the hook's keys.
+The key is the whole secret, so a hook of this scheme refuses keys shorter than ``MIN_API_KEY_CHARS``.
+The event carries its own ``id`` (one per event, kept by EventBridge's retries) and ``time``: the
+receiver deduplicates by the id (``eventbridge_dedupe_key``) and refuses an event older than its
+dedupe window or ahead of its clock (``check_event_time``), which bounds replays of a captured
+request as GitHub's ``pushed_at`` does (EventBridge retries an event for at most 24 hours, the
+receiver's window).
+
 Every comparison of a computed signature with a received one goes through ``hmac.compare_digest``,
 so the time taken does not reveal how many leading characters matched. Secrets never appear in the
 messages of ``SignatureError``.
@@ -35,6 +46,7 @@ import hmac
 import time
 import uuid
 from collections.abc import Iterable, Mapping
+from datetime import datetime
 from typing import Any
 
 from tunepod.errors import TunepodError
@@ -48,6 +60,8 @@ WEBHOOK_TIMESTAMP = "webhook-timestamp"
 WEBHOOK_SIGNATURE = "webhook-signature"
 GITHUB_SIGNATURE = "X-Hub-Signature-256"
 GITHUB_DELIVERY = "X-GitHub-Delivery"
+API_KEY_HEADER = "X-Tunepod-Key"
+MIN_API_KEY_CHARS = 24
 
 
 class SignatureError(TunepodError):
@@ -185,6 +199,52 @@ def check_github_push_age(payload: Any, max_age_s: float, *, now: float | None =
         raise SignatureError(
             f"repository.pushed_at is {int(-age_s)} s ahead of the receiver's clock (at most "
             f"{TOLERANCE_S} s); check the receiver's clock"
+        )
+
+
+def verify_api_key(secrets: Iterable[str], headers: Mapping[str, str]) -> None:
+    """Check ``X-Tunepod-Key`` against the hook's keys; raises ``SignatureError``. Digests of equal
+    length are compared, so the time taken tells nothing of a key's length or its leading characters."""
+    received = hashlib.sha256(_required(_lowercase(headers), API_KEY_HEADER).encode()).digest()
+    expected = [hashlib.sha256(secret.encode()).digest() for secret in secrets]
+    matched = False
+    for candidate in expected:
+        matched |= hmac.compare_digest(candidate, received)
+    if not matched:
+        raise SignatureError(f"{API_KEY_HEADER} matches none of the hook's keys")
+
+
+def eventbridge_dedupe_key(payload: Any) -> str:
+    """What an EventBridge event is deduplicated by: its ``id`` (EventBridge keeps it across retries);
+    raises ``SignatureError`` for a body that is not an event."""
+    event_id = payload.get("id") if isinstance(payload, dict) else None
+    if not isinstance(event_id, str) or not event_id:
+        raise SignatureError("an EventBridge event names itself in 'id'; this body has none")
+    return f"eventbridge:{event_id}"
+
+
+def check_event_time(payload: Any, max_age_s: float, *, now: float | None = None) -> None:
+    """Refuse an EventBridge event whose ``time`` (ISO 8601, UTC) is more than ``max_age_s`` before
+    ``now`` (default: the current time) or more than ``TOLERANCE_S`` after it: ``SignatureError``."""
+    text = payload.get("time") if isinstance(payload, dict) else None
+    try:
+        stamp = datetime.fromisoformat(str(text)).timestamp() if isinstance(text, str) else None
+    except ValueError:
+        stamp = None
+    if stamp is None:
+        raise SignatureError(
+            f"an EventBridge event says when it happened in 'time' (ISO 8601); got {text!r:.60}"
+        )
+    age_s = (time.time() if now is None else now) - stamp
+    if age_s > max_age_s:
+        raise SignatureError(
+            f"this event happened {int(age_s)} s ago ('time'), more than the {int(max_age_s)} s for which "
+            "the receiver recognizes a copy of it; it is refused as a possible replay"
+        )
+    if -age_s > TOLERANCE_S:
+        raise SignatureError(
+            f"the event's 'time' is {int(-age_s)} s ahead of the receiver's clock (at most {TOLERANCE_S} s); "
+            "check the receiver's clock"
         )
 
 
