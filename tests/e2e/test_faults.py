@@ -67,10 +67,10 @@ HANG_ENV = {"TUNEPOD_HEARTBEAT_S": "0.5"}
 HANG_TIMEOUT_S = 4
 
 
-def hanging_study(tmp_path: Path, max_restarts: int) -> FaultStudy:
+def hanging_study(tmp_path: Path, max_restarts: int, launcher: str = "local") -> FaultStudy:
     """One trial of the two-rank gloo trainer whose first start hangs in an all-reduce at epoch 2."""
     return FaultStudy(
-        tmp_path, "local", sqlite_tracking(tmp_path), num_trials=1, num_parallel=1, epochs=4, sleep_s=0.2,
+        tmp_path, launcher, sqlite_tracking(tmp_path), num_trials=1, num_parallel=1, epochs=4, sleep_s=0.2,
         trainer=COLLECTIVE_TRAINER, args={"hang_at_epoch": 2},
         train={
             "resources": {"procs_per_node": 2},
@@ -273,17 +273,19 @@ def test_a_job_that_finished_while_nobody_watched_is_not_trained_again(
     assert_nothing_left(study)
 
 
+@pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_a_hung_collective_is_stopped_and_the_trial_resumes_from_its_checkpoint(
-    runs: MakeRuns, tmp_path: Path
+    runs: MakeRuns, tmp_path: Path, launcher: str
 ) -> None:
     """Fault: a real hang. Rank 1 of a two-rank gloo job stops joining all-reduces at epoch 2 while
-    rank 0 waits in one: both processes live, neither loop advances (``collective.py``).
+    rank 0 waits in one: both processes live, neither loop advances (``collective.py``). On Slurm the
+    job is a real batch job (srun, torchrun) that scancel stops.
 
     Proves: after ``hang_timeout_s`` without progress tunepod says the job is hung, naming both ranks
     as alive but stuck, stops it and starts attempt 2, which resumes from the epoch-1 checkpoint (each
     epoch reported once, the script started twice), and the trial completes, counted once.
     """
-    study = hanging_study(tmp_path, max_restarts=1)
+    study = hanging_study(tmp_path, max_restarts=1, launcher=launcher)
     run = runs(study, **HANG_ENV).run("hang")
 
     trials = assert_study_complete(study)
