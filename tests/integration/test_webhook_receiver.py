@@ -1066,3 +1066,16 @@ def test_the_eventbridge_deploy_file_sends_what_the_hook_checks(in_repo: Path) -
     assert target["RetryPolicy"]["MaximumEventAgeInSeconds"] <= DEDUPE_TTL_S
     pattern = resources["ObjectCreatedRule"]["Properties"]["EventPattern"]
     assert (pattern["source"], pattern["detail-type"]) == (["aws.s3"], ["Object Created"])
+
+
+def test_every_example_hook_triggers_a_deployment(in_repo: Path) -> None:
+    """A hook whose event no deployment expects is accepted and published, and starts nothing."""
+    config = load_webhook_config(in_repo / "deployments/webhooks.yaml", EXAMPLE_SECRETS)
+    document = yaml.safe_load((in_repo / "deployments/prefect.yaml").read_text())
+    expected = {
+        event
+        for deployment in document["deployments"]
+        for trigger in deployment.get("triggers") or []
+        for event in trigger.get("expect") or []
+    }
+    assert {f"tunepod.webhook.{name}" for name in config.hooks} <= expected
