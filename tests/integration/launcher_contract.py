@@ -18,7 +18,9 @@ whose jobs run on this machine; a remote backend overrides it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 import stat
 import time
@@ -39,8 +41,11 @@ from tunepod.launch.base import (
     Resources,
     wait,
 )
+from tunepod.launch.drive import DriveSettings, JobDriver, Outcome
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.submission import read_cancel_marker, read_submission, write_submission
+from tunepod.launch.watchdog import Limits
+from tunepod.runtime.progress import HEARTBEAT_S_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 JOBS = REPO_ROOT / "tests" / "fixtures" / "jobs"
@@ -48,6 +53,8 @@ JOBS = REPO_ROOT / "tests" / "fixtures" / "jobs"
 # asserted about speed.
 JOB_TIMEOUT_S = 90.0
 POLL_S = 0.05
+# A loop idle this long is hung: with heartbeats every 0.5 s, seen within seconds.
+HANG_TIMEOUT_S = 3.0
 
 
 def fixture_job(
@@ -226,6 +233,26 @@ class LauncherContract:
         assert result.metrics == {"resumed_from": pause_at + 1, "count": num_steps}
         steps = [report.step for report in runtime.read_reports(job.paths.metrics)]
         assert steps == list(range(num_steps))  # each step reported once: no step redone, none skipped
+
+    def test_a_hung_job_is_stopped_and_resumed_from_its_checkpoint(
+        self, launcher: Launcher, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """The driver's hang detection on this backend: the job's first run stops advancing after its
+        step-1 checkpoint while its heartbeat thread beats on (alive and stuck); after
+        ``hang_timeout_s`` the driver says so, stops the job through the backend (scancel, a delete,
+        StopTrainingJob) and starts attempt 2, which resumes from that checkpoint and finishes."""
+        caplog.set_level(logging.WARNING, logger="tunepod")
+        job = self.make_job(tmp_path / "job", "count.py", "4", "1").with_env({HEARTBEAT_S_ENV: "0.5"})
+        job = dataclasses.replace(job, limits=Limits(hang_timeout_s=HANG_TIMEOUT_S))
+        settings = DriveSettings(poll_s=0.2, max_restarts=1)
+        driven = JobDriver(launcher, job, settings, what="the contract's job").run()
+        assert driven.outcome is Outcome.COMPLETED, driven.message
+        assert driven.result is not None and driven.result.metrics == {"resumed_from": 2, "count": 4}
+        record = read_submission(job.paths)
+        assert record is not None and record.attempt == 2
+        assert "is hung, stopping it: no progress for" in caplog.text
+        assert "hung; restart 1 of 1, resuming from its checkpoints" in caplog.text
+        assert [report.step for report in runtime.read_reports(job.paths.metrics)] == [0, 1, 2, 3]
 
     # ------------------------------------------------------------------------------ exactly once
 
