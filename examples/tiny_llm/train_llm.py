@@ -28,9 +28,16 @@ parallelism over mesh["tp"], FSDP2 over the data axis (sharding full; hybrid: HS
 asynchronous checkpoints (every rank its shard of the model and AdamW state) and resume from them.
 Batches are a function of (seed, step, data rank): every tensor and pipeline rank of a data rank
 draws the same one, and a resumed run draws exactly what the killed one would have.
+
+On SageMaker, tunepod hands a layout with tensor parallelism (or hybrid sharding) to SageMaker's
+model parallelism library v2 too (the mp_parameters hyperparameter, on SMP's own image): the script
+then initialises SMP first (under_smp), and splits its tensors over the same DeviceMesh as
+everywhere else (SMP's own tsm.transform only knows Hugging Face models). Elsewhere nothing changes.
 """
 
+import importlib.util
 import math
+import os
 import time
 
 import torch
@@ -91,6 +98,19 @@ if params["batch_size"] % layout.pipeline:
     raise SystemExit(
         f"batch_size {params['batch_size']} must split into {layout.pipeline} pipeline micro-batches"
     )
+
+
+def under_smp() -> bool:
+    """Whether SageMaker runs this job under SMP v2: it passes mp_parameters as SM_HP_MP_PARAMETERS, and
+    only SMP's image has torch.sagemaker."""
+    return "SM_HP_MP_PARAMETERS" in os.environ and importlib.util.find_spec("torch.sagemaker") is not None
+
+
+if under_smp():
+    import torch.sagemaker as tsm
+
+    tsm.init()  # SMP v2 reads its configuration (mp_parameters) and sets up its process groups
+
 # Plain data parallelism (DDP, as without a layout) unless the layout shards, splits tensors or stages.
 plain_ddp = layout.sharding == "none" and layout.tensor == 1 and layout.pipeline == 1
 

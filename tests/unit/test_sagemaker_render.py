@@ -20,9 +20,10 @@ import pytest
 from botocore.stub import Stubber
 from pydantic import ValidationError
 
-from tunepod.errors import TunepodError
+from tunepod.errors import SpecError, TunepodError
 from tunepod.launch.base import SUBMISSION_ID_ENV, JobSpec, JobState, Resources
 from tunepod.launch.contract import contract_env
+from tunepod.launch.factory import make_launcher
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.sagemaker import (
     NOT_FOUND,
@@ -33,10 +34,13 @@ from tunepod.launch.sagemaker import (
     render_training_job,
     training_job_name,
 )
+from tunepod.preview import preview_trials
 from tunepod.runtime import Parallelism
-from tunepod.spec.models import SageMakerLauncherSpec
+from tunepod.spec.loader import load_spec
+from tunepod.spec.models import PipelineSpec, SageMakerLauncherSpec
 
 GOLDEN = Path(__file__).parent / "golden"
+REPO = Path(__file__).resolve().parents[2]
 UPDATE = os.environ.get("TUNEPOD_UPDATE_GOLDEN") == "1"
 JOB_DIR = Path("/fsx/tunepod/jobs/digits/trial-7")
 SUBMISSION_ID = "0123456789abcdef"
@@ -380,3 +384,88 @@ def test_the_launcher_level_parallelism_is_refused_with_where_it_moved() -> None
         ValidationError, match=r"parallelism moved from the sagemaker launcher to the train job"
     ):
         spec(parallelism={"tensor": 4}, **FSX)
+
+
+# ---------------------------------------------------------------------------------------- SMP v2's image
+
+P4D = Resources(num_nodes=1, procs_per_node=8, gpus_per_node=8, instance_type="ml.p4d.24xlarge")
+SMP_IMAGE = "smdistributed-modelparallel:2.5.1-gpu-py311-cu124"
+
+
+def test_a_job_under_smp_v2_runs_on_the_smp_image_of_its_framework_version() -> None:
+    """The SDK's lookup for an estimator with SMP on (``pytorch-smp``, its CUDA build); a job without
+    SMP's settings keeps the plain PyTorch image of the same version."""
+    looked_up = spec(image_uri=None, framework_version="2.5.1", region="us-west-2", **FSX)
+    tensor = render_training_job(job(parallelism=Parallelism(data=4, tensor=2), resources=P4D), looked_up)
+    image = tensor["AlgorithmSpecification"]["TrainingImage"]
+    assert (
+        image
+        == "658645717510.dkr.ecr.us-west-2.amazonaws.com/smdistributed-modelparallel:2.5.1-gpu-py311-cu124"
+    )
+    hybrid = Parallelism(data=16, sharding="hybrid", shard=8)
+    two_nodes = P4D.model_copy(update={"num_nodes": 2})
+    sharded = render_training_job(job(parallelism=hybrid, resources=two_nodes), looked_up)
+    assert json.loads(sharded["HyperParameters"]["mp_parameters"]) == {"hybrid_shard_degree": 8}
+    assert sharded["AlgorithmSpecification"]["TrainingImage"] == image
+    plain = render_training_job(job(parallelism=Parallelism(data=8), resources=P4D), looked_up)
+    assert plain["AlgorithmSpecification"]["TrainingImage"] == (
+        "763104351884.dkr.ecr.us-west-2.amazonaws.com/pytorch-training:2.5.1-gpu-py311"
+    )
+    assert_valid_request(tensor)
+
+
+def test_smp_v2_on_a_cpu_instance_or_a_version_without_an_smp_image_is_refused_with_the_fix() -> None:
+    looked_up = spec(image_uri=None, framework_version="2.5.1", region="us-west-2")
+    cpu = Resources(num_nodes=1, procs_per_node=4, instance_type="ml.m5.4xlarge")
+    with pytest.raises(
+        TunepodError, match=r"SMP v2, whose images are GPU only, and ml.m5.4xlarge has no GPU"
+    ):
+        render_training_job(job(parallelism=Parallelism(data=2, tensor=2), resources=cpu), looked_up)
+    older = spec(image_uri=None, framework_version="1.13.1", region="us-west-2")
+    with pytest.raises(
+        TunepodError,
+        match=r"no SMP v2 image for PyTorch 1.13.1 .*fix: set framework_version to one of .*2\.5\.1",
+    ):
+        render_training_job(job(parallelism=Parallelism(data=4, tensor=2), resources=P4D), older)
+
+
+def tiny_llm_tp(*overrides: str) -> PipelineSpec:
+    return load_spec(
+        REPO / "examples/tiny_llm/pipeline-sagemaker-tp.yaml", [f"launcher.root={REPO.parent}", *overrides]
+    )
+
+
+def test_the_tiny_llm_tensor_parallel_spec_renders_the_smp_image() -> None:
+    spec_ = tiny_llm_tp()
+    [preview] = preview_trials(spec_, make_launcher(spec_.launcher, connect=False))
+    request = preview.rendered.payload
+    assert (
+        "/smdistributed-modelparallel:2.5.1-gpu-py311-cu124"
+        in request["AlgorithmSpecification"]["TrainingImage"]
+    )
+    assert json.loads(request["HyperParameters"]["mp_parameters"]) == {"tensor_parallel_degree": 2}
+
+
+@pytest.mark.parametrize(
+    "image",
+    [
+        "763104351884.dkr.ecr.us-west-2.amazonaws.com/pytorch-training:2.5.1-gpu-py311-cu124-ubuntu22.04-sagemaker",
+        "763104351884.dkr.ecr.us-west-2.amazonaws.com/huggingface-pytorch-training:2.1.0-transformers4.36.0-gpu-py310-cu121-ubuntu20.04",
+    ],
+)
+def test_sagemakers_plain_pytorch_image_is_refused_for_jobs_under_smp_v2(image: str) -> None:
+    with pytest.raises(SpecError) as raised:
+        tiny_llm_tp("launcher.framework_version=null", f"launcher.image_uri={image}")
+    shown = str(raised.value)
+    assert f"launcher.image_uri {image} is SageMaker's plain PyTorch image, which has no SMP v2" in shown
+    assert "step(s) search use tensor parallelism or hybrid sharding" in shown
+    assert "fix: leave image_uri out and set framework_version" in shown
+
+
+def test_an_smp_or_own_image_or_a_job_without_smp_keeps_its_explicit_image() -> None:
+    smp = "658645717510.dkr.ecr.us-west-2.amazonaws.com/smdistributed-modelparallel:2.5.1-gpu-py311-cu124"
+    own = "123456789012.dkr.ecr.us-west-2.amazonaws.com/team/llm-train:7"
+    for image in (smp, own):
+        tiny_llm_tp("launcher.framework_version=null", f"launcher.image_uri={image}")
+    plain = "763104351884.dkr.ecr.us-west-2.amazonaws.com/pytorch-training:2.5.1-gpu-py311"
+    load_spec(REPO / "examples/tiny_llm/pipeline-sagemaker.yaml", [f"launcher.image_uri={plain}"])

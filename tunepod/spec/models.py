@@ -1126,6 +1126,28 @@ class MetricsSpec(Strict):
     )
 
 
+#: SageMaker's own PyTorch training images without SMP v2 (SMP's are ``smdistributed-modelparallel``).
+PLAIN_PYTORCH_IMAGE = re.compile(
+    r"\.dkr\.ecr\.[^/]+\.amazonaws\.com(?:\.cn)?/(?:huggingface-)?pytorch-training(?:-neuronx)?[:@]"
+)
+
+
+def _may_need_smp(step: StepSpec) -> bool:
+    """Whether a job of ``step`` may run with tensor parallelism or hybrid sharding: its train block's
+    layout, or a searched ``parallelism.tensor`` above 1 or ``parallelism.sharding`` of hybrid."""
+    if not isinstance(step, TuneStep | TrainStep):
+        return False
+    layout = step.with_.train.parallelism
+    if layout is not None and (layout.tensor > 1 or layout.sharding == "hybrid"):
+        return True
+    space = step.with_.space if isinstance(step, TuneStep) else {}
+    tensor, sharding = space.get("parallelism.tensor"), space.get("parallelism.sharding")
+    searched_tensor = (isinstance(tensor, IntParam) and tensor.high > 1) or (
+        isinstance(tensor, CategoricalParam) and any(isinstance(c, int) and c > 1 for c in tensor.choices)
+    )
+    return searched_tensor or (isinstance(sharding, CategoricalParam) and "hybrid" in sharding.choices)
+
+
 class PipelineSpec(Strict):
     """A whole pipeline: where to track it, where to run its jobs, and its steps."""
 
@@ -1141,6 +1163,26 @@ class PipelineSpec(Strict):
         description="The steps by name; a step's name names its jobs' folder, <root>/jobs/<pipeline>/<step>/ "
         "(any name but '.' or '..', without '/' or '\\').",
     )
+
+    @model_validator(mode="after")
+    def _check_smp_image(self) -> PipelineSpec:
+        """SageMaker runs tensor parallelism and hybrid sharding under SMP v2, which SageMaker's plain
+        PyTorch image does not have: refuse that image for a spec whose jobs would need it."""
+        launcher = self.launcher
+        if not isinstance(launcher, SageMakerLauncherSpec) or launcher.image_uri is None:
+            return self
+        if not PLAIN_PYTORCH_IMAGE.search(launcher.image_uri):
+            return self  # SMP's image, or a team's own image (which may be built from it)
+        needing = [name for name, step in self.steps.items() if _may_need_smp(step)]
+        if needing:
+            raise ValueError(
+                f"launcher.image_uri {launcher.image_uri} is SageMaker's plain PyTorch image, which has no "
+                f"SMP v2, and step(s) {', '.join(needing)} use tensor parallelism or hybrid sharding, which "
+                "SageMaker runs under SMP v2; fix: leave image_uri out and set framework_version (tunepod "
+                "then takes the SMP image, smdistributed-modelparallel), or set image_uri to an SMP v2 image "
+                "or one built from it"
+            )
+        return self
 
     def store_uris(self) -> list[str]:
         """Every store URI the spec names (tracking, each study's storage, each warm start's): what a

@@ -301,7 +301,8 @@ def render_training_job(
     no instance type, inconsistent parallelism, no image for the framework version).
     """
     instance = instance_type(job.resources, spec)
-    image = training_image(spec, instance, region or spec.region)
+    # SMP v2's settings need SMP v2's image (``images``).
+    image = training_image(spec, instance, region or spec.region, smp=smp_parameters(job) is not None)
     request: dict[str, Any] = {
         "TrainingJobName": training_job_name(job.name, attempt, variant),
         "RoleArn": spec.role_arn,
