@@ -76,6 +76,13 @@ class Stack:
         return [item["Key"] for page in pages for item in page.get("Contents", [])]
 
 
+def example_secret_variables() -> list[str]:
+    """The variables deployments/webhooks.yaml reads its hooks' secrets from (all exported here)."""
+    config = yaml.safe_load((REPO / "deployments" / "webhooks.yaml").read_text())
+    hooks = config["hooks"].values()
+    return [source["env"] for hook in hooks for source in hook["secrets"] if "env" in source]
+
+
 def write_webhook_config(path: Path, tmp: Path, mlflow_url: str, optuna_db: str) -> None:
     """deployments/webhooks.yaml's hooks, and the hook ``ui`` (the digits spec on a tiny budget)."""
     config = yaml.safe_load((REPO / "deployments" / "webhooks.yaml").read_text())
@@ -134,7 +141,7 @@ def _started(tmp: Path, databases: dict[str, str], s3: MotoServer) -> Iterator[S
         "AWS_ACCESS_KEY_ID": "testing",
         "AWS_SECRET_ACCESS_KEY": "testing",
         "AWS_DEFAULT_REGION": REGION,
-        **{f"TUNEPOD_HOOK_{hook}_SECRET": WEBHOOK_SECRET for hook in ("S3", "GITHUB", "DIGITS")},
+        **{name: WEBHOOK_SECRET for name in example_secret_variables()},
     }
     probe = Stack(
         home, env, f"{host}:{ports['PREFECT']}", mlflow_url, f"{host}:{ports['WEBHOOK']}", "", databases, s3
