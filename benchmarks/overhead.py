@@ -353,7 +353,7 @@ def tunepod_jobs(study_dir: Path) -> list[JobSpan]:
 
 def exit_code_of(exit_file: Path) -> int | None:
     """The code in a local job's exit file (``<code> <submission id>``), None when it has none."""
-    from tunepod.launch.local.render import parse_exit_file
+    from tunepod.launch.exit_code import parse_exit_file
 
     parsed = parse_exit_file(exit_file.read_text()) if exit_file.exists() else None
     return parsed[0] if parsed else None
