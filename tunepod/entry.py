@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from tunepod.stack.config import DEFAULT_HOME
-from tunepod.stack.runner import exit_like, forward_run
+from tunepod.stack.runner import exit_like, forward_run, say_on_stderr
 
 _VALUED_OPTIONS = ("--set", "--home")
 
@@ -26,7 +26,7 @@ def main() -> None:
     args = sys.argv[1:]
     home = plain_run_home(args, os.environ)
     if home is not None:
-        status = forward_run(home, args, lambda message: print(message, file=sys.stderr, flush=True))
+        status = forward_run(home, args, say_on_stderr)
         if status is not None:
             sys.exit(exit_like(status))
     from tunepod.cli import app

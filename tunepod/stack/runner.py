@@ -115,6 +115,14 @@ def _connect(home: Path, timeout_s: float | None) -> socket.socket:
     return conn
 
 
+def say_on_stderr(message: str) -> None:
+    """One line to this process's stderr in one ``write``: ``print`` writes the text and its newline
+    separately (stderr writes through), and a forwarded child writing to the same stderr in between
+    would glue its line to ours."""
+    sys.stderr.write(f"{message}\n")
+    sys.stderr.flush()
+
+
 def forward_run(home: Path, argv: Sequence[str], say: Callable[[str], None]) -> int | None:
     """Have the stack's runner run ``tunepod <argv>`` with this process's environment, working folder and
     standard streams; return its exit status (negative: the signal that killed it). None when the run
