@@ -1,11 +1,16 @@
 """A real Prometheus scrapes a real tune: torchrun trials on the local launcher, the pipeline's /metrics
 endpoint, and the tunepod_* series read back through Prometheus' HTTP API, the ranks' telemetry among
 them (and in the trials' MLflow runs); every query of the shipped Grafana dashboard runs against it.
-The shipped alert rules are checked and unit-tested with promtool, and loaded by the real Prometheus,
-which fires one of them on a real stalled trial.
+The same Prometheus scrapes a real node exporter and a dcgm-exporter sample, so that the dashboard's
+GPU and node panels are checked to return data: the DCGM series come from a written sample
+(``tests/fixtures/observability/dcgm-exporter-metrics.txt``, served over HTTP) because there is no
+GPU here, while the node exporter is Debian's, run for real. The shipped alert rules are checked and
+unit-tested with promtool, and loaded by the real Prometheus, which fires one of them on a real
+stalled trial.
 
-Needs Debian's prometheus (``scripts/prometheus-up``, which ``make test`` runs): without it these tests
-skip with the reason, except under ``CI=true``, where a skip would hide a broken setup, so they fail.
+Needs Debian's prometheus and prometheus-node-exporter (``scripts/prometheus-up``, which ``make test``
+runs): without them these tests skip with the reason, except under ``CI=true``, where a skip would
+hide a broken setup, so they fail.
 """
 
 from __future__ import annotations
@@ -13,12 +18,14 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +41,16 @@ from tunepod.spec.models import MetricsSpec
 
 PROMETHEUS = Path("/usr/bin/prometheus")
 PROMTOOL = Path("/usr/bin/promtool")
+NODE_EXPORTER = Path("/usr/bin/prometheus-node-exporter")
 REPO = Path(__file__).resolve().parents[2]
 OBSERVABILITY = REPO / "deployments" / "observability"
 ALERTS = OBSERVABILITY / "alerts.yml"
 STALL = REPO / "tests" / "fixtures" / "trainers" / "stall.py"
 RANKS = REPO / "tests" / "fixtures" / "trainers" / "ranks.py"
 DASHBOARD = OBSERVABILITY / "grafana-dashboard.json"
+# dcgm-exporter's /metrics as it would read on a node of two GPUs: written, not recorded from a live
+# GPU (there is none here); see its header.
+DCGM_SAMPLE = REPO / "tests" / "fixtures" / "observability" / "dcgm-exporter-metrics.txt"
 TELEMETRY = ("step_seconds", "samples_per_second", "tokens_per_second", "peak_memory_bytes", "cpu_busy_ratio")
 STUDY = "prom-quad"
 NUM_TRIALS = 3
@@ -52,7 +63,8 @@ QUERY_TIMEOUT_S = 60.0
 def require(tool: Path) -> None:
     if tool.exists():
         return
-    reason = f"{tool} is missing: install Debian's prometheus with scripts/prometheus-up (make test runs it)"
+    package = "prometheus-node-exporter" if tool == NODE_EXPORTER else "prometheus"
+    reason = f"{tool} is missing: install Debian's {package} with scripts/prometheus-up (make test runs it)"
     skip_or_fail(reason)
 
 
@@ -62,19 +74,26 @@ def get_json(url: str) -> Any:
 
 
 class Prometheus:
-    """A Prometheus server on a loopback port, scraping ``target`` and evaluating ``rules`` (if any)
-    every second; stopped on ``stop``."""
+    """A Prometheus server on a loopback port, scraping ``target`` (job tunepod-pipeline) and the
+    ``exporters`` ({job: target}, if any) and evaluating ``rules`` (if any) every second; stopped on
+    ``stop``."""
 
-    def __init__(self, tmp_path: Path, target: str, rules: Path | None = None) -> None:
+    def __init__(
+        self, tmp_path: Path, target: str, rules: Path | None = None, exporters: dict[str, str] | None = None
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp_path / "prometheus.log"
         config = tmp_path / "prometheus.yml"
+        jobs = {"tunepod-pipeline": target, **(exporters or {})}
         config.write_text(
             "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
             + (f"rule_files: ['{rules}']\n" if rules is not None else "")
             + "scrape_configs:\n"
-            f"  - job_name: tunepod-pipeline\n    static_configs: [{{targets: ['{target}']}}]\n"
+            + "".join(
+                f"  - job_name: {job}\n    static_configs: [{{targets: ['{address}']}}]\n"
+                for job, address in jobs.items()
+            )
         )
         with self.log.open("wb") as log:
             self.process = subprocess.Popen(
@@ -111,6 +130,14 @@ class Prometheus:
         answer = get_json(f"{self.url}/api/v1/query?" + urllib.parse.urlencode({"query": promql}))
         assert answer["status"] == "success", answer
         return answer["data"]
+
+    def answer_with_data(self, promql: str) -> list[Any]:
+        """The result of the instant query ``promql`` once it is not empty (bounded: a rate needs two
+        scrapes); empty if it stays so."""
+        deadline = time.monotonic() + QUERY_TIMEOUT_S
+        while not (result := self.answer(promql)["result"]) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        return list(result)
 
     def query_until(self, promql: str, expected: dict[str, float]) -> dict[str, float]:
         """Poll ``promql`` (bounded) until it equals ``expected``; returns the last answer."""
@@ -155,8 +182,8 @@ def prometheus_for(tmp_path: Path) -> Iterator[Callable[..., Prometheus]]:
     require(PROMETHEUS)
     started: list[Prometheus] = []
 
-    def start(target: str, rules: Path | None = None) -> Prometheus:
-        server = Prometheus(tmp_path, target, rules)
+    def start(target: str, rules: Path | None = None, exporters: dict[str, str] | None = None) -> Prometheus:
+        server = Prometheus(tmp_path, target, rules, exporters)
         started.append(server)
         server.wait_ready()
         return server
@@ -164,6 +191,90 @@ def prometheus_for(tmp_path: Path) -> Iterator[Callable[..., Prometheus]]:
     yield start
     for server in started:
         server.stop()
+
+
+class NodeExporter:
+    """Debian's node exporter on a loopback port, with only the collectors the dashboard reads:
+    meminfo, netdev and infiniband (the defaults add some 40 more, each read every second here for
+    nothing); stopped on ``stop``."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.target = f"127.0.0.1:{free_port()}"
+        self.log = tmp_path / "node-exporter.log"
+        with self.log.open("wb") as log:
+            self.process = subprocess.Popen(
+                [
+                    str(NODE_EXPORTER),
+                    f"--web.listen-address={self.target}",
+                    "--collector.disable-defaults",
+                    "--collector.meminfo",
+                    "--collector.netdev",
+                    "--collector.infiniband",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, f"the node exporter exited: {self.log.read_text()[-2000:]}"
+            try:
+                with urllib.request.urlopen(f"http://{self.target}/metrics", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            time.sleep(0.2)
+        pytest.fail(f"the node exporter did not answer after {READY_TIMEOUT_S} s: {self.log.read_text()}")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=15)
+
+
+def serve_metrics(body: bytes) -> ThreadingHTTPServer:
+    """An HTTP server on a loopback port that answers ``GET /metrics`` with ``body`` in Prometheus'
+    text format, as an exporter does; stop it with ``shutdown``."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path != "/metrics":
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass  # a scrape a second
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, name="dcgm-sample", daemon=True).start()
+    return server
+
+
+@pytest.fixture
+def exporters(tmp_path: Path) -> Iterator[dict[str, str]]:
+    """What feeds the dashboard's "GPUs and nodes" row, as {job: target} for Prometheus: a real node
+    exporter, and the dcgm-exporter sample served over HTTP (there is no GPU here, so no real
+    dcgm-exporter); both stopped afterwards."""
+    require(NODE_EXPORTER)
+    node = NodeExporter(tmp_path)
+    dcgm = serve_metrics(DCGM_SAMPLE.read_bytes())
+    try:
+        node.wait_ready()
+        yield {"node-exporter": node.target, "dcgm-exporter": f"127.0.0.1:{dcgm.server_port}"}
+    finally:
+        dcgm.shutdown()
+        dcgm.server_close()
+        node.stop()
 
 
 @pytest.fixture(scope="module")
@@ -174,11 +285,16 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_a_tune_is_scraped_and_its_metrics_read_back_through_prometheus(
-    workspace: Path, prometheus_for: Callable[..., Prometheus], monkeypatch: pytest.MonkeyPatch
+    workspace: Path,
+    prometheus_for: Callable[..., Prometheus],
+    exporters: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Trials of 2 ranks that call ctx.step_done: while the first ones wait after their first epoch,
-    each rank's telemetry is read back through Prometheus; once the tune is over, the per-rank series
-    are gone and each trial's MLflow run holds every rank's figures."""
+    each rank's telemetry is read back through Prometheus, and every dashboard query runs, its GPU
+    and node panels with data: the node exporter is real, the DCGM series come from a written
+    dcgm-exporter sample because there is no GPU here. Once the tune is over, the per-rank series are
+    gone and each trial's MLflow run holds every rank's figures."""
     monkeypatch.setenv(HEARTBEAT_S_ENV, "0.2")  # the local jobs' environment: telemetry beats soon
     release = workspace / f"{STUDY}.release"
     train = {
@@ -191,7 +307,7 @@ def test_a_tune_is_scraped_and_its_metrics_read_back_through_prometheus(
     endpoint = open_pipeline_metrics(MetricsSpec(port=0), pipeline=PIPELINE, run_id=tuner.ctx.parent_run_id)
     try:
         assert endpoint.server is not None
-        prometheus = prometheus_for(f"127.0.0.1:{endpoint.server.server_port}")
+        prometheus = prometheus_for(f"127.0.0.1:{endpoint.server.server_port}", exporters=exporters)
         where = f'pipeline="{PIPELINE}", study="{STUDY}", step="search"'
         first = f'{where}, trial="trial-0"'
         with ThreadPoolExecutor(1) as pool:
@@ -257,10 +373,27 @@ def test_a_tune_is_scraped_and_its_metrics_read_back_through_prometheus(
         endpoint.close()
 
 
+# Panels that must have data here, by the series their queries read: the tune's per-rank telemetry,
+# the GPU panels (DCGM series from the written dcgm-exporter sample: there is no GPU here), and node
+# memory and Ethernet traffic (the real node exporter). The EFA/InfiniBand panel (node_infiniband_*)
+# cannot have data here: this machine has no InfiniBand device (EFA shows as one), so the node
+# exporter's infiniband collector exports nothing, and its queries are only checked to be ones
+# Prometheus runs, like those of the pipeline's panels that have nothing to show yet.
+FED_HERE = {
+    "tunepod_rank_": "the tune's ranks",
+    "DCGM_FI_DEV_": "the dcgm-exporter sample served here (a written sample: there is no GPU here)",
+    "node_memory_": "the node exporter run here",
+    "node_network_": "the node exporter run here",
+}
+
+
 def dashboard_queries_run(prometheus: Prometheus) -> None:
     """Every query of the shipped dashboard, its variables set to match everything, is one that
-    Prometheus runs; the per-rank panels have data (the exporters' panels may have none here)."""
+    Prometheus runs; the per-rank, GPU, node memory and Ethernet panels have data, each series with
+    the labels its legend names (the DCGM series come from a sample: there is no GPU here). The
+    EFA/InfiniBand panel has none here (see ``FED_HERE``)."""
     dashboard = json.loads(DASHBOARD.read_text())
+    ethernet_filter_keeps_this_machines_interfaces(prometheus, dashboard)
     substitutes = {
         "$pipeline": ".*",
         "$study": ".*",
@@ -273,9 +406,46 @@ def dashboard_queries_run(prometheus: Prometheus) -> None:
             expr = target["expr"]
             for variable, value in substitutes.items():
                 expr = expr.replace(variable, value)
-            result = prometheus.answer(expr)["result"]
-            if "tunepod_rank_" in expr:
-                assert result, f"panel {panel['title']!r} has no data: {expr}"
+            fed_by = [source for series, source in FED_HERE.items() if series in expr]
+            if not fed_by:
+                prometheus.answer(expr)  # it runs; it may have no data here
+                continue
+            result = prometheus.answer_with_data(expr)  # bounded: a rate needs two scrapes
+            assert result, f"panel {panel['title']!r} has no data from {fed_by[0]}: {expr}"
+            legend = set(re.findall(r"\{\{\s*(\w+)\s*\}\}", target.get("legendFormat", "")))
+            for series in result:
+                missing = legend - set(series["metric"])
+                assert not missing, f"panel {panel['title']!r}: no {missing} for its legend in {series}"
+    # The GPU panels show the sample's two GPUs as written, not a live GPU's readings.
+    util = prometheus.answer('DCGM_FI_DEV_GPU_UTIL{job="dcgm-exporter"}')["result"]
+    by_gpu = {series["metric"]["gpu"]: float(series["value"][1]) for series in util}
+    assert by_gpu == {"0": 97, "1": 95}, f"the DCGM series are not those of the sample {DCGM_SAMPLE}: {util}"
+    # The node memory panel shows this machine's: used is above 0 and below its total.
+    (memory,) = prometheus.answer('node_memory_MemTotal_bytes{job="node-exporter"}')["result"]
+    (used,) = prometheus.answer("node_memory_MemTotal_bytes - node_memory_MemAvailable_bytes")["result"]
+    assert 0 < float(used["value"][1]) < float(memory["value"][1])
+
+
+def ethernet_filter_keeps_this_machines_interfaces(prometheus: Prometheus, dashboard: dict[str, Any]) -> None:
+    """The Ethernet panel's device filter keeps exactly this machine's interfaces that it does not
+    name as loopback or container plumbing (lo, veth*, docker*, cni*, cali*, flannel*), as the node
+    exporter reports them: its data here is this machine's network, not an empty sum. Real nodes name
+    theirs eth*, ens*, enp* (ENA on AWS), which the filter keeps; the interfaces are read from
+    /proc/net/dev, which the node exporter reads too (in the same network namespace)."""
+    (panel,) = [p for p in dashboard["panels"] if p.get("title") == "Node network (Ethernet)"]
+    filters = {m for t in panel["targets"] for m in re.findall(r'device!~"([^"]*)"', t["expr"])}
+    assert len(filters) == 1, f"the Ethernet panel's queries should share one device filter: {filters}"
+    (excluded,) = filters
+    lines = Path("/proc/net/dev").read_text().splitlines()[2:]  # two header lines
+    interfaces = {line.split(":", 1)[0].strip() for line in lines}
+    kept = {name for name in interfaces if not re.fullmatch(excluded, name)}  # PromQL regexes are anchored
+    assert kept, (
+        f"this machine has no network interface besides those the Ethernet panel leaves out"
+        f" ({sorted(interfaces)}), so that panel cannot have data here"
+    )
+    selector = f'node_network_receive_bytes_total{{job="node-exporter", device!~"{excluded}"}}'
+    reported = {series["metric"]["device"] for series in prometheus.answer_with_data(selector)}
+    assert reported == kept, f"the Ethernet panel keeps {sorted(reported)}; this machine has {sorted(kept)}"
 
 
 def test_the_shipped_prometheus_config_is_valid() -> None:
