@@ -4,9 +4,10 @@ each pod's command as local torchrun processes; no API server can run here), for
 EKS-only tests: the object in the cluster is the rendered manifest, one LIST serves every handle,
 refusing a running job dir, attach after a resubmission, a deleted object, the API's errors, exactly
 once through the real client (a lost create reply, a crash between create and record, an earlier
-attempt's object under the same name), secrets that never enter the object, and 2-node jobs
+attempt's object under the same name), secrets that never enter the object, 2-node jobs
 (HyperPod, Kubeflow, Kubeflow elastic) that form one gloo process group across their pods or fail as
-a whole when one node fails.
+a whole when one node fails, and HyperPod's own hang detection (a log rule from the spec's
+``hang_detection`` that restarts a silent job in place, or fails it with no retry left).
 
 ``tmp_path`` is the shared root: the stand-in's pods see the claim's mount path as the same local path.
 """
@@ -27,7 +28,7 @@ from typing import Any
 import pytest
 import yaml
 from launcher_contract import JOBS, LauncherContract, finish, fixture_job, is_alive, recorded_pids, wait_until
-from standins.kube_api import KubeApiStandIn
+from standins.kube_api import KubeApiStandIn, pids_of
 from tiny_study import QUADRATIC, as_submitted, preview_first_trial
 
 from tunepod import runtime
@@ -42,6 +43,7 @@ from tunepod.launch.base import (
     Launcher,
     Resources,
 )
+from tunepod.launch.drive import DriveSettings, JobDriver, Outcome
 from tunepod.launch.hyperpod_eks import (
     CRDS,
     HYPERPOD_PLURAL,
@@ -54,6 +56,8 @@ from tunepod.launch.hyperpod_eks import (
 )
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.submission import new_submission_id, read_submission, write_submission
+from tunepod.launch.watchdog import Limits
+from tunepod.runtime.progress import HEARTBEAT_S_ENV, PROGRESS_LOG_S_ENV
 from tunepod.spec.models import HyperPodEksLauncherSpec
 
 pytestmark = pytest.mark.timeout(120)
@@ -710,3 +714,101 @@ def test_render_is_the_object_the_api_server_stored(kube: KubeApiStandIn, tmp_pa
     shown = json.loads(as_submitted(json.dumps(preview.rendered.payload), preview, record.submission_id))
     assert stored == shown
     assert yaml.safe_load(preview.text()) == preview.rendered.payload
+
+
+# ------------------------------------------------------------------------------------- HyperPod's hang rule
+
+
+def log_rule_driver(launcher: HyperPodEksLauncher, job: JobSpec, what: str) -> JobDriver:
+    """tunepod's driver with no hang detection of its own and no restart of its own: whatever restarts
+    the job is the operator's log rule. A run-time limit ends the test if nothing does."""
+    job = dataclasses.replace(job, limits=Limits(timeout_s=30.0))
+    return JobDriver(launcher, job, DriveSettings(poll_s=0.2, max_restarts=0), what=what)
+
+
+def condition_types(stored: dict[str, Any]) -> list[str]:
+    return [condition["type"] for condition in stored["status"]["conditions"]]
+
+
+def test_a_job_silent_past_its_log_rule_is_restarted_in_place_by_the_operator_and_resumes(
+    kube: KubeApiStandIn, tmp_path: Path
+) -> None:
+    """A job prints the runtime's progress lines while it advances, checkpoints step 1, then hangs
+    (alive, silent). The spec's ``hang_detection`` rule (a progress line at least every 2 s) fires;
+    with a retry left (``max_retries: 1``, ``jobMaxRetryCount``) the operator restarts the pods in
+    place, and the restarted run resumes from the checkpoint and finishes. tunepod restarted nothing:
+    one attempt, the same object."""
+    rule = {"name": "steps-advance", "log_pattern": ".*tunepod progress:.*", "recur_within_s": 2}
+    launcher = eks_launcher(kube, tmp_path, max_retries=1, hang_detection=[rule])
+    job = eks_job(tmp_path / "job", "count.py", "4", "1").with_env(
+        {PROGRESS_LOG_S_ENV: "0.5", HEARTBEAT_S_ENV: "0.25"}
+    )
+    driven = log_rule_driver(launcher, job, "the hung job").run()
+    assert driven.outcome is Outcome.COMPLETED, driven.message
+    assert driven.result is not None and driven.result.metrics == {"resumed_from": 2, "count": 4}
+    assert [report.step for report in runtime.read_reports(job.paths.metrics)] == [0, 1, 2, 3]
+    record = read_submission(job.paths)
+    assert record is not None and record.attempt == 1
+    handle = driven.handle
+    assert handle is not None and handle.job_id == record.job_id
+    assert handle.describe().startswith(f"HyperPodPyTorchJob default/{record.name} SUCCEEDED")
+
+    # The restart as the operator shows it: on the job, and on its pod's container.
+    stored = stored_object(launcher, handle)
+    assert stored["spec"]["runPolicy"]["logMonitoringConfiguration"] == [
+        {
+            "name": "steps-advance",
+            "logPattern": ".*tunepod progress:.*",
+            "expectedRecurringFrequencyInSeconds": 2,
+        }
+    ]
+    assert stored["status"]["restartCount"] == 1
+    assert condition_types(stored) == ["Created", "PodsRunning", "Restarting", "PodsRunning", "Completed"]
+    [restarting] = [c for c in stored["status"]["conditions"] if c["type"] == "Restarting"]
+    assert restarting["reason"] == "HangDetected"
+    assert "log monitoring rule 'steps-advance'" in restarting["message"]
+    assert "for 2s" in restarting["message"]
+    [pod] = launcher.api.list_pods(launcher.object_ref(handle))
+    [container] = pod["status"]["containerStatuses"]
+    assert container["restartCount"] == 1
+    assert container["state"]["terminated"]["exitCode"] == 0
+    assert container["lastState"]["terminated"]["exitCode"] != 0  # stopped by the operator
+
+    # The stopped run's log, as `kubectl logs --previous` reads it: its last progress line told of
+    # step 1, the checkpoint the run after it resumed from.
+    previous = launcher.api.core.read_namespaced_pod_log(
+        pod["metadata"]["name"], "default", previous=True, _preload_content=False
+    )
+    progress = [line for line in previous.data.decode().splitlines() if "tunepod progress:" in line]
+    assert progress and progress[-1].endswith("tunepod progress: rank 0 step 1"), progress
+
+
+def test_a_job_whose_log_rule_fires_with_no_retry_left_fails_naming_the_rule(
+    kube: KubeApiStandIn, tmp_path: Path
+) -> None:
+    """A job that never prints the line a start rule waits for: the operator restarts it once
+    (``max_retries: 1``), the rule fires again, and with no retry left the job fails. The launcher's
+    description of the failure, and so tunepod's failure message, names the rule."""
+    rule = {"name": "first-batch", "log_pattern": "^first batch done$", "start_within_s": 2}
+    launcher = eks_launcher(kube, tmp_path, max_retries=1, hang_detection=[rule])
+    job = eks_job(tmp_path / "job", "hang.py", str(tmp_path / "pids"))
+    driven = log_rule_driver(launcher, job, "the silent job").run()
+    assert driven.outcome is Outcome.FAILED, driven.message
+    handle = driven.handle
+    assert handle is not None
+    described = handle.describe()
+    assert "FAILED, last condition Failed (HangDetected: " in described, described
+    assert "log monitoring rule 'first-batch' found the job hanging" in described
+    assert "matched '^first batch done$' within 2s of its start" in described
+    assert described in driven.message
+
+    stored = stored_object(launcher, handle)
+    assert stored["status"]["restartCount"] == 1  # the one retry was used
+    assert condition_types(stored) == ["Created", "PodsRunning", "Restarting", "PodsRunning", "Failed"]
+    [pod] = launcher.api.list_pods(launcher.object_ref(handle))
+    [container] = pod["status"]["containerStatuses"]
+    assert container["restartCount"] == 1
+    assert container["state"]["terminated"]["exitCode"] != 0
+    assert pids_of(pod["metadata"]["uid"]) == []  # no process of the pod's container is left
+    record = read_submission(job.paths)
+    assert record is not None and record.attempt == 1

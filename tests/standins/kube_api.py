@@ -11,7 +11,7 @@ Emulated, and only this:
   create (409 AlreadyExists on a taken name), get, list with an equality ``labelSelector``, delete
   (404 when missing, 409 when ``preconditions.uid`` differs; Foreground keeps the object, with a
   ``deletionTimestamp``, until its pods are gone; Background removes it first);
-- pods: list (``labelSelector``), get, and ``/log`` with ``tailLines``;
+- pods: list (``labelSelector``), get, and ``/log`` with ``tailLines`` and ``previous``;
 - errors as ``Status`` objects; ``refuse_with`` makes every request answer one error (e.g. 403);
 - a lost reply: ``lose_replies`` makes the next requests of one kind (``create hyperpodpytorchjobs``)
   take effect and then close the connection without an answer, as a dropped connection or a
@@ -54,14 +54,37 @@ Emulated, and only this:
 - ``ttlSecondsAfterFinished``: a job that ended by itself (Succeeded, Completed or Failed) is deleted
   that long after it ended, in the Background (the object at once, then its pods), so that a GET
   answers 404 from then on.
+- HyperPod's log monitoring (``runPolicy.logMonitoringConfiguration``) and its restart in place. The
+  operator reads each running pod's log every ``LOG_POLL_S``; a line's time is when it read it. A
+  rule fires when no line matched its ``logPattern`` within ``expectedStartCutOffInSeconds`` of the
+  container's start, or for ``expectedRecurringFrequencyInSeconds`` since its last match (as the
+  HyperPod SDK's schema words them: "time to first match" and "time interval between two subsequent
+  matches", so before a first match only the cut-off applies); a line matching ``stopPattern``
+  deactivates the rule for the rest of that run. When a rule fires while the job's restarts
+  (``status.restartCount``, the field of the SDK's job status) are fewer than ``jobMaxRetryCount``,
+  the job gets a Restarting condition (reason ``HangDetected``, the message naming the rule, its
+  pattern and the pod), every pod's processes get SIGTERM, then SIGKILL after ``grace_s``, and the
+  containers start again at once in the same pods (same names and uids: ``restartCount`` of the
+  pod's container status goes up, ``lastState`` is the ended run; the new run writes a new log, the
+  ended run's is ``/log?previous=true``), then PodsRunning again, every rule starting afresh. With no
+  retry left the pods are stopped the same way and the job is Failed (reason ``HangDetected``,
+  naming the rule). Assumed where AWS's docs say nothing, as the simulation's twin of the operator
+  (``tests/simulation/backends/hyperpod_eks.py``) does: the condition types and reason, a fired
+  rule counting against ``jobMaxRetryCount`` like a failure, a whole-job restart of the containers.
+  Also assumed: every pod's log is judged on its own, a pattern matches anywhere in a line (Go's
+  ``regexp.MatchString``; compiled here by Python's ``re``, which reads tunepod's patterns as RE2
+  does; a pattern ``re`` cannot compile is refused at create with 422 Invalid).
 
 Not emulated: authentication, RBAC, watches, resourceVersion semantics, namespaces as objects, other
-resources, Services and DNS (every rendezvous address is 127.0.0.1), restarts
-(``jobMaxRetryCount``/``backoffLimit``/``maxRestarts``: a failed pod fails the job),
-``activeDeadlineSeconds``, ``cleanPodPolicy`` (ended pods stay until their job is deleted), Kubeflow's
-success policy (the
-stand-in waits for every pod, where the real operator ends a job with a Master when the Master
-succeeds), schema validation of the objects, scheduling and resources.
+resources, Services and DNS (every rendezvous address is 127.0.0.1), restarts after a failure
+(``jobMaxRetryCount``/``backoffLimit``/``maxRestarts``: a failed pod fails the job; only a fired log
+rule restarts one), HyperPod's ``restartPolicy`` (its evaluation window, ``maxFullJobRestarts``,
+``numRestartBeforeFullJobRestart``), process-level restarts through the elastic agent, a restart's
+backoff, the log rules' metric fields (``metricThreshold``, ``metricEvaluationDataPoints``: tunepod
+renders neither) and the SLOW state they lead to, ``activeDeadlineSeconds``, ``cleanPodPolicy``
+(ended pods stay until their job is deleted), Kubeflow's success policy (the stand-in waits for
+every pod, where the real operator ends a job with a Master when the Master succeeds), schema
+validation of the objects, scheduling and resources.
 """
 
 from __future__ import annotations
@@ -90,6 +113,10 @@ from ports import free_port
 
 CRDS = {"hyperpodpytorchjobs": "sagemaker.amazonaws.com", "pytorchjobs": "kubeflow.org"}
 TOKEN_ENV = "KUBE_STANDIN_POD_UID"
+LOG_POLL_S = 0.25
+"""How often the operator reads the logs of a job with log monitoring rules."""
+HANG_REASON = "HangDetected"
+"""The reason of the Restarting or Failed condition a fired log rule sets (as the simulation's twin)."""
 _OBJECTS = re.compile(
     r"^/apis/(?P<group>[^/]+)/v1/namespaces/(?P<ns>[^/]+)/(?P<plural>[^/]+)(?:/(?P<name>[^/]+))?$"
 )
@@ -196,6 +223,85 @@ def kill_all(token: str, signum: signal.Signals) -> None:
             os.kill(pid, signum)
 
 
+class LogRule:
+    """One rule of a HyperPodPyTorchJob's ``runPolicy.logMonitoringConfiguration``, compiled (see the
+    module docstring for what the stand-in assumes of the operator's evaluation)."""
+
+    def __init__(self, rule: dict[str, Any]) -> None:
+        self.name = str(rule["name"])
+        self.log_pattern = str(rule["logPattern"])
+        self.pattern = re.compile(self.log_pattern)
+        self.stop = re.compile(rule["stopPattern"]) if rule.get("stopPattern") else None
+        start, recur = (
+            rule.get("expectedStartCutOffInSeconds"),
+            rule.get("expectedRecurringFrequencyInSeconds"),
+        )
+        self.start_s = None if start is None else float(start)
+        self.recur_s = None if recur is None else float(recur)
+
+    @classmethod
+    def of(cls, obj: dict[str, Any]) -> list[LogRule]:
+        """The rules of ``obj`` (a HyperPodPyTorchJob; any other kind has none). Raises ``re.error``
+        for a pattern Python cannot compile."""
+        if obj["kind"] != "HyperPodPyTorchJob":
+            return []
+        rules = (obj["spec"].get("runPolicy") or {}).get("logMonitoringConfiguration") or []
+        return [cls(rule) for rule in rules]
+
+
+class LogWatch:
+    """The operator's reading of one pod's log during one run of its container: each rule's last
+    match (when the operator read the line) and whether its ``stopPattern`` deactivated it."""
+
+    def __init__(self, pod: Pod, rules: list[LogRule]) -> None:
+        self.pod = pod
+        self.log = pod.log
+        self.started_at = pod.started_at
+        self.rules = rules
+        self.matched_at: dict[str, float] = {}
+        self.stopped: set[str] = set()
+        self._offset = 0
+        self._partial = b""
+
+    def fired(self, at: float) -> str | None:
+        """Read what the log gained, then say why a rule fires now (None: none does)."""
+        for line in self._new_lines():
+            for rule in self.rules:
+                if rule.name in self.stopped:
+                    continue
+                if rule.stop is not None and rule.stop.search(line):
+                    self.stopped.add(rule.name)
+                elif rule.pattern.search(line):
+                    self.matched_at[rule.name] = at
+        pod = self.pod.body["metadata"]["name"]
+        for rule in self.rules:
+            if rule.name in self.stopped:
+                continue
+            last = self.matched_at.get(rule.name)
+            if last is None and rule.start_s is not None and at - self.started_at > rule.start_s:
+                return (
+                    f"log monitoring rule {rule.name!r} found the job hanging: no line of pod {pod} "
+                    f"matched {rule.log_pattern!r} within {rule.start_s:g}s of its start"
+                )
+            if last is not None and rule.recur_s is not None and at - last > rule.recur_s:
+                return (
+                    f"log monitoring rule {rule.name!r} found the job hanging: no line of pod {pod} "
+                    f"matched {rule.log_pattern!r} for {rule.recur_s:g}s"
+                )
+        return None
+
+    def _new_lines(self) -> list[str]:
+        try:
+            with open(self.log, "rb") as log:
+                log.seek(self._offset)
+                data = log.read()
+        except FileNotFoundError:
+            return []
+        self._offset += len(data)
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        return [line.decode(errors="replace") for line in lines]
+
+
 class Pod:
     """One pod and the local process running its container."""
 
@@ -211,9 +317,25 @@ class Pod:
         self.secrets = secrets
         self.job_name = job_name
         self.log = log
+        self.first_log = log
         self.torchrun_flags = torchrun_flags
         self.token = body["metadata"]["uid"]
         self.process: subprocess.Popen[bytes] | None = None
+        self.started_at = 0.0
+        """When the container's current run started (``time.monotonic``)."""
+        self.restarts = 0
+        self.previous_log: Path | None = None
+        """The log of the container's last run before a restart (``/log?previous=true``)."""
+
+    def restart(self) -> None:
+        """Start the container again in the same pod, as the kubelet does: restartCount goes up, the
+        new run writes a new log, and the last run's log and end stay readable as the previous ones."""
+        self.restarts += 1
+        self.previous_log = self.log
+        self.log = self.first_log.with_suffix(f".{self.restarts}.log")
+        last = self.body["status"]["containerStatuses"][0]["state"]
+        self.start()
+        self.body["status"]["containerStatuses"][0]["lastState"] = last
 
     def start(self) -> None:
         container = self.body["spec"]["containers"][0]
@@ -240,9 +362,13 @@ class Pod:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+        self.started_at = time.monotonic()
+        running = {"running": {"startedAt": now()}}
         self.body["status"] = {
             "phase": "Running",
-            "containerStatuses": [{"name": container["name"], "state": {"running": {"startedAt": now()}}}],
+            "containerStatuses": [
+                {"name": container["name"], "restartCount": self.restarts, "state": running}
+            ],
         }
 
     def finished(self, code: int) -> int:
@@ -256,11 +382,15 @@ class Pod:
         self.body["status"]["containerStatuses"][0]["state"] = {"terminated": terminated}
         return exit_code
 
-    def stop(self, grace_s: float) -> None:
-        """SIGTERM to the container's process group, SIGKILL to every process left after ``grace_s``."""
+    def terminate(self) -> None:
+        """SIGTERM to the container's process group (the exit wrapper forwards it to the command)."""
         if self.process is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGTERM)
+
+    def stop(self, grace_s: float) -> None:
+        """SIGTERM to the container's process group, SIGKILL to every process left after ``grace_s``."""
+        self.terminate()
         deadline = time.monotonic() + grace_s
         while pids_of(self.token) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -435,6 +565,12 @@ class KubeApiStandIn:
         with self._lock:
             if (plural, ns, name) in self._objects:
                 raise ApiError(409, "AlreadyExists", f'{plural}.{CRDS[plural]} "{name}" already exists')
+            try:
+                LogRule.of(body)
+            except re.error as error:
+                raise ApiError(
+                    422, "Invalid", f"the stand-in cannot compile a log pattern: {error}"
+                ) from None
             obj = copy.deepcopy(body)
             obj["metadata"].update(namespace=ns, uid=str(uuid.uuid4()), creationTimestamp=now(), generation=1)
             self._objects[(plural, ns, name)] = obj
@@ -524,9 +660,18 @@ class KubeApiStandIn:
                 raise ApiError(404, "NotFound", f'pods "{name}" not found')
             if not log:
                 return copy.deepcopy(pod.body)
-        if not pod.log.exists():
+            path = pod.log
+            if query.get("previous", "").lower() == "true":
+                if pod.previous_log is None:
+                    raise ApiError(
+                        400,
+                        "BadRequest",
+                        f'previous terminated container "pytorch" in pod "{name}" not found',
+                    )
+                path = pod.previous_log
+        if not path.exists():
             raise ApiError(400, "BadRequest", f'container "pytorch" in pod "{name}" is waiting to start')
-        lines = pod.log.read_text(errors="replace").splitlines(keepends=True)
+        lines = path.read_text(errors="replace").splitlines(keepends=True)
         return "".join(lines[-int(query["tailLines"]) :] if "tailLines" in query else lines)
 
     def _pods_of(self, ns: str, name: str) -> list[Pod]:
@@ -537,7 +682,9 @@ class KubeApiStandIn:
 
     def _operate(self, plural: str, ns: str, name: str) -> None:
         """Run every pod of the job to its end and walk the job's conditions the way the operator
-        does: running once all pods run, done once all succeed, failed at the first failure."""
+        does: running once all pods run, done once all succeed, failed at the first failure; a
+        HyperPodPyTorchJob whose log rule fires is restarted in place while ``jobMaxRetryCount``
+        allows, else failed."""
         with self._lock:
             obj = self._objects.get((plural, ns, name))
             if obj is None or obj["metadata"].get("deletionTimestamp"):
@@ -547,15 +694,53 @@ class KubeApiStandIn:
             pods = [self._make_pod(obj, *replica, num_pods=len(replicas), port=port) for replica in replicas]
             for pod in pods:
                 pod.start()
-            self._set_condition(
-                obj, "PodsRunning" if plural == "hyperpodpytorchjobs" else "Running", "running"
-            )
+            self._set_condition(obj, self._running_type(plural), "running")
+            rules = LogRule.of(obj)
+            retries = int((obj["spec"].get("runPolicy") or {}).get("jobMaxRetryCount") or 0) if rules else 0
+        while self._run(plural, ns, name, obj, pods, rules, retries):
+            with self._lock:
+                if not self._is_live(plural, ns, name, obj) or self._stopping.is_set():
+                    break  # deleted (or the stand-in stopped) meanwhile: nothing to restart
+                for pod in pods:
+                    pod.restart()
+                self._set_condition(obj, self._running_type(plural), "running")
+        with self._lock:
+            ended_by_itself = self._is_live(plural, ns, name, obj)
+        ttl = (obj["spec"].get("runPolicy") or {}).get("ttlSecondsAfterFinished")
+        if ended_by_itself and ttl is not None and not self._stopping.wait(float(ttl)):
+            self._expire(plural, ns, name, obj)
+
+    def _run(
+        self,
+        plural: str,
+        ns: str,
+        name: str,
+        obj: dict[str, Any],
+        pods: list[Pod],
+        rules: list[LogRule],
+        retries: int,
+    ) -> bool:
+        """One run of the job's pods, to its end or until a log rule fires. True: a rule fired, the
+        pods were stopped and the caller starts them again; False: the job ended (conditions set)."""
         exits: queue.Queue[tuple[Pod, int]] = queue.Queue()
         for pod in pods:
-            self._spawn(lambda pod=pod: exits.put((pod, pod.process.wait() if pod.process else 1)))
+            process = pod.process
+            self._spawn(lambda pod=pod, process=process: exits.put((pod, process.wait() if process else 1)))
+        watches = {pod: LogWatch(pod, rules) for pod in pods} if rules else {}
         failed = False
         for _ in pods:
-            pod, code = exits.get()
+            while True:
+                try:
+                    pod, code = exits.get(timeout=LOG_POLL_S if watches and not failed else None)
+                    break
+                except queue.Empty:
+                    fired = next(filter(None, (w.fired(time.monotonic()) for w in watches.values())), None)
+                    if fired is not None:
+                        restart = self._hanging(plural, ns, name, obj, pods, exits, fired, retries)
+                        if restart is not None:
+                            return restart
+                        watches.clear()  # being deleted: its pods' ends are the garbage collector's
+            watches.pop(pod, None)  # an ended container's log says nothing more
             with self._lock:
                 exit_code = pod.finished(code)
                 fails_job = code != 0 and not failed and self._is_live(plural, ns, name, obj)
@@ -572,10 +757,48 @@ class KubeApiStandIn:
             if not failed and self._is_live(plural, ns, name, obj):
                 done = "Completed" if plural == "hyperpodpytorchjobs" else "Succeeded"
                 self._set_condition(obj, done, "completed successfully")
-            ended_by_itself = self._is_live(plural, ns, name, obj)
-        ttl = (obj["spec"].get("runPolicy") or {}).get("ttlSecondsAfterFinished")
-        if ended_by_itself and ttl is not None and not self._stopping.wait(float(ttl)):
-            self._expire(plural, ns, name, obj)
+        return False
+
+    def _hanging(
+        self,
+        plural: str,
+        ns: str,
+        name: str,
+        obj: dict[str, Any],
+        pods: list[Pod],
+        exits: queue.Queue[tuple[Pod, int]],
+        why: str,
+        retries: int,
+    ) -> bool | None:
+        """A log rule fired: Restarting while retries are left, the pods stopped (SIGTERM, SIGKILL
+        after ``grace_s``), then Failed when none was left. True: the caller restarts the pods;
+        None: the job is being deleted, nothing was done."""
+        with self._lock:
+            if not self._is_live(plural, ns, name, obj) or self._stopping.is_set():
+                return None
+            status = obj.setdefault("status", {})
+            restarts = int(status.get("restartCount", 0))
+            restart = restarts < retries
+            if restart:
+                status["restartCount"] = restarts + 1
+                self._set_condition(obj, "Restarting", f"is restarting: {why}", reason=HANG_REASON)
+        for pod in pods:
+            pod.terminate()
+        deadline = time.monotonic() + self.grace_s
+        for pod in pods:
+            pod.stop(max(0.0, deadline - time.monotonic()))
+        running = sum(1 for pod in pods if pod.body["status"]["phase"] == "Running")
+        ended = [exits.get() for _ in range(running)]  # every process is gone: their waits return
+        with self._lock:
+            for pod, code in ended:
+                pod.finished(code)
+            if not restart and self._is_live(plural, ns, name, obj):
+                self._set_condition(obj, "Failed", f"failed: {why}", reason=HANG_REASON)
+        return restart
+
+    @staticmethod
+    def _running_type(plural: str) -> str:
+        return "PodsRunning" if plural == "hyperpodpytorchjobs" else "Running"
 
     def _expire(self, plural: str, ns: str, name: str, obj: dict[str, Any]) -> None:
         """``ttlSecondsAfterFinished`` ran out: delete the job in the Background (object, then pods)."""
@@ -660,7 +883,10 @@ class KubeApiStandIn:
     def _set_condition(self, obj: dict[str, Any], kind: str, what: str, reason: str = "") -> None:
         conditions = obj.setdefault("status", {}).setdefault("conditions", [])
         for condition in conditions:
-            if condition["type"] in ("Running", "PodsRunning") and condition["status"] == "True":
+            if (
+                condition["type"] in ("Running", "PodsRunning", "Restarting")
+                and condition["status"] == "True"
+            ):
                 condition.update(status="False", lastTransitionTime=now())
         stamp = now()
         conditions.append(
