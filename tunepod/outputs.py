@@ -11,7 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-TrialOutcome = Literal["COMPLETE", "PRUNED", "FAIL"]
+TrialOutcome = Literal["COMPLETE", "PRUNED", "FAIL", "PAUSED"]
+"""PAUSED: a trial ASHA stopped after its checkpoint, RUNNING in Optuna until promoted or pruned."""
 
 
 class FsxImport(BaseModel):

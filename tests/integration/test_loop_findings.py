@@ -30,7 +30,7 @@ from tunepod.launch.drive import DriveSettings, JobDriver
 from tunepod.launch.lease import LeaseRecord, Leases, read_lease
 from tunepod.launch.local import LocalLauncher
 from tunepod.launch.paths import JobPaths
-from tunepod.launch.submission import read_cancel_marker, read_submission
+from tunepod.launch.submission import CancelReason, read_cancel_marker, read_submission
 from tunepod.runtime.files import write_bytes_atomic
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -118,9 +118,9 @@ def test_a_driver_whose_lease_was_taken_over_acts_no_more(tmp_path: Path) -> Non
     assert lease is not None
     taken_over = threading.Event()
 
-    def prune_after_the_takeover(_reports: object) -> bool:
+    def prune_after_the_takeover(_reports: object) -> CancelReason:
         taken_over.wait(30)
-        return True
+        return "pruned"
 
     driver = JobDriver(
         launcher,

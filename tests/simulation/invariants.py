@@ -10,7 +10,10 @@ Checked at the moment it happens (the backends, the stores and the scheduler cal
   the lease file naming that process);
 - **no healthy job is cancelled**: a stop asked as ``timed_out`` comes after the job's run really ran
   that long; as ``hung``, after it really stopped progressing for the hang timeout; a stop without a
-  reason in the job dir is a violation (the tuner never stops a job without one).
+  reason in the job dir is a violation (the tuner never stops a job without one);
+- **a paused trial has no live job** (ASHA): a pause is recorded only once the trial's job has ended,
+  and a promotion only written inside the trial's fence; no job is created for a trial recorded as
+  paused (a promotion is written before its job is created).
 
 Checked once every fault has stopped and the study has settled:
 
@@ -18,7 +21,7 @@ Checked once every fault has stopped and the study has settled:
 - **every trial ends counted once**: exactly ``num_trials`` finished trials, none left running or
   queued, each with every parameter of the space, each told its outcome once;
 - **every trial ends with its job's outcome**: COMPLETE exactly when its last job exited 0 by itself;
-  PRUNED only after a stop asked as pruned (or a job that failed as the pruner decided);
+  PRUNED only after a stop asked as pruned or paused (or a job that failed as the pruner decided);
 - **every report reaches MLflow once**: one MLflow run per trial, ended as Optuna says, whose metric
   history is its metrics file line for line (same-step reports included), nothing else but the final
   objective at the last step;
@@ -38,6 +41,7 @@ from optuna.trial import FrozenTrial, TrialState
 from simulation.cluster import HEARTBEAT_S, Cluster
 from simulation.scheduler import Scheduler
 from simulation.stores import MlflowTwin, OptunaDatabase
+from tunepod.hpo.asha import AshaState, is_paused
 from tunepod.hpo.tuner import ATTR_JOB_DIR
 from tunepod.launch.lease import read_lease
 from tunepod.launch.paths import JobPaths
@@ -104,6 +108,8 @@ class Referee:
                 "a finished trial never runs again",
                 f"a job is created for {job_dir.name}, whose trial is {trial.state.name}",
             )
+        if trial is not None and is_paused(trial):
+            self.violated("a paused trial has no live job", f"a job is created for paused {job_dir.name}")
         # A run whose exit nobody could record (its local wrapper killed) may be started again: that is
         # recovery from lost knowledge, and the new run resumes from its last checkpoint.
         done = [
@@ -130,7 +136,7 @@ class Referee:
         marker = read_cancel_marker(JobPaths(job_dir))
         reason = marker.reason if marker is not None else None
         runs = [run for run in self.cluster.live_runs(job_dir) if run.job_id == job_id]
-        if reason == "pruned" or not runs:
+        if reason in ("pruned", "paused") or not runs:
             return
         run, now, facts = runs[0], self.sim.now, self.facts
         if reason == "timed_out":
@@ -153,6 +159,17 @@ class Referee:
         else:
             self.violated(
                 "no healthy job is cancelled", f"job {job_id} of {job_dir.name} stopped for reason {reason!r}"
+            )
+
+    def asha_state_written(self, trial_id: int, state: AshaState) -> None:
+        frozen = self.database.storage.get_trial(trial_id)
+        job_dir = self._job_dir(frozen)
+        self._fenced(job_dir, f"{'pauses' if state.paused else 'promotes'} trial {frozen.number}")
+        live = self.cluster.live_runs(job_dir)
+        if state.paused and live:
+            self.violated(
+                "a paused trial has no live job",
+                f"trial {frozen.number} is recorded paused while {[run.job_id for run in live]} live",
             )
 
     def told(self, trial_id: int, state: TrialState) -> None:
@@ -224,7 +241,9 @@ class Referee:
         )
         if finished and runs[-1].exit_unrecorded and not JobPaths(job_dir).result.exists():
             return  # it exited 0 unseen: a FAIL is all anyone could say, a COMPLETE would be luck
-        pruned = any(stop.reason == "pruned" for stop in self.cluster.stops if stop.job_dir == job_dir)
+        pruned = any(
+            stop.reason in ("pruned", "paused") for stop in self.cluster.stops if stop.job_dir == job_dir
+        )
         failed_alone = bool(runs) and runs[-1].exit_code not in (0, None)
         wrong = (trial.state is TrialState.COMPLETE) != finished or (
             trial.state is TrialState.PRUNED and not (pruned or failed_alone)

@@ -17,6 +17,7 @@ from optuna.trial import FrozenTrial
 
 from simulation.backends import KINDS
 from tunepod.hpo import tuner
+from tunepod.hpo.asha import ATTR_ASHA, AshaState
 from tunepod.launch import base, drive, lease
 from tunepod.launch.hyperpod_eks import launcher as eks_launcher
 from tunepod.launch.local import LocalLauncher, LocalStatus
@@ -155,6 +156,21 @@ def _gone_intent_sent_again() -> contextlib.AbstractContextManager[None]:
     return _patched(eks_launcher, "_ended_unrecorded", lambda intent, job_dir: False)
 
 
+def _pause_recorded_at_the_decision() -> contextlib.AbstractContextManager[None]:
+    """ASHA recording a pause as it decides it (from the report feed, outside the fence), before the
+    job has stopped: a paused trial with a live job, which a restarted orchestrator would promote."""
+    decide = tuner.ReportFeed._asha_says
+
+    def record_at_once(self: tuner.ReportFeed, asha: Any) -> Any:
+        reason = decide(self, asha)
+        if reason == "paused" and self.paused_rung is not None:
+            state = AshaState(self.paused_rung, True, attempt=1)
+            self._tuner.trials.set_attr(self._number, ATTR_ASHA, state.to_attr())
+        return reason
+
+    return _patched(tuner.ReportFeed, "_asha_says", record_at_once)
+
+
 MUTANTS = [
     Mutant("leases-leak", "issue 28, 2: leases of trials a failed ask never started stay held", _leases_leak),
     Mutant(
@@ -215,6 +231,11 @@ MUTANTS = [
         "wall-clock-timeout",
         "a job without heartbeats (SageMaker without writable FSx) times out on its driver's wall clock",
         _wall_clock_timeout,
+    ),
+    Mutant(
+        "early-pause",
+        "issue 30: an ASHA pause recorded when decided, while the trial's job still runs",
+        _pause_recorded_at_the_decision,
     ),
     Mutant(
         "sent-intent-refused",

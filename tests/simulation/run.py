@@ -119,6 +119,7 @@ class _Run:
             ),
         )
         self.database.on_told = self.referee.told
+        self.database.on_asha = self.referee.asha_state_written
         self.sim.on_thread_death = self._thread_died
         self.sim.after_step = self._maybe_crash
         self.orchestrator_hosts = [
@@ -322,6 +323,8 @@ def _settings(scenario: Scenario) -> TuneSettings:
         pruner["lower"] = 0.2
     if scenario.pruner == "median":
         pruner["warmup_steps"] = 1
+    if scenario.pruner == "asha":  # rungs at 1, 2 and 4 steps, below a whole run
+        pruner |= {"min_resource": 1, "reduction_factor": 2, "max_resource": scenario.program.steps}
     resources: dict[str, object] = {}
     if scenario.timeout_s is not None:
         resources["timeout_min"] = scenario.timeout_s / 60

@@ -116,7 +116,7 @@ def scenario_of(seed: int, *, kinds: tuple[str, ...] = KINDS) -> Scenario:
     hang_timeout_s = draw.choice([None, 60.0 + 2 * program.step_s])
     fault_phase_s = draw.uniform(200.0, 900.0)
     timed = tuple(sorted(_timed_faults(draw, fault_phase_s), key=lambda fault: fault.at))
-    return Scenario(
+    scenario = Scenario(
         seed=seed,
         backend=backend,
         num_trials=draw.randint(2, 6),
@@ -139,6 +139,15 @@ def scenario_of(seed: int, *, kinds: tuple[str, ...] = KINDS) -> Scenario:
         # The local launcher's jobs are processes of one machine, the orchestrators' own.
         two_hosts=backend.kind != "local" and draw.random() < 0.5,
     )
+    return _with_asha(scenario)
+
+
+def _with_asha(scenario: Scenario) -> Scenario:
+    """ASHA (pause and promote) in place of no pruner in some seeds, drawn apart so that every other
+    draw of a seed stays what it was before ASHA existed (the seeds each mutant is known by)."""
+    if scenario.pruner == "none" and random.Random(f"asha-{scenario.seed}").random() < 0.5:
+        return replace(scenario, pruner="asha")
+    return scenario
 
 
 def _timed_faults(draw: random.Random, phase_s: float) -> list[TimedFault]:

@@ -16,6 +16,7 @@ fail.
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ from optuna.storages import BaseStorage, InMemoryStorage
 from optuna.trial import TrialState
 
 from simulation.scheduler import Scheduler
+from tunepod.hpo.asha import ATTR_ASHA, AshaState
 from tunepod.runtime import Report
 from tunepod.tracking.mlflow_tracker import MetricPoint, RunStatus
 
@@ -90,6 +92,9 @@ class OptunaDatabase:
         """trial id -> the processes whose tell took effect (more than one is a bug)."""
         self.on_told: Callable[[int, TrialState], None] | None = None
         """Called as a tell takes effect, in the telling thread (the referee checks its fence)."""
+        self.on_asha: Callable[[int, AshaState], None] | None = None
+        """Called as a trial's ASHA pause state is written (a pause or a promotion), in the writing
+        thread (the referee checks its fence and that a paused trial has no live job)."""
 
 
 class SimStorage(BaseStorage):
@@ -117,6 +122,8 @@ class SimStorage(BaseStorage):
             result = method(*args, **kwargs)
             if name == "set_trial_state_values" and result:
                 self._told(args[0], kwargs.get("state", args[1] if len(args) > 1 else None))
+            if name == "set_trial_user_attr" and args[1] == ATTR_ASHA and self.database.on_asha is not None:
+                self.database.on_asha(args[0], AshaState(**json.loads(args[2])))
             return result
 
         return _faulty(self.sim, faults, self.switch, f"optuna {name}", call, lambda: OperationalError(name))

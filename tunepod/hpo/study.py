@@ -219,6 +219,7 @@ class ThreadSafeHyperbandPruner(optuna.pruners.HyperbandPruner):
 
 
 def make_pruner(spec: PrunerSpec) -> optuna.pruners.BasePruner:
+    # asha: the tuner judges trials itself (tunepod.hpo.asha), since Optuna's pruners can only kill.
     if spec.kind == "hyperband":
         return ThreadSafeHyperbandPruner(
             min_resource=spec.min_resource,

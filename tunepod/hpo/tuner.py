@@ -32,6 +32,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from tunepod import world
 from tunepod.errors import JobError, TunepodError
+from tunepod.hpo.asha import ATTR_ASHA, Asha, AshaState, is_paused
 from tunepod.hpo.study import (
     distributions,
     enqueue_first_trials,
@@ -45,7 +46,7 @@ from tunepod.launch.contract import contract_env
 from tunepod.launch.drive import DriveResult, DriveSettings, JobDriver, Outcome
 from tunepod.launch.lease import Lease, LeaseLost, Leases
 from tunepod.launch.paths import JobPaths
-from tunepod.launch.submission import read_submission
+from tunepod.launch.submission import CancelReason, read_submission
 from tunepod.launch.watchdog import Limits
 from tunepod.locks import locked
 from tunepod.metrics import default_metrics
@@ -134,6 +135,7 @@ class Tuner:
         self.trials = StudyTrials(self.study)
         self.leases = Leases(private_job_dirs=ctx.launcher.private_job_dirs)
         self._distributions = distributions(ctx.settings.space)
+        self.asha = make_asha(ctx.settings)
         self._metrics = default_metrics().trial_observer(
             pipeline=ctx.pipeline, study=ctx.settings.study.name, step=ctx.step
         )
@@ -203,8 +205,9 @@ class Tuner:
                 log.info("study %s: %s", self.settings.study.name, line)
 
     def _schedule(self, mine: set[int]) -> tuple[list[int], list[int], int]:
-        """Under the study lock: claim unfinished trials nobody drives, ask new ones while there is
-        room. Returns (trials to start driving, trials others drive, trials still to ask for)."""
+        """Under the study lock: claim unfinished trials nobody drives, promote paused trials (ASHA),
+        ask new ones while there is room. Returns (trials to start driving, trials others drive,
+        trials still to ask for)."""
         self.ctx.jobs_dir.mkdir(parents=True, exist_ok=True)
         with locked(self.ctx.jobs_dir / ".study.lock"):
             trials = self.trials.all()
@@ -212,7 +215,7 @@ class Tuner:
             running = [t for t in trials if t.state is TrialState.RUNNING and not _half_asked(t)]
             claimed, following = [], []
             for trial in running:
-                if trial.number in mine or trial.number in self._abandoned:
+                if trial.number in mine or trial.number in self._abandoned or is_paused(trial):
                     continue
                 lease = self.leases.acquire(self._job_dir(trial))
                 if lease is None:
@@ -227,8 +230,68 @@ class Tuner:
             self._announce_following(following)
             room = self.settings.num_trials - sum(t.state in FINISHED for t in trials) - len(running)
             capacity = self.settings.num_parallel - len(mine) - len(claimed)
+            promoted = self._promote(trials, self.asha.promotable(trials), capacity) if self.asha else []
+            capacity -= len(promoted)
             asked = [self._ask(len(trials) + i) for i in range(max(0, min(room, capacity)))]
-        return claimed + asked, following, room - len(asked)
+            capacity -= len(asked)
+            if self.asha and room - len(asked) <= 0:
+                busy = bool(mine or claimed or following or promoted or asked)
+                promoted += self._end_of_study(trials, capacity, busy=busy)
+        return claimed + promoted + asked, following, room - len(asked)
+
+    def _end_of_study(self, trials: list[FrozenTrial], capacity: int, *, busy: bool) -> list[int]:
+        """Nothing left to ask: while other trials still run, a slot that would idle resumes the best
+        paused trial instead (the highest rung first). Once nothing runs, the best paused trial is
+        trained on until one trial has completed (at the top rungs too few trials may ever meet for
+        the rule to promote anyone), and then the paused trials the rule never promoted end PRUNED at
+        the rung they reached. Returns the trials promoted."""
+        assert self.asha is not None
+        completed = any(t.state is TrialState.COMPLETE for t in trials)
+        if busy or not completed:
+            return self._promote(trials, self.asha.by_merit(trials), capacity) if capacity > 0 else []
+        for trial in trials:
+            if is_paused(trial):
+                self._prune_paused(trial)
+        return []
+
+    def _promote(self, trials: list[FrozenTrial], candidates: list[int], capacity: int) -> list[int]:
+        """Resume up to ``capacity`` of ``candidates`` (paused trials, in order): each one's pause
+        state says promoted, written inside its lease's fence, before its new job is submitted."""
+        by_number = {t.number: t for t in trials}
+        promoted: list[int] = []
+        for number in candidates:
+            if len(promoted) >= capacity:
+                break
+            lease = self.leases.acquire(self._job_dir(by_number[number]))
+            if lease is None:
+                continue  # another orchestrator is promoting or pruning it
+            state = AshaState.of(self.trials.frozen(number))
+            if state is None or not state.paused:
+                lease.release()  # promoted meanwhile, by one that has let go already
+                continue
+            with lease.fenced():
+                self.trials.set_attr(number, ATTR_ASHA, state.promoted().to_attr())
+            log.info("trial %d: promoted from rung %d, resuming from its checkpoint", number, state.rung)
+            self._hold(number, lease)
+            promoted.append(number)
+        return promoted
+
+    def _prune_paused(self, trial: FrozenTrial) -> None:
+        """End a paused trial that was never promoted: PRUNED, its MLflow run closed as KILLED."""
+        lease = self.leases.acquire(self._job_dir(trial))
+        if lease is None:
+            return  # another orchestrator holds it: it prunes or promotes it
+        try:
+            with lease.fenced():
+                if not is_paused(self.trials.frozen(trial.number)):
+                    return
+                params = {**self.settings.train.args, **trial.params}
+                mirror = self._mirror(trial, params, {})
+                log.info("trial %d: paused and never promoted; pruned at the end of the study", trial.number)
+                self.trials.tell(trial.number, TrialState.PRUNED)
+                self._close(trial.number, mirror)
+        finally:
+            lease.release()
 
     def _ask(self, num_trials: int) -> int:
         """A new trial (under the study lock); the study holds ``num_trials`` trials before it."""
@@ -297,8 +360,9 @@ class Tuner:
         links = links or TrialLinks()
         try:
             frozen = self.trials.frozen(number)
-            if frozen.state in FINISHED:
+            if frozen.state in FINISHED or is_paused(frozen):
                 return self._record(frozen)
+            asha_state = AshaState.of(frozen)
             params = {**self.settings.train.args, **frozen.params}
             mirror = self._mirror(frozen, params, links.tags)
             try:
@@ -313,7 +377,7 @@ class Tuner:
             driver = JobDriver(
                 self.ctx.launcher,
                 job,
-                DriveSettings(poll_s=self.settings.poll_s, max_restarts=self.settings.train.max_restarts),
+                self._drive_settings(asha_state),
                 what=f"Trial {number} of study {self.settings.study.name}",
                 on_reports=feed,
                 observe=self._observer(number, mirror),
@@ -321,10 +385,40 @@ class Tuner:
             )
             driven = driver.run(lease)
             with lease.fenced():
-                self._conclude(number, driven, mirror, feed)
+                if driven.outcome is Outcome.PAUSED:
+                    self._pause(number, feed, asha_state)
+                else:
+                    self._conclude(number, driven, mirror, feed)
             return self._record(self.trials.frozen(number))
         finally:
             lease.release()
+
+    def _drive_settings(self, asha_state: AshaState | None) -> DriveSettings:
+        """A promoted trial resumes the attempt it was paused in, and its promotions are attempts that
+        do not count against ``max_restarts``."""
+        promotions = asha_state.promotions if asha_state else 0
+        return DriveSettings(
+            poll_s=self.settings.poll_s,
+            max_restarts=self.settings.train.max_restarts + promotions,
+            resume_attempt=asha_state.attempt if asha_state and promotions else None,
+        )
+
+    def _pause(self, number: int, feed: ReportFeed, asha_state: AshaState | None) -> None:
+        """Record that trial ``number``'s job stopped, paused (inside the lease's fence): the trial
+        stays RUNNING in Optuna, with its reports, and no job, until it is promoted or pruned."""
+        assert self.asha is not None, "only ASHA pauses trials"
+        feed.tell_last_step()
+        frozen = self.trials.frozen(number)
+        rung = feed.paused_rung
+        if rung is None:  # decided by an orchestrator that crashed before recording it
+            rung = self.asha.pause_rung(frozen, asha_state, self.trials.all())
+        if rung is None:
+            rung = self.asha.highest_rung(frozen) or 0
+        record = read_submission(JobPaths(self._job_dir(frozen)))
+        attempt = record.attempt if record is not None else 1
+        promotions = asha_state.promotions if asha_state else 0
+        self.trials.set_attr(number, ATTR_ASHA, AshaState(rung, True, attempt, promotions).to_attr())
+        log.info("trial %d paused at rung %d (%d units)", number, rung, self.asha.rungs[rung])
 
     def _lease(self, number: int) -> Lease:
         with self._lock:
@@ -533,7 +627,7 @@ class Tuner:
         submission = read_submission(JobPaths(job_dir)) if job_dir.exists() else None
         return TrialRecord(
             number=frozen.number,
-            outcome=OUTCOME.get(frozen.state, "FAIL"),
+            outcome="PAUSED" if is_paused(frozen) else OUTCOME.get(frozen.state, "FAIL"),
             params={**self.settings.train.args, **frozen.params},
             value=frozen.values[0] if completed else None,
             values=dict(zip(metrics, frozen.values, strict=True)) if completed else {},
@@ -583,20 +677,23 @@ class ReportFeed:
         self._told = max(frozen.intermediate_values, default=-1)
         self._untold: Report | None = None
         self._live: optuna.trial.Trial | None = None
-        self._prunes = tuner.settings.pruner.kind != "none"
+        self._prunes = tuner.settings.pruner.kind not in ("none", "asha")
+        self._asha_state = AshaState.of(frozen)
+        self.paused_rung: int | None = None
+        """The rung ASHA paused the trial's job at, once it did."""
         # The objectives' and the constraints' metrics: their last reports are the trial's values.
         constrained = [c.metric for c in tuner.settings.parsed_constraints]
         self._metrics = list(dict.fromkeys([goal.metric for goal in self._study.goals] + constrained))
         self.last_step: int | None = None
         self.latest: dict[str, float] = {}
 
-    def __call__(self, reports: list[Report]) -> bool:
+    def __call__(self, reports: list[Report]) -> CancelReason | None:
         self._tuner.ctx.outbox.add(self._mirror)
         for report in reports:
             self.last_step = max(report.step, self.last_step or 0)
             self.latest |= {m: report.metrics[m] for m in self._metrics if m in report.metrics}
         if self._study.multi_objective:
-            return False  # nothing to tell Optuna before the end, and no pruner (refused at spec load)
+            return None  # nothing to tell Optuna before the end, and no pruner (refused at spec load)
         metric = self._study.primary.metric
         told = False
         for report in reports:
@@ -607,7 +704,19 @@ class ReportFeed:
                 told = True
             elif self._untold is None or report.step >= self._untold.step:
                 self._untold = report
-        return told and self._prunes and bool(retried(self._trial().should_prune))
+        if told and self._tuner.asha is not None:
+            return self._asha_says(self._tuner.asha)
+        return "pruned" if told and self._prunes and retried(self._trial().should_prune) else None
+
+    def _asha_says(self, asha: Asha) -> CancelReason | None:
+        """Pause the job at the first rung it reached outside the top, judged against every trial."""
+        trials = self._tuner.trials.all()
+        frozen = next(t for t in trials if t.number == self._number)
+        rung = asha.pause_rung(frozen, self._asha_state, trials)
+        if rung is None:
+            return None
+        self.paused_rung = rung
+        return "paused"
 
     def tell_last_step(self) -> None:
         """Tell Optuna the newest value it was not told, so that the trial's intermediate values end at
@@ -640,6 +749,20 @@ class ReportFeed:
         if metric == self._study.primary.metric and frozen.intermediate_values:
             return float(frozen.intermediate_values[max(frozen.intermediate_values)])
         return None
+
+
+def make_asha(settings: TuneSettings) -> Asha | None:
+    """The study's ASHA rule, when its pruner is ``asha``."""
+    pruner = settings.pruner
+    if pruner.kind != "asha":
+        return None
+    assert pruner.max_resource is not None, "validated: asha needs max_resource"
+    return Asha(
+        min_resource=pruner.min_resource,
+        reduction_factor=pruner.reduction_factor,
+        max_resource=pruner.max_resource,
+        maximize=settings.study.primary.direction == "maximize",
+    )
 
 
 def trial_job_spec(

@@ -3,8 +3,9 @@
 The job dir is the truth, on every (re)start:
 
 - a result file means the job completed: it is never submitted again;
-- a cancel marker means tunepod stopped the job, and says why (pruned, timed out): that is its
-  outcome, and a stop that a crash interrupted is finished first;
+- a cancel marker means tunepod stopped the job, and says why (pruned, paused, timed out): that is
+  its outcome, and a stop that a crash interrupted is finished first; a paused job is started again
+  (a new attempt resuming from its checkpoints) only when the driver is told to resume that attempt;
 - the submission record names the job to re-attach to (an intent is resolved by name on the backend);
 - only a job that is really over without a result is started again, as a new attempt that resumes
   from its checkpoints, and only while ``max_restarts`` allows;
@@ -40,10 +41,11 @@ from tunepod.runtime import Report, ReportTail, Result, read_result
 
 logger = logging.getLogger(__name__)
 
-# Called with the reports that appeared since the last call; returns True to stop the job (pruned).
-# Called with none, too, every TELEMETRY_NUDGE_S while none appear: a job that reports rarely still
-# gets its ranks' telemetry (in their heartbeat files) mirrored by the handler's sync.
-ReportHandler = Callable[[list[Report]], bool]
+# Called with the reports that appeared since the last call; returns why to stop the job (pruned,
+# paused) or None to let it go on. Called with none, too, every TELEMETRY_NUDGE_S while none appear:
+# a job that reports rarely still gets its ranks' telemetry (in their heartbeat files) mirrored by
+# the handler's sync.
+ReportHandler = Callable[[list[Report]], CancelReason | None]
 # Called with each job handle the driver follows (True when it was just submitted); may wrap it.
 JobObserver = Callable[[JobHandle, bool], JobHandle]
 
@@ -66,6 +68,8 @@ class Outcome(StrEnum):
     COMPLETED = "COMPLETED"
     """A result file exists (or the job exited 0 without one: see ``DriveResult.result``)."""
     PRUNED = "PRUNED"
+    PAUSED = "PAUSED"
+    """Stopped after its checkpoint, to be resumed later (``DriveSettings.resume_attempt``)."""
     TIMED_OUT = "TIMED_OUT"
     FAILED = "FAILED"
 
@@ -74,6 +78,9 @@ class Outcome(StrEnum):
 class DriveSettings:
     poll_s: float
     max_restarts: int = 0
+    resume_attempt: int | None = None
+    """The attempt whose job was paused and is to be resumed: once it is found ended, paused, a new
+    attempt starts from its checkpoints (a promotion). Any other paused job settles as PAUSED."""
 
 
 @dataclass(frozen=True)
@@ -163,8 +170,8 @@ class JobDriver:
                 )
                 self._fenced(self._watchdog.new_run)
             seen_running = state is JobState.RUNNING or (seen_running and state is None)
-            if stopping is None and self._feed_reports():
-                stopping = "pruned"
+            if stopping is None:
+                stopping = self._feed_reports()
             if stopping is None and state is JobState.RUNNING:
                 stopping = self._overdue(handle)
             if stopping is not None and state is not None:
@@ -187,6 +194,8 @@ class JobDriver:
         kind = self.launcher.kind
         if reason == "pruned":
             return DriveResult(Outcome.PRUNED, None, handle)
+        if reason == "paused":
+            return None if self._resuming(handle) else DriveResult(Outcome.PAUSED, None, handle)
         if reason == "hung":
             if self._may_restart(handle, "hung"):
                 return None
@@ -310,15 +319,24 @@ class JobDriver:
                 self._log_outage(None, exc)
                 world.sleep(max(self.settings.poll_s, 1.0))
 
-    def _feed_reports(self) -> bool:
-        """Hand new reports to the handler (none, every ``TELEMETRY_NUDGE_S`` without any); True when
-        it asks to stop the job."""
+    def _feed_reports(self) -> CancelReason | None:
+        """Hand new reports to the handler (none, every ``TELEMETRY_NUDGE_S`` without any); the reason
+        it gives to stop the job, if it does."""
         reports = self._reports.read_new()
         now = world.monotonic()
         if not reports and now - self._nudged_at < TELEMETRY_NUDGE_S:
-            return False
+            return None
         self._nudged_at = now
-        return self._on_reports is not None and self._on_reports(reports)
+        return None if self._on_reports is None else self._on_reports(reports)
+
+    def _resuming(self, handle: JobHandle) -> bool:
+        """The paused job ``handle`` is the attempt this driver was told to resume."""
+        record = read_submission(self.paths)
+        resume = self.settings.resume_attempt
+        if resume is None or record is None or record.attempt != resume:
+            return False
+        logger.info("%s: resuming from its checkpoints (job %s was paused)", self.what, handle.job_id)
+        return True
 
     def _marker(self, handle: JobHandle) -> CancelMarker | None:
         marker = read_cancel_marker(self.paths)

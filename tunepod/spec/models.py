@@ -687,14 +687,14 @@ def _sampler_shorthand(value: Any) -> Any:
     return {"kind": value} if isinstance(value, str) else value
 
 
-PrunerKind = Literal["hyperband", "successive_halving", "median", "threshold", "wilcoxon", "none"]
+PrunerKind = Literal["asha", "hyperband", "successive_halving", "median", "threshold", "wilcoxon", "none"]
 
 
 #: Which pruner kinds each option of ``PrunerSpec`` applies to.
 PRUNER_OPTIONS: dict[str, tuple[str, ...]] = {
-    "min_resource": ("hyperband", "successive_halving"),
-    "max_resource": ("hyperband",),
-    "reduction_factor": ("hyperband", "successive_halving"),
+    "min_resource": ("asha", "hyperband", "successive_halving"),
+    "max_resource": ("asha", "hyperband"),
+    "reduction_factor": ("asha", "hyperband", "successive_halving"),
     "warmup_steps": ("median", "threshold", "wilcoxon"),
     "lower": ("threshold",),
     "upper": ("threshold",),
@@ -705,24 +705,33 @@ PRUNER_OPTIONS: dict[str, tuple[str, ...]] = {
 class PrunerSpec(Strict):
     """When a running trial is stopped early (its job cancelled), from the values it reports.
 
+    asha: asynchronous successive halving that pauses instead of killing: a trial outside the top
+    1/reduction_factor of the trials at a rung of min_resource x reduction_factor^k units (a unit is a
+    reported step + 1) is stopped after its checkpoint and later promoted (resumed from it) once it
+    ranks in the top, or when a slot would idle (``tunepod.hpo.asha``); needs max_resource.
     hyperband and successive_halving: keep the top 1/reduction_factor at each rung of min_resource x
-    reduction_factor^k steps; median: below the median of earlier trials at the same step; threshold:
-    outside [lower, upper]; wilcoxon: a Wilcoxon signed-rank test against the best trial over the
-    steps both reported (meant for steps that are folds or instances, not epochs)."""
+    reduction_factor^k steps, killing the others; median: below the median of earlier trials at the
+    same step; threshold: outside [lower, upper]; wilcoxon: a Wilcoxon signed-rank test against the
+    best trial over the steps both reported (meant for steps that are folds or instances, not epochs)."""
 
     kind: PrunerKind = "none"
     min_resource: int = Field(
-        1, ge=1, description="hyperband, successive_halving: steps a trial runs before it can be pruned."
+        1,
+        ge=1,
+        description="asha, hyperband, successive_halving: steps a trial runs before it can be pruned "
+        "or paused.",
     )
     max_resource: int | None = Field(
         None,
         ge=1,
-        description="hyperband: a full trial's resource, the step of its last report + 1 (its epochs, "
+        description="asha, hyperband: a full trial's resource, the step of its last report + 1 (its epochs, "
         "for a job that reports epochs 0, 1, ...), which sizes the brackets. Unset, Hyperband learns it "
         "from the first trial that completes and prunes nothing before; set, it prunes from the first "
         "trials on.",
     )
-    reduction_factor: int = Field(3, ge=2, description="hyperband, successive_halving: reduction factor.")
+    reduction_factor: int = Field(
+        3, ge=2, description="asha, hyperband, successive_halving: reduction factor."
+    )
     warmup_steps: int = Field(
         0, ge=0, description="median, threshold, wilcoxon: steps reported before pruning starts."
     )
@@ -733,6 +742,11 @@ class PrunerSpec(Strict):
     @model_validator(mode="after")
     def _options_fit(self) -> PrunerSpec:
         _options_fit_kind(self, self.kind, PRUNER_OPTIONS, "pruner")
+        if self.kind == "asha" and self.max_resource is None:
+            raise ValueError(
+                "pruner kind asha needs max_resource (its rungs stop below it); fix: set max_resource to "
+                "a full trial's units of training, the step of its last report + 1 (its epochs)"
+            )
         if self.kind == "threshold" and self.lower is None and self.upper is None:
             raise ValueError("pruner kind threshold needs a bound; fix: set lower, upper or both")
         if self.max_resource is not None and self.max_resource < self.min_resource:

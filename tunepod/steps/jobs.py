@@ -107,9 +107,8 @@ def _driver(ctx: StepContext, job: StepJob, mirror: RunMirror, leases: Leases) -
         poll_s=POLL_S, max_restarts=job.train.max_restarts if job.train is not None else 0
     )
 
-    def mirror_reports(_: list[Report]) -> bool:
+    def mirror_reports(_: list[Report]) -> None:
         ctx.outbox.add(mirror)
-        return False
 
     return JobDriver(
         ctx.launcher,

@@ -1,0 +1,79 @@
+"""ASHA with pause and promote against real components: the quadratic trainer's jobs on the local
+launcher (and the local Slurm cluster), a journal Optuna storage, an MLflow SQLite store.
+
+Proves: a trial paused at a rung (its job stopped after its checkpoint, the Optuna trial left
+RUNNING) and promoted later resumes from that checkpoint on a new job, in the same job dir and the
+same MLflow run, whose history is continuous; trials the rule never promotes end PRUNED once nothing
+else runs; every trial ends once, and no job is left behind.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import optuna
+import pytest
+from mlflow import MlflowClient
+from test_tuner import assert_no_job_left, child_runs, make_tuner, settings, starts, stops
+
+from tunepod.hpo.asha import AshaState
+from tunepod.launch.paths import JobPaths
+from tunepod.launch.submission import read_cancel_marker, read_submission
+from tunepod.runtime import read_reports
+
+EPOCHS = 9
+# Rungs at 1 and 3 units (steps 0 and 2); a trial that gets past step 2 trains to its end, step 8.
+ASHA = {"kind": "asha", "min_resource": 1, "reduction_factor": 3, "max_resource": EPOCHS}
+# The first trial is the best: alone at rung 0 it is paused (nobody is in the top third of one),
+# and promoted once two more have reached the rung below it.
+XS = (0.3, 0.9, 0.1, 1.0, 0.5, 0.0)
+
+
+@pytest.mark.parametrize("launcher", ["local", pytest.param("slurm", marks=pytest.mark.slurm)])
+def test_a_paused_trial_is_promoted_and_resumes_from_its_checkpoint(tmp_path: Path, launcher: str) -> None:
+    tune = settings(
+        tmp_path,
+        train={"args": {"epochs": EPOCHS, "sleep_s": 0.3}},
+        num_trials=len(XS),
+        num_parallel=2,
+        pruner=ASHA,
+        space={"x": {"type": "categorical", "choices": sorted(set(XS))}},
+    )
+    tuner = make_tuner(tmp_path, tune, launcher)
+    for x in XS:
+        tuner.study.enqueue_trial({"x": x})
+    trials = {t.number: t for t in tuner.run().trials}
+
+    frozen = {t.number: t for t in tuner.study.get_trials()}
+    assert all(t.state.is_finished() for t in frozen.values()), {n: t.state for n, t in frozen.items()}
+    best = trials[0]
+    assert best.outcome == "COMPLETE" and best.last_step == EPOCHS - 1, best
+    state = AshaState.of(frozen[0])
+    assert state is not None and state.promotions >= 1 and not state.paused, state
+
+    # Its job dir: stopped once at the pause (saving the epoch it finished), started again, and the
+    # second start resumed after that epoch instead of training from scratch.
+    paused_at = stops(best.job_dir)
+    assert len(paused_at) >= 1 and starts(best.job_dir) == len(paused_at) + 1
+    record = read_submission(JobPaths(Path(best.job_dir)))
+    assert record is not None and record.attempt == len(paused_at) + 1
+    steps = [r.step for r in read_reports(JobPaths(Path(best.job_dir)).metrics)]
+    assert steps == list(range(EPOCHS)), steps  # each epoch trained once, across the pause
+
+    # One MLflow run for the trial, with the whole curve.
+    runs = [r for r in child_runs(tmp_path, tuner.ctx.parent_run_id) if r.data.tags["tunepod.trial"] == "0"]
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    history = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_metric_history(runs[0].info.run_id, "score")
+    assert sorted(m.step for m in history) == list(range(EPOCHS))
+
+    # The worst trials were paused at a rung and never promoted: PRUNED, their jobs stopped as paused.
+    pruned = [t for t in trials.values() if t.outcome == "PRUNED"]
+    assert pruned, {n: (t.params, t.outcome) for n, t in trials.items()}
+    for trial in pruned:
+        marker = read_cancel_marker(JobPaths(Path(trial.job_dir)))
+        assert marker is not None and marker.reason == "paused"
+        assert not Path(trial.job_dir, "result.json").exists()
+        assert frozen[trial.number].state is optuna.trial.TrialState.PRUNED
+    worst = max(trials.values(), key=lambda t: abs(float(t.params["x"]) - 0.3))
+    assert worst.outcome == "PRUNED"
+    assert_no_job_left(list(trials.values()), launcher)

@@ -1,0 +1,102 @@
+"""ASHA's rule over frozen Optuna trials (``tunepod.hpo.asha``): rungs, values at rungs, who goes on,
+who is promoted, and the pause state kept in a trial's user attribute."""
+
+from __future__ import annotations
+
+import pytest
+from optuna.distributions import FloatDistribution
+from optuna.trial import FrozenTrial, TrialState, create_trial
+
+from tunepod.hpo.asha import ATTR_ASHA, Asha, AshaState, is_paused
+from tunepod.spec.models import PrunerSpec
+
+ASHA = Asha(min_resource=1, reduction_factor=3, max_resource=27, maximize=True)
+
+
+def trial(number: int, values: dict[int, float], *, paused_at: int | None = None) -> FrozenTrial:
+    attrs = {} if paused_at is None else {ATTR_ASHA: AshaState(paused_at, True, attempt=1).to_attr()}
+    made = create_trial(
+        state=TrialState.RUNNING,
+        params={"x": 0.5},
+        distributions={"x": FloatDistribution(0, 1)},
+        intermediate_values=values,
+        user_attrs=attrs,
+    )
+    made.number = number
+    return made
+
+
+def test_rungs_grow_by_the_reduction_factor_below_max_resource() -> None:
+    assert ASHA.rungs == (1, 3, 9)
+    assert Asha(min_resource=2, reduction_factor=2, max_resource=16, maximize=False).rungs == (2, 4, 8)
+    assert Asha(min_resource=5, reduction_factor=3, max_resource=5, maximize=True).rungs == ()
+
+
+def test_a_rungs_value_is_the_first_report_at_or_past_its_units() -> None:
+    # A unit is a step + 1: rung 1 (3 units) is reached at step 2; a trial told steps 0, 4, 5 reached it at 4.
+    sparse = trial(0, {0: 0.1, 4: 0.4, 5: 0.5})
+    assert [ASHA.value_at(sparse, rung) for rung in range(3)] == [0.1, 0.4, None]
+    assert ASHA.highest_rung(sparse) == 1
+    assert ASHA.highest_rung(trial(1, {})) is None
+
+
+def test_a_trial_goes_on_only_in_the_top_third_of_those_at_its_rung() -> None:
+    first, second = trial(0, {0: 0.9}), trial(1, {0: 0.5})
+    # Alone or with one other at the rung, nobody is in the top floor(n / 3): the first ones wait.
+    assert ASHA.pause_rung(first, None, [first]) == 0
+    assert ASHA.pause_rung(first, None, [first, second]) == 0
+    third = trial(2, {0: 0.1})
+    assert ASHA.pause_rung(first, None, [first, second, third]) is None
+    assert ASHA.pause_rung(second, None, [first, second, third]) == 0
+
+
+def test_a_promoted_trial_is_judged_from_the_rung_after_the_one_it_was_paused_at() -> None:
+    trials = [trial(n, {0: v}) for n, v in enumerate([0.9, 0.8, 0.7, 0.6, 0.5, 0.4])]
+    promoted = trial(6, {0: 0.3, 1: 0.95, 2: 0.99})
+    state = AshaState(rung=0, paused=False, attempt=1, promotions=1)
+    # Rung 0 is not judged again (it would rank last there); alone at rung 1 it waits.
+    assert ASHA.pause_rung(promoted, state, [*trials, promoted]) == 1
+
+
+def test_minimizing_ranks_the_lowest_first() -> None:
+    low = Asha(min_resource=1, reduction_factor=2, max_resource=4, maximize=False)
+    trials = [trial(0, {0: 3.0}), trial(1, {0: 1.0})]
+    assert low.ranking(0, trials) == [1, 0]
+    assert low.pause_rung(trials[1], None, trials) is None
+    assert low.pause_rung(trials[0], None, trials) == 0
+
+
+def test_paused_trials_in_the_top_of_their_rung_are_promoted_the_highest_rung_first() -> None:
+    trials = [
+        trial(0, {0: 0.9}, paused_at=0),  # paused before anyone else had reached rung 0
+        trial(1, {0: 0.2}, paused_at=0),
+        trial(2, {0: 0.8}),
+        trial(3, {0: 0.7, 2: 0.95}, paused_at=1),
+        trial(4, {0: 0.6, 2: 0.5}),
+        trial(5, {0: 0.5, 2: 0.4}),
+        trial(6, {0: 0.1}),
+    ]
+    # Rung 1: three trials, the top one (3) is paused there. Rung 0: seven, the top two are 0 and 2.
+    assert ASHA.promotable(trials) == [3, 0]
+    # For a slot that would idle: every paused trial, the highest rung first, the best first.
+    assert ASHA.by_merit(trials) == [3, 0, 1]
+
+
+def test_the_pause_state_round_trips_through_its_attribute_and_counts_promotions() -> None:
+    state = AshaState(rung=2, paused=True, attempt=3)
+    promoted = state.promoted()
+    assert (promoted.paused, promoted.promotions, promoted.attempt, promoted.rung) == (False, 1, 3, 2)
+    paused = trial(0, {0: 0.1}, paused_at=2)
+    assert AshaState.of(paused) == AshaState(2, True, 1)
+    assert is_paused(paused)
+    paused.state = TrialState.PRUNED
+    assert not is_paused(paused)  # a trial pruned while paused is finished, not paused
+    assert AshaState.of(trial(1, {})) is None
+
+
+def test_asha_needs_max_resource() -> None:
+    with pytest.raises(ValueError, match="pruner kind asha needs max_resource"):
+        PrunerSpec.model_validate({"kind": "asha", "min_resource": 1})
+    assert (
+        PrunerSpec.model_validate({"kind": "asha", "max_resource": 9, "reduction_factor": 3}).kind == "asha"
+    )

@@ -1,0 +1,151 @@
+"""Asynchronous successive halving that pauses and promotes trials over their checkpoints.
+
+ASHA (Li et al., "A System for Massively Parallel Hyperparameter Tuning", MLSys 2020) judges each
+trial at rungs of ``min_resource x reduction_factor^k`` units of training (below ``max_resource``): a
+trial goes on past rung ``k`` only while it ranks in the top ``floor(n / reduction_factor)`` of the
+``n`` trials that have reached rung ``k`` so far. Nothing waits for a full cohort. Optuna's pruners
+and Ray Tune's ASHA kill the others; here they are *paused*: the job is stopped after its checkpoint,
+the Optuna trial stays RUNNING with its reports, and the trial is *promoted* (resumed from its
+checkpoint on a new job) as soon as the rung's growing population puts it in the top, or when a slot
+would otherwise idle at the end of the study. A trial never promoted ends PRUNED when nothing else runs.
+
+A unit of training is a reported step + 1, as for ``pruner.max_resource``: a job reporting epochs 0,
+1, ... has used ``r`` units at step ``r - 1``. A trial's value at a rung is the one it reported at the
+first step that reached it (as told to Optuna, which is every step below 1,000).
+
+Everything here is pure: the rungs, each trial's values at them and its pause state (one Optuna user
+attribute, written whole so that a crash never leaves half of it), read from frozen trials.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from optuna.trial import FrozenTrial, TrialState
+
+ATTR_ASHA = "tunepod_asha"
+"""The trial's pause state (``AshaState`` as JSON); absent until its first pause."""
+
+
+@dataclass(frozen=True)
+class AshaState:
+    """Where a trial stands in ASHA, kept in its Optuna user attribute ``tunepod_asha``."""
+
+    rung: int
+    """The rung the trial was last paused at."""
+    paused: bool
+    """True while its job is stopped and it waits for a promotion."""
+    attempt: int
+    """The attempt (submission) of the job that was paused: a promotion starts the attempt after it."""
+    promotions: int = 0
+    """How often the trial was promoted: each is one more attempt that is no restart after a failure."""
+
+    def promoted(self) -> AshaState:
+        return AshaState(self.rung, False, self.attempt, self.promotions + 1)
+
+    def to_attr(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def of(cls, trial: FrozenTrial) -> AshaState | None:
+        raw = trial.user_attrs.get(ATTR_ASHA)
+        return None if raw is None else cls(**json.loads(str(raw)))
+
+
+def is_paused(trial: FrozenTrial) -> bool:
+    state = AshaState.of(trial)
+    return trial.state is TrialState.RUNNING and state is not None and state.paused
+
+
+@dataclass(frozen=True)
+class Asha:
+    """The rungs of one study and the rule that ranks trials at them."""
+
+    min_resource: int
+    reduction_factor: int
+    max_resource: int
+    maximize: bool
+
+    @property
+    def rungs(self) -> tuple[int, ...]:
+        """The units of training at each rung, below ``max_resource`` (a trial that gets there has
+        finished: there is nothing to judge it for)."""
+        rungs: list[int] = []
+        resource = self.min_resource
+        while resource < self.max_resource:
+            rungs.append(resource)
+            resource *= self.reduction_factor
+        return tuple(rungs)
+
+    def value_at(self, trial: FrozenTrial, rung: int) -> float | None:
+        """The value ``trial`` reported when it reached rung ``rung``; None if it has not (yet)."""
+        first_step = self.rungs[rung] - 1
+        reached = [step for step in trial.intermediate_values if step >= first_step]
+        if not reached:
+            return None
+        value = trial.intermediate_values[min(reached)]
+        return value if math.isfinite(value) else None
+
+    def highest_rung(self, trial: FrozenTrial) -> int | None:
+        """The highest rung ``trial`` has a value at; None below the first."""
+        reached = [rung for rung in range(len(self.rungs)) if self.value_at(trial, rung) is not None]
+        return max(reached, default=None)
+
+    def first_undecided_rung(self, state: AshaState | None) -> int:
+        """The first rung a trial's running job is still to be judged at: after the rung it was
+        promoted from, else the first."""
+        return 0 if state is None else state.rung + 1
+
+    def ranking(self, rung: int, trials: Sequence[FrozenTrial]) -> list[int]:
+        """Numbers of the trials that reached ``rung``, best first (ties: the older trial first)."""
+        valued = [(value, t.number) for t in trials if (value := self.value_at(t, rung)) is not None]
+        valued.sort(key=lambda pair: (-pair[0] if self.maximize else pair[0], pair[1]))
+        return [number for _, number in valued]
+
+    def in_top(self, number: int, rung: int, trials: Sequence[FrozenTrial]) -> bool:
+        """``number`` ranks in the top ``floor(n / reduction_factor)`` of the ``n`` trials at ``rung``."""
+        ranking = self.ranking(rung, trials)
+        keep = len(ranking) // self.reduction_factor
+        return number in ranking[:keep]
+
+    def pause_rung(
+        self, trial: FrozenTrial, state: AshaState | None, trials: Sequence[FrozenTrial]
+    ) -> int | None:
+        """The rung at which ``trial``'s running job must stop, judged on the values reported so far:
+        the first rung from ``first_undecided_rung`` that it reached outside the top; None while it
+        may go on."""
+        for rung in range(self.first_undecided_rung(state), len(self.rungs)):
+            if self.value_at(trial, rung) is None:
+                return None
+            if not self.in_top(trial.number, rung, trials):
+                return rung
+        return None
+
+    def promotable(self, trials: Sequence[FrozenTrial]) -> list[int]:
+        """Paused trials the rule promotes now (each in the top of the rung it was paused at), the
+        highest rung first, the best first within a rung."""
+        chosen: list[int] = []
+        for rung in reversed(range(len(self.rungs))):
+            paused = {t.number for t in trials if is_paused(t) and _state(t).rung == rung}
+            ranking = self.ranking(rung, trials)
+            top = ranking[: len(ranking) // self.reduction_factor]
+            chosen += [number for number in top if number in paused]
+        return chosen
+
+    def by_merit(self, trials: Sequence[FrozenTrial]) -> list[int]:
+        """Every paused trial, the highest rung first, the best first within a rung: the order in
+        which a slot that would idle takes them."""
+        chosen: list[int] = []
+        for rung in reversed(range(len(self.rungs))):
+            paused = {t.number for t in trials if is_paused(t) and _state(t).rung == rung}
+            chosen += [number for number in self.ranking(rung, trials) if number in paused]
+        return chosen
+
+
+def _state(trial: FrozenTrial) -> AshaState:
+    state = AshaState.of(trial)
+    assert state is not None
+    return state
