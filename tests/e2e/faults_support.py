@@ -70,6 +70,8 @@ class FaultStudy:
     """More of the spec's ``train`` section (resources, max_restarts, hang_timeout_s)."""
     storage_url: str | None = None
     """The Optuna storage (e.g. a PostgreSQL database); default: a journal file under ``tmp``."""
+    tune: Mapping[str, Any] = field(default_factory=dict)
+    """More of the tune step (a pruner, a space, trials to enqueue), over the defaults."""
 
     @property
     def spec(self) -> Path:
@@ -119,6 +121,7 @@ class FaultStudy:
                         "sampler": "random",
                         "seed": 7,
                         "poll_s": 0.2,
+                        **self.tune,
                     },
                 },
             },
@@ -250,6 +253,10 @@ class Tunepod:
             if orchestrator.is_running():
                 orchestrator.kill()
         stop_study_jobs(self.study)
+
+
+MakeRuns = Callable[..., Tunepod]
+"""The ``runs`` fixture (``conftest.py``): ``runs(study, **env)`` -> a ``Tunepod`` on the study's spec."""
 
 
 def wait_for(

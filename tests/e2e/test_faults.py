@@ -21,12 +21,12 @@ import os
 import re
 import signal
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from faults_support import (
     FaultStudy,
+    MakeRuns,
     Tunepod,
     assert_nothing_left,
     assert_study_complete,
@@ -59,7 +59,6 @@ LAUNCHERS = ["local", pytest.param("slurm", marks=pytest.mark.slurm)]
 MLFLOW_OUTAGE_S = 12.0
 MLFLOW_CLIENT_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "3"}
 
-MakeRuns = Callable[..., Tunepod]
 
 COLLECTIVE_TRAINER = Path(__file__).resolve().parents[1] / "fixtures" / "trainers" / "collective.py"
 #: Heartbeats every 0.5 s, and a loop idle for 4 s counts as hung: the hang is seen within seconds.
@@ -78,25 +77,6 @@ def hanging_study(tmp_path: Path, max_restarts: int, launcher: str = "local") ->
             "max_restarts": max_restarts,
         },
     )  # fmt: skip
-
-
-@pytest.fixture
-def runs(prefect_api: None) -> Iterator[MakeRuns]:
-    """``runs(study, **env)``: writes the study's spec and starts `tunepod run`s on it against the
-    session's Prefect server. At teardown, kills whatever the test left running (orchestrators, jobs)."""
-    from prefect.settings import PREFECT_API_URL
-
-    base = {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value()), "COLUMNS": "200"}
-    made: list[Tunepod] = []
-
-    def make(study: FaultStudy, **env: str) -> Tunepod:
-        tunepod = Tunepod(study.write(), {**base, **env})
-        made.append(tunepod)
-        return tunepod
-
-    yield make
-    for tunepod in made:
-        tunepod.close()
 
 
 @pytest.mark.parametrize("launcher", LAUNCHERS)

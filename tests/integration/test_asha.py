@@ -1,5 +1,6 @@
 """ASHA with pause and promote against real components: the quadratic trainer's jobs on the local
-launcher (and the local Slurm cluster), a journal Optuna storage, an MLflow SQLite store.
+launcher, a journal Optuna storage, an MLflow SQLite store (``tests/e2e/test_asha_run.py`` runs ASHA
+through `tunepod run` on the local launcher and the Slurm cluster, and SIGKILLs it at a pause).
 
 Proves: a trial paused at a rung (its job stopped after its checkpoint, the Optuna trial left
 RUNNING) and promoted later resumes from that checkpoint on a new job, in the same job dir and the
@@ -12,7 +13,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import optuna
-import pytest
 from mlflow import MlflowClient
 from test_tuner import assert_no_job_left, child_runs, make_tuner, settings, starts, stops
 
@@ -29,17 +29,16 @@ ASHA = {"kind": "asha", "min_resource": 1, "reduction_factor": 3, "max_resource"
 XS = (0.3, 0.9, 0.1, 1.0, 0.5, 0.0)
 
 
-@pytest.mark.parametrize("launcher", ["local", pytest.param("slurm", marks=pytest.mark.slurm)])
-def test_a_paused_trial_is_promoted_and_resumes_from_its_checkpoint(tmp_path: Path, launcher: str) -> None:
+def test_a_paused_trial_is_promoted_and_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     tune = settings(
         tmp_path,
-        train={"args": {"epochs": EPOCHS, "sleep_s": 0.3}},
+        train={"args": {"epochs": EPOCHS, "sleep_s": 0.2}},
         num_trials=len(XS),
         num_parallel=2,
         pruner=ASHA,
         space={"x": {"type": "categorical", "choices": sorted(set(XS))}},
     )
-    tuner = make_tuner(tmp_path, tune, launcher)
+    tuner = make_tuner(tmp_path, tune)
     for x in XS:
         tuner.study.enqueue_trial({"x": x})
     trials = {t.number: t for t in tuner.run().trials}
@@ -76,4 +75,4 @@ def test_a_paused_trial_is_promoted_and_resumes_from_its_checkpoint(tmp_path: Pa
         assert frozen[trial.number].state is optuna.trial.TrialState.PRUNED
     worst = max(trials.values(), key=lambda t: abs(float(t.params["x"]) - 0.3))
     assert worst.outcome == "PRUNED"
-    assert_no_job_left(list(trials.values()), launcher)
+    assert_no_job_left(list(trials.values()), "local")

@@ -136,6 +136,8 @@ class Tuner:
         self.leases = Leases(private_job_dirs=ctx.launcher.private_job_dirs)
         self._distributions = distributions(ctx.settings.space)
         self.asha = make_asha(ctx.settings)
+        self._idle_promoted: set[int] = set()
+        """Paused trials this orchestrator resumed only because a slot would idle (ASHA)."""
         self._metrics = default_metrics().trial_observer(
             pipeline=ctx.pipeline, study=ctx.settings.study.name, step=ctx.step
         )
@@ -231,20 +233,25 @@ class Tuner:
             room = self.settings.num_trials - sum(t.state in FINISHED for t in trials) - len(running)
             capacity = self.settings.num_parallel - len(mine) - len(claimed)
             promoted = self._promote(trials, self.asha.promotable(trials), capacity) if self.asha else []
+            self._idle_promoted -= set(promoted)
             capacity -= len(promoted)
             asked = [self._ask(len(trials) + i) for i in range(max(0, min(room, capacity)))]
             capacity -= len(asked)
             if self.asha and room - len(asked) <= 0:
-                busy = bool(mine or claimed or following or promoted or asked)
-                promoted += self._end_of_study(trials, capacity, busy=busy)
+                # Trials an idle slot resumed do not keep slots idling: only the study's own work does.
+                busy = bool((mine - self._idle_promoted) or claimed or following or promoted or asked)
+                idle = self._end_of_study(trials, capacity, busy=busy)
+                self._idle_promoted |= set(idle)
+                promoted += idle
         return claimed + promoted + asked, following, room - len(asked)
 
     def _end_of_study(self, trials: list[FrozenTrial], capacity: int, *, busy: bool) -> list[int]:
-        """Nothing left to ask: while other trials still run, a slot that would idle resumes the best
-        paused trial instead (the highest rung first). Once nothing runs, the best paused trial is
-        trained on until one trial has completed (at the top rungs too few trials may ever meet for
-        the rule to promote anyone), and then the paused trials the rule never promoted end PRUNED at
-        the rung they reached. Returns the trials promoted."""
+        """Nothing left to ask: while other trials still run (``busy``: not only ones resumed this way,
+        which would keep each other going until every trial had trained to the end), a slot that
+        would idle resumes the best paused trial instead (the highest rung first). Once nothing runs,
+        the best paused trial is trained on until one trial has completed (at the top rungs too few
+        trials may ever meet for the rule to promote anyone), and then the paused trials the rule
+        never promoted end PRUNED at the rung they reached. Returns the trials promoted."""
         assert self.asha is not None
         completed = any(t.state is TrialState.COMPLETE for t in trials)
         if busy or not completed:
@@ -709,7 +716,10 @@ class ReportFeed:
         return "pruned" if told and self._prunes and retried(self._trial().should_prune) else None
 
     def _asha_says(self, asha: Asha) -> CancelReason | None:
-        """Pause the job at the first rung it reached outside the top, judged against every trial."""
+        """Pause the job at the first rung it reached outside the top, judged against every trial;
+        never once it has reported its last unit (it is finishing: a pause would only cost a job)."""
+        if self.last_step is not None and self.last_step + 1 >= asha.max_resource:
+            return None
         trials = self._tuner.trials.all()
         frozen = next(t for t in trials if t.number == self._number)
         rung = asha.pause_rung(frozen, self._asha_state, trials)

@@ -1,0 +1,122 @@
+"""ASHA with pause and promote through `tunepod run`, as a user runs it: the CLI as a process of its
+own on the session's Prefect server, the quadratic trainer's jobs on the local launcher or the real
+one-node Slurm cluster, a real Optuna journal and MLflow SQLite store.
+
+Four trials of 4 epochs, 2 at a time, rungs at 1 and 2 units, halving: the first trial (the best x)
+is alone at rung 0 and so paused, and is promoted once others reach the rung below it. Proves: a
+paused trial resumes from its checkpoint on a new job (no epoch trained twice, one MLflow run with
+the whole curve), the trials never promoted end PRUNED, every trial ends once, no job is left. The
+fault test SIGKILLs the whole `tunepod run` process group the moment a first pause is decided (its
+cancel marker written: the stop, the pause's record and the promotion after it may each be half
+done) and proves the same after the rerun.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from faults_support import (
+    FaultStudy,
+    MakeRuns,
+    assert_nothing_left,
+    sqlite_tracking,
+    starts,
+    submission,
+    wait_for,
+)
+from mlflow import MlflowClient
+from optuna.trial import TrialState
+
+from tunepod.hpo.asha import AshaState
+from tunepod.launch.paths import JobPaths
+from tunepod.launch.submission import read_cancel_marker
+from tunepod.runtime import read_reports
+
+pytestmark = pytest.mark.slow
+
+LAUNCHERS = ["local", pytest.param("slurm", marks=pytest.mark.slurm)]
+EPOCHS = 4
+XS = [0.3, 0.9, 0.1, 0.0]  # the first is the best: score = 1 - (x - 0.3)^2, scaled by the epoch
+ASHA = {
+    "pruner": {"kind": "asha", "min_resource": 1, "reduction_factor": 2, "max_resource": EPOCHS},
+    "space": {"x": {"type": "categorical", "choices": sorted(XS)}},
+    "enqueue": [{"x": x} for x in XS],
+}
+
+
+def asha_study(tmp_path: Path, launcher: str) -> FaultStudy:
+    return FaultStudy(
+        tmp_path,
+        launcher,
+        sqlite_tracking(tmp_path),
+        num_trials=len(XS),
+        epochs=EPOCHS,
+        sleep_s=0.5,
+        tune=ASHA,
+    )
+
+
+def assert_paused_and_promoted_once_each(study: FaultStudy) -> None:
+    """Every trial finished; some trial was paused and promoted and COMPLETED, training every epoch
+    once across its jobs; the others that were paused and never promoted are PRUNED; one MLflow run
+    per trial, whose score history is its metrics file."""
+    trials = {t.number: t for t in study.trials()}
+    assert sorted(trials) == list(range(len(XS))), sorted(trials)
+    states = {n: t.state.name for n, t in trials.items()}
+    assert all(t.state.is_finished() for t in trials.values()), states
+    promoted = [n for n, t in trials.items() if (s := AshaState.of(t)) is not None and s.promotions > 0]
+    assert promoted, f"no trial was promoted: {states}"
+    assert any(trials[n].state is TrialState.COMPLETE for n in promoted), states
+    for number, job_dir in study.job_dirs().items():
+        steps = [r.step for r in read_reports(JobPaths(job_dir).metrics)]
+        assert steps == list(range(len(steps))), f"trial {number} trained an epoch twice: {steps}"
+        state = AshaState.of(trials[number])
+        jobs = 1 + (state.promotions if state else 0)
+        assert starts(job_dir) == submission(job_dir).attempt == jobs, (number, starts(job_dir), state)
+        if trials[number].state is TrialState.PRUNED:
+            marker = read_cancel_marker(JobPaths(job_dir))
+            assert marker is not None and marker.reason == "paused", (number, marker)
+    client = MlflowClient(study.tracking_uri)
+    for number in trials:
+        found = client.search_runs(
+            [client.get_experiment_by_name("faults").experiment_id],
+            f"tags.`tunepod.study` = 'quad' and tags.`tunepod.trial` = '{number}'",
+        )
+        assert len(found) == 1, f"trial {number} has {len(found)} MLflow runs"
+        history = client.get_metric_history(found[0].info.run_id, "score")
+        reported = read_reports(JobPaths(study.job_dir(number)).metrics)
+        assert sorted(m.step for m in history) == sorted(r.step for r in reported), number
+    assert_nothing_left(study)
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_a_study_under_asha_pauses_promotes_and_resumes_from_checkpoints(
+    runs: MakeRuns, tmp_path: Path, launcher: str
+) -> None:
+    study = asha_study(tmp_path, launcher)
+    runs(study).run("asha")
+    assert_paused_and_promoted_once_each(study)
+    best = study.job_dir(0)
+    # The best trial stopped at a pause, saving the epoch it had finished, and resumed after it.
+    assert (best / "stops.log").exists() and starts(best) >= 2
+
+
+def test_sigkill_of_the_orchestrator_group_as_a_pause_is_decided_then_rerun(
+    runs: MakeRuns, tmp_path: Path
+) -> None:
+    """Fault: SIGKILL of the whole `tunepod run` process group as soon as a first pause is decided (its
+    cancel marker written), then the same command again: the rerun finishes the stop, records the
+    pause, promotes and prunes as if nothing happened."""
+    study = asha_study(tmp_path, "local")
+    tunepod = runs(study)
+    first = tunepod.start("killed")
+
+    def pause_decided() -> bool:
+        markers = [read_cancel_marker(JobPaths(d)) for d in study.job_dirs().values()]
+        return any(m is not None and m.reason == "paused" for m in markers)
+
+    wait_for(pause_decided, "a first pause", running=first)
+    first.kill()
+    tunepod.run("rerun")
+    assert_paused_and_promoted_once_each(study)
