@@ -428,10 +428,10 @@ def dashboard_queries_run(prometheus: Prometheus) -> None:
 
 def ethernet_filter_keeps_this_machines_interfaces(prometheus: Prometheus, dashboard: dict[str, Any]) -> None:
     """The Ethernet panel's device filter keeps exactly this machine's interfaces that it does not
-    name as loopback or container plumbing (lo, veth*, docker*, cni*, cali*, flannel*), as the node
-    exporter reports them: its data here is this machine's network, not an empty sum. Real nodes name
-    theirs eth*, ens*, enp* (ENA on AWS), which the filter keeps; the interfaces are read from
-    /proc/net/dev, which the node exporter reads too (in the same network namespace)."""
+    name as loopback or container plumbing (lo, veth*, docker*, cni*, cali*, flannel*, the VPC CNI's
+    per-pod eni*, ifb*), as the node exporter reports them: its data here is this machine's network,
+    not an empty sum. Real nodes name theirs eth*, ens*, enp* (ENA on AWS), which the filter keeps; the
+    interfaces are read from /proc/net/dev, which the node exporter reads too (same network namespace)."""
     (panel,) = [p for p in dashboard["panels"] if p.get("title") == "Node network (Ethernet)"]
     filters = {m for t in panel["targets"] for m in re.findall(r'device!~"([^"]*)"', t["expr"])}
     assert len(filters) == 1, f"the Ethernet panel's queries should share one device filter: {filters}"
