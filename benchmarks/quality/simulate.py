@@ -44,7 +44,9 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from benchmarks.quality.workloads import SPECS, TPE_HYPERBAND, TUNE_STEP, Workload
 from benchmarks.quality.workloads import digits as quality_digits
+from tunepod.hpo.asha import ATTR_ASHA, AshaState
 from tunepod.hpo.study import distributions, make_pruner, reseed_for_next_trial
+from tunepod.hpo.tuner import make_asha
 from tunepod.spec.loader import load_spec
 from tunepod.spec.models import TuneSettings
 from tunepod.staging.builtin import write_digits
@@ -147,6 +149,8 @@ class _Event:
     trial: optuna.trial.Trial | None = field(compare=False)  # None: a slot frees
     step: int = field(compare=False, default=0)
     value: float = field(compare=False, default=0.0)
+    job: int = field(compare=False, default=0)
+    """Which of its trial's jobs reports it (ASHA starts a paused trial again on a new job)."""
 
 
 def simulate(arm: Arm, seed: int, digits: Digits, clock: Clock, workload: Workload) -> Outcome:
@@ -207,6 +211,105 @@ def simulate(arm: Arm, seed: int, digits: Digits, clock: Clock, workload: Worklo
     return Outcome(now, False, started, pruned)
 
 
+def simulate_asha(arm: Arm, seed: int, digits: Digits, clock: Clock, workload: Workload) -> Outcome:
+    """The study under tunepod's ASHA (``tunepod.hpo.asha``, its real rule over the study's real
+    trials): a paused trial frees its slot ``kill_s`` after the report that paused it, having saved
+    that epoch; a promoted one starts again (``start_s`` to its next epoch's end, as a new job) from
+    the epoch after. Slots are filled as the tuner fills them: promotions first, then new trials, then,
+    with nothing left to ask, a slot that would idle while the study's own trials run resumes the best
+    paused trial, and once nothing runs the best paused trial is trained on until one has completed.
+    (A real pause lands up to an epoch later, when the script next checks ``ctx.should_stop()``.)"""
+    settings = arm.settings(seed)
+    asha = make_asha(settings)
+    assert asha is not None, f"{arm.text} is not an ASHA arm"
+    space = distributions(settings.space)
+    epochs = workload.max_step + 1
+    study = optuna.create_study(
+        study_name=workload.study_name(TPE_HYPERBAND, seed), direction=settings.study.primary.direction
+    )
+    live: dict[int, optuna.trial.Trial] = {}
+    generation: dict[int, int] = {}  # a trial's current job: reports of an earlier one are stale
+    events: list[_Event] = []
+    counter = iter(range(1 << 62))
+    running: set[int] = set()
+    idle_promoted: set[int] = set()
+    started = paused = 0
+    idle_slots = workload.parallel
+
+    def run(trial: optuna.trial.Trial, now: float, first_step: int) -> None:
+        params = trial.params
+        curve = digits.curve(params["lr"], params["hidden"], params["optimizer"], epochs)
+        generation[trial.number] = generation.get(trial.number, 0) + 1
+        running.add(trial.number)
+        job = generation[trial.number]
+        for step in range(first_step, epochs):
+            due = now + clock.start_s + (step - first_step + 1) * clock.epoch_s
+            heapq.heappush(events, _Event(due, next(counter), trial, step, curve[step], job))
+
+    def promote(number: int, now: float) -> None:
+        frozen = study.trials[number]
+        state = AshaState.of(frozen)
+        assert state is not None
+        live[number].set_user_attr(ATTR_ASHA, state.promoted().to_attr())
+        run(live[number], now, max(frozen.intermediate_values) + 1)
+
+    def fill(now: float) -> None:
+        nonlocal idle_slots, started
+        while idle_slots > 0:
+            trials = study.trials
+            candidates = asha.promotable(trials)
+            if candidates:
+                idle_promoted.discard(candidates[0])
+                promote(candidates[0], now)
+            elif started < workload.trials:
+                reseed_for_next_trial(study, settings, len(trials))
+                trial = study.ask(space)
+                live[trial.number] = trial
+                started += 1
+                run(trial, now, 0)
+            else:
+                busy = bool(running - idle_promoted)
+                completed = any(t.state is optuna.trial.TrialState.COMPLETE for t in trials)
+                merit = asha.by_merit(trials) if busy or not completed else []
+                if not merit:
+                    return
+                if busy:
+                    idle_promoted.add(merit[0])
+                promote(merit[0], now)
+            idle_slots -= 1
+
+    fill(0.0)
+    now = 0.0
+    while events:
+        event = heapq.heappop(events)
+        now = event.time_s
+        trial = event.trial
+        if trial is None:
+            idle_slots += 1
+            fill(now)
+            continue
+        if event.job != generation[trial.number] or trial.number not in running:
+            continue  # a report of a job that was stopped
+        if workload.goal.reached_by(event.value):
+            return Outcome(now, True, started, paused)
+        trial.report(event.value, event.step)
+        if event.step == epochs - 1:
+            study.tell(trial, event.value)
+            running.discard(trial.number)
+            heapq.heappush(events, _Event(now + clock.exit_s, next(counter), None))
+            continue
+        frozen = study.trials[trial.number]
+        state = AshaState.of(frozen)
+        rung = asha.pause_rung(frozen, state, study.trials)
+        if rung is not None:
+            promotions = state.promotions if state else 0
+            trial.set_user_attr(ATTR_ASHA, AshaState(rung, True, 1, promotions).to_attr())
+            running.discard(trial.number)
+            paused += 1
+            heapq.heappush(events, _Event(now + clock.kill_s, next(counter), None))
+    return Outcome(now, False, started, paused)
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.quality.simulate", description=__doc__)
     parser.add_argument("--arms", default="random/none,tpe/hyperband:2:6", help="comma-separated arms")
@@ -232,8 +335,9 @@ def main(argv: Sequence[str]) -> int:
     workload = quality_digits(args.trials, args.parallel, args.epochs, args.epoch_s, args.target)
     medians: dict[str, float] = {}
     for text in args.arms.split(","):
+        run = simulate_asha if "/asha" in text else simulate
         outcomes = [
-            simulate(Arm(text), args.first_seed + index * SEED_STRIDE, digits, clock, workload)
+            run(Arm(text), args.first_seed + index * SEED_STRIDE, digits, clock, workload)
             for index in range(args.seeds)
         ]
         medians[text] = statistics.median(o.time_s for o in outcomes)

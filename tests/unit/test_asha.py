@@ -3,12 +3,14 @@ who is promoted, and the pause state kept in a trial's user attribute."""
 
 from __future__ import annotations
 
+import optuna
 import pytest
 from optuna.distributions import FloatDistribution
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
-from tunepod.hpo.asha import ATTR_ASHA, Asha, AshaState, is_paused
-from tunepod.spec.models import PrunerSpec
+from tunepod.hpo.asha import ATTR_ASHA, Asha, AshaState, PausedAsPruned, is_paused
+from tunepod.hpo.study import make_sampler
+from tunepod.spec.models import PrunerSpec, TuneSettings
 
 ASHA = Asha(min_resource=1, reduction_factor=3, max_resource=27, maximize=True)
 
@@ -99,4 +101,36 @@ def test_asha_needs_max_resource() -> None:
         PrunerSpec.model_validate({"kind": "asha", "min_resource": 1})
     assert (
         PrunerSpec.model_validate({"kind": "asha", "max_resource": 9, "reduction_factor": 3}).kind == "asha"
+    )
+
+
+def test_a_sampler_under_asha_learns_from_paused_trials_as_pruned_ones() -> None:
+    study = optuna.create_study(direction="maximize")
+    space = {"x": FloatDistribution(0, 1)}
+    for x in (0.1, 0.5, 0.9):
+        paused = study.ask(space)
+        paused.report(x, 0)
+        paused.set_user_attr(ATTR_ASHA, AshaState(0, True, attempt=1).to_attr())
+    new = study.ask()
+    frozen = study._storage.get_trial(new._trial_id)
+    bare = optuna.samplers.TPESampler(n_startup_trials=3, multivariate=True, seed=0)
+    wrapped = PausedAsPruned(optuna.samplers.TPESampler(n_startup_trials=3, multivariate=True, seed=0))
+    # Alone, TPE counts no finished trial and stays in its random start-up; through the view, three.
+    assert bare.sample_relative(study, frozen, space) == {}
+    assert set(wrapped.sample_relative(study, frozen, space)) == {"x"}
+    assert {t.state for t in study.trials} == {TrialState.RUNNING}  # the study itself is unchanged
+    assert make_sampler(settings_with("asha")).__class__ is PausedAsPruned
+    assert not isinstance(make_sampler(settings_with("none")), PausedAsPruned)
+
+
+def settings_with(pruner: str) -> TuneSettings:
+    options = {"kind": pruner} | ({"max_resource": 4} if pruner == "asha" else {})
+    return TuneSettings.model_validate(
+        {
+            "train": {"entrypoint": "train.py"},
+            "study": {"name": "s", "storage": "journal://x.log", "metric": "m"},
+            "space": {"x": {"type": "float", "low": 0.0, "high": 1.0}},
+            "pruner": options,
+            "num_trials": 4,
+        }
     )

@@ -19,11 +19,15 @@ attribute, written whole so that a crash never leaves half of it), read from fro
 
 from __future__ import annotations
 
+import copy
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
+import optuna
+from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 ATTR_ASHA = "tunepod_asha"
@@ -149,3 +153,77 @@ def _state(trial: FrozenTrial) -> AshaState:
     state = AshaState.of(trial)
     assert state is not None
     return state
+
+
+class PausedAsPruned(optuna.samplers.BaseSampler):
+    """A sampler that sees paused trials as pruned ones (at the step and value they paused with).
+
+    A paused trial stays RUNNING in Optuna, so that it can be promoted; but a model-based sampler
+    learns from finished trials only (TPE counts COMPLETE and PRUNED ones against its start-up trials
+    and ranks PRUNED ones by the step and value they reached). Under ASHA most trials are paused most
+    of the time, and TPE would draw at random all study long. Through this, the sampler gets what a
+    pruner would have given it; the study's trials themselves are not changed. Samplers read trials
+    through ``Study._get_trials`` (Optuna's own samplers all do), which the view below answers."""
+
+    def __init__(self, inner: optuna.samplers.BaseSampler) -> None:
+        self.inner = inner
+
+    def infer_relative_search_space(
+        self, study: optuna.Study, trial: FrozenTrial
+    ) -> dict[str, BaseDistribution]:
+        return self.inner.infer_relative_search_space(_PausedView(study), trial)  # type: ignore[arg-type]
+
+    def sample_relative(
+        self, study: optuna.Study, trial: FrozenTrial, search_space: dict[str, BaseDistribution]
+    ) -> dict[str, Any]:
+        return self.inner.sample_relative(_PausedView(study), trial, search_space)  # type: ignore[arg-type]
+
+    def sample_independent(
+        self, study: optuna.Study, trial: FrozenTrial, param_name: str, param_distribution: BaseDistribution
+    ) -> Any:
+        view = _PausedView(study)
+        return self.inner.sample_independent(view, trial, param_name, param_distribution)  # type: ignore[arg-type]
+
+    def before_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        self.inner.before_trial(study, trial)
+
+    def after_trial(
+        self, study: optuna.Study, trial: FrozenTrial, state: TrialState, values: Sequence[float] | None
+    ) -> None:
+        self.inner.after_trial(study, trial, state, values)
+
+    def reseed_rng(self) -> None:
+        self.inner.reseed_rng()
+
+
+class _PausedView:
+    """``study`` as a sampler reads it, with every paused trial PRUNED; everything else is the study's."""
+
+    def __init__(self, study: optuna.Study) -> None:
+        self._study = study
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._study, name)
+
+    def _get_trials(
+        self, deepcopy: bool = True, states: Container[TrialState] | None = None, use_cache: bool = False
+    ) -> list[FrozenTrial]:
+        trials = [_as_pruned(t) for t in self._study._get_trials(deepcopy=deepcopy, use_cache=use_cache)]
+        return trials if states is None else [t for t in trials if t.state in states]
+
+    def get_trials(
+        self, deepcopy: bool = True, states: Container[TrialState] | None = None
+    ) -> list[FrozenTrial]:
+        return self._get_trials(deepcopy=deepcopy, states=states)
+
+    @property
+    def trials(self) -> list[FrozenTrial]:
+        return self.get_trials()
+
+
+def _as_pruned(trial: FrozenTrial) -> FrozenTrial:
+    if not is_paused(trial):
+        return trial
+    pruned = copy.copy(trial)
+    pruned.state = TrialState.PRUNED
+    return pruned

@@ -27,6 +27,7 @@ from optuna.trial import TrialState
 
 from tunepod import world
 from tunepod.errors import TunepodError
+from tunepod.hpo.asha import PausedAsPruned
 from tunepod.runtime.files import append_whole, disk_full_explained
 from tunepod.spec.models import (
     CategoricalParam,
@@ -143,8 +144,13 @@ _STARTUP_TRIALS = {"tpe": 10, "gp": 10, "cmaes": 1}
 
 def make_sampler(settings: TuneSettings, *, seed: int | None = None) -> optuna.samplers.BaseSampler:
     """The study's sampler; ``seed`` (default: the spec's) seeds its random numbers. The samplers that
-    use constraints (tpe, gp, nsga2) read those the tuner sets on each trial (``set_constraints``)."""
-    seed = settings.seed if seed is None else seed
+    use constraints (tpe, gp, nsga2) read those the tuner sets on each trial (``set_constraints``).
+    Under ASHA it sees paused trials as pruned ones (``PausedAsPruned``)."""
+    sampler = _sampler(settings, settings.seed if seed is None else seed)
+    return PausedAsPruned(sampler) if settings.pruner.kind == "asha" else sampler
+
+
+def _sampler(settings: TuneSettings, seed: int | None) -> optuna.samplers.BaseSampler:
     spec = settings.sampler
     startup = (
         spec.n_startup_trials if spec.n_startup_trials is not None else _STARTUP_TRIALS.get(spec.kind, 0)
