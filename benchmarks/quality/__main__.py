@@ -34,6 +34,7 @@ from benchmarks.quality.workloads import (
     ARMS,
     RANDOM,
     RAY_ASHA,
+    TPE_ASHA,
     TPE_HYPERBAND,
     Workload,
     digits,
@@ -46,7 +47,7 @@ GOAL_RATIO = 0.5
 # apart share none within a budget of fewer trials.
 SEED_STRIDE = 1000
 BUSY_LOAD = 1.0
-SIDES = {RANDOM: "baseline", TPE_HYPERBAND: "tunepod", RAY_ASHA: "baseline 2"}
+SIDES = {RANDOM: "baseline", TPE_HYPERBAND: "tunepod", TPE_ASHA: "tunepod", RAY_ASHA: "baseline 2"}
 
 console = Console(highlight=False, soft_wrap=True, width=160)
 
@@ -72,7 +73,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--arms",
         type=lambda text: text.split(","),
-        default=list(ARMS),
+        default=[RANDOM, TPE_HYPERBAND],
         help=f"comma-separated, of {', '.join([*ARMS, RAY_ASHA])} (default: the first two)",
     )
     parser.add_argument(

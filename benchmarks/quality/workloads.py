@@ -14,6 +14,7 @@ REDUCTION_FACTOR = 3
 
 RANDOM = "random"
 TPE_HYPERBAND = "tpe+hyperband"
+TPE_ASHA = "tpe+asha"
 RAY_ASHA = "ray asha"
 ARMS: dict[str, dict[str, str]] = {
     # The baseline: every trial trains to its end, parameters drawn at random. The whole pruner
@@ -22,6 +23,9 @@ ARMS: dict[str, dict[str, str]] = {
     # tunepod's way: multivariate TPE with the constant liar (tunepod.hpo.study.make_sampler), trials
     # stopped early by Optuna's Hyperband.
     TPE_HYPERBAND: {"sampler": "tpe", "pruner.kind": "hyperband"},
+    # tunepod's ASHA: trials outside the top of a rung paused after their checkpoint and promoted
+    # (resumed from it) later, instead of killed; TPE sees paused trials as pruned ones.
+    TPE_ASHA: {"sampler": "tpe", "pruner.kind": "asha"},
 }
 
 
@@ -67,8 +71,9 @@ class Workload:
         return [f"{key}={value}" for key, value in settings.items()]
 
     def pruner_options(self, arm: str) -> dict[str, str]:
-        """Hyperband's settings for an arm that prunes (the spec refuses them on ``kind: none``)."""
-        if ARMS[arm].get("pruner.kind") != "hyperband":
+        """Hyperband's (or ASHA's) settings for an arm that prunes (the spec refuses them on ``kind:
+        none``): the same rungs for both."""
+        if ARMS[arm].get("pruner.kind") not in ("hyperband", "asha"):
             return {}
         return {
             "min_resource": str(self.min_resource),
