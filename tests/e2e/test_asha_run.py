@@ -54,6 +54,9 @@ def asha_study(tmp_path: Path, launcher: str) -> FaultStudy:
         epochs=EPOCHS,
         sleep_s=0.5,
         tune=ASHA,
+        # A long grace: every pause lands at the trainer's should_stop() (it saves there), even on a
+        # loaded machine where an epoch's checkpoint can take seconds.
+        train={"resources": {"stop_grace_s": 60}},
     )
 
 

@@ -32,7 +32,9 @@ XS = (0.3, 0.9, 0.1, 1.0, 0.5, 0.0)
 def test_a_paused_trial_is_promoted_and_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     tune = settings(
         tmp_path,
-        train={"args": {"epochs": EPOCHS, "sleep_s": 0.2}},
+        # A long grace: every pause lands at the trainer's should_stop() (it saves there), even on a
+        # loaded machine where an epoch's checkpoint can take seconds.
+        train={"args": {"epochs": EPOCHS, "sleep_s": 0.2}, "resources": {"stop_grace_s": 60}},
         num_trials=len(XS),
         num_parallel=2,
         pruner=ASHA,
@@ -62,6 +64,7 @@ def test_a_paused_trial_is_promoted_and_resumes_from_its_checkpoint(tmp_path: Pa
     # One MLflow run for the trial, with the whole curve.
     runs = [r for r in child_runs(tmp_path, tuner.ctx.parent_run_id) if r.data.tags["tunepod.trial"] == "0"]
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    assert runs[0].data.tags["tunepod.promotions"] == str(state.promotions)
     history = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_metric_history(runs[0].info.run_id, "score")
     assert sorted(m.step for m in history) == list(range(EPOCHS))
 

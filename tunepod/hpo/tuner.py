@@ -22,7 +22,7 @@ import math
 import shutil
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import optuna
@@ -564,6 +564,14 @@ class Tuner:
     def _final(self, frozen: FrozenTrial) -> Final:
         """The MLflow record of a finished trial, from Optuna and its job dir alone (so a later run can
         write it again after a crash)."""
+        final = self._final_record(frozen)
+        asha_state = AshaState.of(frozen)
+        if asha_state is None:
+            return final
+        asha_tags = {tags.PROMOTIONS: str(asha_state.promotions), tags.PAUSED_AT_RUNG: str(asha_state.rung)}
+        return replace(final, tags={**final.tags, **asha_tags})
+
+    def _final_record(self, frozen: FrozenTrial) -> Final:
         state = OUTCOME[frozen.state]
         status = RUN_STATUS[frozen.state]
         paths = JobPaths(self._job_dir(frozen))

@@ -32,6 +32,8 @@ job that runs in another job's run (an evaluation in its trial's run). ``refused
 MODEL_ID = "tunepod.model_id"
 CHECKPOINTS = "tunepod.checkpoints"
 PRUNED_AT_STEP = "tunepod.pruned_at_step"
+PROMOTIONS = "tunepod.promotions"  # ASHA: how often the trial was resumed after a pause
+PAUSED_AT_RUNG = "tunepod.paused_at_rung"  # ASHA: the rung it was last paused at
 PARETO_FRONT = "tunepod.pareto_front"
 FEASIBLE = "tunepod.feasible"  # a completed trial of a study with constraints: true or false
 """true or false on each completed trial of a multi-objective study."""
