@@ -145,8 +145,8 @@ def test_the_pruner_is_asked_only_when_optuna_was_told_something(
     tuner.study.add_trial(completed)
     number = tuner.study.ask().number
     feed = feed_of(tuner, number)
-    assert feed(reports([0, 1000])) is True  # below the completed trial at step 1000: prune
-    assert feed(reports(range(1001, 1006))) is False  # nothing told (1010 is next): nothing asked
-    assert feed([]) is False
-    assert feed(reports(range(1006, 1011))) is True
+    assert feed(reports([0, 1000])) == "pruned"  # below the completed trial at step 1000: prune
+    assert feed(reports(range(1001, 1006))) is None  # nothing told (1010 is next): nothing asked
+    assert feed([]) is None
+    assert feed(reports(range(1006, 1011))) == "pruned"
     assert sorted(told(tuner, number)) == [0, 1000, 1010]

@@ -692,9 +692,9 @@ PrunerKind = Literal["asha", "hyperband", "successive_halving", "median", "thres
 
 #: Which pruner kinds each option of ``PrunerSpec`` applies to.
 PRUNER_OPTIONS: dict[str, tuple[str, ...]] = {
-    "min_resource": ("asha", "hyperband", "successive_halving"),
-    "max_resource": ("asha", "hyperband"),
-    "reduction_factor": ("asha", "hyperband", "successive_halving"),
+    "min_resource": ("hyperband", "asha", "successive_halving"),
+    "max_resource": ("hyperband", "asha"),
+    "reduction_factor": ("hyperband", "asha", "successive_halving"),
     "warmup_steps": ("median", "threshold", "wilcoxon"),
     "lower": ("threshold",),
     "upper": ("threshold",),
