@@ -73,6 +73,24 @@ def get_json(url: str) -> Any:
         return json.loads(response.read())
 
 
+def wait_until_answering(
+    url: str, process: subprocess.Popen[bytes], what: str, log_tail: Callable[[], str]
+) -> None:
+    """Wait until ``url`` answers 200 (``what``, started as ``process``, is up); fail with its log's
+    tail if it exits first or does not answer within ``READY_TIMEOUT_S``."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"{what} exited: {log_tail()}"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError):
+            pass
+        time.sleep(0.2)
+    pytest.fail(f"{what} did not answer {url} after {READY_TIMEOUT_S} s: {log_tail()}")
+
+
 class Prometheus:
     """A Prometheus server on a loopback port, scraping ``target`` (job tunepod-pipeline) and the
     ``exporters`` ({job: target}, if any) and evaluating ``rules`` (if any) every second; stopped on
@@ -108,17 +126,7 @@ class Prometheus:
             )
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, f"prometheus exited: {self.log_tail()}"
-            try:
-                with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError):
-                pass
-            time.sleep(0.2)
-        pytest.fail(f"prometheus was not ready after {READY_TIMEOUT_S} s: {self.log_tail()}")
+        wait_until_answering(f"{self.url}/-/ready", self.process, "prometheus", self.log_tail)
 
     def query(self, promql: str) -> dict[str, float]:
         """The instant vector ``promql`` as {value of its single varying label (or ''): value}."""
@@ -216,17 +224,11 @@ class NodeExporter:
             )
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, f"the node exporter exited: {self.log.read_text()[-2000:]}"
-            try:
-                with urllib.request.urlopen(f"http://{self.target}/metrics", timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError):
-                pass
-            time.sleep(0.2)
-        pytest.fail(f"the node exporter did not answer after {READY_TIMEOUT_S} s: {self.log.read_text()}")
+        url = f"http://{self.target}/metrics"
+        wait_until_answering(url, self.process, "the node exporter", self.log_tail)
+
+    def log_tail(self) -> str:
+        return self.log.read_text()[-2000:]
 
     def stop(self) -> None:
         self.process.terminate()
