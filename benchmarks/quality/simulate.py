@@ -44,7 +44,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from benchmarks.quality.workloads import SPECS, TPE_HYPERBAND, TUNE_STEP, Workload
 from benchmarks.quality.workloads import digits as quality_digits
-from tunepod.hpo.asha import ATTR_ASHA, AshaState
+from tunepod.hpo.asha import ATTR_ASHA, AshaState, RungJudge
 from tunepod.hpo.study import distributions, make_pruner, reseed_for_next_trial
 from tunepod.hpo.tuner import make_asha
 from tunepod.spec.loader import load_spec
@@ -229,6 +229,7 @@ def simulate_asha(arm: Arm, seed: int, digits: Digits, clock: Clock, workload: W
     )
     live: dict[int, optuna.trial.Trial] = {}
     generation: dict[int, int] = {}  # a trial's current job: reports of an earlier one are stale
+    judges: dict[int, RungJudge] = {}  # each running job's rungs still to decide
     events: list[_Event] = []
     counter = iter(range(1 << 62))
     running: set[int] = set()
@@ -241,6 +242,7 @@ def simulate_asha(arm: Arm, seed: int, digits: Digits, clock: Clock, workload: W
         curve = digits.curve(params["lr"], params["hidden"], params["optimizer"], epochs)
         generation[trial.number] = generation.get(trial.number, 0) + 1
         running.add(trial.number)
+        judges[trial.number] = RungJudge.for_job(asha, trial.number, AshaState.of(study.trials[trial.number]))
         job = generation[trial.number]
         for step in range(first_step, epochs):
             due = now + clock.start_s + (step - first_step + 1) * clock.epoch_s
@@ -298,10 +300,9 @@ def simulate_asha(arm: Arm, seed: int, digits: Digits, clock: Clock, workload: W
             running.discard(trial.number)
             heapq.heappush(events, _Event(now + clock.exit_s, next(counter), None))
             continue
-        frozen = study.trials[trial.number]
-        state = AshaState.of(frozen)
-        rung = asha.pause_rung(frozen, state, study.trials)
+        rung = judges[trial.number].judge(event.step + 1, lambda: study.trials)
         if rung is not None:
+            state = AshaState.of(study.trials[trial.number])
             promotions = state.promotions if state else 0
             trial.set_user_attr(ATTR_ASHA, AshaState(rung, True, 1, promotions).to_attr())
             running.discard(trial.number)

@@ -36,9 +36,10 @@ from tunepod.runtime import read_reports
 pytestmark = pytest.mark.slow
 
 EPOCHS = 4
+MIN_RESOURCE = 1
 XS = [0.3, 0.9, 0.1, 0.0]  # the first is the best: score = 1 - (x - 0.3)^2, scaled by the epoch
 ASHA = {
-    "pruner": {"kind": "asha", "min_resource": 1, "reduction_factor": 2, "max_resource": EPOCHS},
+    "pruner": {"kind": "asha", "min_resource": MIN_RESOURCE, "reduction_factor": 2, "max_resource": EPOCHS},
     "space": {"x": {"type": "categorical", "choices": sorted(XS)}},
     "enqueue": [{"x": x} for x in XS],
 }
@@ -59,20 +60,23 @@ def asha_study(tmp_path: Path, launcher: str) -> FaultStudy:
     )
 
 
-def assert_paused_and_promoted_once_each(study: FaultStudy) -> None:
-    """Every trial finished; some trial was paused and promoted and COMPLETED, training every epoch
-    once across its jobs; the others that were paused and never promoted are PRUNED; one MLflow run
-    per trial, whose score history is its metrics file."""
+def assert_paused_and_promoted_once_each(study: FaultStudy) -> list[int]:
+    """Every trial finished, some COMPLETE; some trial was paused and promoted, and trained on past
+    its first rung on a later job; every epoch trained once across a trial's jobs; the trials paused
+    and never promoted are PRUNED; one MLflow run per trial, whose score history is its metrics file.
+    Returns the promoted trials' numbers."""
     trials = {t.number: t for t in study.trials()}
     assert sorted(trials) == list(range(len(XS))), sorted(trials)
     states = {n: t.state.name for n, t in trials.items()}
     assert all(t.state.is_finished() for t in trials.values()), states
+    assert any(t.state is TrialState.COMPLETE for t in trials.values()), states
     promoted = [n for n, t in trials.items() if (s := AshaState.of(t)) is not None and s.promotions > 0]
     assert promoted, f"no trial was promoted: {states}"
-    assert any(trials[n].state is TrialState.COMPLETE for n in promoted), states
     for number, job_dir in study.job_dirs().items():
         steps = [r.step for r in read_reports(JobPaths(job_dir).metrics)]
         assert steps == list(range(len(steps))), f"trial {number} trained an epoch twice: {steps}"
+        if number in promoted:
+            assert len(steps) > MIN_RESOURCE, f"promoted trial {number} trained nothing more: {steps}"
         state = AshaState.of(trials[number])
         jobs = 1 + (state.promotions if state else 0)
         assert starts(job_dir) == submission(job_dir).attempt == jobs, (number, starts(job_dir), state)
@@ -90,6 +94,7 @@ def assert_paused_and_promoted_once_each(study: FaultStudy) -> None:
         reported = read_reports(JobPaths(study.job_dir(number)).metrics)
         assert sorted(m.step for m in history) == sorted(r.step for r in reported), number
     assert_nothing_left(study)
+    return promoted
 
 
 # On Slurm only: the fault test below runs the same study on local jobs and checks the same after its
@@ -100,7 +105,10 @@ def test_a_study_under_asha_on_slurm_pauses_promotes_and_resumes_from_checkpoint
 ) -> None:
     study = asha_study(tmp_path, "slurm")
     runs(study).run("asha")
-    assert_paused_and_promoted_once_each(study)
+    promoted = assert_paused_and_promoted_once_each(study)
+    # Without a fault, a promoted trial is the one that completes (the best, paused alone at rung 0).
+    # After the fault below, the first paused job may finish before the rerun stops it, which is right.
+    assert any(t.state is TrialState.COMPLETE for t in study.trials() if t.number in promoted)
     best = study.job_dir(0)
     # The best trial stopped at a pause, saving the epoch it had finished, and resumed after it.
     assert (best / "stops.log").exists() and starts(best) >= 2
@@ -111,7 +119,9 @@ def test_sigkill_of_the_orchestrator_group_as_a_pause_is_decided_then_rerun(
 ) -> None:
     """Fault: SIGKILL of the whole `tunepod run` process group as soon as a first pause is decided (its
     cancel marker written), then the same command again: the rerun finishes the stop, records the
-    pause, promotes and prunes as if nothing happened."""
+    pause, promotes and prunes as if nothing happened. A job the kill left unstopped may have trained
+    to its end before the rerun could stop it: it is then COMPLETE, its pause came too late (as a
+    prune that comes too late), so which trial completes is not fixed here."""
     study = asha_study(tmp_path, "local")
     tunepod = runs(study)
     first = tunepod.start("killed")

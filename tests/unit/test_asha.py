@@ -3,12 +3,14 @@ who is promoted, and the pause state kept in a trial's user attribute."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import optuna
 import pytest
 from optuna.distributions import FloatDistribution
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
-from tunepod.hpo.asha import ATTR_ASHA, Asha, AshaState, PausedAsPruned, is_paused
+from tunepod.hpo.asha import ATTR_ASHA, Asha, AshaState, PausedAsPruned, RungJudge, is_paused
 from tunepod.hpo.study import make_sampler
 from tunepod.spec.models import PrunerSpec, TuneSettings
 
@@ -58,6 +60,35 @@ def test_a_promoted_trial_is_judged_from_the_rung_after_the_one_it_was_paused_at
     state = AshaState(rung=0, paused=False, attempt=1, promotions=1)
     # Rung 0 is not judged again (it would rank last there); alone at rung 1 it waits.
     assert ASHA.pause_rung(promoted, state, [*trials, promoted]) == 1
+
+
+def test_a_job_is_judged_once_at_each_rung_and_trials_are_read_only_when_it_reaches_one() -> None:
+    others = [trial(1, {0: 0.5}), trial(2, {0: 0.1})]
+    loads: list[int] = []
+
+    def study(*trials: FrozenTrial) -> Callable[[], list[FrozenTrial]]:
+        return lambda: loads.append(1) or list(trials)
+
+    first = trial(0, {0: 0.9})
+    judge = RungJudge.for_job(ASHA, 0, None)
+    assert judge.judge(1, study(first, *others)) is None  # top third of three at rung 0: go on
+    assert len(loads) == 1 and judge.next_rung == 1
+    # Better newcomers at rung 0 would now rank it outside the top third, but rung 0 was decided.
+    better = [trial(n, {0: 0.95 + n / 100}) for n in range(3, 6)]
+    first = trial(0, {0: 0.9, 1: 0.91})
+    assert judge.judge(2, study(first, *others, *better)) is None
+    assert len(loads) == 1, "a report that reaches no new rung reads no trials"
+    # At rung 1 (3 units) it is alone: it waits there.
+    first = trial(0, {0: 0.9, 1: 0.91, 2: 0.92})
+    assert judge.judge(3, study(first, *others, *better)) == 1
+    # A job past the last rung's units (finishing) is never paused, and reads nothing.
+    assert RungJudge.for_job(ASHA, 0, None).judge(27, study()) is None and len(loads) == 2
+
+
+def test_a_promoted_job_is_judged_from_the_rung_after_its_pause() -> None:
+    state = AshaState(rung=0, paused=False, attempt=1, promotions=1)
+    assert RungJudge.for_job(ASHA, 6, state).next_rung == 1
+    assert RungJudge.for_job(ASHA, 6, None).next_rung == 0
 
 
 def test_minimizing_ranks_the_lowest_first() -> None:

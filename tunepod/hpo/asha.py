@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import json
 import math
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -147,6 +147,36 @@ class Asha:
             paused = {t.number for t in trials if is_paused(t) and _state(t).rung == rung}
             chosen += [number for number in self.ranking(rung, trials) if number in paused]
         return chosen
+
+
+@dataclass
+class RungJudge:
+    """The rungs one running job is still to be judged at. ASHA decides a rung once: when the job's
+    reports first reach it, against the trials there so far. A job that went on past a rung is not
+    paused there later, when worse-ranked newcomers at that rung would now put it outside the top."""
+
+    asha: Asha
+    number: int
+    next_rung: int
+    """The first rung not yet decided for this job."""
+
+    @classmethod
+    def for_job(cls, asha: Asha, number: int, state: AshaState | None) -> RungJudge:
+        return cls(asha, number, asha.first_undecided_rung(state))
+
+    def judge(self, units: int, load_trials: Callable[[], Sequence[FrozenTrial]]) -> int | None:
+        """The rung to pause at, now that the job has trained ``units``; None to go on. The trials
+        are loaded only when a rung is reached: most reports reach none."""
+        rungs = self.asha.rungs
+        if units >= self.asha.max_resource:
+            return None  # it is finishing: a pause would only cost a job
+        trials: Sequence[FrozenTrial] | None = None
+        while self.next_rung < len(rungs) and units >= rungs[self.next_rung]:
+            trials = load_trials() if trials is None else trials
+            if not self.asha.in_top(self.number, self.next_rung, trials):
+                return self.next_rung
+            self.next_rung += 1
+        return None
 
 
 def _state(trial: FrozenTrial) -> AshaState:

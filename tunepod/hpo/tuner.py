@@ -32,7 +32,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from tunepod import world
 from tunepod.errors import JobError, TunepodError
-from tunepod.hpo.asha import ATTR_ASHA, Asha, AshaState, is_paused
+from tunepod.hpo.asha import ATTR_ASHA, Asha, AshaState, RungJudge, is_paused
 from tunepod.hpo.study import (
     distributions,
     enqueue_first_trials,
@@ -693,7 +693,8 @@ class ReportFeed:
         self._untold: Report | None = None
         self._live: optuna.trial.Trial | None = None
         self._prunes = tuner.settings.pruner.kind not in ("none", "asha")
-        self._asha_state = AshaState.of(frozen)
+        asha = tuner.asha
+        self._rungs = None if asha is None else RungJudge.for_job(asha, frozen.number, AshaState.of(frozen))
         self.paused_rung: int | None = None
         """The rung ASHA paused the trial's job at, once it did."""
         # The objectives' and the constraints' metrics: their last reports are the trial's values.
@@ -719,18 +720,16 @@ class ReportFeed:
                 told = True
             elif self._untold is None or report.step >= self._untold.step:
                 self._untold = report
-        if told and self._tuner.asha is not None:
-            return self._asha_says(self._tuner.asha)
+        if told and self._rungs is not None:
+            return self._asha_says(self._rungs)
         return "pruned" if told and self._prunes and retried(self._trial().should_prune) else None
 
-    def _asha_says(self, asha: Asha) -> CancelReason | None:
-        """Pause the job at the first rung it reached outside the top, judged against every trial;
-        never once it has reported its last unit (it is finishing: a pause would only cost a job)."""
-        if self.last_step is not None and self.last_step + 1 >= asha.max_resource:
-            return None
-        trials = self._tuner.trials.all()
-        frozen = next(t for t in trials if t.number == self._number)
-        rung = asha.pause_rung(frozen, self._asha_state, trials)
+    def _asha_says(self, judge: RungJudge) -> CancelReason | None:
+        """Pause the job at a rung it has just reached outside the top. Each rung is judged once per
+        feed; a restarted orchestrator's new feed judges the rungs the job's reports reached again,
+        from the one after its last promotion."""
+        units = (self.last_step or 0) + 1
+        rung = judge.judge(units, self._tuner.trials.all)
         if rung is None:
             return None
         self.paused_rung = rung
