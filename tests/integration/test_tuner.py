@@ -71,7 +71,7 @@ def make_launcher(kind: str, root: Path) -> Launcher:
     return LocalLauncher(root, cancel_grace_s=5)
 
 
-def make_tuner(tmp_path: Path, tune: TuneSettings, launcher: str = "local") -> Tuner:
+def make_tuner(tmp_path: Path, tune: TuneSettings, launcher: str | Launcher = "local") -> Tuner:
     tracker = MlflowTracker(f"sqlite:///{tmp_path}/mlflow.db", "tests")
     parent = tracker.start_run("pipeline")
     data = tmp_path / "data"
@@ -81,7 +81,7 @@ def make_tuner(tmp_path: Path, tune: TuneSettings, launcher: str = "local") -> T
         TuneContext(
             step="search",
             settings=tune,
-            launcher=make_launcher(launcher, tmp_path / "shared"),
+            launcher=make_launcher(launcher, tmp_path / "shared") if isinstance(launcher, str) else launcher,
             dataset=dataset,
             jobs_dir=tmp_path / "shared" / "jobs" / tune.study.name,
             tracker=tracker,

@@ -42,7 +42,7 @@ from simulation.cluster import HEARTBEAT_S, Cluster
 from simulation.scheduler import Scheduler
 from simulation.stores import MlflowTwin, OptunaDatabase
 from tunepod.hpo.asha import AshaState, is_paused
-from tunepod.hpo.tuner import ATTR_JOB_DIR
+from tunepod.hpo.trials import ATTR_JOB_DIR
 from tunepod.launch.lease import read_lease
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.submission import read_cancel_marker
@@ -136,7 +136,7 @@ class Referee:
         marker = read_cancel_marker(JobPaths(job_dir))
         reason = marker.reason if marker is not None else None
         runs = [run for run in self.cluster.live_runs(job_dir) if run.job_id == job_id]
-        if reason in ("pruned", "paused") or not runs:
+        if reason in ("pruned", "paused", "exploited") or not runs:
             return
         run, now, facts = runs[0], self.sim.now, self.facts
         if reason == "timed_out":
@@ -242,7 +242,9 @@ class Referee:
         if finished and runs[-1].exit_unrecorded and not JobPaths(job_dir).result.exists():
             return  # it exited 0 unseen: a FAIL is all anyone could say, a COMPLETE would be luck
         pruned = any(
-            stop.reason in ("pruned", "paused") for stop in self.cluster.stops if stop.job_dir == job_dir
+            stop.reason in ("pruned", "paused", "exploited")
+            for stop in self.cluster.stops
+            if stop.job_dir == job_dir
         )
         failed_alone = bool(runs) and runs[-1].exit_code not in (0, None)
         wrong = (trial.state is TrialState.COMPLETE) != finished or (

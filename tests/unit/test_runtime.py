@@ -620,3 +620,20 @@ def test_async_save_needs_a_sharded_save_and_a_known_mode(tmp_path: Path) -> Non
 def test_keep_must_be_positive(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="keep must be >= 1"):
         checkpoints.prune_checkpoints(tmp_path, keep=0)
+
+
+def test_the_newest_step_is_copied_whole_once_and_a_folder_without_one_gives_none(tmp_path: Path) -> None:
+    """How PBT seeds a continuation: the donor's newest intact step, copied under the same name and
+    verified; a second call returns the copy already there, even after the donor saved a newer step."""
+    donor, seed = tmp_path / "donor", tmp_path / "seed"
+    for step in (3, 4):
+        checkpoints.save_checkpoint(donor, {"step": step}, step, keep=2)
+    (donor / "step-000005").mkdir()  # a save without metadata: not a step
+    copied = checkpoints.copy_newest_checkpoint(donor, seed)
+    assert copied is not None and copied.step == 4 and copied.path == seed / "step-000004"
+    assert checkpoints.load_latest_checkpoint(seed).state == {"step": 4}  # type: ignore[union-attr]
+    checkpoints.save_checkpoint(donor, {"step": 6}, 6, keep=2)
+    again = checkpoints.copy_newest_checkpoint(donor, seed)
+    assert again is not None and again.step == 4
+    assert [p.name for p in seed.iterdir()] == ["step-000004"]  # nothing hidden left behind
+    assert checkpoints.copy_newest_checkpoint(tmp_path / "empty", tmp_path / "nothing") is None

@@ -11,12 +11,14 @@ a way a retry can fix (a locked SQLite or journal file) is retried here with a s
 from __future__ import annotations
 
 import logging
+import shutil
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import TypeVar
 
 import optuna
 from optuna.distributions import BaseDistribution
-from optuna.trial import FrozenTrial, TrialState
+from optuna.trial import FrozenTrial, TrialState, create_trial
 
 from tunepod import world
 from tunepod.errors import is_transient
@@ -24,6 +26,8 @@ from tunepod.errors import is_transient
 logger = logging.getLogger(__name__)
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+ATTR_JOB_DIR = "tunepod_job_dir"
+"""The trial's job dir, recorded when its ask finished (a RUNNING trial without it is half asked)."""
 _RETRIES = 8
 _FIRST_DELAY_S = 0.2
 T = TypeVar("T")
@@ -72,6 +76,24 @@ class StudyTrials:
         for name, distribution in distributions.items():
             retried(lambda name=name, distribution=distribution: live._suggest(name, distribution))  # type: ignore[misc]
 
+    def add_running(
+        self,
+        params: Mapping[str, object],
+        distributions: Mapping[str, BaseDistribution],
+        attrs: Mapping[str, object],
+    ) -> int:
+        """A new RUNNING trial with fixed ``params`` and user ``attrs`` (no sampler asked); its number.
+        Not retried: a retry after a create that succeeded unseen would leave a second trial."""
+        template = create_trial(
+            state=TrialState.RUNNING,
+            params=dict(params),
+            distributions=dict(distributions),
+            user_attrs=dict(attrs),
+        )
+        storage = self.study._storage
+        trial_id = storage.create_new_trial(self.study._study_id, template_trial=template)
+        return int(retried(lambda: storage.get_trial_number_from_id(trial_id)))
+
     def tell(self, number: int, state: TrialState, value: float | Sequence[float] | None = None) -> None:
         """Record a trial's outcome once (a finished trial keeps the outcome it has); ``value`` is a
         list for a multi-objective study."""
@@ -96,3 +118,11 @@ def retried(call: Callable[[], T]) -> T:
             world.sleep(delay)
             delay *= 2
     raise AssertionError("unreachable")
+
+
+def set_aside_stale(job_dir: Path) -> None:
+    """A new trial must not resume from checkpoints of a deleted study that had the same name."""
+    if job_dir.exists() and any(job_dir.iterdir()):
+        stale = job_dir.with_name(f"{job_dir.name}.stale-{int(world.time())}")
+        logger.warning("moving leftover %s (from an earlier study of the same name) to %s", job_dir, stale)
+        shutil.move(job_dir, stale)

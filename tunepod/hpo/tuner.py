@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import math
-import shutil
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -33,6 +32,8 @@ from optuna.trial import FrozenTrial, TrialState
 from tunepod import world
 from tunepod.errors import JobError, TunepodError
 from tunepod.hpo.asha import ATTR_ASHA, Asha, AshaState, RungJudge, is_paused
+from tunepod.hpo.pbt import ATTR_PBT, BoundaryJudge, PbtState
+from tunepod.hpo.population import ATTR_CONTINUED_IN, Population, lineage_tags, make_pbt
 from tunepod.hpo.study import (
     distributions,
     enqueue_first_trials,
@@ -40,7 +41,7 @@ from tunepod.hpo.study import (
     open_study,
     reseed_for_next_trial,
 )
-from tunepod.hpo.trials import FINISHED, StudyTrials, retried
+from tunepod.hpo.trials import ATTR_JOB_DIR, FINISHED, StudyTrials, retried, set_aside_stale
 from tunepod.launch.base import JobHandle, JobSpec, Launcher
 from tunepod.launch.contract import contract_env
 from tunepod.launch.drive import DriveResult, DriveSettings, JobDriver, Outcome
@@ -63,7 +64,6 @@ from tunepod.tracking.outbox import TrackingOutbox
 log = logging.getLogger(__name__)
 
 # Keys of the per-trial user attrs; they are the contract between runs of the orchestrator.
-ATTR_JOB_DIR = "tunepod_job_dir"
 ATTR_JOB_ID = "tunepod_job_id"
 ATTR_RUN_ID = "tunepod_mlflow_run_id"
 ATTR_ERROR = "tunepod_error"
@@ -136,6 +136,7 @@ class Tuner:
         self.leases = Leases(private_job_dirs=ctx.launcher.private_job_dirs)
         self._distributions = distributions(ctx.settings.space)
         self.asha = make_asha(ctx.settings)
+        self.population = self._population(ctx)
         self._idle_promoted: set[int] = set()
         """Paused trials this orchestrator resumed only because a slot would idle (ASHA)."""
         self._metrics = default_metrics().trial_observer(
@@ -150,6 +151,20 @@ class Tuner:
     def step(self) -> str:
         """The pipeline step this study runs in."""
         return self.ctx.step
+
+    def _population(self, ctx: TuneContext) -> Population | None:
+        pbt = make_pbt(ctx.settings)
+        if pbt is None:
+            return None
+        if not ctx.launcher.job_writes_job_dir:
+            raise TunepodError(
+                f"study {ctx.settings.study.name}: pbt copies checkpoints between members' job dirs, and the "
+                f"{ctx.launcher.kind} launcher's jobs write theirs where this machine cannot read them; fix: "
+                "mount FSx read-write on the launcher (fsx with access_mode rw), or remove pbt"
+            )
+        return Population(
+            pbt, self.trials, ctx.jobs_dir, self._job_dir, self._distributions, ctx.settings.seed
+        )
 
     # ------------------------------------------------------------------------------------ the loop
 
@@ -225,12 +240,11 @@ class Tuner:
                     continue
                 self._hold(trial.number, lease)
                 claimed.append(trial.number)
-            if claimed:
-                log.warning(
-                    "study %s: re-attaching to unfinished trials %s", self.settings.study.name, claimed
-                )
+            self._announce_claims(claimed, trials)
             self._announce_following(following)
             room = self.settings.num_trials - sum(t.state in FINISHED for t in trials) - len(running)
+            if self.population is not None:
+                room = self.population.room(trials)  # continuations are not asked for: exploits make them
             capacity = self.settings.num_parallel - len(mine) - len(claimed)
             promoted = self._promote(trials, self.asha.promotable(trials), capacity) if self.asha else []
             self._idle_promoted -= set(promoted)
@@ -305,7 +319,7 @@ class Tuner:
         reseed_for_next_trial(self.study, self.settings, num_trials)
         number = retried(self._new_trial)
         job_dir = self.ctx.jobs_dir / f"trial-{number}"
-        _set_aside_stale(job_dir)
+        set_aside_stale(job_dir)
         self.trials.set_attr(number, ATTR_JOB_DIR, str(job_dir))
         lease = self.leases.acquire(job_dir, wait=True)
         assert lease is not None, f"the new trial's job dir {job_dir} is leased already"
@@ -349,6 +363,20 @@ class Tuner:
             exc,
         )
 
+    def _announce_claims(self, claimed: list[int], trials: list[FrozenTrial]) -> None:
+        population = self.population
+        by_number = {t.number: t for t in trials}
+        fresh = [n for n in claimed if population and population.is_unstarted_continuation(by_number[n])]
+        if fresh:
+            log.info(
+                "study %s: starting trials %s, continuing exploited members", self.settings.study.name, fresh
+            )
+        unfinished = [n for n in claimed if n not in fresh]
+        if unfinished:
+            log.warning(
+                "study %s: re-attaching to unfinished trials %s", self.settings.study.name, unfinished
+            )
+
     def _announce_following(self, following: list[int]) -> None:
         if frozenset(following) != self._following and following:
             log.warning(
@@ -372,6 +400,8 @@ class Tuner:
             asha_state = AshaState.of(frozen)
             params = {**self.settings.train.args, **frozen.params}
             mirror = self._mirror(frozen, params, links.tags)
+            if self.population is not None:
+                self.population.seed_job_dir(frozen)
             try:
                 layout = job_layout(self.settings.train.parallelism, self.settings.train.resources, params)
             except ValueError as exc:
@@ -394,6 +424,8 @@ class Tuner:
             with lease.fenced():
                 if driven.outcome is Outcome.PAUSED:
                     self._pause(number, feed, asha_state)
+                elif driven.outcome is Outcome.EXPLOITED:
+                    self._exploit(number, feed, mirror)
                 else:
                     self._conclude(number, driven, mirror, feed)
             return self._record(self.trials.frozen(number))
@@ -426,6 +458,18 @@ class Tuner:
         promotions = asha_state.promotions if asha_state else 0
         self.trials.set_attr(number, ATTR_ASHA, AshaState(rung, True, attempt, promotions).to_attr())
         log.info("trial %d paused at rung %d (%d units)", number, rung, self.asha.rungs[rung])
+
+    def _exploit(self, number: int, feed: ReportFeed, mirror: RunMirror) -> None:
+        """Record that PBT stopped trial ``number``'s job (inside the lease's fence): its member goes on
+        in a new trial from a donor's checkpoint (created once), then the trial ends PRUNED."""
+        assert self.population is not None, "only PBT exploits trials"
+        feed.tell_last_step()
+        frozen = self.trials.frozen(number)
+        donors = feed.donors or self.population.donors_after_crash(frozen)
+        continuation = self.population.continue_member(frozen, donors)
+        self.trials.set_attr(number, ATTR_CONTINUED_IN, continuation)
+        self.trials.tell(number, TrialState.PRUNED)
+        self._close(number, mirror)
 
     def _lease(self, number: int) -> Lease:
         with self._lock:
@@ -470,6 +514,7 @@ class Tuner:
                 tags.STEP: self.ctx.step,
                 tags.STATE: "RUNNING",
                 tags.LAUNCHER: self.ctx.launcher.kind,
+                **(lineage_tags(frozen) if self.population else {}),
                 **extra_tags,
             },
             params=params,
@@ -565,6 +610,8 @@ class Tuner:
         """The MLflow record of a finished trial, from Optuna and its job dir alone (so a later run can
         write it again after a crash)."""
         final = self._final_record(frozen)
+        if self.population is not None:
+            final = replace(final, tags={**final.tags, **lineage_tags(frozen)})
         asha_state = AshaState.of(frozen)
         if asha_state is None:
             return final
@@ -695,6 +742,10 @@ class ReportFeed:
         self._prunes = tuner.settings.pruner.kind not in ("none", "asha")
         asha = tuner.asha
         self._rungs = None if asha is None else RungJudge.for_job(asha, frozen.number, AshaState.of(frozen))
+        population = tuner.population
+        self._boundaries = None if population is None else BoundaryJudge.for_job(population.pbt, frozen)
+        self.donors: list[int] = []
+        """The members PBT chose to copy from, once it decided to exploit the trial's job."""
         self.paused_rung: int | None = None
         """The rung ASHA paused the trial's job at, once it did."""
         # The objectives' and the constraints' metrics: their last reports are the trial's values.
@@ -722,6 +773,8 @@ class ReportFeed:
                 self._untold = report
         if told and self._rungs is not None:
             return self._asha_says(self._rungs)
+        if told and self._boundaries is not None:
+            return self._pbt_says(self._boundaries)
         return "pruned" if told and self._prunes and retried(self._trial().should_prune) else None
 
     def _asha_says(self, judge: RungJudge) -> CancelReason | None:
@@ -734,6 +787,11 @@ class ReportFeed:
             return None
         self.paused_rung = rung
         return "paused"
+
+    def _pbt_says(self, judge: BoundaryJudge) -> CancelReason | None:
+        """Exploit the job at a boundary it has just reached in the bottom of the population."""
+        self.donors = judge.judge((self.last_step or 0) + 1, self._tuner.trials.all)
+        return "exploited" if self.donors else None
 
     def tell_last_step(self) -> None:
         """Tell Optuna the newest value it was not told, so that the trial's intermediate values end at
@@ -829,8 +887,13 @@ def _on_a_thread(tuner: Tuner, number: int) -> Future[TrialRecord]:
 
 def _half_asked(trial: FrozenTrial) -> bool:
     """A trial Optuna created for an ask that never finished: every finished ask records its job
-    dir (under the study lock, so nobody sees an ask in progress)."""
-    return trial.state is TrialState.RUNNING and ATTR_JOB_DIR not in trial.user_attrs
+    dir (under the study lock, so nobody sees an ask in progress). A PBT continuation is created
+    whole, with its parameters, and is never one (its job dir is the default one)."""
+    return (
+        trial.state is TrialState.RUNNING
+        and ATTR_JOB_DIR not in trial.user_attrs
+        and ATTR_PBT not in trial.user_attrs
+    )
 
 
 def _announce_run(number: int, mirror: RunMirror, links: TrialLinks) -> None:
@@ -846,7 +909,11 @@ def _announce_run(number: int, mirror: RunMirror, links: TrialLinks) -> None:
 
 
 def _last_step(frozen: FrozenTrial) -> int | None:
+    """The trial's last reported step; a PBT continuation that reported none ends where it started."""
     step = frozen.user_attrs.get(ATTR_LAST_STEP)
+    lineage = PbtState.of(frozen)
+    if step is None and lineage is not None and lineage.from_step >= 0:
+        step = lineage.from_step
     return max(frozen.intermediate_values, default=int(step) if step is not None else None)
 
 
@@ -859,14 +926,6 @@ def next_step_to_tell(told: int) -> int:
     reporting the same steps is told the same ones, so a median pruner still compares at equal steps."""
     spacing = int(10 ** max(0, len(str(told + 1)) - _DENSE_STEPS_DIGITS))
     return (told // spacing + 1) * spacing
-
-
-def _set_aside_stale(job_dir: Path) -> None:
-    """A new trial must not resume from checkpoints of a deleted study that had the same name."""
-    if job_dir.exists() and any(job_dir.iterdir()):
-        stale = job_dir.with_name(f"{job_dir.name}.stale-{int(world.time())}")
-        log.warning("moving leftover %s (from an earlier study of the same name) to %s", job_dir, stale)
-        shutil.move(job_dir, stale)
 
 
 def require_completed(trials: TrialSet) -> TrialSet:

@@ -3,7 +3,7 @@
 The job dir is the truth, on every (re)start:
 
 - a result file means the job completed: it is never submitted again;
-- a cancel marker means tunepod stopped the job, and says why (pruned, paused, timed out): that is
+- a cancel marker means tunepod stopped the job, and says why (pruned, paused, exploited, timed out): that is
   its outcome, and a stop that a crash interrupted is finished first; a paused job is started again
   (a new attempt resuming from its checkpoints) only when the driver is told to resume that attempt;
 - the submission record names the job to re-attach to (an intent is resolved by name on the backend);
@@ -70,6 +70,8 @@ class Outcome(StrEnum):
     PRUNED = "PRUNED"
     PAUSED = "PAUSED"
     """Stopped after its checkpoint, to be resumed later (``DriveSettings.resume_attempt``)."""
+    EXPLOITED = "EXPLOITED"
+    """Stopped by population-based training: the member goes on from another's checkpoint."""
     TIMED_OUT = "TIMED_OUT"
     FAILED = "FAILED"
 
@@ -196,6 +198,8 @@ class JobDriver:
             return DriveResult(Outcome.PRUNED, None, handle)
         if reason == "paused":
             return None if self._resuming(handle) else DriveResult(Outcome.PAUSED, None, handle)
+        if reason == "exploited":
+            return DriveResult(Outcome.EXPLOITED, None, handle)
         if reason == "hung":
             if self._may_restart(handle, "hung"):
                 return None

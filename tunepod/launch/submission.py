@@ -31,7 +31,7 @@ PRIVATE_FILE_MODE = 0o600
 """Files that hold a job's environment (tracking credentials, user secrets): owner only."""
 PRIVATE_DIR_MODE = 0o700
 
-CancelReason = Literal["pruned", "paused", "timed_out", "hung", "cancelled"]
+CancelReason = Literal["pruned", "paused", "exploited", "timed_out", "hung", "cancelled"]
 """Why tunepod stopped a job: a pruned trial, a paused one (resumed later from its checkpoint), a job
 past its time limit, a hung one, anything else."""
 

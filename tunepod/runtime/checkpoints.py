@@ -330,6 +330,39 @@ def prune_checkpoints(checkpoint_dir: Path, keep: int) -> None:
             valid_seen += 1
 
 
+def copy_newest_checkpoint(source_dir: Path, into_dir: Path, attempts: int = 3) -> CheckpointInfo | None:
+    """Copy the newest intact step of ``source_dir`` into ``into_dir`` (as the same ``step-N``, through
+    a hidden folder renamed into place) and return the copy, verified; None when the source has no
+    intact step. ``into_dir`` keeps one step at a time: a copy there already is returned as it is.
+
+    The source may be a running job's checkpoint folder, whose rank 0 goes on saving and pruning: a
+    step deleted while being copied is given up and the then newest one copied instead."""
+    into_dir.mkdir(parents=True, exist_ok=True)
+    existing = latest_checkpoint(into_dir)
+    if existing is not None:
+        return existing
+    _remove_hidden_folders(into_dir)
+    for _ in range(attempts):
+        source = latest_checkpoint(source_dir)
+        if source is None:
+            return None
+        final = into_dir / step_folder_name(source.step)
+        temp = into_dir / f"{_TEMP_PREFIX}{source.step}-{secrets.token_hex(4)}"
+        try:
+            with _committed_as(temp, final):
+                shutil.copytree(source.path, temp)
+                for path in temp.rglob("*"):
+                    if path.is_file():
+                        fsync_file(path)
+                fsync_dir(temp)
+        except FileNotFoundError:
+            continue  # pruned by its job while being copied
+        copied = verified_checkpoint(into_dir, source.step)
+        if copied is not None and copied.step == source.step:
+            return copied
+    return None
+
+
 def _remove_hidden_folders(checkpoint_dir: Path) -> None:
     """Delete what interrupted saves and removals left: no reader ever looks at those folders."""
     for entry in checkpoint_dir.iterdir():

@@ -757,6 +757,52 @@ class PrunerSpec(Strict):
         return self
 
 
+class PerturbSpec(Strict):
+    """How PBT explores a donor's parameters for the member that copies it."""
+
+    factors: tuple[float, float] = Field(
+        (0.8, 1.2),
+        description="A number is multiplied by one of these, drawn at random (then clipped to its range "
+        "and put on its step grid); a choice moves to a neighbouring one.",
+    )
+    resample_probability: float = Field(
+        0.25, ge=0, le=1, description="Chance that a parameter is drawn afresh from the space instead."
+    )
+
+    @field_validator("factors")
+    @classmethod
+    def _factors_move(cls, factors: tuple[float, float]) -> tuple[float, float]:
+        if any(f <= 0 for f in factors) or factors[0] == factors[1] == 1:
+            raise ValueError(
+                f"{list(factors)} would not move a parameter; fix: two positive factors, e.g. [0.8, 1.2]"
+            )
+        return factors
+
+
+class PbtSpec(Strict):
+    """Population-based training (``tunepod.hpo.pbt``): ``population`` members train side by side; at
+    every ``interval`` units of training (a unit is a reported step + 1) a member in the bottom
+    ``quantile`` of those at that point stops, and goes on from a copy of the latest checkpoint of a
+    member in the top ``quantile``, with that member's parameters explored. Each continuation is a new
+    trial of the member (its MLflow run tags the lineage)."""
+
+    population: int = Field(..., ge=2, description="Members trained side by side; num_trials defaults to it.")
+    interval: int = Field(..., ge=1, description="Units of training between a member's exploit decisions.")
+    quantile: float = Field(
+        0.25,
+        gt=0,
+        le=0.5,
+        description="Fraction of the members at a decision that copy from the top as many.",
+    )
+    max_resource: int | None = Field(
+        None,
+        ge=1,
+        description="A member's full training in units (its epochs): no decision at or past it (the member "
+        "is finishing). Unset: decisions at every interval.",
+    )
+    perturb: PerturbSpec = Field(default_factory=PerturbSpec)
+
+
 _CONSTRAINT = re.compile(r"^\s*(?P<metric>[A-Za-z_][\w./-]*)\s*(?P<op><=|>=)\s*(?P<bound>\S+)\s*$")
 
 
@@ -823,6 +869,9 @@ class TuneSettings(Strict):
     )
     seed: int | None = Field(None, description="Sampler seed, for reproducible suggestions.")
     pruner: PrunerSpec = Field(default_factory=PrunerSpec)
+    pbt: PbtSpec | None = Field(
+        None, description="Population-based training instead of independent trials (see PbtSpec)."
+    )
     enqueue: list[dict[str, Any]] = Field(
         default_factory=list,
         description="Known-good parameters to run first, in order (a parameter left out is sampled); "
@@ -839,6 +888,49 @@ class TuneSettings(Strict):
         "trial is marked, steered away from (tpe, gp, nsga2) and never evaluated or registered.",
     )
     poll_s: float = Field(0.5, gt=0, description="Seconds between polls of running jobs.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _num_trials_from_population(cls, data: Any) -> Any:
+        """Under PBT each trial of ``num_trials`` is a member: it defaults to the population."""
+        if isinstance(data, dict) and "num_trials" not in data and isinstance(data.get("pbt"), dict):
+            population = data["pbt"].get("population")
+            if isinstance(population, int):
+                return {**data, "num_trials": population}
+        return data
+
+    @model_validator(mode="after")
+    def _check_pbt(self) -> TuneSettings:
+        pbt = self.pbt
+        if pbt is None:
+            return self
+        problems = []
+        if self.num_trials != pbt.population:
+            problems.append(
+                f"num_trials {self.num_trials} is not pbt.population {pbt.population} (under PBT each trial "
+                "counted is a member); fix: leave num_trials out or set it to the population"
+            )
+        if self.num_parallel < pbt.population:
+            problems.append(
+                f"num_parallel {self.num_parallel} is below pbt.population {pbt.population}: PBT compares "
+                "members at the same point of training, so they train side by side; fix: set num_parallel "
+                f"to {pbt.population} or lower the population"
+            )
+        if self.pruner.kind != "none":
+            problems.append(
+                f"pbt and pruner {self.pruner.kind} both stop trials; fix: remove the pruner (PBT's exploit "
+                "is its pruning)"
+            )
+        if self.study.multi_objective:
+            problems.append("pbt ranks members by one objective, the study has several; fix: keep one")
+        if len(self.enqueue) > pbt.population:
+            problems.append(
+                f"enqueue has {len(self.enqueue)} configurations for a population of {pbt.population}; "
+                "fix: enqueue at most one per member"
+            )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
 
     @model_validator(mode="after")
     def _check_space(self) -> TuneSettings:

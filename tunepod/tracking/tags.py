@@ -34,6 +34,15 @@ CHECKPOINTS = "tunepod.checkpoints"
 PRUNED_AT_STEP = "tunepod.pruned_at_step"
 PROMOTIONS = "tunepod.promotions"  # ASHA: how often the trial was resumed after a pause
 PAUSED_AT_RUNG = "tunepod.paused_at_rung"  # ASHA: the rung it was last paused at
+# PBT: the trial's member (the number of its lineage's first trial) and generation (0 for the first);
+# a continuation's donor trial, the donor's checkpoint step it started from, and the member's trial it
+# replaced; on an exploited trial, the trial its member went on in.
+PBT_MEMBER = "tunepod.pbt.member"
+PBT_GENERATION = "tunepod.pbt.generation"
+PBT_PARENT = "tunepod.pbt.parent"
+PBT_FROM_STEP = "tunepod.pbt.from_step"
+PBT_REPLACES = "tunepod.pbt.replaces"
+PBT_CONTINUED_IN = "tunepod.pbt.continued_in"
 PARETO_FRONT = "tunepod.pareto_front"
 FEASIBLE = "tunepod.feasible"  # a completed trial of a study with constraints: true or false
 """true or false on each completed trial of a multi-objective study."""

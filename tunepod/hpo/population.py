@@ -1,0 +1,175 @@
+"""What the tuner does for population-based training (the rule is ``tunepod.hpo.pbt``): count members,
+continue an exploited member from a donor's checkpoint as a new trial, seed that trial's job dir, and
+tag the lineage in MLflow.
+
+Exactly once, whatever crashes: an exploited trial gets one continuation. The donor's checkpoint is
+first copied into the exploited trial's own job dir (``pbt-seed-from-<donor>``, under its lease; a
+copy made before a crash is used as it is), then the continuation is created under the study lock
+only if no trial continues the exploited one yet (``PbtState.replaces``), and only then is the
+exploited trial told PRUNED, with the number of its continuation in a user attribute. A rerun that
+finds the exploited job's cancel marker does the same steps and finds each done. The continuation's
+job dir gets the seed as its checkpoint before its first job, so its job resumes from the donor's step.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from optuna.distributions import BaseDistribution
+from optuna.trial import FrozenTrial, TrialState
+
+from tunepod.hpo.pbt import ATTR_PBT, Pbt, PbtState, generation_of, member_of
+from tunepod.hpo.trials import ATTR_JOB_DIR, StudyTrials, set_aside_stale
+from tunepod.launch.paths import JobPaths
+from tunepod.launch.submission import read_submission
+from tunepod.locks import locked
+from tunepod.runtime.checkpoints import CheckpointInfo, copy_newest_checkpoint, latest_checkpoint
+from tunepod.spec.models import TuneSettings
+from tunepod.tracking import tags
+
+log = logging.getLogger(__name__)
+
+ATTR_CONTINUED_IN = "tunepod_pbt_continued_in"
+"""On an exploited trial: the number of the trial its member went on in."""
+
+
+def make_pbt(settings: TuneSettings) -> Pbt | None:
+    spec = settings.pbt
+    if spec is None:
+        return None
+    return Pbt(
+        population=spec.population,
+        interval=spec.interval,
+        quantile=spec.quantile,
+        maximize=settings.study.primary.direction == "maximize",
+        max_resource=spec.max_resource,
+        factors=spec.perturb.factors,
+        resample_probability=spec.perturb.resample_probability,
+    )
+
+
+@dataclass
+class Population:
+    """The members of one study's population, over its trials and job dirs."""
+
+    pbt: Pbt
+    trials: StudyTrials
+    jobs_dir: Path
+    job_dir: Callable[[FrozenTrial], Path]
+    distributions: dict[str, BaseDistribution]
+    seed: int | None
+
+    def room(self, trials: Sequence[FrozenTrial]) -> int:
+        """Members still to ask for: each member's first trial is the only one without a lineage (an
+        enqueued trial still WAITING is not asked yet)."""
+        asked = [t for t in trials if t.state is not TrialState.WAITING]
+        return self.pbt.population - sum(PbtState.of(t) is None for t in asked)
+
+    def is_unstarted_continuation(self, trial: FrozenTrial) -> bool:
+        return PbtState.of(trial) is not None and read_submission(JobPaths(self.job_dir(trial))) is None
+
+    def seed_job_dir(self, trial: FrozenTrial) -> None:
+        """Before a continuation's first job: the donor's checkpoint copy becomes its checkpoint."""
+        state = PbtState.of(trial)
+        paths = JobPaths(self.job_dir(trial))
+        if state is None or not state.seed or read_submission(paths) is not None:
+            return
+        if latest_checkpoint(paths.checkpoints) is None:
+            copy_newest_checkpoint(Path(state.seed).parent, paths.checkpoints)
+
+    def continue_member(self, exploited: FrozenTrial, donors: Sequence[int]) -> int:
+        """The trial that continues ``exploited``'s member, created once: from a copy of the newest
+        checkpoint of one of ``donors`` (members, tried in a seeded random order), with its parameters
+        explored. With no donor checkpoint to copy, it continues from its own, parameters explored."""
+        existing = self.continuation_of(exploited.number)
+        if existing is not None:
+            return existing
+        rng = random.Random(f"pbt/{self.seed}/{exploited.number}")
+        trials = self.trials.all()
+        donor, copied = self._copy_from_a_donor(exploited, rng.sample(list(donors), len(donors)), trials)
+        params = self.pbt.explore(donor.params, self.distributions, rng)
+        state = PbtState(
+            member=member_of(exploited),
+            generation=generation_of(exploited) + 1,
+            parent=donor.number,
+            from_step=copied.step if copied is not None else -1,
+            replaces=exploited.number,
+            seed=str(copied.path) if copied is not None else "",
+        )
+        with locked(self.jobs_dir / ".study.lock"):
+            existing = self.continuation_of(exploited.number)
+            if existing is not None:
+                return existing
+            number = self.trials.add_running(params, self.distributions, {ATTR_PBT: state.to_attr()})
+            # Its job dir recorded as an ask records it (under the lock: nobody sees it without).
+            job_dir = self.jobs_dir / f"trial-{number}"
+            set_aside_stale(job_dir)
+            self.trials.set_attr(number, ATTR_JOB_DIR, str(job_dir))
+        log.info(
+            "trial %d (member %d) exploited: goes on as trial %d from trial %d's checkpoint at step %d, %s",
+            exploited.number,
+            state.member,
+            number,
+            donor.number,
+            state.from_step,
+            params,
+        )
+        return number
+
+    def _copy_from_a_donor(
+        self, exploited: FrozenTrial, donors: Sequence[int], trials: Sequence[FrozenTrial]
+    ) -> tuple[FrozenTrial, CheckpointInfo | None]:
+        for member in donors:
+            head = self.pbt.head(member, trials)
+            copied = self._copy_newest(head, self.job_dir(exploited) / f"pbt-seed-from-{head.number}")
+            if copied is not None:
+                return head, copied
+        own = self._copy_newest(exploited, self.job_dir(exploited) / f"pbt-seed-from-{exploited.number}")
+        return exploited, own
+
+    def _copy_newest(self, trial: FrozenTrial, into: Path) -> CheckpointInfo | None:
+        """A copy of ``trial``'s newest checkpoint; of its own seed while its first job has saved none."""
+        copied = copy_newest_checkpoint(JobPaths(self.job_dir(trial)).checkpoints, into)
+        state = PbtState.of(trial)
+        if copied is None and state is not None and state.seed:
+            copied = copy_newest_checkpoint(Path(state.seed).parent, into)
+        return copied
+
+    def continuation_of(self, number: int) -> int | None:
+        for trial in self.trials.all():
+            state = PbtState.of(trial)
+            if state is not None and state.replaces == number:
+                return trial.number
+        return None
+
+    def donors_after_crash(self, exploited: FrozenTrial) -> list[int]:
+        """The donors of an exploit a crashed orchestrator decided but did not record: as judged at
+        the newest boundary the trial reached where it ranked in the bottom."""
+        trials = self.trials.all()
+        member = member_of(exploited)
+        units = max(exploited.intermediate_values, default=-1) + 1
+        for k in range(units // self.pbt.interval, 0, -1):
+            donors = self.pbt.donors_for(member, k * self.pbt.interval, trials)
+            if donors:
+                return donors
+        return []
+
+
+def lineage_tags(trial: FrozenTrial) -> dict[str, str]:
+    """The MLflow tags of a trial's place in its member's lineage (a study under PBT)."""
+    found = {tags.PBT_MEMBER: str(member_of(trial)), tags.PBT_GENERATION: str(generation_of(trial))}
+    state = PbtState.of(trial)
+    if state is not None:
+        found |= {
+            tags.PBT_PARENT: str(state.parent),
+            tags.PBT_FROM_STEP: str(state.from_step),
+            tags.PBT_REPLACES: str(state.replaces),
+        }
+    continued_in = trial.user_attrs.get(ATTR_CONTINUED_IN)
+    if continued_in is not None:
+        found[tags.PBT_CONTINUED_IN] = str(continued_in)
+    return found
