@@ -92,6 +92,10 @@ checkpoint = ctx.load_latest_checkpoint()
 if checkpoint is not None:
     model.load_state_dict(checkpoint.state["model"])
     optimizer.load_state_dict(checkpoint.state["optimizer"])
+    # The saved state carries the lr it was saved with: under population-based training that is the
+    # donor's, and this trial's own (explored) lr applies from here on.
+    for group in optimizer.param_groups:
+        group["lr"] = params["lr"]
     start_epoch = checkpoint.state["epoch"] + 1
     if ctx.is_main:
         print(f"resuming from {checkpoint.path} at epoch {start_epoch}", flush=True)

@@ -62,7 +62,8 @@ class FaultStudy:
     num_trials: int = 3
     num_parallel: int = 2
     epochs: int = 6
-    sleep_s: float = 0.5
+    sleep_s: float | None = 0.5
+    """The trainer's pause per epoch; None where the space tunes it."""
     trainer: Path = TRAINER
     args: Mapping[str, Any] = field(default_factory=dict)
     """More trainer parameters, besides epochs and sleep_s."""
@@ -111,7 +112,7 @@ class FaultStudy:
                     "with": {
                         "train": {
                             "entrypoint": str(self.trainer),
-                            "args": {"epochs": self.epochs, "sleep_s": self.sleep_s, **self.args},
+                            "args": {"epochs": self.epochs, **self._sleep, **self.args},
                             **self.train,
                         },
                         "study": {"name": STUDY, "storage": self.storage, "metric": METRIC},
@@ -129,6 +130,10 @@ class FaultStudy:
         self.tmp.mkdir(parents=True, exist_ok=True)
         self.spec.write_text(yaml.safe_dump(spec, sort_keys=False))
         return self
+
+    @property
+    def _sleep(self) -> dict[str, float]:
+        return {} if self.sleep_s is None else {"sleep_s": self.sleep_s}
 
     # -------------------------------------------------------------------------------------- reading
 

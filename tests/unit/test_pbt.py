@@ -87,6 +87,25 @@ def test_a_job_is_judged_once_per_boundary_and_trials_are_read_only_when_it_reac
     assert late.judge(8, study(*others)) == [] and len(loads) == 2
 
 
+def test_a_boundary_stays_open_until_every_member_reached_it_and_is_then_decided_further_on() -> None:
+    judge = BoundaryJudge.for_job(PBT, trial(0, {}))
+    slow = trial(3, {0: 0.9})  # not yet at 2 units
+    worst = trial(0, {0: 0.1, 1: 0.1})
+    middle = [trial(1, {1: 0.5}), trial(2, {1: 0.6})]
+    assert judge.judge(2, lambda: [worst, *middle, slow]) == []  # open: member 3 is on its way
+    assert judge.next_boundary == 1
+    # Member 3 arrives (and beats it); the worst has trained on to 3 units and is judged at 2 units now.
+    worst = trial(0, {0: 0.1, 1: 0.1, 2: 0.2})
+    assert judge.judge(3, lambda: [worst, *middle, trial(3, {0: 0.9, 1: 0.9})]) == [3]
+    # A member that finished short of the boundary (it failed) holds nobody up.
+    failed = trial(3, {0: 0.9})
+    failed.state = TrialState.FAIL
+    half = Pbt(population=4, interval=2, quantile=0.5, maximize=True)  # floor(3 x 0.5) = 1 of three
+    assert BoundaryJudge.for_job(half, trial(0, {})).judge(2, lambda: [worst, *middle, failed]) == [2]
+    # Nor is a boundary decided before the whole population was asked.
+    assert BoundaryJudge.for_job(PBT, trial(0, {})).judge(2, lambda: [worst, *middle]) == []
+
+
 def test_a_continuation_is_first_judged_at_the_boundary_after_its_donors_step() -> None:
     later = trial(9, {}, continuing(member=3, generation=1, parent=0, from_step=4, replaces=3))
     assert BoundaryJudge.for_job(PBT, later).next_boundary == 3  # trained 5 units: next at 6
@@ -131,6 +150,13 @@ def test_explore_resamples_from_the_space_at_the_resample_probability() -> None:
     assert len(drawn) == 20 and all(0.0 <= x <= 1.0 for x in drawn)
 
 
+def test_explore_leaves_the_parameters_it_is_not_given_as_the_donors() -> None:
+    space = {"lr": FloatDistribution(1e-4, 1e-1, log=True), "hidden": IntDistribution(16, 128)}
+    rule = Pbt(population=4, interval=1, quantile=0.25, maximize=True, explored=frozenset({"lr"}))
+    for seed in range(20):
+        assert rule.explore({"lr": 0.01, "hidden": 64}, space, random.Random(seed))["hidden"] == 64
+
+
 def tune(**overrides: Any) -> dict[str, Any]:
     raw: dict[str, Any] = {
         "train": {"entrypoint": "train.py"},
@@ -172,6 +198,10 @@ def test_pbt_validates_and_num_trials_defaults_to_the_population() -> None:
         (
             {"pbt": {"population": 4, "interval": 2, "perturb": {"factors": [1, 1]}}},
             r"\[1.0, 1.0\] would not move a parameter; fix: two positive factors",
+        ),
+        (
+            {"pbt": {"population": 4, "interval": 2, "perturb": {"params": ["lr"]}}},
+            r"pbt.perturb.params names lr, not in space \(x\); fix: name parameters of the search space",
         ),
     ],
 )

@@ -11,9 +11,12 @@ of the same member continues from a copy of the latest checkpoint of a member in
 records where it came from in one user attribute (``PbtState``: member, generation, the donor's trial,
 the checkpoint step, the trial it continues), which becomes the MLflow run's lineage tags.
 
-A boundary is judged once per job, when its reports first reach it, against those there so far (as
-ASHA's rungs): nothing waits for the whole population, which is why PBT trains its population side by
-side (``num_parallel >= population``, checked at spec load).
+A boundary is decided once per job, as soon as every member has reached it (or has finished without
+reaching it): the member that gets there last decides on arrival, the others at their next report
+after that, by then a little further on. Nobody waits (a job trains on while its boundary is open),
+and members are ranked at the same point of training, so a member that is ahead is not favoured for
+it (Ray Tune's PBT ranks the latest result of each). Members keep each other's pace only if they
+train side by side, which is why ``num_parallel >= population`` is checked at spec load.
 
 Everything here is pure: read from frozen trials; the tuner does the stopping, copying and creating.
 """
@@ -33,8 +36,9 @@ from optuna.distributions import (
     FloatDistribution,
     IntDistribution,
 )
-from optuna.trial import FrozenTrial
+from optuna.trial import FrozenTrial, TrialState
 
+FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 ATTR_PBT = "tunepod_pbt"
 """A continuing trial's lineage (``PbtState`` as JSON); a member's first trial has none."""
 
@@ -86,6 +90,8 @@ class Pbt:
     max_resource: int | None = None
     factors: tuple[float, float] = (0.8, 1.2)
     resample_probability: float = 0.25
+    explored: frozenset[str] | None = None
+    """The parameters ``explore`` changes; None: all."""
 
     def boundaries_after(self, units: int) -> int:
         """The index k (boundary at ``k * interval`` units) of the first boundary past ``units``."""
@@ -120,6 +126,17 @@ class Pbt:
         valued.sort(key=lambda pair: (-pair[0] if self.maximize else pair[0], pair[1]))
         return [member for _, member in valued]
 
+    def decidable(self, units: int, trials: Sequence[FrozenTrial]) -> bool:
+        """Every member of the population exists and has reached ``units``, or has finished short of
+        it (a failed member holds nobody up)."""
+        members = sorted({member_of(t) for t in trials if t.state is not TrialState.WAITING})
+        if len(members) < self.population:
+            return False
+        return all(
+            self.value_at(member, units, trials) is not None or self.head(member, trials).state in FINISHED
+            for member in members
+        )
+
     def donors_for(self, member: int, units: int, trials: Sequence[FrozenTrial]) -> list[int]:
         """The members ``member`` may copy from at ``units`` (the top ``quantile``, best first) when it
         ranks in the bottom ``quantile`` of the ``n`` members there; empty while it may go on."""
@@ -136,12 +153,12 @@ class Pbt:
     def explore(
         self, params: Mapping[str, Any], space: Mapping[str, BaseDistribution], rng: random.Random
     ) -> dict[str, Any]:
-        """The donor's parameters, each resampled from its distribution with ``resample_probability``,
-        else perturbed: a number times one of ``factors`` (clipped to its range, on its grid), a
-        choice moved to a neighbouring one."""
+        """The donor's parameters, each of ``explored`` resampled from its distribution with
+        ``resample_probability``, else perturbed: a number times one of ``factors`` (clipped to its
+        range, on its grid), a choice moved to a neighbouring one."""
         explored = dict(params)
         for name, distribution in space.items():
-            if name not in params:
+            if name not in params or (self.explored is not None and name not in self.explored):
                 continue
             if rng.random() < self.resample_probability:
                 explored[name] = _sample(distribution, rng)
@@ -152,8 +169,8 @@ class Pbt:
 
 @dataclass
 class BoundaryJudge:
-    """The boundaries one running job is still to be judged at, each once: when its reports first
-    reach it (a job that went on past one is not exploited there later)."""
+    """The boundaries one running job is still to be judged at, each once: when it has reached it and
+    so has every other member (a job that went on past one is not exploited there later)."""
 
     pbt: Pbt
     member: int
@@ -168,11 +185,15 @@ class BoundaryJudge:
 
     def judge(self, units: int, load_trials: Callable[[], Sequence[FrozenTrial]]) -> list[int]:
         """The members to copy from, best first, now that the job has trained ``units``; empty to go
-        on. The trials are loaded only when a boundary is reached: most reports reach none."""
+        on. The trials are loaded only while a boundary the job reached is open: most reports reach
+        none."""
         trials: Sequence[FrozenTrial] | None = None
         while self.pbt.is_boundary(self.next_boundary) and units >= self.next_boundary * self.pbt.interval:
             trials = load_trials() if trials is None else trials
-            donors = self.pbt.donors_for(self.member, self.next_boundary * self.pbt.interval, trials)
+            boundary = self.next_boundary * self.pbt.interval
+            if not self.pbt.decidable(boundary, trials):
+                return []  # others are still on their way there: decided at a later report
+            donors = self.pbt.donors_for(self.member, boundary, trials)
             if donors:
                 return donors
             self.next_boundary += 1

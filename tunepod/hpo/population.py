@@ -49,6 +49,7 @@ def make_pbt(settings: TuneSettings) -> Pbt | None:
         max_resource=spec.max_resource,
         factors=spec.perturb.factors,
         resample_probability=spec.perturb.resample_probability,
+        explored=None if spec.perturb.params is None else frozenset(spec.perturb.params),
     )
 
 

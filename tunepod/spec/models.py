@@ -768,6 +768,12 @@ class PerturbSpec(Strict):
     resample_probability: float = Field(
         0.25, ge=0, le=1, description="Chance that a parameter is drawn afresh from the space instead."
     )
+    params: list[str] | None = Field(
+        None,
+        description="The parameters to explore (default: all of space); the others are the donor's, "
+        "unchanged. Leave out those that shape the model or its optimizer's state (layer sizes, the "
+        "optimizer's kind): the donor's checkpoint must load under the new parameters.",
+    )
 
     @field_validator("factors")
     @classmethod
@@ -923,6 +929,12 @@ class TuneSettings(Strict):
             )
         if self.study.multi_objective:
             problems.append("pbt ranks members by one objective, the study has several; fix: keep one")
+        unknown = sorted(set(pbt.perturb.params or []) - set(self.space))
+        if unknown:
+            problems.append(
+                f"pbt.perturb.params names {', '.join(unknown)}, not in space ({', '.join(self.space)}); "
+                "fix: name parameters of the search space"
+            )
         if len(self.enqueue) > pbt.population:
             problems.append(
                 f"enqueue has {len(self.enqueue)} configurations for a population of {pbt.population}; "
