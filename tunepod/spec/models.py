@@ -857,14 +857,25 @@ class WarmStart(Strict):
     top_k: int = Field(5, ge=1, description="How many of its best completed trials to run first.")
 
 
+def _num_trials_optional_under_pbt(schema: dict[str, Any]) -> None:
+    """In the JSON schema as in validation: num_trials is required unless pbt sets the population."""
+    schema["required"] = [name for name in schema.get("required", []) if name != "num_trials"]
+    schema["anyOf"] = [{"required": ["num_trials"]}, {"required": ["pbt"]}]
+
+
 class TuneSettings(Strict):
     """An Optuna study whose trials are distributed training jobs run ``num_parallel`` at a time."""
+
+    model_config = ConfigDict(**Strict.model_config, json_schema_extra=_num_trials_optional_under_pbt)
 
     train: TrainJob
     study: StudySpec
     space: dict[str, SearchParam] = Field(..., min_length=1)
     num_trials: int = Field(
-        ..., ge=1, description="Finished trials the study should hold, counting earlier runs."
+        ...,
+        ge=1,
+        description="Finished trials the study should hold, counting earlier runs; under pbt, the "
+        "population (the default there).",
     )
     num_parallel: int = Field(1, ge=1, description="Trials in flight at once.")
     sampler: Annotated[
