@@ -11,6 +11,8 @@ Checked at the moment it happens (the backends, the stores and the scheduler cal
 - **no healthy job is cancelled**: a stop asked as ``timed_out`` comes after the job's run really ran
   that long; as ``hung``, after it really stopped progressing for the hang timeout; a stop without a
   reason in the job dir is a violation (the tuner never stops a job without one);
+- **an exploited trial goes on once** (PBT, checked at the end): one continuation per trial an exploit
+  ended, and that trial PRUNED;
 - **a paused trial has no live job** (ASHA): a pause is recorded only once the trial's job has ended,
   and a promotion only written inside the trial's fence; no job is created for a trial recorded as
   paused (a promotion is written before its job is created).
@@ -42,6 +44,7 @@ from simulation.cluster import HEARTBEAT_S, Cluster
 from simulation.scheduler import Scheduler
 from simulation.stores import MlflowTwin, OptunaDatabase
 from tunepod.hpo.asha import AshaState, is_paused
+from tunepod.hpo.pbt import PbtState
 from tunepod.hpo.trials import ATTR_JOB_DIR
 from tunepod.launch.lease import read_lease
 from tunepod.launch.paths import JobPaths
@@ -209,11 +212,14 @@ class Referee:
     def _counted_once(self, trials: list[FrozenTrial]) -> None:
         states = Counter(trial.state.name for trial in trials)
         finished = [trial for trial in trials if trial.state.is_finished()]
-        if len(finished) != self.facts.num_trials or len(finished) != len(trials):
+        # Under PBT each member is counted; each of its trials an exploit ended has one continuation.
+        wanted = self.facts.num_trials + sum(PbtState.of(trial) is not None for trial in trials)
+        if len(finished) != wanted or len(finished) != len(trials):
             self.violated(
                 "every trial ends counted once",
-                f"{len(finished)} finished of {self.facts.num_trials} wanted; states {dict(states)}",
+                f"{len(finished)} finished of {wanted} wanted; states {dict(states)}",
             )
+        self._continued_once(trials)
         for trial in finished:
             missing = set(self.facts.params) - set(trial.params)
             if missing:
@@ -225,6 +231,19 @@ class Referee:
                 self.violated(
                     "every trial ends counted once",
                     f"trial {trial.number} was told {len(tells)} times: {tells}",
+                )
+
+    def _continued_once(self, trials: list[FrozenTrial]) -> None:
+        """PBT: an exploited trial goes on in exactly one continuation of its member, and has ended
+        PRUNED (whether its job was stopped as exploited or had already ended is ``_true_outcome``'s)."""
+        by_number = {trial.number: trial for trial in trials}
+        replaced = Counter(state.replaces for t in trials if (state := PbtState.of(t)) is not None)
+        for number, count in replaced.items():
+            exploited = by_number[number]
+            if count != 1 or exploited.state is not TrialState.PRUNED:
+                self.violated(
+                    "an exploited trial goes on once",
+                    f"trial {number} ({exploited.state.name}) has {count} continuations",
                 )
 
     def _true_outcome(self, trial: FrozenTrial) -> None:
@@ -280,7 +299,13 @@ class Referee:
         extra = logged - reported
         if trial.state is TrialState.COMPLETE and trial.values:
             extra -= Counter(
-                [(self.facts.metric, trial.values[0], max(trial.intermediate_values, default=0))]
+                [
+                    (
+                        self.facts.metric,
+                        trial.values[0],
+                        max(trial.intermediate_values, default=_first_step(trial)),
+                    )
+                ]
             )
         missing = reported - logged
         if missing or extra:
@@ -335,3 +360,10 @@ def _reported_points(metrics: Path) -> list[tuple[str, float, int]]:
         report = json.loads(line)
         points += [(key, float(value), int(report["step"])) for key, value in report["metrics"].items()]
     return points
+
+
+def _first_step(trial: FrozenTrial) -> int:
+    """Where a trial's final objective lands when it reported nothing: step 0, or for a PBT
+    continuation the step of its donor's checkpoint."""
+    state = PbtState.of(trial)
+    return state.from_step if state is not None and state.from_step >= 0 else 0

@@ -16,7 +16,7 @@ from typing import Any
 from optuna.trial import FrozenTrial
 
 from simulation.backends import KINDS
-from tunepod.hpo import tuner
+from tunepod.hpo import population, tuner
 from tunepod.hpo.asha import ATTR_ASHA, AshaState
 from tunepod.launch import base, drive, lease
 from tunepod.launch.hyperpod_eks import launcher as eks_launcher
@@ -171,6 +171,13 @@ def _pause_recorded_at_the_decision() -> contextlib.AbstractContextManager[None]
     return _patched(tuner.ReportFeed, "_asha_says", record_at_once)
 
 
+def _continued_without_looking() -> contextlib.AbstractContextManager[None]:
+    """PBT creating an exploited trial's continuation without first looking for one: a rerun after a
+    crash between the creation and the exploited trial's PRUNED creates a second, and the member
+    trains twice."""
+    return _patched(population.Population, "continuation_of", lambda self, number: None)
+
+
 MUTANTS = [
     Mutant("leases-leak", "issue 28, 2: leases of trials a failed ask never started stay held", _leases_leak),
     Mutant(
@@ -242,6 +249,12 @@ MUTANTS = [
         "a submit retried after a lost create reply refuses its own attempt's job, or runs it again",
         _sent_intent_refused,
         kinds=("sagemaker",),
+    ),
+    Mutant(
+        "continued-twice",
+        "PBT: an exploited trial's continuation created without looking for one made before a crash",
+        _continued_without_looking,
+        kinds=("local", "slurm", "hyperpod_eks"),
     ),
 ]
 

@@ -325,6 +325,15 @@ def _settings(scenario: Scenario) -> TuneSettings:
         pruner["warmup_steps"] = 1
     if scenario.pruner == "asha":  # rungs at 1, 2 and 4 steps, below a whole run
         pruner |= {"min_resource": 1, "reduction_factor": 2, "max_resource": scenario.program.steps}
+    pbt = None
+    if scenario.pruner == "pbt":  # a decision at every step below a whole run, the bottom half exploited
+        pruner = {"kind": "none"}
+        pbt = {
+            "population": scenario.num_trials,
+            "interval": 1,
+            "quantile": 0.5,
+            "max_resource": scenario.program.steps,
+        }
     resources: dict[str, object] = {}
     if scenario.timeout_s is not None:
         resources["timeout_min"] = scenario.timeout_s / 60
@@ -348,6 +357,7 @@ def _settings(scenario: Scenario) -> TuneSettings:
             "sampler": "random",
             "seed": scenario.seed,
             "pruner": pruner,
+            "pbt": pbt,
             "poll_s": scenario.poll_s,
         }
     )

@@ -139,7 +139,7 @@ def scenario_of(seed: int, *, kinds: tuple[str, ...] = KINDS) -> Scenario:
         # The local launcher's jobs are processes of one machine, the orchestrators' own.
         two_hosts=backend.kind != "local" and draw.random() < 0.5,
     )
-    return _with_asha(scenario)
+    return _with_pbt(_with_asha(scenario))
 
 
 def _with_asha(scenario: Scenario) -> Scenario:
@@ -148,6 +148,18 @@ def _with_asha(scenario: Scenario) -> Scenario:
     if scenario.pruner == "none" and random.Random(f"asha-{scenario.seed}").random() < 0.5:
         return replace(scenario, pruner="asha")
     return scenario
+
+
+def _with_pbt(scenario: Scenario) -> Scenario:
+    """Population-based training in place of no pruner in some of the seeds ASHA left alone (drawn
+    apart, as ASHA's), where the orchestrator reads the jobs' checkpoints (not SageMaker's, which sync
+    to S3): a population of ``num_parallel`` (at least 2), which is then the study's trials."""
+    if scenario.pruner != "none" or scenario.backend.kind == "sagemaker":
+        return scenario
+    if random.Random(f"pbt-{scenario.seed}").random() >= 0.5:
+        return scenario
+    population = max(2, scenario.num_parallel)
+    return replace(scenario, pruner="pbt", num_parallel=population, num_trials=population)
 
 
 def _timed_faults(draw: random.Random, phase_s: float) -> list[TimedFault]:
