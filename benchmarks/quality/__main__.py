@@ -32,6 +32,7 @@ from rich.table import Table
 from benchmarks.quality.study import StudyFailed, StudyRun, run_study
 from benchmarks.quality.workloads import (
     ARMS,
+    PBT,
     RANDOM,
     RAY_ASHA,
     TPE_ASHA,
@@ -47,7 +48,13 @@ GOAL_RATIO = 0.5
 # apart share none within a budget of fewer trials.
 SEED_STRIDE = 1000
 BUSY_LOAD = 1.0
-SIDES = {RANDOM: "baseline", TPE_HYPERBAND: "tunepod", TPE_ASHA: "tunepod", RAY_ASHA: "baseline 2"}
+SIDES = {
+    RANDOM: "baseline",
+    TPE_HYPERBAND: "tunepod",
+    TPE_ASHA: "tunepod",
+    PBT: "tunepod",
+    RAY_ASHA: "baseline 2",
+}
 
 console = Console(highlight=False, soft_wrap=True, width=160)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,7 @@ REDUCTION_FACTOR = 3
 RANDOM = "random"
 TPE_HYPERBAND = "tpe+hyperband"
 TPE_ASHA = "tpe+asha"
+PBT = "pbt"
 RAY_ASHA = "ray asha"
 ARMS: dict[str, dict[str, str]] = {
     # The baseline: every trial trains to its end, parameters drawn at random. The whole pruner
@@ -26,6 +28,11 @@ ARMS: dict[str, dict[str, str]] = {
     # tunepod's ASHA: trials outside the top of a rung paused after their checkpoint and promoted
     # (resumed from it) later, instead of killed; TPE sees paused trials as pruned ones.
     TPE_ASHA: {"sampler": "tpe", "pruner.kind": "asha"},
+    # tunepod's population-based training: a population of --parallel members drawn at random, the
+    # bottom quarter going on from a top member's checkpoint every min_resource steps with its lr
+    # perturbed (the other parameters shape the model: the donor's are kept). The population is the
+    # study's trials (Workload.pbt_options).
+    PBT: {"sampler": "random", "pruner": "{kind: none}"},
 }
 
 
@@ -66,6 +73,7 @@ class Workload:
             f"{tune}.seed": str(seed),
             **{f"{tune}.{key}": value for key, value in ARMS[arm].items()},
             **{f"{tune}.pruner.{key}": value for key, value in self.pruner_options(arm).items()},
+            **{f"{tune}.{key}": value for key, value in self.pbt_options(arm).items()},
             **{f"{tune}.train.args.{key}": str(value) for key, value in self.train_args.items()},
         }
         return [f"{key}={value}" for key, value in settings.items()]
@@ -80,6 +88,19 @@ class Workload:
             "max_resource": str(self.max_step + 1),
             "reduction_factor": str(REDUCTION_FACTOR),
         }
+
+    def pbt_options(self, arm: str) -> dict[str, str]:
+        """The PBT arm's population (its num_trials, all side by side) and schedule."""
+        if arm != PBT:
+            return {}
+        schedule = {
+            "population": self.parallel,
+            "interval": self.min_resource,
+            "quantile": 0.25,
+            "max_resource": self.max_step + 1,
+            "perturb": {"params": ["lr"]},
+        }
+        return {"pbt": json.dumps(schedule), "num_trials": str(self.parallel)}
 
     def storage(self, root: Path, arm: str, seed: int) -> str:
         return f"journal://{root}/{self.study_name(arm, seed)}.optuna.log"

@@ -1,0 +1,35 @@
+"""Every arm of the tuning-quality benchmark (benchmarks/quality) makes a valid spec of each workload:
+the overrides it sets are the ones the spec accepts, so a benchmark run never dies at its first study
+(the benchmark itself runs in make bench, not here)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks.quality.workloads import ARMS, PBT, REPO, TUNE_STEP, Workload, digits, tiny_llm
+from tunepod.spec.loader import load_spec
+from tunepod.spec.models import TuneStep
+
+WORKLOADS = [
+    digits(trials=40, parallel=4, epochs=6, epoch_s=0.25, target=0.974),
+    tiny_llm(trials=12, parallel=4, steps=120, eval_interval=20, target=14.0),
+]
+
+
+@pytest.mark.parametrize("arm", sorted(ARMS))
+@pytest.mark.parametrize("workload", WORKLOADS, ids=lambda w: w.name)
+def test_each_arm_makes_a_valid_spec(workload: Workload, arm: str, tmp_path: Path) -> None:
+    spec = load_spec(workload.spec, workload.overrides(arm, seed=7, root=tmp_path), base_dir=REPO)
+    step = spec.steps[TUNE_STEP]
+    assert isinstance(step, TuneStep)
+    tune = step.with_
+    assert tune.study.name == workload.study_name(arm, 7) and tune.seed == 7
+    if arm == PBT:
+        # The population is the study's trials, all side by side; only lr is explored.
+        assert tune.pbt is not None and tune.pbt.population == tune.num_trials == tune.num_parallel == 4
+        assert tune.pbt.interval == workload.min_resource and tune.pbt.perturb.params == ["lr"]
+        assert tune.pruner.kind == "none"
+    else:
+        assert tune.pbt is None and tune.num_trials == workload.trials
