@@ -45,14 +45,14 @@ ASHA = {
 }
 
 
-def asha_study(tmp_path: Path, launcher: str) -> FaultStudy:
+def asha_study(tmp_path: Path, launcher: str, sleep_s: float = 0.5) -> FaultStudy:
     return FaultStudy(
         tmp_path,
         launcher,
         sqlite_tracking(tmp_path),
         num_trials=len(XS),
         epochs=EPOCHS,
-        sleep_s=0.5,
+        sleep_s=sleep_s,
         tune=ASHA,
         # A long grace: every pause lands at the trainer's should_stop() (it saves there), even on a
         # loaded machine where an epoch's checkpoint can take seconds.
@@ -103,7 +103,10 @@ def assert_paused_and_promoted_once_each(study: FaultStudy) -> list[int]:
 def test_a_study_under_asha_on_slurm_pauses_promotes_and_resumes_from_checkpoints(
     runs: MakeRuns, tmp_path: Path
 ) -> None:
-    study = asha_study(tmp_path, "slurm")
+    # Epochs of 1 s: the first pause must reach the best trial's job before it trains its last three
+    # epochs, and on a loaded machine Slurm's scancel --signal can take more than the 1.5 s that
+    # epochs of 0.5 s left (the job then completed unpaused, and nothing proved a resume).
+    study = asha_study(tmp_path, "slurm", sleep_s=1.0)
     runs(study).run("asha")
     promoted = assert_paused_and_promoted_once_each(study)
     # Without a fault, a promoted trial is the one that completes (the best, paused alone at rung 0).

@@ -2,7 +2,7 @@
 on the session's Prefect server, the quadratic trainer's jobs on the real one-node Slurm cluster or the
 local launcher, a real Optuna journal and MLflow SQLite store.
 
-Two members train side by side, 8 epochs, boundaries at 2, 4 and 6 units, the bottom half exploited:
+Two members train side by side, 6 epochs, boundaries at 2 and 4 units, the bottom half exploited:
 the second member is the worse (x far from 0.3) and the slower, so it reaches each boundary after the
 first and ranks last there. Proves: its job is stopped and its trial ends PRUNED, and the member goes
 on in one new trial from a copy of the first member's checkpoint (its job starts once and reports from
@@ -38,7 +38,7 @@ from tunepod.runtime.checkpoints import latest_checkpoint
 
 pytestmark = pytest.mark.slow
 
-EPOCHS = 8
+EPOCHS = 6
 TUNE = {
     "pbt": {
         "population": 2,
@@ -51,7 +51,7 @@ TUNE = {
         "x": {"type": "float", "low": 0.0, "high": 1.0},
         "sleep_s": {"type": "float", "low": 0.1, "high": 3.0},
     },
-    "enqueue": [{"x": 0.3, "sleep_s": 0.5}, {"x": 1.0, "sleep_s": 2.0}],
+    "enqueue": [{"x": 0.3, "sleep_s": 0.5}, {"x": 1.0, "sleep_s": 1.0}],
 }
 
 

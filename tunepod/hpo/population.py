@@ -3,10 +3,11 @@ continue an exploited member from a donor's checkpoint as a new trial, seed that
 tag the lineage in MLflow.
 
 Exactly once, whatever crashes: an exploited trial gets one continuation. The donor's checkpoint is
-first copied into the exploited trial's own job dir (``pbt-seed-from-<donor>``, under its lease; a
-copy made before a crash is used as it is), then the continuation is created under the study lock
-only if no trial continues the exploited one yet (``PbtState.replaces``), and only then is the
-exploited trial told PRUNED, with the number of its continuation in a user attribute. A rerun that
+first copied into the exploited trial's own job dir (``pbt-seed-from-<donor>``, by its driver but
+outside its fence; a copy made before a crash is used as it is), then, inside the fence, the
+continuation is created under the study lock only if no trial continues the exploited one yet
+(``PbtState.replaces``), and only then is the exploited trial told PRUNED, with the number of its
+continuation in a user attribute. A rerun that
 finds the exploited job's cancel marker does the same steps and finds each done. The continuation's
 job dir gets the seed as its checkpoint before its first job, so its job resumes from the donor's step.
 """
@@ -18,6 +19,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
@@ -53,6 +55,16 @@ def make_pbt(settings: TuneSettings) -> Pbt | None:
     )
 
 
+@dataclass(frozen=True)
+class Seed:
+    """What an exploited member goes on from: the donor's trial, the copy of its checkpoint (None:
+    there was none to copy) and the explored parameters."""
+
+    donor: FrozenTrial
+    copied: CheckpointInfo | None
+    params: dict[str, Any]
+
+
 @dataclass
 class Population:
     """The members of one study's population, over its trials and job dirs."""
@@ -82,30 +94,35 @@ class Population:
         if latest_checkpoint(paths.checkpoints) is None:
             copy_newest_checkpoint(Path(state.seed).parent, paths.checkpoints)
 
-    def continue_member(self, exploited: FrozenTrial, donors: Sequence[int]) -> int:
-        """The trial that continues ``exploited``'s member, created once: from a copy of the newest
-        checkpoint of one of ``donors`` (members, tried in a seeded random order), with its parameters
-        explored. With no donor checkpoint to copy, it continues from its own, parameters explored."""
-        existing = self.continuation_of(exploited.number)
-        if existing is not None:
-            return existing
+    def seed_from_a_donor(self, exploited: FrozenTrial, donors: Sequence[int]) -> Seed:
+        """A copy of the newest checkpoint of one of ``donors`` (members, tried in a seeded random
+        order) in ``exploited``'s job dir; with none to copy, of its own. Made outside the trial's
+        fence: copying a large checkpoint must not hold the lease lock (the heartbeat renews every
+        lease of the process under those locks), and a second copy by a stale driver only finds the
+        first (``copy_newest_checkpoint`` keeps one step per folder)."""
         rng = random.Random(f"pbt/{self.seed}/{exploited.number}")
         trials = self.trials.all()
         donor, copied = self._copy_from_a_donor(exploited, rng.sample(list(donors), len(donors)), trials)
-        params = self.pbt.explore(donor.params, self.distributions, rng)
+        return Seed(donor, copied, self.pbt.explore(donor.params, self.distributions, rng))
+
+    def continue_member(self, exploited: FrozenTrial, seed: Seed) -> int:
+        """The trial that continues ``exploited``'s member from ``seed``, created once (under the
+        study lock, unless one replaces ``exploited`` already). Called inside ``exploited``'s fence;
+        taking the study lock there cannot deadlock: under the study lock, leases are only taken
+        without waiting (and PBT has no paused trials for ASHA's promotions to fence)."""
         state = PbtState(
             member=member_of(exploited),
             generation=generation_of(exploited) + 1,
-            parent=donor.number,
-            from_step=copied.step if copied is not None else -1,
+            parent=seed.donor.number,
+            from_step=seed.copied.step if seed.copied is not None else -1,
             replaces=exploited.number,
-            seed=str(copied.path) if copied is not None else "",
+            seed=str(seed.copied.path) if seed.copied is not None else "",
         )
         with locked(self.jobs_dir / ".study.lock"):
             existing = self.continuation_of(exploited.number)
             if existing is not None:
                 return existing
-            number = self.trials.add_running(params, self.distributions, {ATTR_PBT: state.to_attr()})
+            number = self.trials.add_running(seed.params, self.distributions, {ATTR_PBT: state.to_attr()})
             # Its job dir recorded as an ask records it (under the lock: nobody sees it without).
             job_dir = self.jobs_dir / f"trial-{number}"
             set_aside_stale(job_dir)
@@ -115,9 +132,9 @@ class Population:
             exploited.number,
             state.member,
             number,
-            donor.number,
+            seed.donor.number,
             state.from_step,
-            params,
+            seed.params,
         )
         return number
 

@@ -33,7 +33,7 @@ from tunepod import world
 from tunepod.errors import JobError, TunepodError
 from tunepod.hpo.asha import ATTR_ASHA, Asha, AshaState, RungJudge, is_paused
 from tunepod.hpo.pbt import ATTR_PBT, BoundaryJudge, PbtState
-from tunepod.hpo.population import ATTR_CONTINUED_IN, Population, lineage_tags, make_pbt
+from tunepod.hpo.population import ATTR_CONTINUED_IN, Population, Seed, lineage_tags, make_pbt
 from tunepod.hpo.study import (
     distributions,
     enqueue_first_trials,
@@ -421,11 +421,12 @@ class Tuner:
                 leases=self.leases,
             )
             driven = driver.run(lease)
+            seed = self._seed_for(number, feed) if driven.outcome is Outcome.EXPLOITED else None
             with lease.fenced():
                 if driven.outcome is Outcome.PAUSED:
                     self._pause(number, feed, asha_state)
                 elif driven.outcome is Outcome.EXPLOITED:
-                    self._exploit(number, feed, mirror)
+                    self._exploit(number, feed, seed, mirror)
                 else:
                     self._conclude(number, driven, mirror, feed)
             return self._record(self.trials.frozen(number))
@@ -459,14 +460,26 @@ class Tuner:
         self.trials.set_attr(number, ATTR_ASHA, AshaState(rung, True, attempt, promotions).to_attr())
         log.info("trial %d paused at rung %d (%d units)", number, rung, self.asha.rungs[rung])
 
-    def _exploit(self, number: int, feed: ReportFeed, mirror: RunMirror) -> None:
+    def _seed_for(self, number: int, feed: ReportFeed) -> Seed | None:
+        """Outside the fence: the donor's checkpoint copy an exploited trial's member goes on from;
+        None when a continuation exists already (made before a crash)."""
+        assert self.population is not None, "only PBT exploits trials"
+        if self.population.continuation_of(number) is not None:
+            return None
+        frozen = self.trials.frozen(number)
+        donors = feed.donors or self.population.donors_after_crash(frozen)
+        return self.population.seed_from_a_donor(frozen, donors)
+
+    def _exploit(self, number: int, feed: ReportFeed, seed: Seed | None, mirror: RunMirror) -> None:
         """Record that PBT stopped trial ``number``'s job (inside the lease's fence): its member goes on
-        in a new trial from a donor's checkpoint (created once), then the trial ends PRUNED."""
+        in a new trial from ``seed`` (created once), then the trial ends PRUNED."""
         assert self.population is not None, "only PBT exploits trials"
         feed.tell_last_step()
         frozen = self.trials.frozen(number)
-        donors = feed.donors or self.population.donors_after_crash(frozen)
-        continuation = self.population.continue_member(frozen, donors)
+        continuation = self.population.continuation_of(number)
+        if continuation is None:
+            assert seed is not None, "a seed is made whenever no continuation exists"
+            continuation = self.population.continue_member(frozen, seed)
         self.trials.set_attr(number, ATTR_CONTINUED_IN, continuation)
         self.trials.tell(number, TrialState.PRUNED)
         self._close(number, mirror)
