@@ -265,6 +265,22 @@ def test_pending_job_shows_slurms_reason_and_cancels(slurm_launcher: SlurmLaunch
     assert handle.state() is JobState.CANCELLED
 
 
+def test_a_stop_gives_the_tasks_the_jobs_stop_grace_instead_of_killwait(tmp_path: Path) -> None:
+    """Real fault: tunepod stops a running job (as a prune, a pause or an exploit does) whose script
+    needs 12 s to save after SIGTERM, past the test cluster's KillWait of 10 s. With
+    ``resources.stop_grace_s: 30`` only its tasks get SIGTERM (``scancel --signal=TERM``), the batch
+    script is left to end the job when they exit, and the script saves and exits 0. A plain scancel
+    (what a job without the setting gets) would SIGKILL it after KillWait, mid-save."""
+    launcher = SlurmLauncher(slurm_spec(tmp_path / "shared"))
+    job = fixture_job(tmp_path / "graced", "slow_save.py", "12", resources=Resources(stop_grace_s=30))
+    handle = launcher.submit(job)
+    wait_until(lambda: (job.job_dir / "started").exists(), "the script to start")
+    handle.cancel(reason="pruned")
+    saved = json.loads((job.job_dir / "saved").read_text())
+    assert saved["saved_at"] - saved["signal_at"] >= 12  # it outlived KillWait
+    assert (handle.status().state, handle.status().exit_code) == ("COMPLETED", 0)
+
+
 def test_render_is_the_batch_script_slurmctld_stored(tmp_path: Path) -> None:
     """``tunepod render``'s script for a trial is byte for byte the one Slurm keeps for its job (but for
     the submission id, drawn anew by each submit)."""

@@ -119,10 +119,12 @@ class SlurmCommands:
             return []
         return [job for job in listed if job.name == name]
 
-    def scancel(self, job_id: str) -> None:
-        """Ask Slurm to end ``job_id``; a job that has already ended (or was purged) is no error."""
+    def scancel(self, job_id: str, *, signal: str | None = None) -> None:
+        """Ask Slurm to end ``job_id``; with ``signal``, only send it that signal, to the tasks of its
+        steps (not to the batch script, which would end the job and have its steps killed). A job that
+        has already ended (or was purged) is no error."""
         try:
-            self.runner.run(["scancel", job_id])
+            self.runner.run(["scancel", *([f"--signal={signal}"] if signal else []), job_id])
         except CommandFailed as exc:
             # It ended between our look and the scancel: the caller's wait sees the real outcome.
             if not _is_answer(exc, _ALREADY_ENDED):

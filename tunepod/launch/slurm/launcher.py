@@ -20,8 +20,9 @@ from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
 
+from tunepod import world
 from tunepod.errors import JobError
-from tunepod.launch.base import Accepted, Job, JobSpec, LauncherBase, Rendered
+from tunepod.launch.base import Accepted, Job, JobSpec, JobState, LauncherBase, Rendered
 from tunepod.launch.exit_code import read_exit_code, recorded_job_id, temp_exit_file
 from tunepod.launch.paths import JobPaths, file_logs
 from tunepod.launch.runner import CommandRunner, LocalRunner, SshRunner
@@ -88,7 +89,9 @@ class SlurmLauncher(LauncherBase[SlurmStatus]):
         # Over ssh the head node may not see the script we just wrote yet (attribute caching on the
         # shared filesystem); stdin does not depend on it.
         script_path = None if self.spec.ssh else job.job_dir / SCRIPT_NAME
-        return Accepted(self.slurm.sbatch(rendered.payload, script_path))
+        grace = job.resources.stop_grace_s
+        details: dict[str, object] = {} if grace is None else {"stop_grace_s": grace}
+        return Accepted(self.slurm.sbatch(rendered.payload, script_path), details)
 
     def find(self, intent: Submission, job_dir: Path) -> Accepted | None:
         """The job named ``intent.name`` whose comment names ``intent.submission_id``: first among the
@@ -124,7 +127,27 @@ class SlurmLauncher(LauncherBase[SlurmStatus]):
         return {job_id: self._current_status(job_id, queued.get(job_id), jobs[job_id]) for job_id in open_ids}
 
     def stop(self, job: Job[SlurmStatus]) -> None:
+        """A running job whose ``resources.stop_grace_s`` is set gets SIGTERM in its tasks only
+        (``scancel --signal=TERM``) and that long to save and exit on its own; what still runs then is
+        cancelled. A plain ``scancel`` would also signal the batch script, and the tasks would get only
+        the cluster's KillWait: a script still importing torch for its first save was killed mid-save
+        under load. Without the setting (or for a job found after a crash, whose record has none):
+        ``scancel``, and KillWait is the grace."""
+        grace_s = job.record.details.get("stop_grace_s") if job.record is not None else None
+        if grace_s is not None and job.status(max_age_s=0).job_state is JobState.RUNNING:
+            self.slurm.scancel(job.job_id, signal="TERM")
+            if self._ended_within(job, float(grace_s)):
+                return
+            logger.warning("slurm job %s still runs %ss after SIGTERM; cancelling it", job.job_id, grace_s)
         self.slurm.scancel(job.job_id)
+
+    def _ended_within(self, job: Job[SlurmStatus], timeout_s: float) -> bool:
+        deadline = world.monotonic() + timeout_s
+        while not job.status(max_age_s=self.cancel_poll_s).job_state.is_terminal:
+            if world.monotonic() > deadline:
+                return False
+            world.sleep(self.cancel_poll_s)
+        return True
 
     def read_logs(self, job: Job[SlurmStatus], tail: int) -> str:
         return file_logs(job.paths, tail)
