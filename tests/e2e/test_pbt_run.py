@@ -30,7 +30,7 @@ from mlflow import MlflowClient
 from optuna.trial import FrozenTrial, TrialState
 
 from tunepod.hpo.pbt import PbtState, member_of
-from tunepod.hpo.population import ATTR_CONTINUED_IN
+from tunepod.hpo.population import ATTR_CONTINUED_IN, lineage
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.submission import read_cancel_marker
 from tunepod.runtime import read_reports
@@ -68,13 +68,6 @@ def pbt_study(tmp_path: Path, launcher: str) -> FaultStudy:
         # A long grace: every exploit lands at the trainer's should_stop() (it saves there).
         train={"resources": {"stop_grace_s": 60}},
     )
-
-
-def lineage(trials: dict[int, FrozenTrial], root: int) -> list[FrozenTrial]:
-    chain = [trials[root]]
-    while (following := chain[-1].user_attrs.get(ATTR_CONTINUED_IN)) is not None:
-        chain.append(trials[int(following)])
-    return chain
 
 
 def assert_each_member_trained_once(study: FaultStudy) -> list[FrozenTrial]:

@@ -22,7 +22,7 @@ from test_tuner import assert_no_job_left, child_runs, make_tuner, settings, sta
 
 from tunepod.errors import TunepodError
 from tunepod.hpo.pbt import PbtState, member_of
-from tunepod.hpo.population import ATTR_CONTINUED_IN
+from tunepod.hpo.population import lineage
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.sagemaker import SageMakerLauncher
 from tunepod.launch.submission import read_cancel_marker
@@ -47,14 +47,6 @@ MEMBERS = [
     {"x": 0.7, "sleep_s": 0.4},
     {"x": 1.0, "sleep_s": 1.2},
 ]
-
-
-def lineage(trials: dict[int, FrozenTrial], root: int) -> list[FrozenTrial]:
-    """A member's trials, first to last, following each exploited trial to its continuation."""
-    chain = [trials[root]]
-    while (following := chain[-1].user_attrs.get(ATTR_CONTINUED_IN)) is not None:
-        chain.append(trials[int(following)])
-    return chain
 
 
 def test_the_worst_member_goes_on_from_a_top_members_checkpoint_with_perturbed_parameters(

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -175,6 +175,15 @@ class Population:
             if donors:
                 return donors
         return []
+
+
+def lineage(trials: Mapping[int, FrozenTrial], root: int) -> list[FrozenTrial]:
+    """Member ``root``'s trials by number, first to last: each exploited trial followed to the trial
+    it went on in (``ATTR_CONTINUED_IN``)."""
+    chain = [trials[root]]
+    while (following := chain[-1].user_attrs.get(ATTR_CONTINUED_IN)) is not None:
+        chain.append(trials[int(following)])
+    return chain
 
 
 def lineage_tags(trial: FrozenTrial) -> dict[str, str]:
