@@ -18,6 +18,8 @@ TPE_HYPERBAND = "tpe+hyperband"
 TPE_ASHA = "tpe+asha"
 PBT = "pbt"
 RAY_ASHA = "ray asha"
+RAY_PBT = "ray pbt"
+RAY_ARMS = (RAY_ASHA, RAY_PBT)
 ARMS: dict[str, dict[str, str]] = {
     # The baseline: every trial trains to its end, parameters drawn at random. The whole pruner
     # mapping is replaced: the spec's Hyperband options are refused on kind none.

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.quality.workloads import ARMS, PBT, REPO, TUNE_STEP, Workload, digits, tiny_llm
+from benchmarks.quality.workloads import ARMS, PBT, REPO, TPE_ASHA, TUNE_STEP, Workload, digits, tiny_llm
 from tunepod.spec.loader import load_spec
 from tunepod.spec.models import TuneStep
 
@@ -33,3 +33,26 @@ def test_each_arm_makes_a_valid_spec(workload: Workload, arm: str, tmp_path: Pat
         assert tune.pruner.kind == "none"
     else:
         assert tune.pbt is None and tune.num_trials == workload.trials
+    if arm == TPE_ASHA:
+        # The recommended setting: ASHA's rungs are tunepod's defaults for a full trial's length.
+        assert tune.pruner.max_resource == workload.max_step + 1
+        assert tune.pruner.min_resource == (workload.max_step + 1) // 3
+
+
+@pytest.mark.parametrize("workload", WORKLOADS, ids=lambda w: w.name)
+def test_ray_pbt_is_given_the_schedule_of_the_pbt_arm(workload: Workload, tmp_path: Path) -> None:
+    # Ray's PBT is the baseline of tunepod's pbt arm: it must decide at the same units, copy the same
+    # share and explore the same parameters the same way (Ray itself is imported only by the arm's run).
+    from benchmarks.quality.ray_tune import pbt_settings
+
+    spec = load_spec(workload.spec, workload.overrides(PBT, seed=7, root=tmp_path), base_dir=REPO)
+    step = spec.steps[TUNE_STEP]
+    assert isinstance(step, TuneStep) and step.with_.pbt is not None
+    pbt = step.with_.pbt
+    assert pbt_settings(workload) == {
+        "interval": pbt.interval,
+        "quantile": pbt.quantile,
+        "params": pbt.perturb.params,
+        "factors": list(pbt.perturb.factors),
+        "resample_probability": pbt.perturb.resample_probability,
+    }
