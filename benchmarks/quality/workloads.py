@@ -28,8 +28,9 @@ ARMS: dict[str, dict[str, str]] = {
     # stopped early by Optuna's Hyperband.
     TPE_HYPERBAND: {"sampler": "tpe", "pruner.kind": "hyperband"},
     # tunepod's ASHA: trials outside the top of a rung paused after their checkpoint and promoted
-    # (resumed from it) later, instead of killed; TPE sees paused trials as pruned ones.
-    TPE_ASHA: {"sampler": "tpe", "pruner.kind": "asha"},
+    # (resumed from it) later, instead of killed; TPE sees paused trials as pruned ones. The recommended
+    # setting: tunepod's defaults, given only a full trial's length (Workload.pruner_options).
+    TPE_ASHA: {"sampler": "tpe", "pruner": "{kind: asha}"},
     # tunepod's population-based training: a population of --parallel members drawn at random, the
     # bottom quarter going on from a top member's checkpoint every min_resource steps with its lr
     # perturbed (the other parameters shape the model: the donor's are kept). The population is the
@@ -81,9 +82,11 @@ class Workload:
         return [f"{key}={value}" for key, value in settings.items()]
 
     def pruner_options(self, arm: str) -> dict[str, str]:
-        """Hyperband's (or ASHA's) settings for an arm that prunes (the spec refuses them on ``kind:
-        none``): the same rungs for both."""
-        if ARMS[arm].get("pruner.kind") not in ("hyperband", "asha"):
+        """Hyperband's settings (the spec refuses them on ``kind: none``); ASHA's rungs are its
+        defaults for a full trial's length."""
+        if arm == TPE_ASHA:
+            return {"max_resource": str(self.max_step + 1)}
+        if ARMS[arm].get("pruner.kind") != "hyperband":
             return {}
         return {
             "min_resource": str(self.min_resource),

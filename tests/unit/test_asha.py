@@ -135,6 +135,19 @@ def test_asha_needs_max_resource() -> None:
     )
 
 
+def test_asha_sizes_its_first_rung_from_max_resource_unless_told() -> None:
+    def first_rung(**options: int) -> int:
+        return PrunerSpec.model_validate({"kind": "asha", **options}).min_resource
+
+    assert first_rung(max_resource=6) == 2  # a third of a trial: one rung below it
+    assert first_rung(max_resource=121) == 40
+    assert first_rung(max_resource=16, reduction_factor=4) == 4
+    assert first_rung(max_resource=2) == 1  # never below one unit
+    assert first_rung(max_resource=6, min_resource=1) == 1  # a set value is kept
+    # Other pruners keep Optuna's own default.
+    assert PrunerSpec.model_validate({"kind": "hyperband", "max_resource": 6}).min_resource == 1
+
+
 def test_a_sampler_under_asha_learns_from_paused_trials_as_pruned_ones() -> None:
     study = optuna.create_study(direction="maximize")
     space = {"x": FloatDistribution(0, 1)}

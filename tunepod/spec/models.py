@@ -719,7 +719,8 @@ class PrunerSpec(Strict):
         1,
         ge=1,
         description="asha, hyperband, successive_halving: steps a trial runs before it can be pruned "
-        "or paused.",
+        "or paused. Default 1; asha: max_resource // reduction_factor, one rung at a third of a trial "
+        "with the default factor (measured: benchmarks/README.md, quality/).",
     )
     max_resource: int | None = Field(
         None,
@@ -742,6 +743,10 @@ class PrunerSpec(Strict):
     @model_validator(mode="after")
     def _options_fit(self) -> PrunerSpec:
         _options_fit_kind(self, self.kind, PRUNER_OPTIONS, "pruner")
+        if self.kind == "asha" and self.max_resource and "min_resource" not in self.model_fields_set:
+            # A first rung at a sixth of a trial (rf 3, two rungs) paused trials that would have won
+            # and paid a restart for each; a third did better (benchmarks.quality.simulate, digits).
+            self.min_resource = max(1, self.max_resource // self.reduction_factor)
         if self.kind == "asha" and self.max_resource is None:
             raise ValueError(
                 "pruner kind asha needs max_resource (its rungs stop below it); fix: set max_resource to "
