@@ -6,9 +6,10 @@ Four trials of 4 epochs, 2 at a time, rungs at 1 and 2 units, halving: the first
 is alone at rung 0 and so paused, and is promoted once others reach the rung below it. Proves: a
 paused trial resumes from its checkpoint on a new job (no epoch trained twice, one MLflow run with
 the whole curve), the trials never promoted end PRUNED, every trial ends once, no job is left. The
-fault test SIGKILLs the whole `tunepod run` process group the moment a first pause is decided (its
+fault tests SIGKILL the whole `tunepod run` process group the moment a first pause is decided (its
 cancel marker written: the stop, the pause's record and the promotion after it may each be half
-done) and proves the same after the rerun.
+done), or the moment a first promotion is recorded (its resumed job maybe not yet submitted), and
+prove the same after the rerun.
 """
 
 from __future__ import annotations
@@ -134,6 +135,28 @@ def test_sigkill_of_the_orchestrator_group_as_a_pause_is_decided_then_rerun(
         return any(m is not None and m.reason == "paused" for m in markers)
 
     wait_for(pause_decided, "a first pause", running=first)
+    first.kill()
+    tunepod.run("rerun")
+    assert_paused_and_promoted_once_each(study)
+
+
+def test_sigkill_of_the_orchestrator_group_as_a_promotion_is_recorded_then_rerun(
+    runs: MakeRuns, tmp_path: Path
+) -> None:
+    """Fault: SIGKILL of the whole `tunepod run` process group as soon as a first promotion is in the
+    study (the tuner records it before it submits the resumed job, so the kill lands between the record
+    and the resume, or just after the submission), then the same command again: the promoted trial
+    resumes exactly once (its job's attempts are 1 + its promotions), from its checkpoint."""
+    study = asha_study(tmp_path, "local")
+    tunepod = runs(study)
+    first = tunepod.start("killed")
+
+    def promotion_recorded() -> bool:
+        if not study.job_dirs():
+            return False  # the tuner has not created the study yet
+        return any((s := AshaState.of(t)) is not None and s.promotions > 0 for t in study.trials())
+
+    wait_for(promotion_recorded, "a first promotion", running=first)
     first.kill()
     tunepod.run("rerun")
     assert_paused_and_promoted_once_each(study)
