@@ -91,12 +91,14 @@ class StudySpan:
     """The last trial's completion; None while a trial is unfinished (a study stopped at its target)."""
     trial_starts: dict[int, float]
     pruned: int
+    """Trials stopped early: PRUNED, or paused by ASHA (RUNNING) when the study was stopped."""
 
 
 def study_span(storage: str, study_name: str) -> StudySpan:
     """Read the study from its storage URL as the spec names it (``journal://...``, ``sqlite:///...``)."""
     import optuna
 
+    from tunepod.hpo.asha import is_paused
     from tunepod.hpo.study import make_storage
 
     study = optuna.load_study(study_name=study_name, storage=make_storage(storage))
@@ -106,7 +108,8 @@ def study_span(storage: str, study_name: str) -> StudySpan:
     starts = {t.number: t.datetime_start.timestamp() for t in trials if t.datetime_start is not None}
     completes = [t.datetime_complete for t in trials]
     end = None if any(c is None for c in completes) else max(c.timestamp() for c in completes if c)
-    pruned = sum(t.state == optuna.trial.TrialState.PRUNED for t in trials)
+    # Under ASHA a trial stopped at a rung stays RUNNING while paused: it counts as stopped early too.
+    pruned = sum(t.state == optuna.trial.TrialState.PRUNED or is_paused(t) for t in trials)
     return StudySpan(min(starts.values()), end, starts, pruned)
 
 
