@@ -220,7 +220,8 @@ def shown(value: float) -> str:
 
 
 def ratio_of(value: float, baseline: float) -> str:
-    if math.isinf(value) and math.isinf(baseline):
+    """``value / baseline``; "n/a" when either never reached the target (no ratio is meaningful)."""
+    if math.isinf(value) or math.isinf(baseline):
         return "n/a"
     return f"{value / baseline:.2f}"
 
