@@ -2,8 +2,9 @@
 own on the session's Prefect server, the quadratic trainer's jobs on the local launcher or the real
 one-node Slurm cluster, a real Optuna journal and MLflow SQLite store.
 
-Four trials of 4 epochs, 2 at a time, rungs at 1 and 2 units, halving: the first trial (the best x)
-is alone at rung 0 and so paused, and is promoted once others reach the rung below it. Proves: a
+Four trials of 6 epochs, one at a time (so the order in which they reach the rung is fixed), one rung
+at 3 units, halving: the first trial (the best x) leads the rung alone and goes on, the second (the
+next best) is paused behind it and promoted once four trials have reached the rung. Proves: a
 paused trial resumes from its checkpoint on a new job (no epoch trained twice, one MLflow run with
 the whole curve), the trials never promoted end PRUNED, every trial ends once, no job is left. The
 fault tests SIGKILL the whole `tunepod run` process group the moment a first pause is decided (its
@@ -36,9 +37,9 @@ from tunepod.runtime import read_reports
 
 pytestmark = pytest.mark.slow
 
-EPOCHS = 4
-MIN_RESOURCE = 1
-XS = [0.3, 0.9, 0.1, 0.0]  # the first is the best: score = 1 - (x - 0.3)^2, scaled by the epoch
+EPOCHS = 6
+MIN_RESOURCE = 3
+XS = [0.3, 0.4, 0.9, 0.0]  # best first, then the next best: score = 1 - (x - 0.3)^2, scaled by the epoch
 ASHA = {
     "pruner": {"kind": "asha", "min_resource": MIN_RESOURCE, "reduction_factor": 2, "max_resource": EPOCHS},
     "space": {"x": {"type": "categorical", "choices": sorted(XS)}},
@@ -52,6 +53,7 @@ def asha_study(tmp_path: Path, launcher: str, sleep_s: float = 0.5) -> FaultStud
         launcher,
         sqlite_tracking(tmp_path),
         num_trials=len(XS),
+        num_parallel=1,
         epochs=EPOCHS,
         sleep_s=sleep_s,
         tune=ASHA,
@@ -104,18 +106,20 @@ def assert_paused_and_promoted_once_each(study: FaultStudy) -> list[int]:
 def test_a_study_under_asha_on_slurm_pauses_promotes_and_resumes_from_checkpoints(
     runs: MakeRuns, tmp_path: Path
 ) -> None:
-    # Epochs of 1 s: the first pause must reach the best trial's job before it trains its last three
+    # Epochs of 1 s: the pause must reach the second trial's job before it trains its last three
     # epochs, and on a loaded machine Slurm's scancel --signal can take more than the 1.5 s that
     # epochs of 0.5 s left (the job then completed unpaused, and nothing proved a resume).
     study = asha_study(tmp_path, "slurm", sleep_s=1.0)
     runs(study).run("asha")
     promoted = assert_paused_and_promoted_once_each(study)
-    # Without a fault, a promoted trial is the one that completes (the best, paused alone at rung 0).
-    # After the fault below, the first paused job may finish before the rerun stops it, which is right.
-    assert any(t.state is TrialState.COMPLETE for t in study.trials() if t.number in promoted)
-    best = study.job_dir(0)
-    # The best trial stopped at a pause, saving the epoch it had finished, and resumed after it.
-    assert (best / "stops.log").exists() and starts(best) >= 2
+    # Without a fault, the promoted trial is the second, and it completes. (After the faults below,
+    # the first paused job may finish before the rerun stops it, which is right.)
+    assert promoted == [1] and study.trials()[1].state is TrialState.COMPLETE
+    # It stopped at its pause, saving the epoch it had finished, and resumed after it; the best, the
+    # rung's leader, was never stopped.
+    second, best = study.job_dir(1), study.job_dir(0)
+    assert (second / "stops.log").exists() and starts(second) == 2
+    assert not (best / "stops.log").exists() and starts(best) == 1
 
 
 def test_sigkill_of_the_orchestrator_group_as_a_pause_is_decided_then_rerun(

@@ -22,11 +22,13 @@ from tunepod.launch.submission import read_cancel_marker, read_submission
 from tunepod.runtime import read_reports
 
 EPOCHS = 9
-# Rungs at 1 and 3 units (steps 0 and 2); a trial that gets past step 2 trains to its end, step 8.
-ASHA = {"kind": "asha", "min_resource": 1, "reduction_factor": 3, "max_resource": EPOCHS}
-# The first trial is the best: alone at rung 0 it is paused (nobody is in the top third of one),
-# and promoted once two more have reached the rung below it.
-XS = (0.3, 0.9, 0.1, 1.0, 0.5, 0.0)
+# One rung, at 3 units (step 2): a trial that gets past it trains to its end, step 8.
+ASHA = {"kind": "asha", "min_resource": 3, "reduction_factor": 3, "max_resource": EPOCHS}
+# One at a time, so the order in which trials reach the rung is fixed. The best (0.3) leads the rung
+# alone and goes on; the second best (0.4) is paused behind it, and promoted once six trials have
+# reached the rung (the top two of six go on); the rest are paused and never promoted.
+BEST, SECOND = 0.3, 0.4
+XS = (BEST, SECOND, 0.9, 0.1, 1.0, 0.0)
 
 
 def test_a_paused_trial_is_promoted_and_resumes_from_its_checkpoint(tmp_path: Path) -> None:
@@ -36,7 +38,7 @@ def test_a_paused_trial_is_promoted_and_resumes_from_its_checkpoint(tmp_path: Pa
         # loaded machine where an epoch's checkpoint can take seconds.
         train={"args": {"epochs": EPOCHS, "sleep_s": 0.2}, "resources": {"stop_grace_s": 60}},
         num_trials=len(XS),
-        num_parallel=2,
+        num_parallel=1,
         pruner=ASHA,
         space={"x": {"type": "categorical", "choices": sorted(set(XS))}},
     )
@@ -47,22 +49,23 @@ def test_a_paused_trial_is_promoted_and_resumes_from_its_checkpoint(tmp_path: Pa
 
     frozen = {t.number: t for t in tuner.study.get_trials()}
     assert all(t.state.is_finished() for t in frozen.values()), {n: t.state for n, t in frozen.items()}
-    best = trials[0]
-    assert best.outcome == "COMPLETE" and best.last_step == EPOCHS - 1, best
-    state = AshaState.of(frozen[0])
-    assert state is not None and state.promotions >= 1 and not state.paused, state
+    assert AshaState.of(frozen[0]) is None and starts(trials[0].job_dir) == 1  # the leader never paused
+    promoted = trials[XS.index(SECOND)]
+    assert promoted.outcome == "COMPLETE" and promoted.last_step == EPOCHS - 1, promoted
+    state = AshaState.of(frozen[promoted.number])
+    assert state is not None and state.promotions == 1 and not state.paused, state
 
     # Its job dir: stopped once at the pause (saving the epoch it finished), started again, and the
     # second start resumed after that epoch instead of training from scratch.
-    paused_at = stops(best.job_dir)
-    assert len(paused_at) >= 1 and starts(best.job_dir) == len(paused_at) + 1
-    record = read_submission(JobPaths(Path(best.job_dir)))
-    assert record is not None and record.attempt == len(paused_at) + 1
-    steps = [r.step for r in read_reports(JobPaths(Path(best.job_dir)).metrics)]
+    assert len(stops(promoted.job_dir)) == 1 and starts(promoted.job_dir) == 2
+    record = read_submission(JobPaths(Path(promoted.job_dir)))
+    assert record is not None and record.attempt == 2
+    steps = [r.step for r in read_reports(JobPaths(Path(promoted.job_dir)).metrics)]
     assert steps == list(range(EPOCHS)), steps  # each epoch trained once, across the pause
 
     # One MLflow run for the trial, with the whole curve.
-    runs = [r for r in child_runs(tmp_path, tuner.ctx.parent_run_id) if r.data.tags["tunepod.trial"] == "0"]
+    children = child_runs(tmp_path, tuner.ctx.parent_run_id)
+    runs = [r for r in children if r.data.tags["tunepod.trial"] == str(promoted.number)]
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
     assert runs[0].data.tags["tunepod.promotions"] == str(state.promotions)
     history = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_metric_history(runs[0].info.run_id, "score")
@@ -76,6 +79,5 @@ def test_a_paused_trial_is_promoted_and_resumes_from_its_checkpoint(tmp_path: Pa
         assert marker is not None and marker.reason == "paused"
         assert not Path(trial.job_dir, "result.json").exists()
         assert frozen[trial.number].state is optuna.trial.TrialState.PRUNED
-    worst = max(trials.values(), key=lambda t: abs(float(t.params["x"]) - 0.3))
-    assert worst.outcome == "PRUNED"
+    assert {float(t.params["x"]) for t in pruned} == set(XS) - {BEST, SECOND}
     assert_no_job_left(list(trials.values()), "local")

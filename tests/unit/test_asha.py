@@ -44,21 +44,27 @@ def test_a_rungs_value_is_the_first_report_at_or_past_its_units() -> None:
     assert ASHA.highest_rung(trial(1, {})) is None
 
 
-def test_a_trial_goes_on_only_in_the_top_third_of_those_at_its_rung() -> None:
+def test_a_trial_goes_on_only_in_the_top_third_of_those_at_its_rung_or_as_their_leader() -> None:
     first, second = trial(0, {0: 0.9}), trial(1, {0: 0.5})
-    # Alone or with one other at the rung, nobody is in the top floor(n / 3): the first ones wait.
-    assert ASHA.pause_rung(first, None, [first]) == 0
-    assert ASHA.pause_rung(first, None, [first, second]) == 0
+    # Fewer than reduction_factor at the rung: the leader goes on, the others wait.
+    assert ASHA.pause_rung(first, None, [first]) is None
+    assert ASHA.pause_rung(first, None, [first, second]) is None
+    assert ASHA.pause_rung(second, None, [first, second]) == 0
+    # From three on, the top floor(n / 3).
     third = trial(2, {0: 0.1})
     assert ASHA.pause_rung(first, None, [first, second, third]) is None
     assert ASHA.pause_rung(second, None, [first, second, third]) == 0
+    six = [first, second, third, *(trial(n, {0: 0.2 + n / 100}) for n in range(3, 6))]
+    assert [n for n in range(6) if ASHA.pause_rung(six[n], None, six) is None] == [0, 1]
+    assert [ASHA.kept(n) for n in (0, 1, 2, 3, 5, 6, 9)] == [0, 1, 1, 1, 1, 2, 3]
 
 
 def test_a_promoted_trial_is_judged_from_the_rung_after_the_one_it_was_paused_at() -> None:
     trials = [trial(n, {0: v}) for n, v in enumerate([0.9, 0.8, 0.7, 0.6, 0.5, 0.4])]
-    promoted = trial(6, {0: 0.3, 1: 0.95, 2: 0.99})
+    trials[0] = trial(0, {0: 0.9, 2: 0.97})
+    promoted = trial(6, {0: 0.3, 1: 0.95, 2: 0.96})
     state = AshaState(rung=0, paused=False, attempt=1, promotions=1)
-    # Rung 0 is not judged again (it would rank last there); alone at rung 1 it waits.
+    # Rung 0 is not judged again (it would rank last there); behind trial 0 at rung 1 it waits.
     assert ASHA.pause_rung(promoted, state, [*trials, promoted]) == 1
 
 
@@ -78,9 +84,10 @@ def test_a_job_is_judged_once_at_each_rung_and_trials_are_read_only_when_it_reac
     first = trial(0, {0: 0.9, 1: 0.91})
     assert judge.judge(2, study(first, *others, *better)) is None
     assert len(loads) == 1, "a report that reaches no new rung reads no trials"
-    # At rung 1 (3 units) it is alone: it waits there.
+    # At rung 1 (3 units) it is behind the one trial there before it: it waits there.
     first = trial(0, {0: 0.9, 1: 0.91, 2: 0.92})
-    assert judge.judge(3, study(first, *others, *better)) == 1
+    ahead = trial(6, {0: 0.99, 2: 0.99})
+    assert judge.judge(3, study(first, *others, *better, ahead)) == 1
     # A job past the last rung's units (finishing) is never paused, and reads nothing.
     assert RungJudge.for_job(ASHA, 0, None).judge(27, study()) is None and len(loads) == 2
 
@@ -101,15 +108,15 @@ def test_minimizing_ranks_the_lowest_first() -> None:
 
 def test_paused_trials_in_the_top_of_their_rung_are_promoted_the_highest_rung_first() -> None:
     trials = [
-        trial(0, {0: 0.9}, paused_at=0),  # paused before anyone else had reached rung 0
+        trial(0, {0: 0.8}, paused_at=0),  # paused behind trial 2, the only one at rung 0 before it
         trial(1, {0: 0.2}, paused_at=0),
-        trial(2, {0: 0.8}),
+        trial(2, {0: 0.9}),
         trial(3, {0: 0.7, 2: 0.95}, paused_at=1),
         trial(4, {0: 0.6, 2: 0.5}),
         trial(5, {0: 0.5, 2: 0.4}),
         trial(6, {0: 0.1}),
     ]
-    # Rung 1: three trials, the top one (3) is paused there. Rung 0: seven, the top two are 0 and 2.
+    # Rung 1: three trials, the top one (3) is paused there. Rung 0: seven, the top two are 2 and 0.
     assert ASHA.promotable(trials) == [3, 0]
     # For a slot that would idle: every paused trial, the highest rung first, the best first.
     assert ASHA.by_merit(trials) == [3, 0, 1]

@@ -3,7 +3,11 @@
 ASHA (Li et al., "A System for Massively Parallel Hyperparameter Tuning", MLSys 2020) judges each
 trial at rungs of ``min_resource x reduction_factor^k`` units of training (below ``max_resource``): a
 trial goes on past rung ``k`` only while it ranks in the top ``floor(n / reduction_factor)`` of the
-``n`` trials that have reached rung ``k`` so far. Nothing waits for a full cohort. Optuna's pruners
+``n`` trials that have reached rung ``k`` so far, or leads them while they are fewer than
+``reduction_factor`` (Ray Tune's ASHA and Optuna's successive halving let that leader go on too:
+measured, pausing it until a cohort gathers costs the study a stop and a restart of the very trial
+that was leading, and loses to random search where a good trial comes early). Nothing waits for a
+full cohort. Optuna's pruners
 and Ray Tune's ASHA kill the others; here they are *paused*: the job is stopped after its checkpoint,
 the Optuna trial stays RUNNING with its reports, and the trial is *promoted* (resumed from its
 checkpoint on a new job) as soon as the rung's growing population puts it in the top, or when a slot
@@ -109,11 +113,19 @@ class Asha:
         valued.sort(key=lambda pair: (-pair[0] if self.maximize else pair[0], pair[1]))
         return [number for _, number in valued]
 
-    def in_top(self, number: int, rung: int, trials: Sequence[FrozenTrial]) -> bool:
-        """``number`` ranks in the top ``floor(n / reduction_factor)`` of the ``n`` trials at ``rung``."""
+    def kept(self, reached: int) -> int:
+        """How many of the ``reached`` trials at a rung go on: the top ``1 / reduction_factor``, and
+        never fewer than the leader."""
+        return max(1, reached // self.reduction_factor) if reached else 0
+
+    def top(self, rung: int, trials: Sequence[FrozenTrial]) -> list[int]:
+        """Numbers of the trials at ``rung`` that rank among the kept, best first."""
         ranking = self.ranking(rung, trials)
-        keep = len(ranking) // self.reduction_factor
-        return number in ranking[:keep]
+        return ranking[: self.kept(len(ranking))]
+
+    def in_top(self, number: int, rung: int, trials: Sequence[FrozenTrial]) -> bool:
+        """``number`` ranks among the kept of the trials at ``rung``."""
+        return number in self.top(rung, trials)
 
     def pause_rung(
         self, trial: FrozenTrial, state: AshaState | None, trials: Sequence[FrozenTrial]
@@ -134,9 +146,7 @@ class Asha:
         chosen: list[int] = []
         for rung in reversed(range(len(self.rungs))):
             paused = {t.number for t in trials if is_paused(t) and _state(t).rung == rung}
-            ranking = self.ranking(rung, trials)
-            top = ranking[: len(ranking) // self.reduction_factor]
-            chosen += [number for number in top if number in paused]
+            chosen += [number for number in self.top(rung, trials) if number in paused]
         return chosen
 
     def by_merit(self, trials: Sequence[FrozenTrial]) -> list[int]:
