@@ -203,7 +203,7 @@ def run_trial(config: dict[str, Any]) -> None:
     from ray import tune
 
     from tunepod import runtime
-    from tunepod.runtime.metrics import read_reports
+    from tunepod.runtime.metrics import ReportTail
 
     job = config["job"]
     params = {**job["train_args"], **{key: config[key] for key in job["space"]}}
@@ -218,6 +218,8 @@ def run_trial(config: dict[str, Any]) -> None:
     if donor is not None:
         take_donor_checkpoint(donor, checkpoint_dir)
     metrics = job_dir / "metrics.jsonl"
+    tail = ReportTail(metrics)
+    tail.read_new()  # an earlier run of this trial passed those on
     env = {
         **os.environ,
         runtime.PARAMS_ENV: json.dumps(params, sort_keys=True),
@@ -235,12 +237,10 @@ def run_trial(config: dict[str, Any]) -> None:
             stderr=subprocess.STDOUT,
             preexec_fn=die_with_parent,
         )
-    passed = len(read_reports(metrics))  # an earlier run of this trial passed those on
     try:
         while True:
             finished = process.poll() is not None
-            reports = read_reports(metrics)
-            for report in reports[passed:]:
+            for report in tail.read_new():
                 checkpoint = None
                 if job["checkpoints"]:
                     checkpoint = step_snapshot(checkpoint_dir, report.step, process)
@@ -248,7 +248,6 @@ def run_trial(config: dict[str, Any]) -> None:
                 tune.report(result, checkpoint=checkpoint)
                 if checkpoint is not None:  # Ray has its own copy now
                     shutil.rmtree(checkpoint.path, ignore_errors=True)
-            passed = len(reports)
             if finished:
                 break
             time.sleep(TAIL_POLL_S)
@@ -269,20 +268,28 @@ def step_snapshot(checkpoint_dir: Path, step: int, process: subprocess.Popen[byt
     a folder of its own."""
     from ray.tune import Checkpoint
 
-    from tunepod.runtime.checkpoints import verified_checkpoint
+    from tunepod.runtime.checkpoints import saved_checkpoint, step_folders, verified_checkpoint
+
+    def saved() -> bool:  # read from the metadata alone: cheap to poll, whatever the state's size
+        return any(
+            (info := saved_checkpoint(f)) is not None and info.step == step
+            for f in step_folders(checkpoint_dir)
+        )
 
     deadline = time.monotonic() + CHECKPOINT_WAIT_S
     while True:
-        exited = process.poll() is not None
-        saved = verified_checkpoint(checkpoint_dir, step)
-        if saved is not None and saved.step == step:
+        exited = process.poll() is not None  # before the look: a save just before the exit counts
+        if saved():
             break
         if exited or time.monotonic() > deadline:
             return None
         time.sleep(TAIL_POLL_S)
+    verified = verified_checkpoint(checkpoint_dir, step)  # hashed once, now that it is whole
+    if verified is None or verified.step != step:
+        return None
     holder = checkpoint_dir.parent / SNAPSHOTS / str(step)
     shutil.rmtree(holder, ignore_errors=True)
-    shutil.copytree(saved.path, holder / saved.path.name)
+    shutil.copytree(verified.path, holder / verified.path.name)
     return Checkpoint.from_directory(str(holder))
 
 
