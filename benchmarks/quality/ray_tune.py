@@ -268,13 +268,10 @@ def step_snapshot(checkpoint_dir: Path, step: int, process: subprocess.Popen[byt
     a folder of its own."""
     from ray.tune import Checkpoint
 
-    from tunepod.runtime.checkpoints import saved_checkpoint, step_folders, verified_checkpoint
+    from tunepod.runtime.checkpoints import saved_checkpoints, verified_checkpoint
 
     def saved() -> bool:  # read from the metadata alone: cheap to poll, whatever the state's size
-        return any(
-            (info := saved_checkpoint(f)) is not None and info.step == step
-            for f in step_folders(checkpoint_dir)
-        )
+        return any(info.step == step for info in saved_checkpoints(checkpoint_dir))
 
     deadline = time.monotonic() + CHECKPOINT_WAIT_S
     while True:
