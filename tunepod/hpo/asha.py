@@ -7,11 +7,11 @@ trial goes on past rung ``k`` only while it ranks in the top ``floor(n / reducti
 ``reduction_factor`` (Ray Tune's ASHA and Optuna's successive halving let that leader go on too:
 measured, pausing it until a cohort gathers costs the study a stop and a restart of the very trial
 that was leading, and loses to random search where a good trial comes early). Nothing waits for a
-full cohort. Optuna's pruners
-and Ray Tune's ASHA kill the others; here they are *paused*: the job is stopped after its checkpoint,
-the Optuna trial stays RUNNING with its reports, and the trial is *promoted* (resumed from its
-checkpoint on a new job) as soon as the rung's growing population puts it in the top, or when a slot
-would otherwise idle at the end of the study. A trial never promoted ends PRUNED when nothing else runs.
+full cohort. Optuna's pruners and Ray Tune's ASHA kill the others; here they are *paused*: the job is
+stopped after its checkpoint, the Optuna trial stays RUNNING with its reports, and the trial is
+*promoted* (resumed from its checkpoint on a new job) as soon as the rung's growing population puts
+it in the top, or when a slot would otherwise idle at the end of the study. A trial never promoted
+ends PRUNED when nothing else runs.
 
 A unit of training is a reported step + 1, as for ``pruner.max_resource``: a job reporting epochs 0,
 1, ... has used ``r`` units at step ``r - 1``. A trial's value at a rung is the one it reported at the
