@@ -23,6 +23,7 @@ from optuna.study import StudyDirection
 from tmpfs import MiB, fill, mounted_tmpfs
 
 from tunepod.errors import DiskFullError
+from tunepod.hpo.population import lineage
 from tunepod.hpo.study import make_storage
 from tunepod.launch.base import JobSpec
 from tunepod.launch.contract import contract_env
@@ -103,6 +104,42 @@ def test_a_trial_left_half_asked_by_a_storage_error_is_asked_in_full(
         assert trial.state is optuna.trial.TrialState.COMPLETE
         assert "x" in trial.params, f"trial {trial.number} ran without its parameters"
     assert sorted(record.params["x"] for record in trials.trials) == sorted(t.params["x"] for t in stored)
+
+
+def test_a_pbt_member_left_half_asked_by_a_crash_is_trained(tmp_path: Path) -> None:
+    """Found by the simulation: an orchestrator SIGKILLed just after Optuna created a member's trial,
+    before its job dir was recorded. Under PBT the half-asked trial counted as an asked member, so no
+    ask ever finished it: every later run ended with that member never trained and its trial RUNNING.
+    The window is too narrow to hit from outside, so the orchestrator kills itself (a real SIGKILL)
+    as Optuna's storage has created the second member's trial; the rerun must train both members."""
+    overrides = {
+        "num_trials": 2,
+        "num_parallel": 2,
+        "train": {"args": {"epochs": 4}},
+        "pbt": {"population": 2, "interval": 2, "quantile": 0.5, "max_resource": 4},
+    }
+    killed_after_creating = """
+        from optuna.storages.journal import JournalStorage
+        real_create = JournalStorage.create_new_trial
+        def create_then_die(self, *args, **kwargs):
+            trial_id = real_create(self, *args, **kwargs)
+            if trial_id == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return trial_id
+        JournalStorage.create_new_trial = create_then_die
+    """
+    first = orchestrate(tmp_path, overrides, killed_after_creating)
+    assert first.wait(90) == -signal.SIGKILL
+    assert [t.params for t in study(tmp_path).trials][1] == {}, "the kill did not leave trial 1 half asked"
+
+    make_tuner(tmp_path, settings(tmp_path, **overrides)).run()
+
+    trials = {t.number: t for t in study(tmp_path).trials}
+    assert all(t.state.is_finished() for t in trials.values()), {n: t.state for n, t in trials.items()}
+    assert "x" in trials[1].params, "the half-asked trial was trained without its parameters"
+    for root in (0, 1):
+        assert lineage(trials, root)[-1].state is optuna.trial.TrialState.COMPLETE, f"member {root}"
+    assert sum(t.state is optuna.trial.TrialState.COMPLETE for t in trials.values()) == 2
 
 
 def test_a_driver_whose_lease_was_taken_over_acts_no_more(tmp_path: Path) -> None:

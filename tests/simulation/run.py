@@ -270,6 +270,7 @@ class _Run:
                 write_faults=scenario.optuna_writes,
                 read_faults=scenario.optuna_reads,
                 switch=self.switch,
+                crash_after_write=scenario.crash_after_write,
             ),
         )
 

@@ -51,6 +51,8 @@ def smaller(scenario: Scenario) -> Iterator[Scenario]:
                 yield replace(scenario, **{name: replace(rates, **{field.name: 0.0})})
     if scenario.crash_per_step:
         yield replace(scenario, crash_per_step=0.0)
+    if scenario.crash_after_write:
+        yield replace(scenario, crash_after_write=0.0)
     if scenario.disk_full_per_write:
         yield replace(scenario, disk_full_per_write=0.0)
     for name, least in (("num_trials", 1), ("num_parallel", 1), ("max_restarts", 0)):

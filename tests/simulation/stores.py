@@ -108,12 +108,14 @@ class SimStorage(BaseStorage):
         write_faults: Faults,
         read_faults: Faults,
         switch: FaultSwitch,
+        crash_after_write: float = 0.0,
     ) -> None:
         self.sim = sim
         self.database = database
         self.write_faults = write_faults
         self.read_faults = read_faults
         self.switch = switch
+        self.crash_after_write = crash_after_write
 
     def _call(self, name: str, faults: Faults, *args: Any, **kwargs: Any) -> Any:
         method = getattr(self.database.storage, name)
@@ -128,6 +130,16 @@ class SimStorage(BaseStorage):
 
         return _faulty(self.sim, faults, self.switch, f"optuna {name}", call, lambda: OperationalError(name))
 
+    def _write(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """A write that may fail (``write_faults``), and after which the orchestrator may be killed
+        (``crash_after_write``): whatever its next write would have made whole stays half done."""
+        result = self._call(name, self.write_faults, *args, **kwargs)
+        if self.switch.on and self.sim.choices.chance(self.crash_after_write):
+            # Dead before its caller hears the answer: its thread never runs again past this pause.
+            self.sim.crash(self.sim.process, f"SIGKILL just after optuna {name} committed")
+            self.sim.pause(f"killed after optuna {name}")
+        return result
+
     def _told(self, trial_id: int, state: TrialState | None) -> None:
         if state is None or not state.is_finished():
             return
@@ -138,34 +150,35 @@ class SimStorage(BaseStorage):
         self.sim.trace.event(self.sim.now, "optuna", f"{who} tells trial id {trial_id} {state.name}")
 
     def create_new_study(self, *args: Any, **kwargs: Any) -> Any:
-        return self._call("create_new_study", self.write_faults, *args, **kwargs)
+        return self._write("create_new_study", *args, **kwargs)
 
     def delete_study(self, *args: Any, **kwargs: Any) -> Any:
-        return self._call("delete_study", self.write_faults, *args, **kwargs)
+        return self._write("delete_study", *args, **kwargs)
 
     def set_study_user_attr(self, *args: Any, **kwargs: Any) -> Any:
-        return self._call("set_study_user_attr", self.write_faults, *args, **kwargs)
+        return self._write("set_study_user_attr", *args, **kwargs)
 
     def set_study_system_attr(self, *args: Any, **kwargs: Any) -> Any:
-        return self._call("set_study_system_attr", self.write_faults, *args, **kwargs)
+        return self._write("set_study_system_attr", *args, **kwargs)
 
     def create_new_trial(self, *args: Any, **kwargs: Any) -> Any:
-        return self._call("create_new_trial", self.write_faults, *args, **kwargs)
+        return self._write("create_new_trial", *args, **kwargs)
 
     def set_trial_param(self, *args: Any, **kwargs: Any) -> Any:
-        return self._call("set_trial_param", self.write_faults, *args, **kwargs)
+        return self._write("set_trial_param", *args, **kwargs)
 
     def set_trial_state_values(self, *args: Any, **kwargs: Any) -> Any:
-        return self._call("set_trial_state_values", self.write_faults, *args, **kwargs)
+        return self._write("set_trial_state_values", *args, **kwargs)
 
     def set_trial_intermediate_value(self, *args: Any, **kwargs: Any) -> Any:
+        # A report's value alone opens no window (the report is in the job's metrics file too).
         return self._call("set_trial_intermediate_value", self.write_faults, *args, **kwargs)
 
     def set_trial_user_attr(self, *args: Any, **kwargs: Any) -> Any:
-        return self._call("set_trial_user_attr", self.write_faults, *args, **kwargs)
+        return self._write("set_trial_user_attr", *args, **kwargs)
 
     def set_trial_system_attr(self, *args: Any, **kwargs: Any) -> Any:
-        return self._call("set_trial_system_attr", self.write_faults, *args, **kwargs)
+        return self._write("set_trial_system_attr", *args, **kwargs)
 
     def get_study_id_from_name(self, *args: Any, **kwargs: Any) -> Any:
         return self._call("get_study_id_from_name", self.read_faults, *args, **kwargs)

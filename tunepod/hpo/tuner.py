@@ -244,7 +244,9 @@ class Tuner:
             self._announce_following(following)
             room = self.settings.num_trials - sum(t.state in FINISHED for t in trials) - len(running)
             if self.population is not None:
-                room = self.population.room(trials)  # continuations are not asked for: exploits make them
+                # Continuations are not asked for: exploits make them. A half-asked member is still to
+                # ask for: the ask finishes it, as without PBT.
+                room = self.population.room([t for t in trials if not _half_asked(t)])
             capacity = self.settings.num_parallel - len(mine) - len(claimed)
             promoted = self._promote(trials, self.asha.promotable(trials), capacity) if self.asha else []
             self._idle_promoted -= set(promoted)
