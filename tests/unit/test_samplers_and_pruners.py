@@ -10,7 +10,14 @@ import optuna
 import pytest
 from pydantic import ValidationError
 
-from tunepod.hpo.study import distributions, make_pruner, open_study, reseed_for_next_trial
+from tunepod.hpo.study import (
+    distributions,
+    make_pruner,
+    make_sampler,
+    open_study,
+    reseed_for_next_trial,
+    startup_trials,
+)
 from tunepod.spec.models import PrunerSpec, TuneSettings
 
 SPACE = {
@@ -63,6 +70,27 @@ def test_each_sampler_runs_a_study_past_its_start_up_trials(
     # Reseeded per trial, a sampler never suggests one whole point twice (a model-based one may well
     # come back to the best corner of lr x width with the other activation).
     assert len({tuple(sorted(t.params.items())) for t in study.trials}) == 6
+
+
+@pytest.mark.parametrize(
+    ("sampler", "num_parallel", "expected"),
+    [
+        ("tpe", 1, 2),  # TPE: as many random trials as run at once, at least 2
+        ("tpe", 2, 2),
+        ("tpe", 8, 8),
+        ({"kind": "tpe", "n_startup_trials": 10}, 2, 10),  # the spec's word wins
+        ({"kind": "tpe", "n_startup_trials": 0}, 4, 0),
+        ("gp", 4, 10),  # Optuna's defaults
+        ("cmaes", 4, 1),
+    ],
+)
+def test_start_up_trials_default_to_the_trials_in_flight_for_tpe(
+    tmp_path: Path, sampler: Any, num_parallel: int, expected: int
+) -> None:
+    tune = settings(tmp_path, sampler, num_parallel=num_parallel)
+    assert startup_trials(tune) == expected
+    if tune.sampler.kind == "tpe":
+        assert make_sampler(tune)._n_startup_trials == expected  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(

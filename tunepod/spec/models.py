@@ -659,7 +659,12 @@ class SamplerSpec(Strict):
 
     kind: SamplerKind = "tpe"
     n_startup_trials: int | None = Field(
-        None, ge=0, description="tpe, gp, cmaes: trials drawn at random before the model is used."
+        None,
+        ge=0,
+        description=(
+            "tpe, gp, cmaes: trials drawn at random before the model is used (default: tpe num_parallel, "
+            "at least 2; gp 10; cmaes 1)."
+        ),
     )
     multivariate: bool = Field(True, description="tpe: model the parameters jointly.")
     deterministic_objective: bool = Field(
