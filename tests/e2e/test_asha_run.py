@@ -9,7 +9,7 @@ paused trial resumes from its checkpoint on a new job (no epoch trained twice, o
 the whole curve), the trials never promoted end PRUNED, every trial ends once, no job is left. The
 fault tests SIGKILL the whole `tunepod run` process group the moment a first pause is decided (its
 cancel marker written: the stop, the pause's record and the promotion after it may each be half
-done), or the moment a first promotion is recorded (its resumed job maybe not yet submitted), and
+done; on local jobs and on Slurm), or the moment a first promotion is recorded (its resumed job maybe not yet submitted), and
 prove the same after the rerun.
 """
 
@@ -122,15 +122,17 @@ def test_a_study_under_asha_on_slurm_pauses_promotes_and_resumes_from_checkpoint
     assert not (best / "stops.log").exists() and starts(best) == 1
 
 
+@pytest.mark.parametrize("launcher", ["local", pytest.param("slurm", marks=pytest.mark.slurm)])
 def test_sigkill_of_the_orchestrator_group_as_a_pause_is_decided_then_rerun(
-    runs: MakeRuns, tmp_path: Path
+    runs: MakeRuns, tmp_path: Path, launcher: str
 ) -> None:
     """Fault: SIGKILL of the whole `tunepod run` process group as soon as a first pause is decided (its
     cancel marker written), then the same command again: the rerun finishes the stop, records the
     pause, promotes and prunes as if nothing happened. A job the kill left unstopped may have trained
     to its end before the rerun could stop it: it is then COMPLETE, its pause came too late (as a
-    prune that comes too late), so which trial completes is not fixed here."""
-    study = asha_study(tmp_path, "local")
+    prune that comes too late), so which trial completes is not fixed here. On Slurm the stop is
+    `scancel --signal` to a job slurmd runs, which outlives the killed orchestrator."""
+    study = asha_study(tmp_path, launcher, sleep_s=1.0 if launcher == "slurm" else 0.5)
     tunepod = runs(study)
     first = tunepod.start("killed")
 
