@@ -77,9 +77,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--llm", action="store_true", help="add the tiny LLM workload (on with --long)")
     parser.add_argument("--no-digits", action="store_true", help="leave the digits workload out")
     parser.add_argument("--llm-seeds", type=int, default=3, help="tiny LLM seeds per arm (3)")
-    parser.add_argument("--llm-trials", type=int, default=12, help="tiny LLM trials per study (12)")
+    parser.add_argument("--llm-trials", type=int, default=40, help="tiny LLM trials per study (40)")
     parser.add_argument("--llm-steps", type=int, default=120, help="tiny LLM optimizer steps per trial")
-    parser.add_argument("--llm-target", type=float, default=14.0, help="tiny LLM val_perplexity to reach")
+    # Calibrated as digits' target: 5 of 80 random draws (seeds 90000, 91000) reach 13.0 within 120
+    # steps (14.0: 20 of 80, a target random search hits within a few trials, whatever the tuner).
+    parser.add_argument(
+        "--llm-target", type=float, default=13.0, help="tiny LLM val_perplexity to reach (13.0)"
+    )
     parser.add_argument("--ray", action="store_true", help="add Ray Tune's ASHA arm (on with --long)")
     parser.add_argument(
         "--arms",
