@@ -9,8 +9,8 @@ paused trial resumes from its checkpoint on a new job (no epoch trained twice, o
 the whole curve), the trials never promoted end PRUNED, every trial ends once, no job is left. The
 fault tests SIGKILL the whole `tunepod run` process group the moment a first pause is decided (its
 cancel marker written: the stop, the pause's record and the promotion after it may each be half
-done; on local jobs and on Slurm), or the moment a first promotion is recorded (its resumed job maybe not yet submitted), and
-prove the same after the rerun.
+done; on local jobs and on Slurm), or the moment a first promotion is recorded (its resumed job
+maybe not yet submitted), and prove the same after the rerun.
 """
 
 from __future__ import annotations
