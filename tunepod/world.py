@@ -266,83 +266,92 @@ def _start_ticks(pid: int, *, alive_only: bool = False) -> int | None:
     return stat.start_ticks
 
 
-_current: World = RealWorld()
+class _Installed(threading.local):
+    """The installed world, per OS thread. A simulated seed runs all its threads as greenlets on
+    the one OS thread that installed its world; any other OS thread of the process (a test's server,
+    a thread another test left behind) keeps the real world, so it can neither read the seed's
+    clocks nor block one of its threads: either would change the seed's run."""
+
+    world: World = RealWorld()
+
+
+_installed = _Installed()
 
 
 def current() -> World:
-    """The world installed now."""
-    return _current
+    """The world installed now, on this OS thread."""
+    return _installed.world
 
 
 @contextlib.contextmanager
 def installed(world: World) -> Iterator[World]:
-    """Install ``world`` for the ``with`` block (a simulation's seed), then the one before again."""
-    global _current
-    before, _current = _current, world
+    """Install ``world`` on this OS thread for the ``with`` block (a simulation's seed), then the one
+    before again."""
+    before, _installed.world = _installed.world, world
     try:
         yield world
     finally:
-        _current = before
+        _installed.world = before
 
 
 def time() -> float:
-    return _current.time()
+    return _installed.world.time()
 
 
 def monotonic() -> float:
-    return _current.monotonic()
+    return _installed.world.monotonic()
 
 
 def sleep(seconds: float) -> None:
-    _current.sleep(seconds)
+    _installed.world.sleep(seconds)
 
 
 def lock() -> Lock:
-    return _current.lock()
+    return _installed.world.lock()
 
 
 def rlock() -> Lock:
-    return _current.rlock()
+    return _installed.world.rlock()
 
 
 def condition() -> Condition:
-    return _current.condition()
+    return _installed.world.condition()
 
 
 def event() -> Event:
-    return _current.event()
+    return _installed.world.event()
 
 
 def start_thread(target: Callable[[], object], name: str) -> None:
-    _current.start_thread(target, name)
+    _installed.world.start_thread(target, name)
 
 
 def wait_any(futures: Collection[Future[T]], timeout: float | None) -> list[Future[T]]:
-    return _current.wait_any(futures, timeout)
+    return _installed.world.wait_any(futures, timeout)
 
 
 def map_concurrently(call: Callable[[A], T], items: Sequence[A], max_threads: int) -> list[T]:
-    return _current.map_concurrently(call, items, max_threads)
+    return _installed.world.map_concurrently(call, items, max_threads)
 
 
 def file_lock(path: Path, *, blocking: bool = True) -> contextlib.AbstractContextManager[bool]:
-    return _current.file_lock(path, blocking=blocking)
+    return _installed.world.file_lock(path, blocking=blocking)
 
 
 def token_hex(nbytes: int) -> str:
-    return _current.token_hex(nbytes)
+    return _installed.world.token_hex(nbytes)
 
 
 def process_local(key: str, make: Callable[[], T]) -> T:
-    return _current.process_local(key, make)
+    return _installed.world.process_local(key, make)
 
 
 def this_process() -> ProcessId:
-    return _current.this_process()
+    return _installed.world.this_process()
 
 
 def is_gone(process: ProcessId) -> bool:
-    return _current.is_gone(process)
+    return _installed.world.is_gone(process)
 
 
 __all__ = [
