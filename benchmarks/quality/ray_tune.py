@@ -5,8 +5,9 @@ budget) drives a ``ray.tune.Tuner``: ``num_samples`` = the study's ``num_trials`
 ``max_concurrent_trials`` = its ``num_parallel``, ``BasicVariantGenerator(random_state=seed)`` (random
 search), and one scheduler over the reported ``step``:
 
-* ``ray asha``: ``ASHAScheduler`` with ``grace_period`` = Hyperband's ``min_resource``, ``max_t`` = a
-  full trial's last step, reduction factor 3. A trial it stops is killed: Ray's ASHA cannot pause.
+* ``ray asha``: ``ASHAScheduler`` with ``grace_period`` = the tpe+asha arm's first rung
+  (``Workload.asha_first_rung``), ``max_t`` = a full trial's last step, reduction factor 3. A trial
+  it stops is killed: Ray's ASHA cannot pause.
 * ``ray pbt``: ``PopulationBasedTraining`` as tunepod's pbt arm is set (workloads.Workload.pbt_options):
   a population of ``num_parallel`` trials, ``perturbation_interval`` = ``min_resource``, quantile
   0.25, ``lr`` explored (factors 0.8 and 1.2, resampled with p 0.25). Every report hands Ray a copy of
@@ -75,7 +76,8 @@ class RayStudy:
     folder: str
     metric: str
     mode: str
-    min_resource: int
+    grace_period: int
+    """Ray's ASHA's first rung, in steps: where tunepod's tpe+asha arm puts its first."""
     max_step: int
     perturb: dict[str, Any]
     """PBT's ``interval``, ``quantile``, ``params``, ``factors``, ``resample_probability``."""
@@ -103,7 +105,7 @@ def run_ray_study(
         folder=str(folder),
         metric=workload.goal.metric,
         mode="max" if workload.goal.direction == "maximize" else "min",
-        min_resource=workload.min_resource,
+        grace_period=workload.asha_first_rung,
         max_step=workload.max_step,
         perturb=pbt_settings(workload),
     )
@@ -316,7 +318,7 @@ def scheduler(config: RayStudy, space: dict[str, Any]) -> Any:
     return ASHAScheduler(
         time_attr="step",
         max_t=config.max_step,
-        grace_period=config.min_resource,
+        grace_period=config.grace_period,
         reduction_factor=REDUCTION_FACTOR,
     )
 

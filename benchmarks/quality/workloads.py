@@ -60,6 +60,12 @@ class Workload:
     """The tpe+asha arm's first rung where the workload's recommended setting puts it; None: tunepod's
     default (a third of a full trial)."""
 
+    @property
+    def asha_first_rung(self) -> int:
+        """The tpe+asha arm's first rung, in units: the workload's, else tunepod's default (a third of a
+        full trial). Ray Tune's ASHA gets it as its ``grace_period``, so both decide at the same step."""
+        return self.asha_min_resource or (self.max_step + 1) // REDUCTION_FACTOR
+
     def study_name(self, arm: str, seed: int) -> str:
         return f"{self.study}-{arm.replace('+', '-').replace(' ', '-')}-s{seed}"
 
