@@ -9,10 +9,11 @@ search), and one scheduler over the reported ``step``:
   (``Workload.asha_first_rung``), ``max_t`` = a full trial's last step, reduction factor 3. A trial
   it stops is killed: Ray's ASHA cannot pause.
 * ``ray pbt``: ``PopulationBasedTraining`` as tunepod's pbt arm is set (workloads.Workload.pbt_options):
-  a population of ``num_parallel`` trials, ``perturbation_interval`` = ``min_resource``, quantile
-  0.25, ``lr`` explored (factors 0.8 and 1.2, resampled with p 0.25). Every report hands Ray a copy of
-  the checkpoint the script saved at that step; an exploited trial is restarted by Ray with the
-  donor's copy, which the trial function puts in its checkpoint folder, so the script resumes there.
+  a population of ``num_parallel`` trials as long as the pbt arm's members, ``perturbation_interval``
+  = a full trial's length, quantile 0.25, ``lr`` explored (factors 0.8 and 1.2, resampled with p
+  0.25). Every report hands Ray a copy of the checkpoint the script saved at that step; an exploited
+  trial is restarted by Ray with the donor's copy, which the trial function puts in its checkpoint
+  folder, so the script resumes there.
 
 Each trial runs the training script as a subprocess with the training contract's variables set as
 tunepod's local launcher sets them, so it writes the same ``metrics.jsonl`` (under
@@ -106,7 +107,7 @@ def run_ray_study(
         metric=workload.goal.metric,
         mode="max" if workload.goal.direction == "maximize" else "min",
         grace_period=workload.asha_first_rung,
-        max_step=workload.max_step,
+        max_step=workload.last_step(arm),
         perturb=pbt_settings(workload),
     )
     argv = [sys.executable, "-m", "benchmarks.quality.ray_tune", json.dumps(asdict(config))]
@@ -137,7 +138,7 @@ def run_ray_study(
         hit=hit,
         end=None if stopped else fit["end"],
         trials_started=trials_started_by(starts, hit.time) if hit else len(starts),
-        pruned=stopped_early(jobs, reports, workload.max_step),
+        pruned=stopped_early(jobs, reports, workload.last_step(arm)),
         best=best_value(reports, workload.goal),
     )
 

@@ -31,10 +31,11 @@ ARMS: dict[str, dict[str, str]] = {
     # (resumed from it) later, instead of killed; TPE sees paused trials as pruned ones. The recommended
     # setting: tunepod's defaults, given only a full trial's length (Workload.pruner_options).
     TPE_ASHA: {"sampler": "tpe", "pruner": "{kind: asha}"},
-    # tunepod's population-based training: a population of --parallel members drawn at random, the
-    # bottom quarter going on from a top member's checkpoint every min_resource steps with its lr
-    # perturbed (the other parameters shape the model: the donor's are kept). The population is the
-    # study's trials (Workload.pbt_options).
+    # tunepod's population-based training: a population of --parallel members drawn at random, each
+    # member as long as the other arms' whole budget shared among the population, the bottom quarter
+    # going on from a top member's checkpoint every full trial's length with its lr perturbed (the other
+    # parameters shape the model: the donor's are kept). The population is the study's trials
+    # (Workload.pbt_options).
     PBT: {"sampler": "random", "pruner": "{kind: none}"},
 }
 
@@ -56,6 +57,8 @@ class Workload:
     max_step: int
     """The step of a full trial's last report (ASHA's ``max_t``; Hyperband's ``max_resource`` is one
     more, so that it prunes from the first trials on instead of after the first one completes)."""
+    length_arg: str = "epochs"
+    """The ``train_args`` key of a trial's length (its reports are steps ``0..max_step`` or up to it)."""
     asha_min_resource: int | None = None
     """The tpe+asha arm's first rung where the workload's recommended setting puts it; None: tunepod's
     default (a third of a full trial)."""
@@ -86,7 +89,7 @@ class Workload:
             **{f"{tune}.{key}": value for key, value in ARMS[arm].items()},
             **{f"{tune}.pruner.{key}": value for key, value in self.pruner_options(arm).items()},
             **{f"{tune}.{key}": value for key, value in self.pbt_options(arm).items()},
-            **{f"{tune}.train.args.{key}": str(value) for key, value in self.train_args.items()},
+            **{f"{tune}.train.args.{key}": str(value) for key, value in self.train_args_of(arm).items()},
         }
         return [f"{key}={value}" for key, value in settings.items()]
 
@@ -106,15 +109,43 @@ class Workload:
             "reduction_factor": str(REDUCTION_FACTOR),
         }
 
+    def train_args_of(self, arm: str) -> dict[str, object]:
+        """The fixed parameters of ``arm``'s trials: a PBT member trains as long as the other arms'
+        whole budget shared among the population (``pbt_member_length``), the same compute."""
+        if arm != PBT:
+            return self.train_args
+        return {**self.train_args, self.length_arg: self.pbt_member_length}
+
+    @property
+    def trial_length(self) -> int:
+        """A full trial's length in the trainer's units (``train_args[length_arg]``)."""
+        length = self.train_args[self.length_arg]
+        assert isinstance(length, int), f"{self.name}: {self.length_arg} must be an int, got {length!r}"
+        return length
+
+    @property
+    def pbt_member_length(self) -> int:
+        """A member's length in the trainer's units: ``trials`` full trials' training over the
+        population of ``parallel`` members."""
+        return self.trial_length * self.trials // self.parallel
+
+    def last_step(self, arm: str) -> int:
+        """The step of the last report of ``arm``'s trials: a full trial's, or a PBT member's (it sits
+        where a trial's does against its length: digits' is epochs - 1)."""
+        if arm not in (PBT, RAY_PBT):
+            return self.max_step
+        return self.pbt_member_length + (self.max_step - self.trial_length)
+
     def pbt_options(self, arm: str) -> dict[str, str]:
-        """The PBT arm's population (its num_trials, all side by side) and schedule."""
+        """The PBT arm's population (its num_trials, all side by side) and schedule: decisions every
+        full trial's length, up to a member's last report."""
         if arm != PBT:
             return {}
         schedule = {
             "population": self.parallel,
-            "interval": self.min_resource,
+            "interval": self.trial_length,  # reports land on its multiples (units are step + 1)
             "quantile": 0.25,
-            "max_resource": self.max_step + 1,
+            "max_resource": self.last_step(PBT) + 1,
             "perturb": {"params": ["lr"]},
         }
         return {"pbt": json.dumps(schedule), "num_trials": str(self.parallel)}
@@ -153,6 +184,7 @@ def tiny_llm(trials: int, parallel: int, steps: int, eval_interval: int, target:
         trials=trials,
         parallel=parallel,
         train_args={"steps": steps, "eval_interval": eval_interval},
+        length_arg="steps",
         min_resource=eval_interval,  # reports come at eval_interval, 2 x eval_interval, ...
         max_step=steps,
         # Half a trial: larger models start slower and finish better here. Of 80 random draws (seeds

@@ -27,12 +27,17 @@ def test_each_arm_makes_a_valid_spec(workload: Workload, arm: str, tmp_path: Pat
     tune = step.with_
     assert tune.study.name == workload.study_name(arm, 7) and tune.seed == 7
     if arm == PBT:
-        # The population is the study's trials, all side by side; only lr is explored.
+        # The population is the study's trials, all side by side; only lr is explored. Its members
+        # share the other arms' budget: 4 members of 10 trials' length against 40 trials.
         assert tune.pbt is not None and tune.pbt.population == tune.num_trials == tune.num_parallel == 4
-        assert tune.pbt.interval == workload.min_resource and tune.pbt.perturb.params == ["lr"]
+        assert tune.pbt.interval == workload.trial_length and tune.pbt.perturb.params == ["lr"]
+        assert tune.train.args[workload.length_arg] == 10 * workload.trial_length
+        # To the last report: digits' epochs 0..59 (60 units), the tiny LLM's step 1200 (1201 units).
+        assert tune.pbt.max_resource == {"digits": 60, "tiny LLM": 1201}[workload.name]
         assert tune.pruner.kind == "none"
     else:
         assert tune.pbt is None and tune.num_trials == workload.trials
+        assert tune.train.args[workload.length_arg] == workload.trial_length
     if arm == TPE_ASHA:
         # The recommended setting: ASHA's rungs are tunepod's defaults for a full trial's length, or
         # the workload's first rung where it sets one (the tiny LLM's: half a trial).
