@@ -9,8 +9,8 @@ paused trial resumes from its checkpoint on a new job (no epoch trained twice, o
 the whole curve), the trials never promoted end PRUNED, every trial ends once, no job is left. The
 fault tests SIGKILL the whole `tunepod run` process group the moment a first pause is decided (its
 cancel marker written: the stop, the pause's record and the promotion after it may each be half
-done; on local jobs and on Slurm), or the moment a first promotion is recorded (its resumed job
-maybe not yet submitted), and prove the same after the rerun.
+done), or the moment a first promotion is recorded (its resumed job maybe not yet submitted), on
+local jobs and on Slurm, and prove the same after the rerun.
 """
 
 from __future__ import annotations
@@ -146,14 +146,17 @@ def test_sigkill_of_the_orchestrator_group_as_a_pause_is_decided_then_rerun(
     assert_paused_and_promoted_once_each(study)
 
 
+@pytest.mark.parametrize("launcher", ["local", pytest.param("slurm", marks=pytest.mark.slurm)])
 def test_sigkill_of_the_orchestrator_group_as_a_promotion_is_recorded_then_rerun(
-    runs: MakeRuns, tmp_path: Path
+    runs: MakeRuns, tmp_path: Path, launcher: str
 ) -> None:
     """Fault: SIGKILL of the whole `tunepod run` process group as soon as a first promotion is in the
     study (the tuner records it before it submits the resumed job, so the kill lands between the record
     and the resume, or just after the submission), then the same command again: the promoted trial
-    resumes exactly once (its job's attempts are 1 + its promotions), from its checkpoint."""
-    study = asha_study(tmp_path, "local")
+    resumes exactly once (its job's attempts are 1 + its promotions), from its checkpoint. On Slurm
+    the resumed job is an sbatch the killed orchestrator may or may not have made: the rerun must
+    neither lose it nor submit it twice."""
+    study = asha_study(tmp_path, launcher, sleep_s=1.0 if launcher == "slurm" else 0.5)
     tunepod = runs(study)
     first = tunepod.start("killed")
 
