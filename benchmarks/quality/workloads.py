@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.quality.timing import Goal
+from tunepod.spec.models import PrunerSpec
 
 REPO = Path(__file__).resolve().parents[2]
 SPECS = REPO / "benchmarks" / "specs"
@@ -65,9 +66,12 @@ class Workload:
 
     @property
     def asha_first_rung(self) -> int:
-        """The tpe+asha arm's first rung, in units: the workload's, else tunepod's default (a third of a
-        full trial). Ray Tune's ASHA gets it as its ``grace_period``, so both decide at the same step."""
-        return self.asha_min_resource or (self.max_step + 1) // REDUCTION_FACTOR
+        """The tpe+asha arm's first rung, in units: the workload's, else tunepod's default, as the spec
+        model sets it. Ray Tune's ASHA gets it as its ``grace_period``, so both decide at the same step."""
+        rungs = {"max_resource": self.max_step + 1}
+        if self.asha_min_resource is not None:
+            rungs["min_resource"] = self.asha_min_resource
+        return PrunerSpec(kind="asha", **rungs).min_resource
 
     def study_name(self, arm: str, seed: int) -> str:
         return f"{self.study}-{arm.replace('+', '-').replace(' ', '-')}-s{seed}"

@@ -44,6 +44,8 @@ def test_each_arm_makes_a_valid_spec(workload: Workload, arm: str, tmp_path: Pat
         assert tune.pruner.max_resource == workload.max_step + 1
         default = (workload.max_step + 1) // 3
         assert tune.pruner.min_resource == (workload.asha_min_resource or default)
+        # Ray Tune's ASHA arm decides at the same rung (its grace_period).
+        assert workload.asha_first_rung == tune.pruner.min_resource
 
 
 @pytest.mark.parametrize("workload", WORKLOADS, ids=lambda w: w.name)
