@@ -33,6 +33,7 @@ from rich.table import Table
 from benchmarks.quality.study import StudyFailed, StudyRun, run_study
 from benchmarks.quality.workloads import (
     ARMS,
+    LONG_RANDOM,
     PBT,
     RANDOM,
     RAY_ARMS,
@@ -56,6 +57,7 @@ SIDES = {
     TPE_HYPERBAND: "tunepod",
     TPE_ASHA: "tunepod",
     PBT: "tunepod",
+    LONG_RANDOM: "control",
     RAY_ASHA: "baseline 2",
     RAY_PBT: "baseline 2",
 }
@@ -237,7 +239,8 @@ def print_table(workload: Workload, runs: list[StudyRun]) -> dict[str, float]:
     length = ", ".join(f"{k} {v}" for k, v in workload.train_args.items())
     table = Table(
         title=f"{workload.name}: seconds from the study's start to the first {workload.goal.describe()} "
-        f"({workload.trials} trials at most, pbt arms a population of {workload.parallel}; {length}, "
+        f"({workload.trials} trials at most, pbt and long random a population of {workload.parallel}; "
+        f"{length}, "
         f"{workload.parallel} at a time; "
         f"{len({r.seed for r in runs})} seeds)"
     )
@@ -265,7 +268,11 @@ def print_table(workload: Workload, runs: list[StudyRun]) -> dict[str, float]:
 
 def print_goals(workload: Workload, medians: dict[str, float]) -> None:
     """For each tunepod arm that ran beside random: its median <= GOAL_RATIO x random's, and ahead of
-    Ray Tune's ASHA where that ran too."""
+    Ray Tune's ASHA where that ran too; PBT against its control where both ran."""
+    if PBT in medians and LONG_RANDOM in medians:
+        # What PBT's exploit and explore add over members as long that never copy one another.
+        ratio = ratio_of(medians[PBT], medians[LONG_RANDOM])
+        console.print(f"{workload.name}: {PBT} against its control, {LONG_RANDOM}: {ratio}x")
     if RANDOM not in medians:
         return
     for arm in (a for a in medians if SIDES[a] == "tunepod"):

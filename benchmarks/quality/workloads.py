@@ -18,6 +18,7 @@ RANDOM = "random"
 TPE_HYPERBAND = "tpe+hyperband"
 TPE_ASHA = "tpe+asha"
 PBT = "pbt"
+LONG_RANDOM = "long random"
 RAY_ASHA = "ray asha"
 RAY_PBT = "ray pbt"
 RAY_ARMS = (RAY_ASHA, RAY_PBT)
@@ -38,7 +39,13 @@ ARMS: dict[str, dict[str, str]] = {
     # parameters shape the model: the donor's are kept). The population is the study's trials
     # (Workload.pbt_options).
     PBT: {"sampler": "random", "pruner": "{kind: none}"},
+    # The pbt arm's control: its population drawn at random, its members as long, none ever copying
+    # another. What PBT gains over it is its exploit and explore; what both gain over random is
+    # training fewer, longer trials.
+    LONG_RANDOM: {"sampler": "random", "pruner": "{kind: none}"},
 }
+# The arms whose trials are a population of --parallel members, each the budget shared among them.
+MEMBER_ARMS = (PBT, LONG_RANDOM, RAY_PBT)
 
 
 @dataclass(frozen=True)
@@ -87,7 +94,7 @@ class Workload:
             "launcher.root": str(root / "shared"),
             f"{tune}.study.storage": self.storage(root, arm, seed),
             f"{tune}.study.name": self.study_name(arm, seed),
-            f"{tune}.num_trials": str(self.trials),
+            f"{tune}.num_trials": str(self.trials_of(arm)),
             f"{tune}.num_parallel": str(self.parallel),
             f"{tune}.seed": str(seed),
             **{f"{tune}.{key}": value for key, value in ARMS[arm].items()},
@@ -113,10 +120,14 @@ class Workload:
             "reduction_factor": str(REDUCTION_FACTOR),
         }
 
+    def trials_of(self, arm: str) -> int:
+        """``arm``'s trial budget: a population arm's members, all side by side, else ``trials``."""
+        return self.parallel if arm in MEMBER_ARMS else self.trials
+
     def train_args_of(self, arm: str) -> dict[str, object]:
-        """The fixed parameters of ``arm``'s trials: a PBT member trains as long as the other arms'
-        whole budget shared among the population (``pbt_member_length``), the same compute."""
-        if arm != PBT:
+        """The fixed parameters of ``arm``'s trials: a population member trains as long as the other
+        arms' whole budget shared among the population (``pbt_member_length``), the same compute."""
+        if arm not in MEMBER_ARMS:
             return self.train_args
         return {**self.train_args, self.length_arg: self.pbt_member_length}
 
@@ -136,13 +147,13 @@ class Workload:
     def last_step(self, arm: str) -> int:
         """The step of the last report of ``arm``'s trials: a full trial's, or a PBT member's (it sits
         where a trial's does against its length: digits' is epochs - 1)."""
-        if arm not in (PBT, RAY_PBT):
+        if arm not in MEMBER_ARMS:
             return self.max_step
         return self.pbt_member_length + (self.max_step - self.trial_length)
 
     def pbt_options(self, arm: str) -> dict[str, str]:
-        """The PBT arm's population (its num_trials, all side by side) and schedule: decisions every
-        full trial's length, up to a member's last report."""
+        """The PBT arm's population (its trials, all side by side: ``trials_of``) and schedule:
+        decisions every full trial's length, up to a member's last report."""
         if arm != PBT:
             return {}
         schedule = {
@@ -152,7 +163,7 @@ class Workload:
             "max_resource": self.last_step(PBT) + 1,
             "perturb": {"params": ["lr"]},
         }
-        return {"pbt": json.dumps(schedule), "num_trials": str(self.parallel)}
+        return {"pbt": json.dumps(schedule)}
 
     def storage(self, root: Path, arm: str, seed: int) -> str:
         return f"journal://{root}/{self.study_name(arm, seed)}.optuna.log"

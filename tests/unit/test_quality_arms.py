@@ -8,7 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.quality.workloads import ARMS, PBT, REPO, TPE_ASHA, TUNE_STEP, Workload, digits, tiny_llm
+from benchmarks.quality.workloads import (
+    ARMS,
+    LONG_RANDOM,
+    PBT,
+    REPO,
+    TPE_ASHA,
+    TUNE_STEP,
+    Workload,
+    digits,
+    tiny_llm,
+)
 from tunepod.spec.loader import load_spec
 from tunepod.spec.models import TuneStep
 
@@ -35,6 +45,11 @@ def test_each_arm_makes_a_valid_spec(workload: Workload, arm: str, tmp_path: Pat
         # To the last report: digits' epochs 0..59 (60 units), the tiny LLM's step 1200 (1201 units).
         assert tune.pbt.max_resource == {"digits": 60, "tiny LLM": 1201}[workload.name]
         assert tune.pruner.kind == "none"
+    elif arm == LONG_RANDOM:
+        # PBT's control: the same population of random draws, members as long, no schedule.
+        assert tune.pbt is None and tune.sampler.kind == "random" and tune.pruner.kind == "none"
+        assert tune.num_trials == tune.num_parallel == 4
+        assert tune.train.args[workload.length_arg] == 10 * workload.trial_length
     else:
         assert tune.pbt is None and tune.num_trials == workload.trials
         assert tune.train.args[workload.length_arg] == workload.trial_length
