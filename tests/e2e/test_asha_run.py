@@ -10,7 +10,8 @@ the whole curve), the trials never promoted end PRUNED, every trial ends once, n
 fault tests SIGKILL the whole `tunepod run` process group the moment a first pause is decided (its
 cancel marker written: the stop, the pause's record and the promotion after it may each be half
 done), or the moment a first promotion is recorded (its resumed job maybe not yet submitted), on
-local jobs and on Slurm, and prove the same after the rerun.
+local jobs and on Slurm, and prove the same after the rerun (the fault at the first pause over six
+trials: see ``XS_PAUSE_FAULT``).
 """
 
 from __future__ import annotations
@@ -40,23 +41,33 @@ pytestmark = pytest.mark.slow
 EPOCHS = 6
 MIN_RESOURCE = 3
 XS = [0.3, 0.4, 0.9, 0.0]  # best first, then the next best: score = 1 - (x - 0.3)^2, scaled by the epoch
-ASHA = {
-    "pruner": {"kind": "asha", "min_resource": MIN_RESOURCE, "reduction_factor": 2, "max_resource": EPOCHS},
-    "space": {"x": {"type": "categorical", "choices": sorted(XS)}},
-    "enqueue": [{"x": x} for x in XS],
-}
+# For the fault at the first pause: the killed orchestrator may have written trial 1's pause without
+# stopping its job, which then trains to its end (its pause came too late). With XS, the 4th trial's
+# arrival at the rung would promote trial 1 only, so that branch would promote nobody; here trial 2
+# (0.5) is paused behind 0 and 1 and promoted when the 6th trial makes the rung keep 3, in either
+# branch (trials 3-5 rank below it: scores 0.64, 0.91, 0.58 against its 0.96).
+XS_PAUSE_FAULT = [0.3, 0.4, 0.5, 0.9, 0.0, 0.95]
 
 
-def asha_study(tmp_path: Path, launcher: str, sleep_s: float = 0.5) -> FaultStudy:
+def asha_study(tmp_path: Path, launcher: str, sleep_s: float = 0.5, xs: list[float] = XS) -> FaultStudy:
     return FaultStudy(
         tmp_path,
         launcher,
         sqlite_tracking(tmp_path),
-        num_trials=len(XS),
+        num_trials=len(xs),
         num_parallel=1,
         epochs=EPOCHS,
         sleep_s=sleep_s,
-        tune=ASHA,
+        tune={
+            "pruner": {
+                "kind": "asha",
+                "min_resource": MIN_RESOURCE,
+                "reduction_factor": 2,
+                "max_resource": EPOCHS,
+            },
+            "space": {"x": {"type": "categorical", "choices": sorted(xs)}},
+            "enqueue": [{"x": x} for x in xs],
+        },
         # A long grace: every pause lands at the trainer's should_stop() (it saves there), even on a
         # loaded machine where an epoch's checkpoint can take seconds.
         train={"resources": {"stop_grace_s": 60}},
@@ -69,7 +80,7 @@ def assert_paused_and_promoted_once_each(study: FaultStudy) -> list[int]:
     and never promoted are PRUNED; one MLflow run per trial, whose score history is its metrics file.
     Returns the promoted trials' numbers."""
     trials = {t.number: t for t in study.trials()}
-    assert sorted(trials) == list(range(len(XS))), sorted(trials)
+    assert sorted(trials) == list(range(study.num_trials)), sorted(trials)
     states = {n: t.state.name for n, t in trials.items()}
     assert all(t.state.is_finished() for t in trials.values()), states
     assert any(t.state is TrialState.COMPLETE for t in trials.values()), states
@@ -130,9 +141,10 @@ def test_sigkill_of_the_orchestrator_group_as_a_pause_is_decided_then_rerun(
     cancel marker written), then the same command again: the rerun finishes the stop, records the
     pause, promotes and prunes as if nothing happened. A job the kill left unstopped may have trained
     to its end before the rerun could stop it: it is then COMPLETE, its pause came too late (as a
-    prune that comes too late), so which trial completes is not fixed here. On Slurm the stop is
+    prune that comes too late), so which trial completes is not fixed here; six trials
+    (``XS_PAUSE_FAULT``) make a promotion due either way. On Slurm the stop is
     `scancel --signal` to a job slurmd runs, which outlives the killed orchestrator."""
-    study = asha_study(tmp_path, launcher, sleep_s=1.0 if launcher == "slurm" else 0.5)
+    study = asha_study(tmp_path, launcher, sleep_s=1.0 if launcher == "slurm" else 0.5, xs=XS_PAUSE_FAULT)
     tunepod = runs(study)
     first = tunepod.start("killed")
 
