@@ -4,10 +4,12 @@ the overrides it sets are the ones the spec accepts, so a benchmark run never di
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 
+from benchmarks.quality.__main__ import factor
 from benchmarks.quality.workloads import (
     ARMS,
     LONG_RANDOM,
@@ -80,3 +82,11 @@ def test_ray_pbt_is_given_the_schedule_of_the_pbt_arm(workload: Workload, tmp_pa
         "factors": list(pbt.perturb.factors),
         "resample_probability": pbt.perturb.resample_probability,
     }
+
+
+def test_a_factor_against_a_median_that_never_reached_says_so() -> None:
+    # A control that never reached its target in most seeds has an infinite median: the printed
+    # comparison must not read as a number ("n/ax" did).
+    assert factor(12.5, 12.9) == "0.97x"
+    assert factor(51.7, math.inf) == "n/a (a median never reached the target)"
+    assert factor(math.inf, 84.0) == "n/a (a median never reached the target)"
