@@ -232,10 +232,9 @@ def ratio_of(value: float, baseline: float) -> str:
     return f"{value / baseline:.2f}"
 
 
-def factor(value: float, baseline: float) -> str:
-    """``value / baseline`` as a factor for a sentence: "0.97x", or why there is none."""
-    ratio = ratio_of(value, baseline)
-    return "n/a (a median never reached the target)" if ratio == "n/a" else f"{ratio}x"
+def as_factor(ratio: str) -> str:
+    """A ``ratio_of`` for a sentence: "0.97x", or why there is none."""
+    return "n/a: a median never reached the target" if ratio == "n/a" else f"{ratio}x"
 
 
 def print_table(workload: Workload, runs: list[StudyRun]) -> dict[str, float]:
@@ -277,19 +276,18 @@ def print_goals(workload: Workload, medians: dict[str, float]) -> None:
     Ray Tune's ASHA where that ran too; PBT against its control where both ran."""
     if PBT in medians and LONG_RANDOM in medians:
         # What PBT's exploit and explore add over members as long that never copy one another.
-        ratio = factor(medians[PBT], medians[LONG_RANDOM])
+        ratio = as_factor(ratio_of(medians[PBT], medians[LONG_RANDOM]))
         console.print(f"{workload.name}: {PBT} against its control, {LONG_RANDOM}: {ratio}")
     if RANDOM not in medians:
         return
     for arm in (a for a in medians if SIDES[a] == "tunepod"):
         ratio = ratio_of(medians[arm], medians[RANDOM])
         met = ratio != "n/a" and float(ratio) <= GOAL_RATIO
-        against_random = factor(medians[arm], medians[RANDOM])
-        verdict = f"<= {GOAL_RATIO}x random's: {'MET' if met else 'MISSED'} ({against_random})"
+        verdict = f"<= {GOAL_RATIO}x random's: {'MET' if met else 'MISSED'} ({as_factor(ratio)})"
         if RAY_ASHA in medians:
             ahead = medians[arm] < medians[RAY_ASHA]
             verdict += f"; ahead of {RAY_ASHA}: {'MET' if ahead else 'MISSED'}"
-            verdict += f" ({factor(medians[arm], medians[RAY_ASHA])})"
+            verdict += f" ({as_factor(ratio_of(medians[arm], medians[RAY_ASHA]))})"
         console.print(f"[bold]Goal ({workload.name}, {arm}): median time to target {verdict}[/bold]")
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.quality.__main__ import factor
+from benchmarks.quality.__main__ import as_factor, ratio_of
 from benchmarks.quality.workloads import (
     ARMS,
     LONG_RANDOM,
@@ -87,6 +87,6 @@ def test_ray_pbt_is_given_the_schedule_of_the_pbt_arm(workload: Workload, tmp_pa
 def test_a_factor_against_a_median_that_never_reached_says_so() -> None:
     # A control that never reached its target in most seeds has an infinite median: the printed
     # comparison must not read as a number ("n/ax" did).
-    assert factor(12.5, 12.9) == "0.97x"
-    assert factor(51.7, math.inf) == "n/a (a median never reached the target)"
-    assert factor(math.inf, 84.0) == "n/a (a median never reached the target)"
+    assert as_factor(ratio_of(12.5, 12.9)) == "0.97x"
+    assert as_factor(ratio_of(51.7, math.inf)) == "n/a: a median never reached the target"
+    assert as_factor(ratio_of(math.inf, 84.0)) == "n/a: a median never reached the target"
