@@ -145,6 +145,11 @@ def test_stop_racing_the_end_keeps_the_real_outcome(tmp_path: Path) -> None:
             "trial-4", tmp_path
         )
         handle.cancel()
+        # The stop was refused because the job had ended: its outcome is SageMaker's Completed, not a
+        # cancellation, and it is kept (no DescribeTrainingJob more).
+        assert handle.state() is JobState.SUCCEEDED
+        assert wait(handle, poll_s=0.01, timeout_s=1) is JobState.SUCCEEDED
+        assert handle.describe() == "sagemaker training job trial-4 Completed (Completed)"
         stub.assert_no_pending_responses()
 
 
