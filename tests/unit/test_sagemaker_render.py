@@ -462,10 +462,30 @@ def test_sagemakers_plain_pytorch_image_is_refused_for_jobs_under_smp_v2(image: 
     assert "fix: leave image_uri out and set framework_version" in shown
 
 
+def rendered_request(spec_: PipelineSpec) -> dict[str, Any]:
+    """The CreateTrainingJob request of the spec's first trial, as ``tunepod render`` shows it."""
+    [preview] = preview_trials(spec_, make_launcher(spec_.launcher, connect=False))
+    request: dict[str, Any] = preview.rendered.payload
+    return request
+
+
 def test_an_smp_or_own_image_or_a_job_without_smp_keeps_its_explicit_image() -> None:
+    """The spec accepts each image, and the rendered request runs exactly that image: an explicit
+    ``image_uri`` is never replaced by the SMP lookup, for a job under SMP v2 or one without it."""
     smp = "658645717510.dkr.ecr.us-west-2.amazonaws.com/smdistributed-modelparallel:2.5.1-gpu-py311-cu124"
     own = "123456789012.dkr.ecr.us-west-2.amazonaws.com/team/llm-train:7"
     for image in (smp, own):
-        tiny_llm_tp("launcher.framework_version=null", f"launcher.image_uri={image}")
+        request = rendered_request(
+            tiny_llm_tp("launcher.framework_version=null", f"launcher.image_uri={image}")
+        )
+        assert request["AlgorithmSpecification"]["TrainingImage"] == image
+        # Still a job under SMP v2: the image is kept although the job needs SMP's.
+        assert json.loads(request["HyperParameters"]["mp_parameters"]) == {"tensor_parallel_degree": 2}
     plain = "763104351884.dkr.ecr.us-west-2.amazonaws.com/pytorch-training:2.5.1-gpu-py311"
-    load_spec(REPO / "examples/tiny_llm/pipeline-sagemaker.yaml", [f"launcher.image_uri={plain}"])
+    without_smp = load_spec(
+        REPO / "examples/tiny_llm/pipeline-sagemaker.yaml",
+        [f"launcher.root={REPO.parent}", f"launcher.image_uri={plain}"],
+    )
+    request = rendered_request(without_smp)
+    assert request["AlgorithmSpecification"]["TrainingImage"] == plain
+    assert "mp_parameters" not in request["HyperParameters"]
