@@ -13,6 +13,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -294,6 +295,38 @@ def test_warns_once_per_launcher_about_resources_it_ignores(
     warnings = [record.getMessage() for record in caplog.records]
     assert sum("num_nodes=2" in message for message in warnings) == 1
     assert sum("instance_type='ml.g5.xlarge'" in message for message in warnings) == 1
+
+
+class DiesAfterStart(LinuxProcesses):
+    """Real processes, except that the orchestrator dies as soon as the job's wrapper has started:
+    only the intent written before starting it is on disk. Stand-in: an exception no caller catches
+    in place of the process dying, which a test cannot time between the start and the record."""
+
+    def start(self, argv: Sequence[str], env: Mapping[str, str], stdout: Path, stderr: Path) -> int:
+        pid = super().start(argv, env, stdout, stderr)
+        raise KeyboardInterrupt(f"orchestrator killed after starting wrapper {pid}")
+
+
+def test_a_job_found_after_a_crash_keeps_its_stop_grace(tmp_path: Path) -> None:
+    """The orchestrator died between starting a job with ``resources.stop_grace_s: 20`` and recording
+    it; a restarted one finds the job by its submission id. Stopping it (a prune) must give it that
+    grace, as for a job recorded normally: its script needs 2 s to save after SIGTERM and does. The
+    launcher's own ``cancel_grace_s`` (0.5 s) would SIGKILL it mid-save."""
+    root = tmp_path / "shared"
+    job = fixture_job(tmp_path / "graced", "slow_save.py", "2", resources=Resources(stop_grace_s=20))
+    with pytest.raises(KeyboardInterrupt):
+        LocalLauncher(root, cancel_grace_s=0.5, processes=DiesAfterStart()).submit(job)
+    found = LocalLauncher(root, cancel_grace_s=0.5).recorded(job.job_dir)
+    assert found is not None
+    wait_until(lambda: (job.job_dir / "started").exists(), "the script to start")
+
+    found.cancel(reason="pruned")
+
+    saved = job.job_dir / "saved"
+    assert saved.exists(), f"killed mid-save: {found.describe()}"
+    times = json.loads(saved.read_text())
+    assert times["saved_at"] - times["signal_at"] >= 2
+    assert found.state() is JobState.SUCCEEDED
 
 
 def test_cancel_escalates_to_sigkill_when_sigterm_is_ignored(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ hour here).
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 import threading
@@ -17,12 +18,12 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
-from launcher_contract import finish, fixture_job
+from launcher_contract import finish, fixture_job, wait_until
 from sshd import TARGET, require_sshd, ssh_options
 from test_slurm_launcher import slurm_jobs_named
 
 from tunepod.errors import TransientError
-from tunepod.launch.base import JobState
+from tunepod.launch.base import JobState, Resources
 from tunepod.launch.runner import (
     SSH_CONNECTION_FAILED,
     CommandRunner,
@@ -88,6 +89,27 @@ class SbatchReplyLost:
             self.inner.run(argv, input=input, timeout_s=timeout_s)
         lost = "Connection to 127.0.0.1 closed by remote host."
         raise TransientCommandFailed(argv, SSH_CONNECTION_FAILED, lost)
+
+
+class OrchestratorDied(BaseException):
+    """The orchestrator's process ended (killed, its node lost) right after sbatch queued the job."""
+
+
+class DiesAfterSbatch:
+    """The real runner, except that the orchestrator dies as soon as sbatch has queued the job: only
+    the intent written before sending is on disk. Stand-in: an exception no caller catches in place
+    of the process dying, which a test cannot time between sbatch and the record."""
+
+    def __init__(self, inner: CommandRunner) -> None:
+        self.inner = inner
+
+    def run(
+        self, argv: Sequence[str], *, input: str | None = None, timeout_s: float = 60
+    ) -> subprocess.CompletedProcess[str]:
+        done = self.inner.run(argv, input=input, timeout_s=timeout_s)
+        if argv[0] == "sbatch":
+            raise OrchestratorDied(f"killed after sbatch queued job {done.stdout.strip()}")
+        return done
 
 
 def test_double_submission_after_a_lost_sbatch_reply(transport: str, tmp_path: Path) -> None:
@@ -163,3 +185,33 @@ def test_new_attempt_never_adopts_the_ended_job_of_an_earlier_attempt(tmp_path: 
     assert (record.attempt, record.submission_id, record.job_id) == (2, intent.submission_id, second.job_id)
     assert slurm_jobs_named(job.name, under=tmp_path) == [first.job_id, second.job_id]
     assert finish(second) is JobState.SUCCEEDED, second.logs()
+
+
+@pytest.mark.parametrize("lost", ["reply", "record"])
+def test_a_job_adopted_after_a_lost_sbatch_reply_keeps_its_stop_grace(lost: str, tmp_path: Path) -> None:
+    """Real fault: sbatch queued a job with ``resources.stop_grace_s: 30`` whose script needs 12 s to
+    save after SIGTERM, past the test cluster's KillWait of 10 s, and the orchestrator never heard the
+    job id: the reply was lost and submit's look-up adopted the job (``reply``), or the orchestrator
+    died before recording it and a restarted one resolved the intent on disk (``record``; stand-ins
+    for both as above). Stopping the adopted job (a prune) must give its tasks SIGTERM and the grace,
+    as for a job sent normally: the script saves and exits 0. A plain scancel SIGKILLs it mid-save."""
+    spec = spec_for(tmp_path / "shared", "local")
+    job = fixture_job(tmp_path / "graced", "slow_save.py", "12", resources=Resources(stop_grace_s=30))
+    if lost == "reply":
+        handle = SlurmLauncher(spec, SbatchReplyLost(LocalRunner(), queued=True)).submit(job)
+    else:
+        with pytest.raises(OrchestratorDied):
+            SlurmLauncher(spec, DiesAfterSbatch(LocalRunner())).submit(job)
+        found = SlurmLauncher(spec).recorded(job.job_dir)
+        assert found is not None
+        handle = found
+    wait_until(lambda: (job.job_dir / "started").exists(), "the script to start")
+
+    handle.cancel(reason="pruned")
+
+    saved = job.job_dir / "saved"
+    assert saved.exists(), f"killed mid-save: {handle.describe()}"
+    times = json.loads(saved.read_text())
+    assert times["saved_at"] - times["signal_at"] >= 12  # it outlived KillWait
+    assert (handle.status().state, handle.status().exit_code) == ("COMPLETED", 0)
+    assert slurm_jobs_named(job.name, under=tmp_path) == [handle.job_id]

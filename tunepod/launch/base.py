@@ -7,7 +7,7 @@ learns its outcome from the files the job writes under ``job_dir`` (see ``JobPat
 Bookkeeping is written ONCE, here, in ``LauncherBase``:
 
 - the submission record (``tunepod.launch.submission``), written ahead of the backend call: an intent
-  with the deterministic name and a submission id, then the backend's job id;
+  with the deterministic name, a submission id and the job's stop grace, then the backend's job id;
 - idempotent submission: after any error while sending, and whenever an intent without a job id is
   read back, the job is looked up on the backend by that name and submission id before anything is
   created again, so a job dir never gets two live jobs; a submit that finds its intent's job that way
@@ -37,6 +37,7 @@ from tunepod.launch.job_state import JobState
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.status_cache import NativeStatus, StatusCache, TrackedJob
 from tunepod.launch.submission import (
+    STOP_GRACE_DETAIL,
     CancelMarker,
     CancelReason,
     Submission,
@@ -240,6 +241,15 @@ def _intent_was_sent(previous: Submission | None) -> bool:
     return previous is not None and previous.is_intent
 
 
+def _intent_details(job: JobSpec, rendered: Rendered) -> dict[str, Any]:
+    """What an intent records besides its name: the backend's facts for ``find``, and the job's stop
+    grace. The grace is on disk before the backend hears of the job, and every later record of the
+    attempt is this intent completed (by ``send``, or by ``find`` after a lost reply or a crash), so
+    whichever way a launcher comes to hold the job, its stop reads the grace the job asked for."""
+    grace = job.resources.stop_grace_s
+    return {**rendered.details, **({} if grace is None else {STOP_GRACE_DETAIL: grace})}
+
+
 class LauncherBase(ABC, Generic[S]):
     """The bookkeeping every backend shares (see the module docstring); a backend subclasses it.
 
@@ -357,7 +367,7 @@ class LauncherBase(ABC, Generic[S]):
             name=rendered.name,
             attempt=attempt,
             submission_id=submission_id,
-            details=dict(rendered.details),
+            details=_intent_details(job, rendered),
             intent_at=unsent.intent_at if unsent else now_iso(),
         )
         # The new attempt goes on record before its predecessor's outcome files go: a crash in between
@@ -430,7 +440,9 @@ class LauncherBase(ABC, Generic[S]):
             except NameTaken as exc:
                 logger.warning("%s: %s; trying another name", paths.job_dir, exc)
                 rendered = self.render(job, intent.attempt, variant)
-                intent = intent.model_copy(update={"name": rendered.name, "details": dict(rendered.details)})
+                intent = intent.model_copy(
+                    update={"name": rendered.name, "details": _intent_details(job, rendered)}
+                )
             except TransientError:
                 # The backend may have created the job before the error reached us: look before failing.
                 found = self.find(intent, paths.job_dir)

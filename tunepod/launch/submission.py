@@ -31,6 +31,9 @@ PRIVATE_FILE_MODE = 0o600
 """Files that hold a job's environment (tracking credentials, user secrets): owner only."""
 PRIVATE_DIR_MODE = 0o700
 
+STOP_GRACE_DETAIL = "stop_grace_s"
+"""The key of ``Submission.details`` that holds the job's ``resources.stop_grace_s``."""
+
 CancelReason = Literal["pruned", "paused", "exploited", "timed_out", "hung", "cancelled"]
 """Why tunepod stopped a job: a pruned trial, a paused one (resumed later from its checkpoint), a job
 past its time limit, a hung one, anything else."""
@@ -58,7 +61,10 @@ class Submission(BaseModel):
     )
     submission_id: str = Field(description="Random id of this attempt, carried by the job itself.")
     job_id: str | None = Field(None, description="The backend's id; None while only the intent is known.")
-    details: dict[str, Any] = Field(default_factory=dict, description="Backend-owned facts about the job.")
+    details: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Facts about the job: the backend's own, and its stop grace (recorded with the intent).",
+    )
     intent_at: str
     submitted_at: str | None = None
 
@@ -66,6 +72,13 @@ class Submission(BaseModel):
     def is_intent(self) -> bool:
         """True when the backend's acceptance was never recorded (see the module docstring)."""
         return self.job_id is None
+
+    @property
+    def stop_grace_s(self) -> float | None:
+        """How long a stop gives the job's processes to save and exit (its ``resources.stop_grace_s``);
+        None when the job sets none."""
+        grace = self.details.get(STOP_GRACE_DETAIL)
+        return None if grace is None else float(grace)
 
     def accepted(self, job_id: str, details: dict[str, Any]) -> Submission:
         """This intent, completed with the backend's id and facts."""

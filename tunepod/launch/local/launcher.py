@@ -232,8 +232,6 @@ class LocalLauncher(LauncherBase[LocalStatus]):
         # The wrapper is our unreaped child, so its pid cannot be reused while we read its stat.
         stat = self.processes.stat(pid)
         details: dict[str, object] = {"argv": rendered.payload}
-        if job.resources.stop_grace_s is not None:
-            details["stop_grace_s"] = job.resources.stop_grace_s
         if stat is not None:
             details |= {"pid": pid, "start_ticks": stat.start_ticks}
         return Accepted(rendered.name, details)
@@ -319,9 +317,8 @@ class LocalLauncher(LauncherBase[LocalStatus]):
 
     def _grace_s(self, record: Submission | None) -> float:
         """How long the job's processes get between SIGTERM and SIGKILL."""
-        if record is None:
-            return self.cancel_grace_s
-        return float(record.details.get("stop_grace_s", self.cancel_grace_s))
+        grace_s = record.stop_grace_s if record is not None else None
+        return self.cancel_grace_s if grace_s is None else grace_s
 
     def _wait_until_gone(self, job: LocalJob, timeout_s: float) -> bool:
         deadline = world.monotonic() + timeout_s

@@ -89,9 +89,7 @@ class SlurmLauncher(LauncherBase[SlurmStatus]):
         # Over ssh the head node may not see the script we just wrote yet (attribute caching on the
         # shared filesystem); stdin does not depend on it.
         script_path = None if self.spec.ssh else job.job_dir / SCRIPT_NAME
-        grace = job.resources.stop_grace_s
-        details: dict[str, object] = {} if grace is None else {"stop_grace_s": grace}
-        return Accepted(self.slurm.sbatch(rendered.payload, script_path), details)
+        return Accepted(self.slurm.sbatch(rendered.payload, script_path))
 
     def find(self, intent: Submission, job_dir: Path) -> Accepted | None:
         """The job named ``intent.name`` whose comment names ``intent.submission_id``: first among the
@@ -131,12 +129,13 @@ class SlurmLauncher(LauncherBase[SlurmStatus]):
         (``scancel --signal=TERM``) and that long to save and exit on its own; what still runs then is
         cancelled. A plain ``scancel`` would also signal the batch script, and the tasks would get only
         the cluster's KillWait: a script still importing torch for its first save was killed mid-save
-        under load. Without the setting (or for a job found after a crash, whose record has none):
-        ``scancel``, and KillWait is the grace."""
-        grace_s = job.record.details.get("stop_grace_s") if job.record is not None else None
+        under load. The grace is read from the submission record, which carries it from the intent
+        on (also for a job adopted after a lost sbatch reply or a crash). Without the setting (or
+        without a record: a job attached by id alone): ``scancel``, and KillWait is the grace."""
+        grace_s = job.record.stop_grace_s if job.record is not None else None
         if grace_s is not None and job.status(max_age_s=0).job_state is JobState.RUNNING:
             self.slurm.scancel(job.job_id, signal="TERM")
-            if self._ended_within(job, float(grace_s)):
+            if self._ended_within(job, grace_s):
                 return
             logger.warning("slurm job %s still runs %ss after SIGTERM; cancelling it", job.job_id, grace_s)
         self.slurm.scancel(job.job_id)
