@@ -1037,6 +1037,62 @@ def test_an_eventbridge_hook_refuses_a_short_key() -> None:
     assert "short-key" not in str(raised.value)
 
 
+def object_created(bucket: str, key: str, *, event_id: str | None = None) -> dict[str, Any]:
+    """A fresh S3 "Object Created" event as anyone holding the hook's key can write one."""
+    return {
+        "version": "0", "id": event_id or str(uuid.uuid4()), "detail-type": "Object Created",
+        "source": "aws.s3", "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "detail": {"bucket": {"name": bucket}, "object": {"key": key}},
+    }  # fmt: skip
+
+
+def test_an_eventbridge_key_is_checked_before_the_body(receiver: Receiver) -> None:
+    """Without the key, the answer is 401 whatever the body: not JSON, the wrong type, over the size
+    limit, an event naming a bucket outside the allow list. Nothing about the body is looked at."""
+    wrong = {API_KEY_HEADER: API_KEY + "0"}
+    cases = {
+        "not json": receiver.post("s3eb", b"{not json", wrong),
+        "text/plain": receiver.post("s3eb", b"{}", {**wrong, "Content-Type": "text/plain"}),
+        "over 1 MiB": receiver.post("s3eb", b"x" * (MAX_BODY_BYTES + 1), {}),
+        "forbidden": post_as_api_destination(receiver, object_created("attacker-bucket", "x"), API_KEY + "0"),
+    }
+    assert {case: answer.status_code for case, answer in cases.items()} == dict.fromkeys(cases, 401)
+
+
+def test_a_request_without_the_key_never_has_its_body_read(
+    config: WebhookConfig, api_url: str, tmp_path: Path
+) -> None:
+    """The app itself, called as a server calls it: asked for its answer to a keyless request, it
+    never asks the server for the body."""
+    reads: list[int] = []
+
+    async def receive() -> dict[str, Any]:
+        reads.append(1)
+        return {"type": "http.request", "body": b"{not json", "more_body": False}
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": "/hooks/s3eb", "raw_path": b"/hooks/s3eb", "query_string": b"",
+        "root_path": "", "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 9), "server": ("127.0.0.1", 80),
+    }  # fmt: skip
+    with httpx.Client(timeout=30) as http:
+        app = create_app(
+            config, in_thread(PrefectEventSink(api_url, http)), tmp_path, registry=CollectorRegistry()
+        )
+        try:
+            asyncio.run(app(scope, receive, send))
+        finally:
+            app.state.publisher.stop()
+    assert sent[0]["status"] == 401 and b"missing header X-Tunepod-Key" in sent[1]["body"]
+    assert reads == []
+
+
 class _CloudFormationLoader(yaml.SafeLoader):
     """YAML with CloudFormation's short tags (!Ref, !GetAtt, ...), each read as {tag: value}."""
 

@@ -9,8 +9,10 @@ The checks run cheapest and least trusting first: hook known (404), content type
 reading at most ``MAX_BODY_BYTES`` and stopping there), signature and timestamp (401), JSON (415), a
 GitHub push's age (401), a body Prefect could never take (422: ``sendable``), already seen (200
 duplicate), rate limit (429), overrides valid against the spec (422), the event within what Prefect
-keeps (422). The rate limit counts only authenticated, new deliveries: unsigned floods cannot spend a
-real sender's budget, and a sender's retries of a delivery already accepted do not either.
+keeps (422). An API key (scheme ``eventbridge``) is a header: it is checked before anything else, so
+a caller without it never has a byte of its body read, let alone parsed. The rate limit counts only
+authenticated, new deliveries: unsigned floods cannot spend a real sender's budget, and a sender's
+retries of a delivery already accepted do not either.
 
 "Already seen" asks the delivery log about a key the signature covers: ``webhook-id`` for Standard
 Webhooks (signed with the body and the timestamp), the body's SHA-256 for GitHub, whose
@@ -206,17 +208,35 @@ class _Receiver:
         return JSONResponse(content, status)
 
     async def _accept(self, hook: Hook, request: Request) -> tuple[int, str, dict[str, Any]]:
+        if hook.scheme == "eventbridge":
+            delivery, payload = await self._keyed(hook, request)
+        else:
+            delivery, payload = await self._signed(hook, request)
+        # Everything after the signature blocks (a walk over the body, SQLite and its fsync, spec
+        # validation): one trip to a worker thread for all of it keeps the event loop free.
+        return await run_in_threadpool(self._admit, hook, delivery, payload)
+
+    async def _keyed(self, hook: Hook, request: Request) -> tuple[_Delivery, Any]:
+        """An API key travels in a header and covers no byte of the body: checked first, so a caller
+        without it is answered 401 whatever it sent, and its body is never read nor parsed."""
+        try:
+            verify_api_key(hook.secret_values(), request.headers)
+        except SignatureError as exc:
+            raise _Rejection(401, "unauthorized", str(exc)) from None
+        _check_content_type(request.headers.get("content-type", ""))
+        payload = _parse_json(await _read_limited(request, MAX_BODY_BYTES))
+        return self._eventbridge_delivery(payload), payload
+
+    async def _signed(self, hook: Hook, request: Request) -> tuple[_Delivery, Any]:
+        """A signature covers the body, so the body is read (at most ``MAX_BODY_BYTES``) to check it,
+        and parsed only once it passes."""
         _check_content_type(request.headers.get("content-type", ""))
         body = await _read_limited(request, MAX_BODY_BYTES)
         delivery = _verify(hook, request.headers, body)
         payload = _parse_json(body)
         if hook.scheme == "github":
             self._check_push_age(payload)
-        if hook.scheme == "eventbridge":
-            delivery = self._eventbridge_delivery(payload)
-        # Everything after the signature blocks (a walk over the body, SQLite and its fsync, spec
-        # validation): one trip to a worker thread for all of it keeps the event loop free.
-        return await run_in_threadpool(self._admit, hook, delivery, payload)
+        return delivery, payload
 
     def _check_push_age(self, payload: Any) -> None:
         """401 for a GitHub push older than the dedupe window: a copy of it would no longer be
@@ -337,14 +357,11 @@ async def _read_limited(request: Request, limit: int) -> bytes:
 
 
 def _verify(hook: Hook, headers: Mapping[str, str], body: bytes) -> _Delivery:
-    """The delivery, if signed with one of the hook's secrets; 401 otherwise."""
+    """The delivery, if signed with one of the hook's secrets; 401 otherwise (schemes standard, github)."""
     try:
         if hook.scheme == "github":
             sender_id = verify_github(hook.secret_values(), headers, body)
             key = github_dedupe_key(body)  # X-GitHub-Delivery is not signed: a replay may pick any
-        elif hook.scheme == "eventbridge":
-            verify_api_key(hook.secret_values(), headers)
-            sender_id = key = ""  # the event's id, read from its body once it is parsed
         else:
             sender_id = key = verify_standard(hook.secret_values(), headers, body)
     except SignatureError as exc:
@@ -407,7 +424,10 @@ _RESPONSES: dict[int | str, dict[str, Any]] = {
         "Prefect at once, or as soon as Prefect answers."
     },
     400: _detail("Delivery id too long."),
-    401: _detail("Missing, invalid or stale signature; a GitHub push older than the dedupe window."),
+    401: _detail(
+        "Missing, invalid or stale signature or API key; a GitHub push or an EventBridge event older "
+        "than the dedupe window."
+    ),
     404: _detail("No such hook."),
     413: _detail("Body over 1 MiB."),
     415: _detail("Not JSON (Content-Type or body)."),
