@@ -146,18 +146,25 @@ def render(
 ) -> None:
     """Print what the launcher would send for each tune step's first trial, sending nothing: the
     sbatch script, the HyperPod EKS manifest, the CreateTrainingJob request or the local command.
-    Secrets are redacted. Exit 2 for an invalid spec or a job the launcher would refuse."""
+    Credentials in the job's environment and store passwords show as ***. Then every problem
+    `tunepod run` would refuse the job for, on stderr. Exit 2 for an invalid spec, a job that cannot
+    be rendered, or any such problem."""
     from tunepod.errors import TunepodError
     from tunepod.launch.factory import make_launcher
     from tunepod.preview import preview_trials
 
     pipeline, _ = _load(spec, set_)
-    secrets = pipeline.store_uris()
+    stores, values = pipeline.store_uris(), pipeline.secret_values()
     try:
         previews = preview_trials(pipeline, make_launcher(pipeline.launcher, connect=False), step=step)
     except TunepodError as exc:
-        _exit_with(redacted(str(exc), *secrets))
-    typer.echo("\n".join(preview.text(*secrets) for preview in previews), nl=False)
+        _exit_with(redacted(str(exc), *stores, values=values))
+    typer.echo("\n".join(preview.text(*stores, values=values) for preview in previews), nl=False)
+    problems = [f"step {preview.step}: {problem}" for preview in previews for problem in preview.problems]
+    if problems:
+        count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
+        listed = "".join(f"\n- {problem}" for problem in problems)
+        _exit_with(redacted(f"tunepod run would refuse this ({count}):{listed}", *stores, values=values))
 
 
 def _study_storage(spec: PipelineSpec, step: str | None) -> str:

@@ -23,7 +23,7 @@ from tunepod.launch.factory import make_launcher
 from tunepod.launch.paths import SharedRoot
 from tunepod.metrics import PipelineMetrics, open_pipeline_metrics
 from tunepod.outputs import Evaluation, Registration, StepOutput, TrialRecord, TrialSet
-from tunepod.spec.loader import dump_spec, load_spec, spec_hash
+from tunepod.spec.loader import dump_spec, load_spec, shown_override, spec_hash
 from tunepod.spec.models import PipelineSpec
 from tunepod.steps import run_step
 from tunepod.stores import redacted
@@ -71,8 +71,13 @@ class PipelineRun:
                 tag_names.PIPELINE: spec.name,
                 tag_names.SPEC: str(spec_path),
                 tag_names.SPEC_HASH: spec_hash(spec),
-                # An override may set a store URI: the tag, like every value MLflow shows, holds no password.
-                tag_names.OVERRIDES: redacted(" ".join(overrides or []), *spec.store_uris()),
+                # An override may set a store URI or a credential: the tag, like every value MLflow
+                # shows, holds neither.
+                tag_names.OVERRIDES: redacted(
+                    " ".join(map(shown_override, overrides or [])),
+                    *spec.store_uris(),
+                    values=spec.secret_values(),
+                ),
                 tag_names.GIT_SHA: _git_sha(),
                 **(tags or {}),
             },

@@ -10,14 +10,21 @@ what the step's sampler gives the first trial of a new study (its ``enqueue`` co
 a seeded sampler gives the same values in the run; a study that already has trials, or a
 ``warm_start``, gives others).
 
-Nothing is written, submitted or opened: no study storage, no MLflow server, no cluster. Every store
-URI the spec names is shown redacted, and so is every secret a URL in the payload carries.
+Nothing is written, submitted or opened: no study storage, no MLflow server, no cluster, no AWS
+client. Every store URI the spec names is shown redacted, and so is every secret a URL in the payload
+carries; every variable of the job's environment named as a credential (``tunepod.stores.is_secret_name``:
+``AWS_SECRET_ACCESS_KEY``, ``HF_TOKEN`` ...) is rendered with ``***`` for its value.
+
+What a run would refuse to send (a path the platform would not see, no instance type) does not stop
+the preview: the launcher renders what it can (``tunepod.launch.refusals``), and the preview lists every
+problem after the payload, as ``kubectl apply --dry-run=server`` does.
 """
 
 from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,12 +37,14 @@ from tunepod.errors import TunepodError
 from tunepod.hpo.study import distributions, make_sampler, reseed_for_next_trial
 from tunepod.hpo.tuner import trial_job_spec
 from tunepod.launch.base import SUBMISSION_ID_ENV, JobSpec, Launcher, Rendered
+from tunepod.launch.factory import make_launcher
 from tunepod.launch.paths import SharedRoot
+from tunepod.launch.refusals import collecting
 from tunepod.launch.submission import new_submission_id
-from tunepod.spec.models import PipelineSpec, StageStep, TuneSettings, TuneStep
+from tunepod.spec.models import LauncherSpec, PipelineSpec, StageStep, TuneSettings, TuneStep
 from tunepod.spec.parallelism import job_layout
 from tunepod.steps.stage import staged_path
-from tunepod.stores import redacted
+from tunepod.stores import is_secret_name, redacted, shown_env
 
 RUN_ID_PLACEHOLDER = "<mlflow-run-id>"
 """Stands for the trial's MLflow run id, which exists only once a run has created it."""
@@ -43,7 +52,9 @@ RUN_ID_PLACEHOLDER = "<mlflow-run-id>"
 
 @dataclass(frozen=True)
 class TrialPreview:
-    """One tune step's first trial: its job, and the launcher's rendering of its first attempt."""
+    """One tune step's first trial: its job, the launcher's rendering of its first attempt (what a run
+    sends), that rendering with the job's credentials hidden (what is shown), and what a run would
+    refuse it for."""
 
     step: str
     study: str
@@ -51,23 +62,28 @@ class TrialPreview:
     launcher: str
     job: JobSpec
     rendered: Rendered
+    shown: Rendered
+    problems: tuple[str, ...] = ()
 
-    def text(self, *secrets: str) -> str:
-        """The payload as the launcher sends it, in its native form, with ``secrets`` (store URIs)
-        and every URL's password shown as ``***``."""
+    def text(self, *secrets: str, values: Iterable[str] = ()) -> str:
+        """The payload in its native form, as shown: credentials of the environment, ``secrets``
+        (store URIs), the secret ``values`` (``PipelineSpec.secret_values``) and every URL's password
+        as ``***``."""
         header = (
             f"# step {self.step}: trial {self.number} of study {self.study}, launcher {self.launcher}, "
             f"job dir {self.job.job_dir}\n# ({SUBMISSION_ID_ENV} differs in each attempt; "
             f"{RUN_ID_PLACEHOLDER} is the trial's MLflow run)\n"
         )
-        return redacted(header + _native(self.launcher, self.rendered.payload, self.job), *secrets)
+        native = _native(self.launcher, self.shown.payload, _shown_job(self.job))
+        return redacted(header + native, *secrets, values=[*values, *_secret_env_values(self.job.env)])
 
 
 def preview_trials(spec: PipelineSpec, launcher: Launcher, *, step: str | None = None) -> list[TrialPreview]:
-    """The first trial of each tune step (of ``step`` only, when given), rendered by ``launcher``.
+    """The first trial of each tune step (of ``step`` only, when given), rendered by ``launcher``, with
+    what a run would refuse it for in its ``problems``.
 
-    Raises ``TunepodError`` for a ``step`` that is not a tune step of the spec, and for what the
-    launcher's ``render`` refuses (the error a run would meet at its first submit)."""
+    Raises ``TunepodError`` for a ``step`` that is not a tune step of the spec, and for a job the
+    launcher cannot render at all (a layout that does not fit, a value a batch script cannot hold)."""
     tune_steps = [name for name, body in spec.steps.items() if isinstance(body, TuneStep)]
     if step is not None and step not in tune_steps:
         raise TunepodError(
@@ -75,10 +91,17 @@ def preview_trials(spec: PipelineSpec, launcher: Launcher, *, step: str | None =
             f"{', '.join(tune_steps) or '(none: the spec has no tune step)'}"
         )
     shared = SharedRoot(Path(spec.launcher.root))
-    return [_first_trial(spec, name, shared, launcher) for name in tune_steps if step in (None, name)]
+    shown_launcher = _shown_launcher(spec.launcher, launcher)
+    return [
+        _first_trial(spec, name, shared, launcher, shown_launcher)
+        for name in tune_steps
+        if step in (None, name)
+    ]
 
 
-def _first_trial(spec: PipelineSpec, name: str, shared: SharedRoot, launcher: Launcher) -> TrialPreview:
+def _first_trial(
+    spec: PipelineSpec, name: str, shared: SharedRoot, launcher: Launcher, shown_launcher: Launcher
+) -> TrialPreview:
     body = spec.steps[name]
     assert isinstance(body, TuneStep)
     settings = body.with_
@@ -103,9 +126,37 @@ def _first_trial(spec: PipelineSpec, name: str, shared: SharedRoot, launcher: La
         layout=layout,
     )
     job = job.with_env({SUBMISSION_ID_ENV: new_submission_id()})
+    with collecting() as problems:
+        rendered = launcher.render(job, attempt=1)
+    shown_job = _shown_job(job)
+    if shown_launcher is launcher and shown_job == job:
+        shown = rendered
+    else:
+        with collecting():  # the same problems, found above
+            shown = shown_launcher.render(shown_job, attempt=1)
     return TrialPreview(
-        name, settings.study.name, number, launcher.kind, job, launcher.render(job, attempt=1)
+        name, settings.study.name, number, launcher.kind, job, rendered, shown, tuple(problems)
     )
+
+
+def _shown_job(job: JobSpec) -> JobSpec:
+    """``job`` with its environment as shown (``shown_env``): rendering it shows no credential."""
+    if not any(is_secret_name(name) for name in job.env):
+        return job
+    return job.with_env({name: value for name, value in shown_env(job.env).items() if is_secret_name(name)})
+
+
+def _shown_launcher(spec: LauncherSpec, launcher: Launcher) -> Launcher:
+    """A launcher like ``launcher`` whose own ``env`` (the spec's, added to every job) is as shown;
+    ``launcher`` itself when that env holds no credential."""
+    env: dict[str, str] = getattr(spec, "env", {})
+    if not any(is_secret_name(name) for name in env):
+        return launcher
+    return make_launcher(spec.model_copy(update={"env": shown_env(env)}), connect=False)
+
+
+def _secret_env_values(env: Mapping[str, str]) -> list[str]:
+    return [value for name, value in env.items() if is_secret_name(name)]
 
 
 def _first_params(settings: TuneSettings) -> tuple[int, dict[str, Any]]:

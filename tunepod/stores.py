@@ -7,15 +7,22 @@ reads a bare ``postgresql://`` as psycopg2, which tunepod does not install: MLfl
 Such a URL holds a password: ``redacted`` is the one way tunepod shows a URL, or a message that may
 quote one (messages, logs, the console, MLflow tags, Prefect artifacts), and ``opening_store`` turns a
 driver's failure to open a store into an error that quotes neither the URL nor its password.
+
+A job's environment holds credentials by name (``AWS_SECRET_ACCESS_KEY``, ``HF_TOKEN``, ``DB_PASSWORD``):
+``is_secret_name`` is the one rule for which names, ``shown_env`` the one way an environment is shown,
+and ``secret_values`` finds such values in any document (a spec, a ``--set`` value) so that
+``redacted`` can hide them wherever a message quotes them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote
 
 from tunepod.errors import StoreError, TunepodError
@@ -116,21 +123,62 @@ _PATTERNS = (_URL_PASSWORD, _QUERY_SECRET, _KEYWORD_SECRET)
 MIN_LOOSE_SECRET = 4
 
 
-def redacted(text: str, *stores: str) -> str:
+def redacted(text: str, *stores: str, values: Iterable[str] = ()) -> str:
     """``text`` as tunepod shows it, anywhere: a store URI, or a message that may quote one.
 
     Every URL in it keeps its scheme, user, host, port and path; its password and the values of its
     secret query parameters (``password=``, ``token=``, ...) become ``***``, as does a libpq
     ``password=...``. The secrets of ``stores`` (the URIs a driver's message may quote in another form:
-    percent-decoded, or outside any URL) are hidden wherever they occur, each of at least
+    percent-decoded, or outside any URL) and the secret ``values`` themselves (``secret_values``: as
+    written, and as JSON or YAML escapes them) are hidden wherever they occur, each of at least
     ``MIN_LOOSE_SECRET`` characters. Text with nothing to hide comes back unchanged.
     """
     for pattern in _PATTERNS:
         text = pattern.sub(lambda match: match["head"] + _hidden(match["secret"]), text)
-    loose = {secret for store in stores for secret in _secrets(store) if len(secret) >= MIN_LOOSE_SECRET}
+    loose = {secret for store in stores for secret in _secrets(store)}
+    loose |= {form for value in values for form in (value, json.dumps(value)[1:-1])}
     for secret in sorted(loose, key=len, reverse=True):  # a secret inside another goes after it
-        text = text.replace(secret, HIDDEN)
+        if len(secret) >= MIN_LOOSE_SECRET:
+            text = text.replace(secret, HIDDEN)
     return text
+
+
+# Words that make a variable (or mapping key) a credential, matched against the end of each "_"/"-"
+# separated part of its name: HF_TOKEN, WANDB_API_KEY, APIKEY, DB_PASSWORD, AWS_SESSION_TOKEN,
+# GITHUB_AUTH. A part that only starts with one (TOKENIZERS_PARALLELISM, KEYRING_BACKEND) is not one.
+_SECRET_WORDS = (
+    "KEY|KEYS|TOKEN|TOKENS|SECRET|SECRETS|PASSWORD|PASSWORDS|PASSWD|PASSPHRASE|PASS|CREDENTIAL|CREDENTIALS"
+    "|CREDS|AUTH|AUTHORIZATION|COOKIE|SIGNATURE|PRIVATE|PAT|DSN"
+)
+_SECRET_PART = re.compile(rf"[A-Z0-9]*(?:{_SECRET_WORDS})")
+
+
+def is_secret_name(name: str) -> bool:
+    """Whether a variable or mapping key named ``name`` holds a credential (case-insensitive)."""
+    return any(_SECRET_PART.fullmatch(part) for part in re.split(r"[_\-.\s]+", name.upper()) if part)
+
+
+def shown_env(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` as tunepod shows it: the value of each secret name (``is_secret_name``) ``***``, every
+    other value ``redacted`` (a URL's password hidden)."""
+    return {name: HIDDEN if is_secret_name(name) else redacted(value) for name, value in env.items()}
+
+
+def secret_values(document: Any) -> list[str]:
+    """The values of the secret names (``is_secret_name``) of every ``env`` mapping in ``document`` (a
+    spec or a ``--set`` override as YAML reads it, at any depth): what ``redacted`` must hide wherever a
+    message quotes the document. Only ``env`` mappings are read: elsewhere a key named like a secret
+    is a setting (``secret_env``'s ``key`` names a key of a Kubernetes Secret, not its value)."""
+    found: list[str] = []
+    if isinstance(document, Mapping):
+        for key, value in document.items():
+            if key == "env" and isinstance(value, Mapping):
+                found += [str(v) for k, v in value.items() if is_secret_name(str(k)) and v is not None]
+            found += secret_values(value)
+    elif isinstance(document, list):
+        for item in document:
+            found += secret_values(item)
+    return found
 
 
 def _hidden(secret: str) -> str:

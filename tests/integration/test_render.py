@@ -123,5 +123,126 @@ def test_render_for_hyperpod_eks_reads_no_kubeconfig_and_refuses_what_a_run_woul
     )
     refused = tunepod("render", str(outside), **nowhere)
     assert refused.returncode == 2
+    assert "kind: HyperPodPyTorchJob" in refused.stdout, "a dry run shows the manifest it refuses"
+    assert f"- {ENV_ECHO}" in refused.stdout
+    assert refused.stderr.startswith("tunepod run would refuse this (1 problem):\n- step search: ")
     assert f"entrypoint {ENV_ECHO} of job 'tiny-trial-0' is outside the launcher root" in refused.stderr
-    assert refused.stdout == ""
+
+
+NO_AWS = {
+    "HOME": "/nonexistent-home",
+    "AWS_CONFIG_FILE": "/nonexistent-aws-config",
+    "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent-aws-credentials",
+    "AWS_REGION": "",
+    "AWS_DEFAULT_REGION": "",
+}
+NO_CLUSTER = {"KUBECONFIG": "/nonexistent-kubeconfig", "KUBERNETES_SERVICE_HOST": ""}
+
+
+def without_configuration() -> dict[str, str]:
+    """The environment of a machine with no AWS and no cluster configuration: ``tunepod`` below merges
+    it over os.environ, so the AWS variables are emptied (boto3 reads an empty one as unset)."""
+    return {**NO_AWS, **NO_CLUSTER}
+
+
+@pytest.mark.parametrize("example", sorted(str(p.relative_to(REPO)) for p in REPO.glob("examples/*/*.yaml")))
+def test_every_shipped_example_renders_its_submission_without_aws_or_cluster_configuration(
+    example: str,
+) -> None:
+    """From a checkout anywhere: the payload always shows; the examples meant to run from a checkout on
+    FSx list that as the problem a run would refuse, with exit 2, and never a traceback."""
+    rendered = tunepod("render", example, **without_configuration())
+    assert rendered.stdout.startswith("# step "), rendered.stderr
+    assert "Traceback" not in rendered.stdout + rendered.stderr
+    if rendered.returncode != 0:
+        assert rendered.returncode == 2
+        assert rendered.stderr.startswith("tunepod run would refuse this ("), rendered.stderr
+        assert "launcher root /fsx/tunepod" in rendered.stderr or "under root /fsx/tunepod" in rendered.stderr
+
+
+CREDENTIALS = {
+    "AWS_SECRET_ACCESS_KEY": "wJalrXUtnFEMI/K7MDENG/bPxRfiCYzEXAMPLEKEY",
+    "HF_TOKEN": "hf_rEnderTokenValue",
+    "WANDB_API_KEY": "wandb-'quoted\"key",
+}
+SAGEMAKER_BLOCK = {
+    "kind": "sagemaker",
+    "role_arn": "arn:aws:iam::123456789012:role/tunepod",
+    "output_s3_uri": "s3://bucket/out/",
+    "instance_type": "ml.m5.xlarge",
+    "image_uri": "123456789012.dkr.ecr.us-west-2.amazonaws.com/train:1",
+    "fsx": {"file_system_id": "fs-0123456789abcdef0", "directory_path": "/abcdefgh/tunepod"},
+    "subnets": ["subnet-0123456789abcdef0"],
+    "security_group_ids": ["sg-0123456789abcdef0"],
+}
+LAUNCHERS = {
+    "slurm": {"kind": "slurm"},
+    "hyperpod_eks": {
+        "kind": "hyperpod_eks",
+        "image": "123456789012.dkr.ecr.us-west-2.amazonaws.com/t:1",
+        "claim_name": "fsx-claim",
+    },
+    "sagemaker": SAGEMAKER_BLOCK,
+}
+
+
+@pytest.mark.parametrize("kind", sorted(LAUNCHERS))
+def test_render_shows_no_credential_of_the_jobs_environment(kind: str, tmp_path: Path) -> None:
+    """Credentials set in launcher.env, and one more by --set, render as *** on every launcher that
+    takes an env (the local one takes none: its jobs inherit tunepod's own environment, never shown)."""
+    block = {**LAUNCHERS[kind], "env": dict(CREDENTIALS)}
+    spec, _, _ = write_tiny_study(tmp_path, f"sqlite:///{tmp_path}/mlflow.db", 1, launcher=block)
+    more = "launcher.env.GITHUB_AUTH=gh-SetTokenValue"
+    rendered = tunepod("render", str(spec), "--set", more, **without_configuration())
+    shown = rendered.stdout + rendered.stderr
+    assert "# step search: trial 0" in rendered.stdout, rendered.stderr
+    for name in [*CREDENTIALS, "GITHUB_AUTH"]:
+        assert name in rendered.stdout
+    for secret in [*CREDENTIALS.values(), "gh-SetTokenValue", "rEnderTokenValue", "EXAMPLEKEY"]:
+        assert secret not in shown
+    assert "***" in rendered.stdout
+
+
+def test_a_set_override_quoted_by_an_error_shows_no_credential(tmp_path: Path) -> None:
+    """The local launcher has no env: the "unknown key" error quotes the override, credentials hidden."""
+    spec, _, _ = write_tiny_study(tmp_path, f"sqlite:///{tmp_path}/mlflow.db", 1)
+    value = json.dumps({**CREDENTIALS, "DATABASE_URL": f"postgresql://u:{SECRET}@db/x", "DEBUG": "1"})
+    refused = tunepod("validate", str(spec), "--set", f"launcher.env={value}")
+    assert refused.returncode == 2
+    assert "launcher.env: unknown key 'env'" in refused.stderr
+    assert '"DEBUG": "1"' in refused.stderr, "what is no credential still shows"
+    for secret in [*CREDENTIALS.values(), SECRET, "EXAMPLEKEY"]:
+        assert secret not in refused.stderr
+    broken = tunepod("validate", str(spec), "--set", "launcher.env={HF_TOKEN: hf_rEnderTokenValue, A: [}")
+    assert "the value is not valid YAML" in broken.stderr
+    assert "hf_rEnderTokenValue" not in broken.stderr
+
+
+def test_render_of_a_sagemaker_spec_without_a_region_shows_the_request_and_names_the_fix(
+    tmp_path: Path,
+) -> None:
+    """No region in the spec or on the machine: rendering needs no AWS client; the image of a
+    framework_version does need a region, and the problem says how to set one."""
+    block = {
+        **SAGEMAKER_BLOCK,
+        "image_uri": None,
+        "framework_version": "2.5",
+        "py_version": "py311",
+        "code_uri": "s3://bucket/code/sourcedir.tar.gz",  # the trainer is outside root
+    }
+    spec, _, _ = write_tiny_study(tmp_path, f"sqlite:///{tmp_path}/mlflow.db", 1, launcher=block)
+    rendered = tunepod("render", str(spec), **without_configuration())
+    assert "Traceback" not in rendered.stdout + rendered.stderr
+    assert rendered.returncode == 2
+    request = json.loads(rendered.stdout.split("\n", 2)[2])
+    assert request["ResourceConfig"]["InstanceType"] == "ml.m5.xlarge"
+    assert "launcher.region" in request["AlgorithmSpecification"]["TrainingImage"]
+    assert rendered.stderr.startswith("tunepod run would refuse this (1 problem):")
+    assert "fix: set launcher.region (or AWS_REGION), or set launcher.image_uri" in rendered.stderr
+
+    with_region = tunepod(
+        "render", str(spec), "--set", "launcher.region=us-west-2", **without_configuration()
+    )
+    assert with_region.returncode == 0, with_region.stderr
+    image = json.loads(with_region.stdout.split("\n", 2)[2])["AlgorithmSpecification"]["TrainingImage"]
+    assert image.startswith("763104351884.dkr.ecr.us-west-2.amazonaws.com/pytorch-training:2.5")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -10,11 +11,19 @@ import pytest
 import yaml
 
 from tunepod.errors import SpecError
-from tunepod.spec.loader import parse_spec
+from tunepod.spec.loader import dump_spec, load_spec, parse_spec, shown_override
 from tunepod.stack.config import StackConfig
 from tunepod.stack.manage import StackError, up
 from tunepod.stack.services import mlflow_server, prefect_server
-from tunepod.stores import StoreUrlError, prefect_database_url, redacted, sync_sqlalchemy_url
+from tunepod.stores import (
+    StoreUrlError,
+    is_secret_name,
+    prefect_database_url,
+    redacted,
+    secret_values,
+    shown_env,
+    sync_sqlalchemy_url,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 PG = "postgresql://tunepod:s3cret@db.example.com:5432/mlflow"
@@ -115,3 +124,71 @@ def test_a_study_storage_of_another_database_names_the_forms_that_work() -> None
     with pytest.raises(SpecError, match=refusal + r"sqlite:///<file> or postgresql://") as raised:
         parse_spec(yaml.safe_dump(spec), "spec.yaml", check_files=False)
     assert "hidden" not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "HF_TOKEN", "WANDB_API_KEY", "APIKEY", "DB_PASSWORD",
+     "AWS_SESSION_TOKEN", "GITHUB_PAT", "MYSQL_PASSWD", "SENTRY_DSN", "NPM_AUTH", "hf_token", "GH-CREDS"],
+)  # fmt: skip
+def test_a_credentials_name_is_secret(name: str) -> None:
+    assert is_secret_name(name)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["TOKENIZERS_PARALLELISM", "PYTHONPATH", "MLFLOW_TRACKING_URI", "TUNEPOD_PARAMS", "KEYRING_BACKEND",
+     "NCCL_DEBUG", "MASTER_PORT", "OMP_NUM_THREADS", "TUNEPOD_SUBMISSION_ID", "PWD"],
+)  # fmt: skip
+def test_an_ordinary_setting_is_no_secret(name: str) -> None:
+    assert not is_secret_name(name)
+
+
+def test_shown_env_hides_credentials_and_url_passwords_and_keeps_the_rest() -> None:
+    env = {"HF_TOKEN": "hf_x1y2z3", "DATABASE_URL": "postgresql://u:pw1234@db/x", "NCCL_DEBUG": "INFO"}
+    assert shown_env(env) == {
+        "HF_TOKEN": "***",
+        "DATABASE_URL": "postgresql://u:***@db/x",
+        "NCCL_DEBUG": "INFO",
+    }
+
+
+def test_secret_values_reads_env_mappings_only() -> None:
+    """A key named like a secret outside an ``env`` mapping is a setting (secret_env's ``key``)."""
+    document = {
+        "launcher": {
+            "env": {"HF_TOKEN": "hf_x1y2z3", "NCCL_DEBUG": "INFO"},
+            "secret_env": {"WANDB_API_KEY": {"secret": "wandb", "key": "api-key"}},
+        },
+        "steps": [{"env": {"DB_PASSWORD": "pw-98765"}}],
+    }
+    assert sorted(secret_values(document)) == ["hf_x1y2z3", "pw-98765"]
+
+
+def test_redacted_hides_secret_values_as_written_and_as_json_escapes_them() -> None:
+    value = 'p"w\\1234'
+    text = f"raw {value} json {json.dumps(value)} short abc"
+    assert redacted(text, values=[value, "abc"]) == 'raw *** json "***" short abc'
+
+
+@pytest.mark.parametrize(
+    ("override", "shown"),
+    [
+        ("launcher.env.HF_TOKEN=hf_x1y2z3", "launcher.env.HF_TOKEN=***"),
+        ("launcher.env={HF_TOKEN: hf_x1y2z3, DEBUG: '1'}", "launcher.env={HF_TOKEN: ***, DEBUG: '1'}"),
+        ("launcher.env={HF_TOKEN: hf_x1y2z3, A: [}", "launcher.env={HF_TOKEN: ***, A: [}"),
+        ("tracking.uri=postgresql://u:pw1234@db/x", "tracking.uri=postgresql://u:***@db/x"),
+        ("steps.search.with.num_trials=20", "steps.search.with.num_trials=20"),
+    ],
+)
+def test_an_override_shows_no_credential(override: str, shown: str) -> None:
+    assert shown_override(override) == shown
+
+
+def test_the_resolved_spec_logged_to_mlflow_shows_no_credential_of_launcher_env() -> None:
+    spec = load_spec(
+        REPO / "examples/digits/pipeline-slurm.yaml", ["launcher.env.HF_TOKEN=hf_dumpTokenValue"]
+    )
+    dumped = yaml.safe_load(dump_spec(spec))
+    assert dumped["launcher"]["env"]["HF_TOKEN"] == "***"
+    assert "hf_dumpTokenValue" not in dump_spec(spec)

@@ -33,7 +33,7 @@ def make_launcher(spec: LauncherSpec, *, connect: bool = True) -> Launcher:
     if isinstance(spec, SageMakerLauncherSpec):
         from tunepod.launch.sagemaker import SageMakerLauncher
 
-        return SageMakerLauncher(spec)
+        return SageMakerLauncher(spec, connect=connect)
     if isinstance(spec, HyperPodEksLauncherSpec):
         from tunepod.launch.hyperpod_eks import HyperPodEksLauncher
 

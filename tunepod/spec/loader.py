@@ -39,7 +39,7 @@ from pydantic_core import ErrorDetails
 from tunepod import dag
 from tunepod.errors import SpecError, SpecIssue
 from tunepod.spec.models import EvaluateStep, PipelineSpec, StepSpec, TrainStep, TuneStep
-from tunepod.stores import redacted
+from tunepod.stores import redacted, secret_values
 
 YamlPath = tuple[str | int, ...]
 _MERGE_TAG = "tag:yaml.org,2002:merge"
@@ -55,11 +55,31 @@ class OverrideIssue(SpecIssue):
     override: str = ""
 
     def render(self, source: str) -> str:
-        # The override may set a store URI: it is shown as tunepod shows any, its password hidden.
-        return super().render(f"--set {redacted(self.override)}")
+        # The override may set a store URI or a job's credentials: shown as tunepod shows any.
+        return super().render(f"--set {shown_override(self.override)}")
 
 
 # ---------------------------------------------------------------------------------------------- public API
+
+
+def shown_override(override: str) -> str:
+    """A ``--set dotted.path=value`` override as tunepod shows it (messages, logs, MLflow tags): a URL's
+    password hidden, and so is every value it gives a secret name of an ``env`` mapping
+    (``--set launcher.env.HF_TOKEN=...`` or ``--set 'launcher.env={HF_TOKEN: ...}'``)."""
+    key, sep, value_text = override.partition("=")
+    if not sep:
+        return redacted(override)
+    try:
+        value = yaml.load(value_text, Loader=_SAFE_LOADER)
+    except yaml.YAMLError:  # no structure to read: every "NAME: value" pair of a secret name is hidden
+        value = {name: found for name, found in _NAMED_VALUE.findall(value_text)}
+    for part in reversed(key.strip().split(".")):
+        value = {part: value}
+    return redacted(override, values=secret_values(value))
+
+
+# A ``NAME: value`` or ``NAME=value`` pair in text that is not valid YAML, quoted or not.
+_NAMED_VALUE = re.compile(r"""([A-Za-z_][\w.-]*)["']?\s*[:=]\s*["']?([^"',}\]\s]+)""")
 
 
 def load_spec(
@@ -134,14 +154,17 @@ def dump_spec(spec: PipelineSpec) -> str:
     return yaml.safe_dump(_shown(spec.model_dump(mode="json", by_alias=True)), sort_keys=False)
 
 
-def _shown(document: Any) -> Any:
-    """``document`` (a dumped spec) with each string ``redacted``."""
+def _shown(document: Any, values: Sequence[str] | None = None) -> Any:
+    """``document`` (a dumped spec) with each string ``redacted``, the values of its ``env`` mappings'
+    secret names (``secret_values``) hidden wherever they occur."""
+    if values is None:
+        values = secret_values(document)
     if isinstance(document, str):
-        return redacted(document)
+        return redacted(document, values=values)
     if isinstance(document, dict):
-        return {key: _shown(value) for key, value in document.items()}
+        return {key: _shown(value, values) for key, value in document.items()}
     if isinstance(document, list):
-        return [_shown(item) for item in document]
+        return [_shown(item, values) for item in document]
     return document
 
 
@@ -324,7 +347,8 @@ def _parse_override(override: str) -> tuple[tuple[str, ...], Any]:
         return path, yaml.safe_load(value_text)
     except yaml.YAMLError as exc:
         problem = getattr(exc, "problem", None) or str(exc)
-        fix = f"quote the value: --set {key}='{redacted(value_text)}'"
+        shown_key, _, shown_value = shown_override(override).partition("=")
+        fix = f"quote the value: --set {shown_key}='{shown_value}'"
         raise _BadOverride(key, f"the value is not valid YAML: {redacted(problem)}", fix) from None
 
 

@@ -26,7 +26,7 @@ from pydantic import (
 
 from tunepod.spec.parallelism import ParallelismSpec, check_space, job_layout
 from tunepod.spec.resources import Resources
-from tunepod.stores import browsable, is_postgres, redacted
+from tunepod.stores import browsable, is_postgres, redacted, secret_values
 
 
 class Strict(BaseModel):
@@ -1322,6 +1322,11 @@ class PipelineSpec(Strict):
                 "or one built from it"
             )
         return self
+
+    def secret_values(self) -> list[str]:
+        """The credentials the spec hands its jobs (``env`` values of secret names): what a message
+        about the run may quote, and must show ``redacted``."""
+        return secret_values(self.model_dump(mode="json", by_alias=True))
 
     def store_uris(self) -> list[str]:
         """Every store URI the spec names (tracking, each study's storage, each warm start's): what a

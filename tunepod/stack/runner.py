@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tunepod.stores import redacted
+from tunepod.spec.loader import shown_override
 
 logger = logging.getLogger(__name__)
 
@@ -375,8 +375,10 @@ class Runner:
         self._selector.register(pidfd, selectors.EVENT_READ, lambda _: self._ended(run))
         with contextlib.suppress(OSError):  # a caller gone already: reading its connection kills the run
             _send(conn, {"started": pid, "api": request["env"]["PREFECT_API_URL"]})
-        # Its --set values may hold a store URI: the log (a file, and Prefect's) shows it redacted.
-        logger.info("run %d started: %s (cwd %s)", pid, redacted(" ".join(request["argv"])), request["cwd"])
+        # Its --set values may hold a store URI or a credential: the log (a file, and Prefect's) shows
+        # each as tunepod shows any.
+        shown = " ".join(map(shown_override, request["argv"]))
+        logger.info("run %d started: %s (cwd %s)", pid, shown, request["cwd"])
 
     def _from_caller(self, run: _Run) -> None:
         try:

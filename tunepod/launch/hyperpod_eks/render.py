@@ -34,9 +34,9 @@ from collections.abc import Mapping
 from pathlib import PurePosixPath
 from typing import Any
 
-from tunepod.errors import TunepodError
 from tunepod.launch.base import SUBMISSION_ID_ENV, JobSpec, Resources
 from tunepod.launch.hyperpod_eks.exits import exit_recorder, pod_name_env
+from tunepod.launch.refusals import refuse
 from tunepod.launch.watchdog import Limits
 from tunepod.runtime.progress import PROGRESS_LOG_PREFIX, PROGRESS_LOG_S_ENV
 from tunepod.spec.models import HyperPodEksLauncherSpec
@@ -114,7 +114,7 @@ def container_env(job: JobSpec, spec: HyperPodEksLauncherSpec) -> list[dict[str,
     inline = {name: value for name, value in {**spec.env, **job.env}.items() if name not in spec.secret_env}
     for name in [*inline, *spec.secret_env]:
         if not _ENV_NAME.fullmatch(name):
-            raise TunepodError(
+            refuse(
                 f"environment variable name {name!r} of job {job.name!r} is not a C identifier, which "
                 "Kubernetes requires; fix: rename it"
             )
@@ -180,14 +180,15 @@ def ignored_settings(spec: HyperPodEksLauncherSpec) -> dict[str, str]:
 def _check_under_root(job: JobSpec, spec: HyperPodEksLauncherSpec) -> None:
     root = PurePosixPath(spec.root)
     if not root.is_absolute():
-        raise TunepodError(f"launcher root {spec.root!r} must be an absolute path (the claim's mount path)")
+        refuse(f"launcher root {spec.root!r} must be an absolute path (the claim's mount path)")
+        return
     for what, path, fix in (
         ("job dir", job.job_dir, "put job dirs under root"),
         ("entrypoint", job.entrypoint, f"run tunepod from a checkout under {root} (e.g. {root}/src)"),
     ):
         posix = PurePosixPath(path.as_posix())
         if not posix.is_relative_to(root):
-            raise TunepodError(
+            refuse(
                 f"{what} {posix} of job {job.name!r} is outside the launcher root {root}, so the pods "
                 f"(which mount claim {spec.claim_name!r} at {root}) would not see it; fix: {fix}"
             )
@@ -427,7 +428,7 @@ def render_kubeflow(job: JobSpec, spec: HyperPodEksLauncherSpec) -> dict[str, An
 
 
 def render_manifest(job: JobSpec, spec: HyperPodEksLauncherSpec) -> dict[str, Any]:
-    """The custom object that runs ``job`` under ``spec.crd`` (pure). Raises ``TunepodError`` for a
-    job the pods could not run (a job dir outside the shared root, an invalid variable name)."""
+    """The custom object that runs ``job`` under ``spec.crd`` (pure). Refuses (``refuse``) a job the
+    pods could not run (a job dir outside the shared root, an invalid variable name)."""
     _check_under_root(job, spec)
     return render_hyperpod(job, spec) if spec.crd == "hyperpod" else render_kubeflow(job, spec)

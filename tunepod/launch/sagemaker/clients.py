@@ -49,11 +49,37 @@ def aws_client(service: str, region: str | None) -> Any:
 
     boto3 applies its usual configuration, ``AWS_ENDPOINT_URL_<SERVICE>`` variables included.
     """
+    boto3 = _boto3()
+    if region is None and configured_region() is None:
+        raise TunepodError(
+            f"the sagemaker launcher calls AWS ({service}) in a region, and none is set; fix: set "
+            "launcher.region (e.g. us-west-2), or AWS_REGION in the environment"
+        )
+    try:
+        return boto3.session.Session().client(service, region_name=region)
+    except Exception as exc:  # botocore's configuration errors: a profile that does not exist, ...
+        raise TunepodError(
+            f"cannot make an AWS {service} client: {type(exc).__name__}: {exc}; fix: check AWS_PROFILE "
+            "and ~/.aws/config (aws configure list shows what boto3 reads)"
+        ) from None
+
+
+def configured_region() -> str | None:
+    """The region boto3's own configuration names (``AWS_REGION``, ``AWS_DEFAULT_REGION``, the profile
+    in ``~/.aws/config``), read without making a client; None when there is none, when boto3 is
+    missing, or when its configuration cannot be read (making a client then says why)."""
+    try:
+        return _boto3().session.Session().region_name  # type: ignore[no-any-return]
+    except Exception:
+        return None
+
+
+def _boto3() -> Any:
     try:
         import boto3  # type: ignore[import-untyped]
     except ImportError as exc:
         raise TunepodError(f"the sagemaker launcher needs boto3; fix: {INSTALL_HINT}") from exc
-    return boto3.session.Session().client(service, region_name=region)
+    return boto3
 
 
 def error_code(exc: BaseException) -> str | None:

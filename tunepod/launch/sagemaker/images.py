@@ -18,6 +18,7 @@ import re
 from typing import Any
 
 from tunepod.errors import TunepodError
+from tunepod.launch.refusals import refuse
 from tunepod.spec.models import SageMakerLauncherSpec
 
 FRAMEWORK = "pytorch"
@@ -44,10 +45,11 @@ def training_image(
         return spec.image_uri
     assert spec.framework_version is not None, "the spec validates one of image_uri, framework_version"
     if region is None:
-        raise TunepodError(
+        refuse(
             "launcher.framework_version: the image's registry depends on the region, and none is set; "
             "fix: set launcher.region (or AWS_REGION), or set launcher.image_uri"
         )
+        return f"<the {FRAMEWORK} {spec.framework_version} training image of launcher.region>"
     if smp:
         return _lookup_smp(spec.framework_version, spec.py_version, region, instance_type)
     return _lookup(spec.framework_version, spec.py_version, region, instance_type)

@@ -25,6 +25,7 @@ reaches (Stopping, MaxRuntimeExceeded, racing a stop).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -35,7 +36,14 @@ from typing import Any
 from tunepod import world
 from tunepod.errors import JobError, TransientError, TunepodError
 from tunepod.launch.base import SUBMISSION_ID_ENV, Accepted, Job, JobSpec, LauncherBase, NameTaken, Rendered
-from tunepod.launch.sagemaker.clients import aws_client, aws_error, error_code, is_not_found, sagemaker_client
+from tunepod.launch.sagemaker.clients import (
+    aws_client,
+    aws_error,
+    configured_region,
+    error_code,
+    is_not_found,
+    sagemaker_client,
+)
 from tunepod.launch.sagemaker.images import training_image
 from tunepod.launch.sagemaker.logs import CloudWatchLogReader, log_hint
 from tunepod.launch.sagemaker.render import (
@@ -81,9 +89,11 @@ class SageMakerLauncher(LauncherBase[TrainingJobStatus]):
     """Submits jobs as SageMaker training jobs with boto3 and follows them with DescribeTrainingJob.
 
     ``client`` is a boto3 ``sagemaker`` client and ``logs_client`` a ``logs`` one (default: new ones
-    for ``spec.region``, made by boto3, so ``AWS_ENDPOINT_URL_SAGEMAKER`` and
-    ``AWS_ENDPOINT_URL_CLOUDWATCH_LOGS`` apply; the logs client is made on first use, in the region
-    of ``client``). Thread safety: as ``LauncherBase``; boto3 clients are thread-safe.
+    for ``spec.region``, else the region boto3's configuration names, made by boto3 on first use, so
+    ``AWS_ENDPOINT_URL_SAGEMAKER`` and ``AWS_ENDPOINT_URL_CLOUDWATCH_LOGS`` apply). ``connect=False``:
+    the image of a ``framework_version`` is not checked up front (``render`` refuses what it cannot
+    find), for ``tunepod render`` on a machine without AWS configuration. Thread safety: as
+    ``LauncherBase``; boto3 clients are thread-safe.
     """
 
     kind = "sagemaker"
@@ -99,20 +109,26 @@ class SageMakerLauncher(LauncherBase[TrainingJobStatus]):
         logs_client: Any | None = None,
         cancel_timeout_s: float = 900.0,
         cancel_poll_s: float = _CANCEL_POLL_S,
+        connect: bool = True,
     ) -> None:
         super().__init__(
             poll_cache_s=spec.poll_cache_s, cancel_timeout_s=cancel_timeout_s, cancel_poll_s=cancel_poll_s
         )
         self.spec = spec
-        self.client = client if client is not None else sagemaker_client(spec.region)
-        region = spec.region or getattr(getattr(self.client, "meta", None), "region_name", None)
-        self.region: str | None = region
+        self._client = client
+        region = spec.region or getattr(getattr(client, "meta", None), "region_name", None)
+        self.region: str | None = region or configured_region()
         self.log_reader = CloudWatchLogReader(
-            (lambda: logs_client) if logs_client is not None else (lambda: aws_client("logs", region))
+            (lambda: logs_client) if logs_client is not None else (lambda: aws_client("logs", self.region))
         )
-        if spec.framework_version is not None:
+        if connect and spec.framework_version is not None:
             # A version with no image fails here, before any job is sent (the default type's image).
-            training_image(spec, spec.instance_type or _ANY_CPU_INSTANCE, region)
+            training_image(spec, spec.instance_type or _ANY_CPU_INSTANCE, self.region)
+
+    @functools.cached_property
+    def client(self) -> Any:
+        """The SageMaker client, made on first use (``render`` needs none)."""
+        return self._client if self._client is not None else sagemaker_client(self.region)
 
     # ------------------------------------------------------------------------------------ hooks
 

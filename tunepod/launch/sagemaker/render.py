@@ -50,6 +50,7 @@ from typing import Any
 from tunepod import runtime
 from tunepod.errors import TunepodError
 from tunepod.launch.base import JobSpec, Resources
+from tunepod.launch.refusals import refuse
 from tunepod.launch.sagemaker.images import training_image
 from tunepod.runtime.parallel import read_parallelism
 from tunepod.spec.models import SageMakerLauncherSpec
@@ -59,6 +60,8 @@ CHANNEL_MOUNT = PurePosixPath("/opt/ml/input/data") / CHANNEL
 CHECKPOINT_LOCAL_PATH = "/opt/ml/checkpoints"
 MAX_NAME_LENGTH = 63
 REQUEST_FILE = "training-job.json"
+NO_INSTANCE_TYPE = "<instance type>"
+"""What a dry run shows for the instance type of a job that names none (``refuse``)."""
 """The rendered request, kept in the job dir for people to read (owner-only: it holds the environment)."""
 
 # Hyperparameter names the PyTorch containers' toolkit reads (sagemaker-python-sdk,
@@ -101,10 +104,11 @@ def instance_type(resources: Resources, spec: SageMakerLauncherSpec) -> str:
     """The job's instance type, else the launcher's; refuses a job that names neither."""
     chosen = resources.instance_type or spec.instance_type
     if chosen is None:
-        raise TunepodError(
+        refuse(
             "a SageMaker job needs an instance type; fix: set resources.instance_type of the job "
             "(e.g. ml.g5.12xlarge) or instance_type of the sagemaker launcher"
         )
+        return NO_INSTANCE_TYPE
     return chosen
 
 
@@ -157,11 +161,12 @@ def checkpoint_s3_uri(job: JobSpec, spec: SageMakerLauncherSpec) -> str:
     directory = checkpoint_dir(job)
     relative = relative_to_root(directory, spec)
     if relative is None:
-        raise TunepodError(
+        refuse(
             f"checkpoint dir {directory} of job {job.name} is outside root {spec.root}, so it has no S3 "
             "prefix that other jobs could find; fix: keep job dirs (and the checkpoint dirs evaluations "
             "read) under root"
         )
+        relative = PurePosixPath(directory.as_posix().lstrip("/"))
     if spec.checkpoint_s3_uri is None:  # the spec requires it whenever checkpoints go to S3
         raise TunepodError("checkpoints go to S3 but the launcher has no checkpoint_s3_uri; fix: set it")
     prefix = spec.checkpoint_s3_uri.rstrip("/")
@@ -172,7 +177,8 @@ def _mounted(what: str, path: Path, spec: SageMakerLauncherSpec) -> str:
     mounted = container_path(path, spec)
     if mounted is None:
         where = f"under root {spec.root}" if spec.fsx else "on FSx (set fsx and root on the launcher)"
-        raise TunepodError(f"{what} {path} is not visible to SageMaker jobs; fix: keep it {where}")
+        refuse(f"{what} {path} is not visible to SageMaker jobs; fix: keep it {where}")
+        return str(path)
     return mounted
 
 
@@ -181,7 +187,7 @@ def trial_params(job: JobSpec) -> dict[str, Any]:
     params: dict[str, Any] = json.loads(job.env.get(runtime.PARAMS_ENV, "{}"))
     reserved = sorted(name for name in params if _RESERVED_PARAM.match(name))
     if reserved:
-        raise TunepodError(
+        refuse(
             f"parameter names {', '.join(reserved)} are reserved by SageMaker's containers; fix: rename them"
         )
     return params
@@ -222,7 +228,7 @@ def hyperparameters(job: JobSpec, spec: SageMakerLauncherSpec) -> dict[str, str]
     container's toolkit decodes them again, so ``SM_HPS`` holds the parameters with their types.
     """
     if job.args:
-        raise TunepodError(
+        refuse(
             f"job {job.name} has argv {list(job.args)!r}, which SageMaker cannot pass (the container builds "
             "the script's argv from hyperparameters); fix: pass them as parameters"
         )
@@ -297,12 +303,16 @@ def render_training_job(
     """The ``CreateTrainingJob`` request for attempt ``attempt`` (name variant ``variant``) of ``job`` (pure
     but for the image lookup of a ``framework_version``, in ``region``, from the SDK's own tables).
 
-    Raises ``TunepodError`` for what a training job cannot express (argv, paths SageMaker cannot see,
-    no instance type, inconsistent parallelism, no image for the framework version).
+    Refuses (``refuse``) what a training job could not run (argv, paths SageMaker cannot see, no
+    instance type, reserved parameter names, no region to find the image in); raises ``TunepodError``
+    for what it cannot express (inconsistent parallelism, no image for the framework version).
     """
     instance = instance_type(job.resources, spec)
-    # SMP v2's settings need SMP v2's image (``images``).
-    image = training_image(spec, instance, region or spec.region, smp=smp_parameters(job) is not None)
+    smp = smp_parameters(job) is not None
+    if instance == NO_INSTANCE_TYPE:  # refused: the image (CPU or GPU) depends on the instance type
+        image = spec.image_uri or f"<the training image of the {NO_INSTANCE_TYPE}>"
+    else:  # SMP v2's settings need SMP v2's image (``images``)
+        image = training_image(spec, instance, region or spec.region, smp=smp)
     request: dict[str, Any] = {
         "TrainingJobName": training_job_name(job.name, attempt, variant),
         "RoleArn": spec.role_arn,
