@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -70,6 +71,7 @@ GITHUB_SECRET = "github-hook-secret"
 API_KEY = "eventbridge-connection-key-0123456789"
 SECRETS = (SECRET, OLD_SECRET, GITHUB_SECRET)
 SPEC = "examples/digits/pipeline.yaml"
+ALLOWED_BUCKET = "training-data"  # the s3eb hook's allow list: this bucket, under digits/
 
 
 # ---------------------------------------------------------------------------------------------- fixtures
@@ -97,6 +99,7 @@ def write_config(folder: Path) -> Path:
             "overrides": [
                 "steps.data.with.source=s3://{payload.detail.bucket.name}/{payload.detail.object.key|dirname}"
             ],
+            "allow": [{"bucket": ALLOWED_BUCKET, "prefix": "digits/"}],
         },
     }
     path = folder / "webhooks.yaml"
@@ -695,7 +698,8 @@ def test_startup_names_the_hook_and_field_of_every_problem(in_repo: Path, tmp_pa
     with pytest.raises(WebhookConfigError) as raised:
         load_webhook_config(path, ENVIRON)
     assert raised.value.problems == [
-        "hooks.ok.colour: unknown key; valid keys: spec, scheme, secrets, rate_limit_per_min, overrides"
+        "hooks.ok.colour: unknown key; valid keys: spec, scheme, secrets, rate_limit_per_min, overrides, "
+        "allow"
     ]
     del hooks["ok"]["colour"]
     path.write_text(yaml.safe_dump({"hooks": hooks}))
@@ -735,16 +739,16 @@ def test_the_s3_upload_hook_stages_the_folder_of_the_object_an_s3_event_names(
     key URL-encoded, as S3 does). The example hook turns it into the folder that holds the object,
     which is a prefix the stage step can copy, and the digits spec accepts the override."""
     s3, sqs = moto.client("s3"), moto.client("sqs")
-    s3.create_bucket(Bucket="data")
+    s3.create_bucket(Bucket="my-data")  # the bucket the example hook allows
     queue = sqs.create_queue(QueueName="uploads")["QueueUrl"]
     arn = sqs.get_queue_attributes(QueueUrl=queue, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
     s3.put_bucket_notification_configuration(
-        Bucket="data",
+        Bucket="my-data",
         NotificationConfiguration={
             "QueueConfigurations": [{"QueueArn": arn, "Events": ["s3:ObjectCreated:*"]}]
         },
     )
-    s3.put_object(Bucket="data", Key="digits/v 2/train.npz", Body=b"x")
+    s3.put_object(Bucket="my-data", Key="digits/v 2/train.npz", Body=b"x")
     messages = sqs.receive_message(QueueUrl=queue, MaxNumberOfMessages=10, WaitTimeSeconds=5)["Messages"]
     events = [json.loads(m["Body"]) for m in messages]
     [event] = [
@@ -754,9 +758,12 @@ def test_the_s3_upload_hook_stages_the_folder_of_the_object_an_s3_event_names(
     assert "+" in sent and " " not in sent  # URL form encoded, as S3 sends it (moto encodes '/' too)
 
     config = load_webhook_config(in_repo / "deployments/webhooks.yaml", EXAMPLE_SECRETS)
-    [override] = config.hooks["s3-upload"].render_overrides(event)
-    assert override == 'steps.data.with.source="s3://data/digits/v 2/"'
-    listed = s3.list_objects_v2(Bucket="data", Prefix="digits/v 2/")["Contents"]
+    hook = config.hooks["s3-upload"]
+    [override] = hook.render_overrides(event)
+    assert override == 'steps.data.with.source="s3://my-data/digits/v 2/"'
+    # Its allow list takes the key decoded, as S3 stores it, and the folder the override names.
+    assert (hook.forbidden_body(event), hook.forbidden_overrides([override])) == (None, None)
+    listed = s3.list_objects_v2(Bucket="my-data", Prefix="digits/v 2/")["Contents"]
     assert [item["Key"] for item in listed] == ["digits/v 2/train.npz"]
     load_spec(in_repo / SPEC, overrides=[override])
 
@@ -994,7 +1001,7 @@ def test_an_s3_upload_reaches_the_receiver_through_eventbridge_and_starts_a_run(
     """S3 -> EventBridge -> API destination: the event is accepted with the connection's key, its
     override stages the folder the object was put in, Prefect gets the event that triggers the run,
     and EventBridge's retry of the same event is a duplicate."""
-    bucket = f"data-{uuid.uuid4().hex[:8]}"
+    bucket = ALLOWED_BUCKET
     event = eventbridge_event_of_an_upload(moto, bucket, "digits/v2/train.npz")
     assert (event["source"], event["detail-type"]) == ("aws.s3", "Object Created")
 
@@ -1012,7 +1019,7 @@ def test_an_eventbridge_delivery_with_a_wrong_key_or_an_old_time_is_refused(rece
     fresh = {
         "version": "0", "id": str(uuid.uuid4()), "detail-type": "Object Created", "source": "aws.s3",
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "detail": {"bucket": {"name": "data"}, "object": {"key": "digits/v3/train.npz"}},
+        "detail": {"bucket": {"name": ALLOWED_BUCKET}, "object": {"key": "digits/v3/train.npz"}},
     }  # fmt: skip
     wrong = post_as_api_destination(receiver, fresh, key=API_KEY + "0")
     assert wrong.status_code == 401 and "X-Tunepod-Key matches none of the hook's keys" in wrong.text
@@ -1027,7 +1034,10 @@ def test_an_eventbridge_delivery_with_a_wrong_key_or_an_old_time_is_refused(rece
 
 
 def test_an_eventbridge_hook_refuses_a_short_key() -> None:
-    hooks = {"s3eb": {"spec": SPEC, "scheme": "eventbridge", "secrets": [{"env": "SHORT_KEY"}]}}
+    allow = [{"bucket": ALLOWED_BUCKET}]
+    hooks = {
+        "s3eb": {"spec": SPEC, "scheme": "eventbridge", "secrets": [{"env": "SHORT_KEY"}], "allow": allow}
+    }
     with pytest.raises(WebhookConfigError) as raised:
         parse_webhook_config({"hooks": hooks}, "hooks.yaml", {"SHORT_KEY": "short-key"})
     assert raised.value.problems == [
@@ -1044,6 +1054,40 @@ def object_created(bucket: str, key: str, *, event_id: str | None = None) -> dic
         "source": "aws.s3", "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "detail": {"bucket": {"name": bucket}, "object": {"key": key}},
     }  # fmt: skip
+
+
+def test_a_forged_event_naming_a_bucket_outside_the_allow_list_is_403_and_starts_no_run(
+    receiver: Receiver, api_url: str, tmp_path: Path
+) -> None:
+    """Whoever has seen one request holds the key, and writes a fresh id and time: an event naming the
+    attacker's data is refused (403), recorded nowhere (its id is free afterwards) and never reaches
+    Prefect, so no trigger starts a run; the same id naming the allowed bucket then starts one."""
+    since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 1))
+    forged = object_created("attacker-bucket", "poison/train.npz")
+    refused = post_as_api_destination(receiver, forged)
+    assert refused.status_code == 403, refused.text
+    assert refused.json()["detail"] == (
+        "payload.detail names 's3://attacker-bucket/poison/train.npz', outside hook s3eb's allow list; "
+        "if that data should start runs, add its bucket and prefix to hooks.s3eb.allow in the receiver's "
+        "config"
+    )
+    for key in ("digits/../poison/train.npz", "digits%2F..%2Fpoison/train.npz", "digits-old/train.npz"):
+        sneaked = post_as_api_destination(receiver, object_created(ALLOWED_BUCKET, key))
+        assert sneaked.status_code == 403, (key, sneaked.text)
+    forbidden = {"hook": "s3eb", "outcome": "forbidden"}
+    assert receiver.registry.get_sample_value("tunepod_webhook_requests_total", forbidden) == 4
+    with contextlib.closing(sqlite3.connect(tmp_path / "state" / DEDUPE_FILE)) as log:
+        assert log.execute("SELECT count(*) FROM deliveries").fetchone() == (0,)
+
+    allowed = {**object_created(ALLOWED_BUCKET, "digits/v4/train.npz"), "id": forged["id"]}
+    accepted = post_as_api_destination(receiver, allowed)
+    assert accepted.status_code == 202, accepted.text
+    wait_for_event(api_url, accepted.json()["event_id"])
+    # The publisher sends in the order of the log: the forged event would be in Prefect by now.
+    published = prefect_events(api_url, event={"name": ["tunepod.webhook.s3eb"]}, occurred={"since": since})
+    named = {event["payload"]["body"]["detail"]["bucket"]["name"] for event in published}
+    assert accepted.json()["event_id"] in {event["id"] for event in published}
+    assert named == {ALLOWED_BUCKET}
 
 
 def test_an_eventbridge_key_is_checked_before_the_body(receiver: Receiver) -> None:

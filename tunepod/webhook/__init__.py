@@ -7,8 +7,8 @@ Modules: ``signatures`` (sign and verify, GitHub's dedupe key and push age, pure
 secrets, payload -> overrides), ``dedupe`` (delivery id -> event id, SQLite), ``specs`` (overrides
 checked against the hook's spec, recent verdicts kept), ``sendable`` (what Prefect can take of an
 event), ``events`` (``EventSink``, Prefect REST), ``publisher`` (the log's events to a sink, a thread),
-``publisher_process`` (the same in a process of its own), ``app`` (FastAPI), ``cli`` (``tunepod
-webhook serve|sign``).
+``publisher_process`` (the same in a process of its own), ``allowlist`` (the S3 objects a hook's
+deliveries may name, pure), ``app`` (FastAPI), ``cli`` (``tunepod webhook serve|sign``).
 
 Names are loaded on first use: importing ``tunepod.webhook.cli`` must not pull in FastAPI.
 """

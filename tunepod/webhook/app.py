@@ -1,18 +1,19 @@
 """The receiver: verify a signed delivery, turn it into a Prefect event, answer the sender.
 
-    POST /hooks/{hook}   202 accepted | 200 duplicate | 400 401 404 413 415 422 429
+    POST /hooks/{hook}   202 accepted | 200 duplicate | 400 401 403 404 413 415 422 429
     GET  /healthz        200 {"status": "ok"}
     GET  /metrics        Prometheus text: tunepod_webhook_requests_total{hook, outcome}
     GET  /openapi.json   the schema (FastAPI)
 
 The checks run cheapest and least trusting first: hook known (404), content type (415), size (413,
 reading at most ``MAX_BODY_BYTES`` and stopping there), signature and timestamp (401), JSON (415), a
-GitHub push's age (401), a body Prefect could never take (422: ``sendable``), already seen (200
-duplicate), rate limit (429), overrides valid against the spec (422), the event within what Prefect
-keeps (422). An API key (scheme ``eventbridge``) is a header: it is checked before anything else, so
-a caller without it never has a byte of its body read, let alone parsed. The rate limit counts only
-authenticated, new deliveries: unsigned floods cannot spend a real sender's budget, and a sender's
-retries of a delivery already accepted do not either.
+GitHub push's age (401), a body Prefect could never take (422: ``sendable``), an S3 object outside
+the hook's allow list (403: ``allowlist``), already seen (200 duplicate), rate limit (429), overrides
+naming an ``s3://`` URL outside the allow list (403), overrides valid against the spec (422), the
+event within what Prefect keeps (422). An API key (scheme ``eventbridge``) is a header: it is checked
+before anything else, so a caller without it never has a byte of its body read, let alone parsed. The
+rate limit counts only authenticated, allowed, new deliveries: unsigned floods cannot spend a real
+sender's budget, and a sender's retries of a delivery already accepted do not either.
 
 "Already seen" asks the delivery log about a key the signature covers: ``webhook-id`` for Standard
 Webhooks (signed with the body and the timestamp), the body's SHA-256 for GitHub, whose
@@ -262,8 +263,11 @@ class _Receiver:
         return _Delivery(key, sender_id)
 
     def _admit(self, hook: Hook, delivery: _Delivery, payload: Any) -> tuple[int, str, dict[str, Any]]:
-        """Sendable, dedupe, rate limit, validate, claim: the checks after the signature, in order."""
+        """Sendable, allowed, dedupe, rate limit, validate, claim: the checks after the signature."""
         _check_sendable(payload)  # first: a spec error quoting a lone surrogate could not even be answered
+        # Before the delivery log is read: a forged body is refused whatever id it borrows, and it
+        # spends no rate-limit token of the real sender.
+        _check_allowed(hook.forbidden_body(payload))
         original = self.deliveries.event_for(hook.name, delivery.key)
         if original is not None:
             return self._duplicate(hook, delivery.sender_id, original)
@@ -289,6 +293,7 @@ class _Receiver:
             overrides = hook.render_overrides(payload)
         except PayloadError as exc:
             raise _Rejection(422, "invalid_overrides", str(exc)) from None
+        _check_allowed(hook.forbidden_overrides(overrides))
         problem = self.specs.problem(hook.spec, overrides)
         if problem is not None:
             raise _Rejection(422, "invalid_overrides", problem)
@@ -312,6 +317,12 @@ def _event(hook: Hook, delivery_id: str, overrides: list[str], payload: Any) -> 
             "body": payload,
         },
     }
+
+
+def _check_allowed(problem: str | None) -> None:
+    """403 for a delivery naming S3 data outside its hook's allow list (``allowlist``)."""
+    if problem is not None:
+        raise _Rejection(403, "forbidden", problem)
 
 
 def _check_sendable(payload: Any) -> None:
@@ -427,6 +438,10 @@ _RESPONSES: dict[int | str, dict[str, Any]] = {
     401: _detail(
         "Missing, invalid or stale signature or API key; a GitHub push or an EventBridge event older "
         "than the dedupe window."
+    ),
+    403: _detail(
+        "The body names an S3 object (or its overrides an s3:// URL) outside the hook's allow list: "
+        "refused, recorded nowhere, no run."
     ),
     404: _detail("No such hook."),
     413: _detail("Body over 1 MiB."),

@@ -12,6 +12,8 @@
         rate_limit_per_min: 30
         overrides:
           - "steps.data.with.source=s3://{payload.Records[0].s3.bucket.name}/{payload.Records[0].s3.object.key|urldecode|dirname}"
+        allow:                            # the S3 objects a delivery may name (``allowlist``)
+          - {bucket: my-data, prefix: digits/}
 
 The spec of a hook is fixed here; a payload only fills the values of ``--set`` overrides, through
 ``{payload.<path>}`` placeholders. A path is dotted keys with ``[n]`` list indexes; keys containing
@@ -29,6 +31,13 @@ Filters after ``|`` turn a text value into another text, left to right:
 - ``dirname``: everything up to and including the last ``/`` (empty when there is none): the folder
   an object was put in, e.g. the dataset prefix an uploaded file belongs to. A filter makes the
   value text, also in a lone placeholder.
+
+``allow`` lists the buckets, and the folders of their keys, that a delivery may name: a body naming
+any other S3 object, or an override filled from it with any other ``s3://`` URL, is refused (403) and
+starts nothing (``allowlist`` says how keys are matched). A hook must have one when its scheme is
+``eventbridge`` (an API key is a bearer credential: whoever holds it can post any body, so the key
+cannot be what bounds the data a run reads) or when an override builds an ``s3://`` URL from the
+payload; the configuration does not load otherwise.
 
 Secrets are read once, when the configuration loads (to rotate: add the new secret, restart, remove the
 old one later). A secret file holds one secret per non-empty line. Secrets are held as
@@ -49,12 +58,24 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from tunepod.errors import TunepodError
+from tunepod.webhook.allowlist import S3_SCHEME, AllowedPrefix, Allowlist, has_dot_segment
 from tunepod.webhook.signatures import MIN_API_KEY_CHARS, SecretFormatError, standard_key
 
 HOOK_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
+# What the stage step takes (tunepod.staging.s3), legacy names with capitals and '_' included.
+_BUCKET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{1,253}[A-Za-z0-9]$")
+ALLOW_EXAMPLE = "allow: [{bucket: my-data, prefix: digits/}]"
 _PLACEHOLDER_TOKEN = re.compile(r"\{\{|\}\}|\{([^{}]*)\}|[{}]")
 _PATH_SEGMENT = re.compile(r"\.([^.\[\]{}]+)|\[(\d+)\]")
 
@@ -94,6 +115,50 @@ class SecretSource(BaseModel):
         return self
 
 
+class AllowEntry(BaseModel):
+    """One place in S3 that a hook's deliveries may name: a bucket, and a folder of its keys."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    bucket: str = Field(description="An S3 bucket's name, matched exactly (my-data, not s3://my-data/).")
+    prefix: str = Field(
+        "",
+        description=(
+            "A folder of the bucket's keys, ending in '/' (raw/ matches raw/x, never raw-evil/x); "
+            "'' for the whole bucket. Compared with the object key as S3 stores it (URL-decoded)."
+        ),
+    )
+
+    @field_validator("bucket")
+    @classmethod
+    def _bucket_name(cls, bucket: str) -> str:
+        if not _BUCKET_NAME.match(bucket):
+            raise ValueError(
+                f"{bucket[:80]!r} is not an S3 bucket name; write the bare name (letters, digits, '.', "
+                "'-', '_'), like my-data, with the folder in prefix:"
+            )
+        return bucket
+
+    @field_validator("prefix")
+    @classmethod
+    def _folder(cls, prefix: str) -> str:
+        if prefix.startswith("/") or "//" in prefix:
+            raise ValueError(
+                f"{prefix[:80]!r} has an empty segment; S3 keys start without '/': write it like digits/v2/"
+            )
+        if prefix and not prefix.endswith("/"):
+            raise ValueError(
+                f"{prefix[:80]!r} does not end with '/', so it would also match {prefix[:80] + '-other/'!r}; "
+                f"write {prefix[:80] + '/'!r} (a folder)"
+            )
+        if has_dot_segment(prefix):
+            raise ValueError(
+                f"{prefix[:80]!r} has a '.' or '..' segment, which no allowed key may have; write the "
+                "folder plainly"
+            )
+        return prefix
+
+
 class HookFile(BaseModel):
     """One hook as written in the configuration file."""
 
@@ -111,6 +176,14 @@ class HookFile(BaseModel):
     rate_limit_per_min: int = Field(60, ge=1, description="Accepted deliveries per minute (token bucket).")
     overrides: list[str] = Field(
         default_factory=list, description="--set overrides, with {payload.<path>} placeholders in values."
+    )
+    allow: list[AllowEntry] | None = Field(
+        None,
+        min_length=1,
+        description=(
+            "The S3 buckets and key prefixes a delivery may name; any other is refused (403). Required "
+            "for scheme eventbridge, and for a hook whose overrides build an s3:// URL from the payload."
+        ),
     )
 
 
@@ -166,6 +239,20 @@ class OverrideTemplate:
             raise ValueError("placeholders may only stand in the value, after '='")
         return cls(key.strip(), tuple(_template_parts(value)))
 
+    @property
+    def fills_from_payload(self) -> bool:
+        return any(isinstance(part, Placeholder) for part in self.parts)
+
+    @property
+    def builds_s3_url(self) -> bool:
+        """Whether the value writes ``s3://`` before a placeholder: the payload picks an S3 location."""
+        text = ""
+        for part in self.parts:
+            if isinstance(part, Placeholder) and S3_SCHEME in text:
+                return True
+            text += part if isinstance(part, str) else ""
+        return False
+
     def render(self, payload: Any) -> str:
         """The override with the payload's values filled in; raises ``PayloadError``."""
         if len(self.parts) == 1 and isinstance(self.parts[0], Placeholder):
@@ -190,12 +277,28 @@ class Hook:
     secrets: tuple[SecretStr, ...]
     rate_limit_per_min: int
     overrides: tuple[OverrideTemplate, ...]
+    allow: Allowlist | None = None
 
     def secret_values(self) -> list[str]:
         return [secret.get_secret_value() for secret in self.secrets]
 
     def render_overrides(self, payload: Any) -> list[str]:
         return [template.render(payload) for template in self.overrides]
+
+    def forbidden_body(self, payload: Any) -> str | None:
+        """Why ``payload`` names an S3 object outside the allow list, or None (always, without one)."""
+        return None if self.allow is None else self.allow.body_problem(payload)
+
+    def forbidden_overrides(self, overrides: list[str]) -> str | None:
+        """Why an override filled from the payload names an ``s3://`` URL outside the allow list."""
+        if self.allow is None:
+            return None
+        filled = [
+            (index, override)
+            for index, (template, override) in enumerate(zip(self.overrides, overrides, strict=True))
+            if template.fills_from_payload
+        ]
+        return self.allow.overrides_problem(filled)
 
 
 @dataclass(frozen=True)
@@ -261,7 +364,45 @@ def _resolve_hook(name: str, hook: HookFile, environ: Mapping[str, str], problem
             templates.append(OverrideTemplate.parse(text))
         except ValueError as exc:
             problems.append(f"{where}.overrides[{index}]: {exc} (in {text!r})")
-    return Hook(name, hook.spec, hook.scheme, tuple(secrets), hook.rate_limit_per_min, tuple(templates))
+    missing = _missing_allow(where, hook, templates)
+    if missing is not None:
+        problems.append(missing)
+    return Hook(
+        name,
+        hook.spec,
+        hook.scheme,
+        tuple(secrets),
+        hook.rate_limit_per_min,
+        tuple(templates),
+        _allowlist(name, hook.allow),
+    )
+
+
+def _missing_allow(where: str, hook: HookFile, templates: list[OverrideTemplate]) -> str | None:
+    """Why the hook needs an allow list it lacks: refused at load rather than found out by a forged
+    delivery, since without one whoever can post picks the data a run stages."""
+    if hook.allow is not None:
+        return None
+    if hook.scheme == "eventbridge":
+        why = (
+            "an eventbridge hook's API key is a bearer credential (whoever holds it can post any event, "
+            "naming any bucket)"
+        )
+    else:
+        builders = [index for index, template in enumerate(templates) if template.builds_s3_url]
+        if not builders:
+            return None
+        why = f"overrides[{builders[0]}] builds an s3:// URL from the payload: a delivery picks the data"
+    return (
+        f"{where}.allow: missing; {why}. List the S3 buckets and key prefixes its deliveries may name, "
+        f"e.g. {ALLOW_EXAMPLE}"
+    )
+
+
+def _allowlist(name: str, entries: list[AllowEntry] | None) -> Allowlist | None:
+    if entries is None:
+        return None
+    return Allowlist(name, tuple(AllowedPrefix(entry.bucket, entry.prefix) for entry in entries))
 
 
 def _read_secrets(
@@ -294,9 +435,10 @@ def _pydantic_problem(error: Any) -> str:
 
 
 def _valid_keys(loc: tuple[Any, ...]) -> str:
-    # loc is ("hooks", name, "secrets", i, key), ("hooks", name, key) or (key,)
+    # loc is ("hooks", name, "secrets" or "allow", i, key), ("hooks", name, key) or (key,)
     models: dict[int, type[BaseModel]] = {1: ConfigFile, 3: HookFile, 5: SecretSource}
-    return ", ".join(models.get(len(loc), ConfigFile).model_fields)
+    model = AllowEntry if len(loc) == 5 and loc[2] == "allow" else models.get(len(loc), ConfigFile)
+    return ", ".join(model.model_fields)
 
 
 # ---------------------------------------------------------------------------------------------- templates

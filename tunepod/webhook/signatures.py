@@ -28,9 +28,11 @@ API key (``ApiKeyName: X-Tunepod-Key``) over HTTPS, which the receiver compares 
 The key is the whole secret, so a hook of this scheme refuses keys shorter than ``MIN_API_KEY_CHARS``.
 The event carries its own ``id`` (one per event, kept by EventBridge's retries) and ``time``: the
 receiver deduplicates by the id (``eventbridge_dedupe_key``) and refuses an event older than its
-dedupe window or ahead of its clock (``check_event_time``), which bounds replays of a captured
-request as GitHub's ``pushed_at`` does (EventBridge retries an event for at most 24 hours, the
-receiver's window).
+dedupe window or ahead of its clock (``check_event_time``), so that EventBridge's retries (24 hours
+at most, the receiver's window) of an event start it once. That bounds copies of one event, not
+forgeries: the key is a bearer credential that signs nothing, so whoever has seen one request can
+post any body under a fresh ``id`` and ``time``. What such a body may name is bounded by the hook's
+allow list of S3 buckets and prefixes (``allowlist``), which this scheme requires.
 
 Every comparison of a computed signature with a received one goes through ``hmac.compare_digest``,
 so the time taken does not reveal how many leading characters matched. Secrets never appear in the
