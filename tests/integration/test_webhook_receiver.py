@@ -1137,6 +1137,30 @@ def test_a_request_without_the_key_never_has_its_body_read(
     assert reads == []
 
 
+def test_a_newline_in_a_body_field_cannot_forge_a_log_line(
+    receiver: Receiver, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The receiver's log quotes the event's id (accepted, duplicate) and the reasons it refuses one,
+    which quote its fields: each is escaped, so what a sender writes stays inside its own line."""
+    caplog.set_level(logging.INFO, logger="tunepod.webhook")
+    forged_line = "\r\nINFO:     tunepod.webhook: webhook s3eb accepted delivery 'x' as event forged"
+    event = object_created(ALLOWED_BUCKET, "digits/v5/train.npz", event_id="real" + forged_line)
+    assert post_as_api_destination(receiver, event).status_code == 202
+    assert post_as_api_destination(receiver, event).status_code == 200
+    poisoned = object_created("attacker-bucket", "poison/" + forged_line)
+    assert post_as_api_destination(receiver, poisoned).status_code == 403
+    stale = {**object_created(ALLOWED_BUCKET, "digits/x"), "time": "2021" + forged_line}
+    assert post_as_api_destination(receiver, stale).status_code == 401
+
+    lines = [record.getMessage() for record in caplog.records if record.name == "tunepod.webhook"]
+    assert [line for line in lines if "\n" in line or "\r" in line] == []
+    quoted = repr("real" + forged_line)
+    assert any(f"accepted delivery {quoted} as event" in line for line in lines), lines
+    assert any(f"delivery {quoted} is a duplicate" in line for line in lines), lines
+    assert any("rejected 403 forbidden" in line and "poison/\\\\r\\\\nINFO" in line for line in lines), lines
+    assert any("rejected 401 unauthorized" in line and "2021\\\\r\\\\nINFO" in line for line in lines), lines
+
+
 class _CloudFormationLoader(yaml.SafeLoader):
     """YAML with CloudFormation's short tags (!Ref, !GetAtt, ...), each read as {tag: value}."""
 

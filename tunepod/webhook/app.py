@@ -28,7 +28,9 @@ last one had not). A sender never waits for Prefect, nor retries because of it.
 Claims are atomic, so concurrent copies of one delivery produce one event; every copy after the first
 is answered as a duplicate naming the first one's event.
 
-Never logged nor echoed: secrets, signature headers. Logged: hook, delivery id, outcome, reason.
+Never logged nor echoed: secrets, signature headers. Logged: hook, delivery id, outcome, reason; the
+delivery id and the reason (which may quote the body) are written with ``repr``, so a newline or other
+control character a sender put in them cannot forge a log line.
 """
 
 from __future__ import annotations
@@ -202,7 +204,7 @@ class _Receiver:
         except _Rejection as rejection:
             self.requests_total.labels(hook=label, outcome=rejection.outcome).inc()
             logger.info(
-                "webhook %s rejected %d %s: %s", label, rejection.status, rejection.outcome, rejection.detail
+                "webhook %s rejected %d %s: %r", label, rejection.status, rejection.outcome, rejection.detail
             )
             return JSONResponse({"detail": rejection.detail}, rejection.status, headers=rejection.headers)
         self.requests_total.labels(hook=label, outcome=outcome).inc()
@@ -283,7 +285,7 @@ class _Receiver:
         if original is not None:
             return self._duplicate(hook, delivery.sender_id, original)
         self.publisher.wake()
-        logger.info("webhook %s accepted delivery %s as event %s", hook.name, delivery.sender_id, event_id)
+        logger.info("webhook %s accepted delivery %r as event %s", hook.name, delivery.sender_id, event_id)
         content = {"event_id": event_id, "hook": hook.name, "spec": hook.spec, "overrides": overrides}
         return 202, "accepted", content
 
@@ -300,7 +302,7 @@ class _Receiver:
         return overrides
 
     def _duplicate(self, hook: Hook, delivery_id: str, event_id: str) -> tuple[int, str, dict[str, Any]]:
-        logger.info("webhook %s delivery %s is a duplicate of event %s", hook.name, delivery_id, event_id)
+        logger.info("webhook %s delivery %r is a duplicate of event %s", hook.name, delivery_id, event_id)
         return 200, "duplicate", {"duplicate": True, "event_id": event_id}
 
 

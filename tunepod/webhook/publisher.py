@@ -134,12 +134,13 @@ class EventPublisher:
         except EventRefused as exc:
             self._deliveries.mark_refused(pending, str(exc))
             logger.error(
-                "webhook %s: set aside event %s of delivery %s, never to be sent (%s); it is kept in %s "
+                # %r: the delivery id is the sender's, and Prefect's reason may quote the body.
+                "webhook %s: set aside event %s of delivery %r, never to be sent (%r); it is kept in %s "
                 "with this reason (published = 2) and the events after it go on",
                 pending.hook,
                 pending.event_id,
                 pending.delivery_id,
-                exc,
+                str(exc),
                 self._deliveries.path,
             )
             return True
