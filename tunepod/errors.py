@@ -59,6 +59,18 @@ class JobError(TunepodError):
     """A training or evaluation job ended badly; the message is a runbook (ids, state, log tail)."""
 
 
+class StopUnfinished(JobError):
+    """A job tunepod stopped is still not over when the wait for its end runs out (a node stuck in
+    COMPLETING, a process stuck in the kernel, a finalizer that hangs). Not the job's outcome: the stop
+    was sent and the cancel marker stays, so calling ``cancel`` again sends it again and waits anew.
+    ``job_id`` is the backend's id and ``state`` one line on how the backend sees the job now."""
+
+    def __init__(self, message: str, *, job_id: str, state: str) -> None:
+        super().__init__(message)
+        self.job_id = job_id
+        self.state = state
+
+
 class TransientError(TunepodError):
     """A failure worth retrying as is: the same call may succeed a moment later."""
 

@@ -4,6 +4,7 @@ Optuna storage, and an MLflow SQLite store. Prefect is not involved here (see te
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import signal
 import subprocess
@@ -229,6 +230,45 @@ def test_bad_trials_are_pruned_and_their_jobs_cancelled(tmp_path: Path, launcher
     frozen = {t.number: t for t in tuner.study.get_trials()}
     assert all(frozen[t.number].state == optuna.trial.TrialState.PRUNED for t in pruned)
     assert_no_job_left(trials.trials, launcher)
+
+
+@pytest.mark.slurm
+def test_a_stop_slower_than_the_cancel_timeout_is_retried_and_the_trial_told_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Real fault on the local Slurm cluster: the bad trials are pruned, and each pruned job takes
+    seconds to end after its scancel (the trainer sleeps out its epoch before it saves and exits;
+    Slurm holds the job COMPLETING meanwhile), longer than the launcher's ``cancel_timeout_s`` of
+    0.5 s. The study must not fail: each trial's driver sends its stop again on later polls until the
+    job has ended, and each pruned trial is told to Optuna once, as PRUNED, only then."""
+    caplog.set_level(logging.WARNING, logger="tunepod.launch.drive")
+    tune = settings(
+        tmp_path,
+        train={"args": {"epochs": 6, "sleep_s": 2.0}},
+        num_trials=4,
+        num_parallel=2,
+        pruner={"kind": "median", "warmup_steps": 1},
+        space={"x": {"type": "categorical", "choices": [0.3, 3.0]}},
+    )
+    slurm = make_launcher("slurm", tmp_path / "shared")
+    assert isinstance(slurm, SlurmLauncher)
+    tuner = make_tuner(tmp_path, tune, SlurmLauncher(slurm.spec, cancel_timeout_s=0.5))
+    for x in (0.3, 0.3, 3.0, 3.0):  # two good trials set the median the bad ones fall below
+        tuner.study.enqueue_trial({"x": x})
+
+    trials = tuner.run()
+
+    outcomes = {t.number: t.outcome for t in trials.trials}
+    assert outcomes == {0: "COMPLETE", 1: "COMPLETE", 2: "PRUNED", 3: "PRUNED"}
+    frozen = {t.number: t for t in tuner.study.get_trials()}
+    assert len(frozen) == 4
+    assert [frozen[n].state for n in (2, 3)] == [optuna.trial.TrialState.PRUNED] * 2
+    unfinished = [r.getMessage() for r in caplog.records if "has not ended" in r.getMessage()]
+    for trial in trials.trials[2:]:
+        # The fault happened: the first stop ran out of time, and the warning names trial and job.
+        assert any(f"Trial {trial.number} " in m and f"job {trial.job_id} " in m for m in unfinished)
+        assert starts(trial.job_dir) == 1 and len(stops(trial.job_dir)) == 1  # stopped once, saved once
+    assert_no_job_left(trials.trials, "slurm")
 
 
 def test_a_failing_trial_is_recorded_with_its_log_tail(tmp_path: Path) -> None:

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 
 from tunepod import world
-from tunepod.errors import JobError, TransientError
+from tunepod.errors import JobError, StopUnfinished, TransientError
 from tunepod.launch.job_state import JobState
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.status_cache import NativeStatus, StatusCache, TrackedJob
@@ -130,7 +130,8 @@ class JobHandle(Protocol):
         ...
 
     def cancel(self, reason: CancelReason = "cancelled") -> None:
-        """Stop the job and everything it started. Idempotent; returns once the job has ended."""
+        """Stop the job and everything it started. Idempotent; returns once the job has ended.
+        ``StopUnfinished`` when it has not ended within the launcher's wait: call again to retry."""
         ...
 
     def logs(self, tail: int = 50) -> str:
@@ -303,7 +304,8 @@ class LauncherBase(ABC, Generic[S]):
 
     @abstractmethod
     def stop(self, job: Job[S]) -> None:
-        """Ask the backend to end ``job`` (the template then waits until its state is terminal)."""
+        """Ask the backend to end ``job`` (the template then waits until its state is terminal). A
+        backend that waits for the end itself raises ``StopUnfinished`` when that wait runs out."""
 
     @abstractmethod
     def read_logs(self, job: Job[S], tail: int) -> str:
@@ -516,9 +518,9 @@ class Job(Generic[S]):
     def cancel(self, reason: CancelReason = "cancelled") -> None:
         """Mark the job cancelled (with ``reason``), stop it, and wait until the backend says it ended.
 
-        Idempotent; a job that has already ended keeps its real outcome. ``JobError`` when it is still
-        not over after the launcher's ``cancel_timeout_s``; ``TransientError`` when the backend did not
-        answer (the marker stays: calling again finishes the cancel).
+        Idempotent; a job that has already ended keeps its real outcome. ``StopUnfinished`` when it is
+        still not over after the launcher's ``cancel_timeout_s``, ``TransientError`` when the backend did
+        not answer: either way the marker stays, and calling again sends the stop again and waits anew.
         """
         with self._cancel_lock:
             if self.status(max_age_s=0).job_state.is_terminal:
@@ -542,9 +544,12 @@ class Job(Generic[S]):
         # Asked fresh each time: a long poll_cache_s must not slow a cancel down.
         while not (status := self.status(max_age_s=self.launcher.cancel_poll_s)).job_state.is_terminal:
             if world.monotonic() > deadline:
-                raise JobError(
-                    f"{self.launcher.describe_status(self, status)} {self.launcher.cancel_timeout_s:.0f}s "
-                    f"after tunepod stopped it; {self.launcher.stop_command(self.job_id, self.record)} "
-                    f"by hand and check its nodes; job dir: {self.job_dir}"
+                state = self.launcher.describe_status(self, status)
+                raise StopUnfinished(
+                    f"{state} {self.launcher.cancel_timeout_s:g}s after tunepod stopped it; "
+                    f"{self.launcher.stop_command(self.job_id, self.record)} by hand and check its nodes; "
+                    f"job dir: {self.job_dir}",
+                    job_id=self.job_id,
+                    state=state,
                 )
             world.sleep(self.launcher.cancel_poll_s)

@@ -13,7 +13,9 @@ The job dir is the truth, on every (re)start:
   stopped as hung, then restarted like a failed job (``tunepod.launch.watchdog`` keeps both clocks).
 
 A transient backend error is waited out (logged), never read as "the job is gone", and never cancels
-anything. One driver per job dir: the driver holds the job dir's lease (``tunepod.launch.lease``)
+anything. A stop that has not finished when the launcher's wait runs out (a node stuck in COMPLETING)
+is sent again at the next poll, with a warning each time: the job has not ended, and is settled only
+once it has. One driver per job dir: the driver holds the job dir's lease (``tunepod.launch.lease``)
 while it drives, and acts on the job (submits, adopts, stops, restarts it, resets its clocks) only
 inside the lease's fence, so a driver whose lease another took over acts no more (``LeaseLost``); a
 driver that finds the lease held by another live driver follows the job dir read-only until that
@@ -31,7 +33,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from tunepod import world
-from tunepod.errors import TransientError
+from tunepod.errors import StopUnfinished, TransientError
 from tunepod.launch.base import JobHandle, JobSpec, JobState, Launcher
 from tunepod.launch.lease import Lease, LeaseLost, Leases
 from tunepod.launch.paths import JobPaths
@@ -307,12 +309,23 @@ class JobDriver:
             return None
 
     def _stop(self, handle: JobHandle, reason: CancelReason) -> None:
+        """Stop the job for ``reason``. A stop the backend has not finished (or did not answer) is not
+        the job's outcome: the marker is written, so the next round sends the stop again, and the job
+        is settled, once, only when the backend says it has ended."""
         try:
             self._fenced(lambda: handle.cancel(reason=reason))
         except TransientError as exc:
-            # The marker is written: the next round sends the stop again.
             self._log_outage(handle, exc)
             world.sleep(self.settings.poll_s)
+        except StopUnfinished as exc:
+            logger.warning(
+                "%s: job %s has not ended yet after tunepod stopped it (%s): %s; stopping it again",
+                self.what,
+                exc.job_id,
+                reason,
+                exc.state,
+            )
+            handle.idle(self.settings.poll_s)
 
     def _waiting(self, call: Callable[[], JobHandle | None]) -> JobHandle | None:
         """``call()``, retried for as long as it fails transiently (never read as "no job")."""

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tunepod import world
-from tunepod.errors import JobError, TransientError, TunepodError
+from tunepod.errors import JobError, StopUnfinished, TransientError, TunepodError
 from tunepod.launch.hyperpod_eks.render import (
     HYPERPOD_GROUP,
     HYPERPOD_KIND,
@@ -304,8 +304,8 @@ def _owned_by(pod: Mapping[str, Any], uid: str) -> bool:
 
 
 def delete_and_wait(api: KubeApi, ref: ObjectRef, timeout_s: float) -> None:
-    """Delete ``ref`` (pods first) and block until it and its pods are gone; ``JobError`` naming the
-    object and the commands to look at it after ``timeout_s``.
+    """Delete ``ref`` (pods first) and block until it and its pods are gone; ``StopUnfinished`` naming
+    the object and the commands to look at it after ``timeout_s`` (deleting again is harmless).
 
     Asks the API directly, past the launcher's status cache: a long ``poll_cache_s`` must not slow a
     cancel down.
@@ -314,9 +314,12 @@ def delete_and_wait(api: KubeApi, ref: ObjectRef, timeout_s: float) -> None:
     deadline = world.monotonic() + timeout_s
     while api.get_referenced(ref) is not None or api.list_pods(ref):
         if world.monotonic() > deadline:
-            raise JobError(
-                f"{ref.title} (uid {ref.uid}) or its pods are still there {timeout_s:.0f}s after tunepod "
-                f"deleted it; look for stuck finalizers or nodes: {ref.kubectl('describe')}; "
-                f"kubectl -n {ref.namespace} get pods -l {OBJECT_LABEL}={ref.name}"
+            state = f"{ref.title} (uid {ref.uid}) or its pods are still there"
+            raise StopUnfinished(
+                f"{state} {timeout_s:g}s after tunepod deleted it; look for stuck finalizers or "
+                f"nodes: {ref.kubectl('describe')}; "
+                f"kubectl -n {ref.namespace} get pods -l {OBJECT_LABEL}={ref.name}",
+                job_id=ref.job_id,
+                state=state,
             )
         world.sleep(_GONE_POLL_S)

@@ -177,7 +177,7 @@ class HyperPodEksLauncher(LauncherBase[ObjectStatus]):
         }
 
     def stop(self, job: Job[ObjectStatus]) -> None:
-        """Delete the object, pods first (Foreground), and wait until both are gone; ``JobError``
+        """Delete the object, pods first (Foreground), and wait until both are gone; ``StopUnfinished``
         naming the object after ``cancel_timeout_s`` (a finalizer or a node that hangs)."""
         delete_and_wait(self.api, self.object_ref(job), self.cancel_timeout_s)
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tunepod import world
-from tunepod.errors import JobError
+from tunepod.errors import JobError, StopUnfinished
 from tunepod.launch.base import SUBMISSION_ID_ENV, Accepted, Job, JobSpec, JobState, LauncherBase, Rendered
 from tunepod.launch.exit_code import read_exit_code, temp_exit_file
 from tunepod.launch.local.processes import (
@@ -263,9 +263,12 @@ class LocalLauncher(LauncherBase[LocalStatus]):
         logger.warning("job %s ignored SIGTERM for %.1fs; sending SIGKILL", job.job_id, grace_s)
         _signal(self.processes, job.pids(), signal.SIGKILL)
         if not self._wait_until_gone(job, _AFTER_KILL_WAIT_S):
-            raise JobError(
-                f"local job {job.job_id} still has processes {job.pids()} {_AFTER_KILL_WAIT_S:.0f}s after "
-                f"SIGKILL (stuck in the kernel, e.g. on a hung filesystem); job dir: {job.job_dir}"
+            state = f"local job {job.job_id} still has processes {job.pids()}"
+            raise StopUnfinished(
+                f"{state} {_AFTER_KILL_WAIT_S:g}s after SIGKILL (stuck in the kernel, e.g. on a hung "
+                f"filesystem); job dir: {job.job_dir}",
+                job_id=job.job_id,
+                state=state,
             )
 
     def read_logs(self, job: Job[LocalStatus], tail: int) -> str:
