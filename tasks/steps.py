@@ -10,7 +10,7 @@ import time
 import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from typing import TypeVar
+from typing import TypeVar, cast
 from uuid import UUID
 
 from prefect import task
@@ -21,10 +21,13 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 from prefect.cache_policies import NO_CACHE
+from prefect.client.schemas.objects import State
 from prefect.futures import PrefectFuture
 from prefect.runtime import task_run
+from prefect.states import Completed
 
 from tasks.retry import transient_only
+from tunepod.hpo.endings import ENDING_NAMES
 from tunepod.hpo.tuner import TrialLinks, Tuner
 from tunepod.outputs import StepOutput, TrialRecord
 from tunepod.pipeline import PipelineRun, TrialRow
@@ -50,9 +53,12 @@ def step_retries(uses: str) -> int:
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5, retry_condition_fn=transient_only)
-def run_trial(tuner: Tuner, number: int) -> TrialRecord:
+def run_trial(tuner: Tuner, number: int) -> State[TrialRecord]:
     # Idempotent: a retry re-attaches to the job the first attempt started.
-    return tuner.run_trial(number, _links(tuner))
+    record = tuner.run_trial(number, _links(tuner))
+    # Named for how the trial ended (Pruned, Paused, Exploited ...), never a bare "Completed", with why
+    # and at which step as its message: what the Prefect UI and the "Finished in state" line show.
+    return Completed(data=record, name=ENDING_NAMES[record.ending or record.outcome], message=record.why)
 
 
 def _links(tuner: Tuner) -> TrialLinks:
@@ -81,7 +87,11 @@ def submit_trial(tuner: Tuner, number: int) -> Future[TrialRecord]:
         if board is None:
             board = _boards[tuner] = TrialBoard(tuner)
     name = f"{tuner.step}/trial-{number}"
-    prefect_future = run_trial.with_options(name=name, task_run_name=name).submit(tuner, number)
+    # The task ends in a named state holding the record: the future's result is the record itself.
+    prefect_future = cast(
+        "PrefectFuture[TrialRecord]",
+        run_trial.with_options(name=name, task_run_name=name).submit(tuner, number),
+    )
     future: Future[TrialRecord] = Future()
 
     def settle(done: PrefectFuture[TrialRecord]) -> None:

@@ -13,6 +13,8 @@ from pydantic import BaseModel, Field
 
 TrialOutcome = Literal["COMPLETE", "PRUNED", "FAIL", "PAUSED"]
 """PAUSED: a trial ASHA stopped after its checkpoint, RUNNING in Optuna until promoted or pruned."""
+TrialEnding = Literal["COMPLETE", "PRUNED", "FAIL", "PAUSED", "EXPLOITED"]
+"""How a trial ended, told apart where the outcome is one: EXPLOITED is PBT's PRUNED."""
 
 
 class FsxImport(BaseModel):
@@ -63,6 +65,8 @@ class TrialRecord(BaseModel):
     feasible: bool | None = Field(
         None, description="A completed trial of a study with constraints: whether it met them all."
     )
+    ending: TrialEnding | None = Field(None, description="How it ended, where that says more than outcome.")
+    why: str = Field("", description="Why it ended so, and at which step, for people (tunepod.hpo.endings).")
 
 
 class Goal(BaseModel):

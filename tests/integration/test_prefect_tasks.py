@@ -28,9 +28,10 @@ class ScriptedTuner:
     step = "search"
     settings = SimpleNamespace(num_trials=1)
 
-    def __init__(self, *errors: BaseException) -> None:
+    def __init__(self, *errors: BaseException, record: TrialRecord | None = None) -> None:
         self.errors = list(errors)
         self.calls = 0
+        self.record = record
 
     def trial_set(self) -> SimpleNamespace:
         return SimpleNamespace(trials=[], objectives=[])
@@ -39,7 +40,7 @@ class ScriptedTuner:
         self.calls += 1
         if self.errors:
             raise self.errors.pop(0)
-        return TrialRecord(
+        return self.record or TrialRecord(
             number=number, outcome="COMPLETE", params={}, value=1.0, job_dir="/j", checkpoint_dir="/c"
         )
 
@@ -84,6 +85,38 @@ def test_each_trial_is_a_task_run_named_after_its_step_and_number(prefect_api: N
         runs = task_runs_of(client, state.state_details.flow_run_id)
     assert [t.name for t in runs] == ["search/trial-7"]
     assert runs[0].state is not None and runs[0].state.is_completed()
+
+
+@pytest.mark.parametrize(
+    ("outcome", "ending", "why", "name"),
+    [
+        ("PRUNED", "PRUNED", "pruned at step 3 (value 0.42) by the hyperband pruner", "Pruned"),
+        (
+            "PAUSED",
+            "PAUSED",
+            "paused at step 4 (rung 1) by ASHA: not among the best of its rung yet",
+            "Paused",
+        ),
+        ("PRUNED", "EXPLOITED", "exploited at step 8 by PBT: its member goes on in trial 12", "Exploited"),
+        ("FAIL", "FAIL", "failed at step 2: Trial 7 (local job 1) FAILED", "Failed"),
+        ("COMPLETE", "COMPLETE", "completed at step 9 with 0.97", "Completed"),
+    ],
+)
+def test_a_trials_task_run_is_named_for_how_it_ended_and_says_why(
+    prefect_api: None, outcome: Any, ending: Any, why: str, name: str
+) -> None:
+    """A pruned, paused or exploited trial never shows as a bare Completed: the task run's state is
+    named for its ending, with why and at which step as its message; its result is still the record."""
+    record = TrialRecord(
+        number=7, outcome=outcome, params={}, job_dir="/j", checkpoint_dir="/c", ending=ending, why=why
+    )
+    state = one_trial(ScriptedTuner(record=record), 7, return_state=True)
+    assert state.result() == record
+    with get_client(sync_client=True) as client:
+        [run] = task_runs_of(client, state.state_details.flow_run_id)
+    assert run.state is not None
+    assert (run.state.name, run.state.message) == (name, why)
+    assert run.state.is_completed(), "a trial's ending is no failure of the task: the study goes on"
 
 
 def test_the_run_form_has_typed_fields_and_a_bad_value_stops_the_run_before_it_starts(

@@ -32,6 +32,7 @@ from optuna.trial import FrozenTrial, TrialState
 from tunepod import world
 from tunepod.errors import JobError, TunepodError
 from tunepod.hpo.asha import ATTR_ASHA, Asha, AshaState, RungJudge, is_paused
+from tunepod.hpo.endings import ending_of, why_ended
 from tunepod.hpo.pbt import ATTR_PBT, BoundaryJudge, PbtState
 from tunepod.hpo.population import ATTR_CONTINUED_IN, Population, Seed, lineage_tags, make_pbt
 from tunepod.hpo.study import (
@@ -702,9 +703,11 @@ class Tuner:
         metrics = [goal.metric for goal in self.settings.study.goals]
         mirrored = read_mirror_state(job_dir)
         submission = read_submission(JobPaths(job_dir)) if job_dir.exists() else None
+        outcome: TrialOutcome = "PAUSED" if is_paused(frozen) else OUTCOME.get(frozen.state, "FAIL")
+        error = frozen.user_attrs.get(ATTR_ERROR)
         return TrialRecord(
             number=frozen.number,
-            outcome="PAUSED" if is_paused(frozen) else OUTCOME.get(frozen.state, "FAIL"),
+            outcome=outcome,
             params={**self.settings.train.args, **frozen.params},
             value=frozen.values[0] if completed else None,
             values=dict(zip(metrics, frozen.values, strict=True)) if completed else {},
@@ -714,8 +717,10 @@ class Tuner:
             job_dir=str(job_dir),
             checkpoint_dir=str(JobPaths(job_dir).checkpoints),
             model_id=mirrored.model_id,
-            error=frozen.user_attrs.get(ATTR_ERROR),
+            error=error,
             feasible=is_feasible(frozen) if completed else None,
+            ending=ending_of(frozen, outcome),
+            why=why_ended(frozen, self.settings.pruner.kind, error),
         )
 
     def trial_set(self) -> TrialSet:
