@@ -42,9 +42,11 @@ from tunepod.stack.runner import exit_like, forward_run
 from tunepod.stack.temporary import TemporaryServer, TemporaryServerError
 from tunepod.stack.watch import ServerWatch, lost_server, rerun_advice, run_environment_defaults
 from tunepod.stores import redacted
+from tunepod.watch import watching
 from tunepod.webhook.cli import webhook_app
 
 if TYPE_CHECKING:
+    from tunepod.console import RunView
     from tunepod.pipeline import PipelineSummary
 
 EXIT_INVALID_SPEC = 2
@@ -204,22 +206,39 @@ def run(spec: SpecArgument, set_: SetOption = None, home: HomeOption = Path(DEFA
     for name, value in run_environment_defaults().items():
         os.environ.setdefault(name, value)
     server = _temporary_server_unless_set()
-    from flows.pipeline import pipeline  # Prefect is imported here only: it costs seconds
+    view = _run_view()
+    with view, watching(view):
+        from flows.pipeline import pipeline  # Prefect is imported here only: it costs seconds
 
-    _prewarm(pipeline_spec)
-    # Everything imported so far lives until the exit: taken out of the collector's sight, it is not
-    # walked by each collection during the run, nor by the last one at exit (2-3 s on two cores).
-    gc.freeze()
-    if server is not None:
-        _wait_until_ready(server)
-    with _watching_prefect_server():
-        state = pipeline(str(spec), list(set_ or []), return_state=True)
+        _prewarm(pipeline_spec)
+        # Everything imported so far lives until the exit: taken out of the collector's sight, it is
+        # not walked by each collection during the run, nor by the last one at exit (2-3 s on two cores).
+        gc.freeze()
+        if server is not None:
+            _wait_until_ready(server)
+        with _watching_prefect_server():
+            state = pipeline(str(spec), list(set_ or []), return_state=True)
     if not state.is_completed():
         # Prefect's message quotes the exception, whose driver may have quoted a store URI.
         message = redacted(f"pipeline failed: {state.message}", *pipeline_spec.store_uris())
         Console(stderr=True, soft_wrap=True).print(Text(message, "bold red"))
         raise typer.Exit(1)
     print_summary(state.result())
+
+
+def _run_view() -> RunView:
+    """The run's view on stderr: a live table on a terminal, else a line per event (``tunepod.console``).
+
+    Under the live table Prefect's console handler shows warnings and errors only (its INFO lines, one
+    per task run, would scroll the table away; they still reach the Prefect UI), unless
+    PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL says otherwise. Set before Prefect is imported, as the
+    table is started: Prefect's handler then writes through the table, above it."""
+    from tunepod.console import RunView
+
+    console = Console(stderr=True)
+    if console.is_terminal:
+        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
+    return RunView(console, live=console.is_terminal)
 
 
 def _temporary_server_unless_set() -> TemporaryServer | None:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, Field
 
+from tunepod import watch
 from tunepod.dag import Dag, build_dag
 from tunepod.launch.base import Launcher
 from tunepod.launch.factory import make_launcher
@@ -93,8 +94,16 @@ class PipelineRun:
         self, name: str, inputs: Mapping[str, StepOutput], *, submit_trial: TrialSubmitter | None = None
     ) -> StepOutput:
         """Run step ``name`` with the outputs of the steps it needs (keyed by step name)."""
-        log.info("step %s (%s) starting", name, self.spec.steps[name].uses)
-        return run_step(self, name, inputs, submit_trial=submit_trial)
+        uses = self.spec.steps[name].uses
+        log.info("step %s (%s) starting", name, uses)
+        watch.step_started(name, uses)
+        ok = False
+        try:
+            output = run_step(self, name, inputs, submit_trial=submit_trial)
+            ok = True
+            return output
+        finally:
+            watch.step_ended(name, ok)
 
     def job_dir(self, step: str, key: str) -> Path:
         """The job dir of one job of ``step`` (an evaluation, a train run): keyed by what the job is,

@@ -16,6 +16,7 @@ trials: see ``XS_PAUSE_FAULT``).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -121,8 +122,13 @@ def test_a_study_under_asha_on_slurm_pauses_promotes_and_resumes_from_checkpoint
     # epochs, and on a loaded machine Slurm's scancel --signal can take more than the 1.5 s that
     # epochs of 0.5 s left (the job then completed unpaused, and nothing proved a resume).
     study = asha_study(tmp_path, "slurm", sleep_s=1.0)
-    runs(study).run("asha")
+    run = runs(study).run("asha")
     promoted = assert_paused_and_promoted_once_each(study)
+    # Off a terminal, `tunepod run` says each event on a line: the pause, never a bare "Completed".
+    output = run.output()
+    assert re.search(r"^search/trial-1 Paused: paused at step \d+ \(rung \d+\) by ASHA", output, re.M), output
+    assert re.search(r"^search/trial-1 Completed: completed at step \d+ with ", output, re.M), output
+    assert re.search(r"^step search \(tune\) done after \d\d:\d\d$", output, re.M), output
     # Without a fault, the promoted trial is the second, and it completes. (After the faults below,
     # the first paused job may finish before the rerun stops it, which is right.)
     assert promoted == [1] and study.trials()[1].state is TrialState.COMPLETE

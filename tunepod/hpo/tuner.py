@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import Counter
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -29,10 +30,10 @@ from optuna.exceptions import UpdateFinishedTrialError
 from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial, TrialState
 
-from tunepod import world
+from tunepod import watch, world
 from tunepod.errors import JobError, TunepodError
 from tunepod.hpo.asha import ATTR_ASHA, Asha, AshaState, RungJudge, is_paused
-from tunepod.hpo.endings import ending_of, why_ended
+from tunepod.hpo.endings import ending_line, ending_of, why_ended
 from tunepod.hpo.pbt import ATTR_PBT, BoundaryJudge, PbtState
 from tunepod.hpo.population import ATTR_CONTINUED_IN, Population, Seed, lineage_tags, make_pbt
 from tunepod.hpo.study import (
@@ -175,6 +176,7 @@ class Tuner:
         self._catch_up_tracking()
         self._enqueue_first_trials()
         self._metrics.count_trials(self.study)
+        watch.study_started(self._study_start())
         submit = submit or _on_a_thread
         try:
             self._keep_trials_in_flight(submit)
@@ -410,10 +412,11 @@ class Tuner:
             except ValueError as exc:
                 with lease.fenced():
                     self._prune_unfit_layout(number, mirror, str(exc))
-                return self._record(self.trials.frozen(number))
+                return self._ended(number)
             feed = ReportFeed(self, frozen, mirror)
             job = self._job_spec(number, params, mirror, layout)
             _announce_run(number, mirror, links)
+            watch.trial_started(self.step, number)
             driver = JobDriver(
                 self.ctx.launcher,
                 job,
@@ -432,9 +435,34 @@ class Tuner:
                     self._exploit(number, feed, seed, mirror)
                 else:
                     self._conclude(number, driven, mirror, feed)
-            return self._record(self.trials.frozen(number))
+            return self._ended(number)
         finally:
             lease.release()
+
+    def _ended(self, number: int) -> TrialRecord:
+        """The record of trial ``number``, which this orchestrator just ended (or paused)."""
+        record = self._record(self.trials.frozen(number))
+        log.info("%s", ending_line(record, self.step))
+        watch.trial_ended(self.step, record)
+        return record
+
+    def _study_start(self) -> watch.StudyStart:
+        """The study as a watcher sees it open: what earlier runs ended, and the best of it."""
+        primary = self.settings.study.primary
+        ended = [t for t in self.trials.all() if t.state in FINISHED or is_paused(t)]
+        endings = Counter[str](ending_of(t, "PAUSED" if is_paused(t) else OUTCOME[t.state]) for t in ended)
+        done = [(t.number, t.values[0]) for t in ended if t.state is TrialState.COMPLETE and t.values]
+        sign = -1.0 if primary.direction == "maximize" else 1.0
+        best = min(done, key=lambda trial: sign * trial[1], default=None)
+        return watch.StudyStart(
+            step=self.step,
+            study=self.settings.study.name,
+            num_trials=self.settings.num_trials,
+            direction=primary.direction,
+            metric=primary.metric,
+            finished=dict(endings),
+            best=best,
+        )
 
     def _drive_settings(self, asha_state: AshaState | None) -> DriveSettings:
         """A promoted trial resumes the attempt it was paused in, and its promotions are attempts that
@@ -565,7 +593,6 @@ class Tuner:
     def _conclude(self, number: int, driven: DriveResult, mirror: RunMirror, feed: ReportFeed) -> None:
         """Tell Optuna the outcome (the truth), then hand the final record to the outbox."""
         feed.tell_last_step()
-        frozen = self.trials.frozen(number)
         constrained = {c.metric: feed.objective(driven, c.metric) for c in self.settings.parsed_constraints}
         if driven.outcome in (Outcome.COMPLETED, Outcome.PRUNED) and None not in constrained.values():
             violations = {
@@ -590,7 +617,6 @@ class Tuner:
                     f"{self.settings.train.entrypoint}",
                 )
         elif driven.outcome is Outcome.PRUNED:
-            log.info("trial %d pruned at step %s", number, max(frozen.intermediate_values, default=None))
             self.trials.tell(number, TrialState.PRUNED)
         else:
             self._fail(number, driven.message)
