@@ -134,6 +134,18 @@ def test_the_pause_state_round_trips_through_its_attribute_and_counts_promotions
     assert AshaState.of(trial(1, {})) is None
 
 
+def test_the_pause_state_keeps_every_rung_paused_at_across_promotions() -> None:
+    first = AshaState.pause(None, 0, attempt=1)
+    again = AshaState.pause(first.promoted(), 1, attempt=2)
+    assert again == AshaState(rung=1, paused=True, attempt=2, promotions=1, paused_at=(0, 1))
+    assert again.promoted().paused_at == (0, 1)
+    read = create_trial(state=TrialState.RUNNING, user_attrs={ATTR_ASHA: again.to_attr()})
+    assert AshaState.of(read) == again  # JSON's list read back as the tuple
+    # A state written before the rungs were kept: its own rung is its last pause.
+    legacy = AshaState(rung=2, paused=False, attempt=1, promotions=1)
+    assert AshaState.pause(legacy, 3, attempt=2).paused_at == (2, 3)
+
+
 def test_asha_needs_max_resource() -> None:
     with pytest.raises(ValueError, match="pruner kind asha needs max_resource"):
         PrunerSpec.model_validate({"kind": "asha", "min_resource": 1})

@@ -50,9 +50,25 @@ class AshaState:
     """The attempt (submission) of the job that was paused: a promotion starts the attempt after it."""
     promotions: int = 0
     """How often the trial was promoted: each is one more attempt that is no restart after a failure."""
+    paused_at: tuple[int, ...] = ()
+    """Every rung the trial was paused at, in order (the last is ``rung``): where its learning curve
+    marks its pauses and promotions. Empty in a state written before they were kept."""
+
+    def __post_init__(self) -> None:
+        # Read back from JSON, the rungs are a list: kept a tuple, so that states compare equal.
+        object.__setattr__(self, "paused_at", tuple(self.paused_at))
 
     def promoted(self) -> AshaState:
-        return AshaState(self.rung, False, self.attempt, self.promotions + 1)
+        return AshaState(self.rung, False, self.attempt, self.promotions + 1, self.paused_at)
+
+    @classmethod
+    def pause(cls, before: AshaState | None, rung: int, attempt: int) -> AshaState:
+        """The state of a trial whose job of ``attempt`` is paused at ``rung``; ``before``: its state
+        until then (None before its first pause)."""
+        if before is None:
+            return cls(rung, True, attempt, 0, (rung,))
+        earlier = before.paused_at or (before.rung,)
+        return cls(rung, True, attempt, before.promotions, (*earlier, rung))
 
     def to_attr(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

@@ -487,8 +487,7 @@ class Tuner:
             rung = self.asha.highest_rung(frozen) or 0
         record = read_submission(JobPaths(self._job_dir(frozen)))
         attempt = record.attempt if record is not None else 1
-        promotions = asha_state.promotions if asha_state else 0
-        self.trials.set_attr(number, ATTR_ASHA, AshaState(rung, True, attempt, promotions).to_attr())
+        self.trials.set_attr(number, ATTR_ASHA, AshaState.pause(asha_state, rung, attempt).to_attr())
         log.info("trial %d paused at rung %d (%d units)", number, rung, self.asha.rungs[rung])
 
     def _seed_for(self, number: int, feed: ReportFeed) -> Seed | None:
