@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import tempfile
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -201,6 +202,14 @@ class MlflowTracker:
 
     def log_text(self, run_id: str, text: str, artifact_file: str) -> None:
         self.client.log_text(run_id, text, artifact_file)
+
+    def log_bytes(self, run_id: str, data: bytes, artifact_file: str) -> None:
+        """A file artifact (a PNG plot: MLflow shows it by its extension); rewritten when logged again."""
+        folder, _, name = artifact_file.rpartition("/")
+        with tempfile.TemporaryDirectory(prefix="tunepod-artifact-") as tmp:
+            local = Path(tmp, name)
+            local.write_bytes(data)
+            self.client.log_artifact(run_id, str(local), artifact_path=folder or None)
 
     def log_table(self, run_id: str, columns: Mapping[str, list[object]], artifact_file: str) -> None:
         """A table artifact (``.json``), shown as a table in the MLflow UI; rewritten when logged again."""
