@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 
+from tunepod.hpo.plots import Skipped, study_plots
 from tunepod.hpo.tuner import TrialSubmitter, TuneContext, Tuner, require_completed
-from tunepod.outputs import Dataset, StepOutput, TrialSet
+from tunepod.outputs import Dataset, Goal, StepOutput, TrialSet
 from tunepod.spec.models import TuneSettings
 from tunepod.steps.context import StepContext
 from tunepod.steps.inputs import only_input
+from tunepod.stores import redacted
 from tunepod.tracking import tags
+
+log = logging.getLogger(__name__)
 
 
 def tuner(run: StepContext, name: str, settings: TuneSettings, inputs: Mapping[str, StepOutput]) -> Tuner:
@@ -39,10 +44,13 @@ def run(
     *,
     submit_trial: TrialSubmitter | None = None,
 ) -> TrialSet:
-    trials = tuner(run, name, settings, inputs).run(submit_trial)
+    tuned = tuner(run, name, settings, inputs)
+    trials = tuned.run(submit_trial)
     run.tracker.set_tags(run.run_id, {tags.step_tag(name, "study"): settings.study.name})
     if trials.multi_objective:
         record_pareto_front(run, name, trials)
+    # Before the check: a study none of whose trials completed still shows how far its curves got.
+    record_plots(run, name, tuned)
     return require_completed(trials)
 
 
@@ -62,3 +70,28 @@ def record_pareto_front(run: StepContext, name: str, trials: TrialSet) -> None:
     for trial in trials.completed():
         if trial.run_id:
             run.tracker.set_tags(trial.run_id, {tags.PARETO_FRONT: str(trial.number in on_front).lower()})
+
+
+def record_plots(run: StepContext, name: str, tuned: Tuner) -> None:
+    """The study's plots on the pipeline run, as ``<step>/plots/<plot>.png`` (``tunepod.hpo.plots``),
+    rewritten by each run of the step. Best effort, as all tracking: a plot the study cannot have is
+    logged, one that cannot be drawn or written is a warning, and the step goes on either way. After a
+    failed write the others are not tried: MLflow is away, and each write would wait for it."""
+    study = tuned.settings.study
+    goals = [Goal(metric=g.metric, direction=g.direction) for g in study.goals]
+    try:
+        made = study_plots(tuned.trials.all(), goals, tuned.asha, study.name)
+    except Exception as exc:  # the storage's errors, past its retries: no plot is worth the step
+        why = f"{type(exc).__name__}: {redacted(str(exc), study.storage)[:500]}"
+        log.warning("step %s: no plots of study %s: %s", name, study.name, why)
+        return
+    for plot in made:
+        if isinstance(plot, Skipped):
+            (log.warning if plot.failed else log.info)("step %s: no %s plot: %s", name, plot.name, plot.why)
+            continue
+        try:
+            run.tracker.log_bytes(run.run_id, plot.png, f"{name}/plots/{plot.name}.png")
+        except Exception as exc:  # MLflow's errors are many; none of them fails a step that tuned
+            why = f"{type(exc).__name__}: {redacted(str(exc), run.tracker.tracking_uri)[:500]}"
+            log.warning("step %s: its plots were not written to MLflow: %s", name, why)
+            return
