@@ -29,6 +29,8 @@ from tunepod.outputs import TrialRecord
 from tunepod.watch import StudyStart
 
 RUNNING = "RUNNING"
+#: Off a terminal, a step's progress is a line at most this often (and one when it completes).
+PROGRESS_LINE_EVERY_S = 10.0
 #: What counts as ended for "trials left": a paused trial may resume.
 _ENDED = ("COMPLETE", "PRUNED", "EXPLOITED", "FAIL")
 _COLUMNS = (RUNNING, "PAUSED", "PRUNED", "EXPLOITED", "COMPLETE", "FAIL")
@@ -45,6 +47,9 @@ class _Step:
     trials: dict[int, str] = field(default_factory=dict)
     """Each trial this run drove: RUNNING, or its ending."""
     best: tuple[int, float] | None = None
+    progress: tuple[float, float, str] | None = None
+    """How far a long piece of the step's work got: done, total, unit."""
+    said_progress_at: float = 0.0
 
     def counts(self) -> Counter[str]:
         counts = Counter(self.trials.values())
@@ -129,6 +134,18 @@ class RunView:
             line = f"{ending_line(record, step)} | {self._status(board)}"
         self._say(line)
 
+    def step_progress(self, step: str, done: float, total: float, unit: str) -> None:
+        with self._lock:
+            board = self._steps.setdefault(step, _Step("", time.monotonic()))
+            board.progress = (done, total, unit)
+            now = time.monotonic()
+            # Off a terminal: a line now and then (and at the end), not one per redraw.
+            if done < total and now - board.said_progress_at < PROGRESS_LINE_EVERY_S:
+                return
+            board.said_progress_at = now
+            line = f"step {step}: {_amount(done, total, unit)} | {_clock(board.elapsed(now))}"
+        self._say(line)
+
     # ------------------------------------------------------------------------------ showing
 
     def _say(self, line: str) -> None:
@@ -167,6 +184,8 @@ class RunView:
 
     def _row(self, name: str, board: _Step, now: float) -> list[str]:
         state = "running" if board.ok is None else ("done" if board.ok else "[red]failed[/red]")
+        if board.ok is None and board.progress is not None:
+            state = f"running: {_amount(*board.progress)}"
         if board.study is None and not board.trials:
             return [name, board.uses, state, *([""] * len(_COLUMNS)), "", "", _clock(board.elapsed(now))]
         counts = board.counts()
@@ -191,6 +210,22 @@ def _point_handlers(
             handler.setStream(new[old.index(stream)])
             moved.append((handler, stream))
     return moved
+
+
+def _amount(done: float, total: float, unit: str) -> str:
+    """``45% (1.2 GB of 2.7 GB)``, ``2 of 3 evaluations``."""
+    if unit != "bytes":
+        return f"{done:g} of {total:g} {unit}"
+    share = f"{100 * done / total:.0f}% " if total else ""
+    return f"{share}({_size(done)} of {_size(total)})"
+
+
+def _size(num_bytes: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if num_bytes < 1000:
+            return f"{num_bytes:.3g} {unit}"
+        num_bytes /= 1000
+    return f"{num_bytes:.3g} TB"
 
 
 def _clock(seconds: float) -> str:

@@ -99,7 +99,8 @@ class PipelineRun:
         watch.step_started(name, uses)
         ok = False
         try:
-            output = run_step(self, name, inputs, submit_trial=submit_trial)
+            with watch.in_step(name):
+                output = run_step(self, name, inputs, submit_trial=submit_trial)
             ok = True
             return output
         finally:

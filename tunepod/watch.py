@@ -1,4 +1,4 @@
-"""What a person watching a run is told: steps starting and ending, trials starting and ending.
+"""What a person watching a run is told: steps starting, going and ending, trials starting and ending.
 
 The pipeline and each tune step's ``Tuner`` announce what happens here; whoever shows it subscribes
 with ``watching`` (``tunepod run``'s console view: ``tunepod.console``). The registry is the process's,
@@ -10,9 +10,10 @@ never fails a run: what it raises is logged and dropped.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -50,9 +51,12 @@ class Watcher(Protocol):
 
     def trial_ended(self, step: str, record: TrialRecord) -> None: ...
 
+    def step_progress(self, step: str, done: float, total: float, unit: str) -> None: ...
+
 
 _watchers: list[Watcher] = []
 _lock = threading.Lock()
+_step: contextvars.ContextVar[str | None] = contextvars.ContextVar("tunepod_step", default=None)
 
 
 @contextlib.contextmanager
@@ -65,6 +69,47 @@ def watching(watcher: Watcher) -> Iterator[Watcher]:
     finally:
         with _lock:
             _watchers.remove(watcher)
+
+
+@contextlib.contextmanager
+def in_step(step: str) -> Iterator[None]:
+    """Within the block (on this thread), ``progress`` counts towards step ``step``."""
+    token = _step.set(step)
+    try:
+        yield
+    finally:
+        _step.reset(token)
+
+
+def progress(total: float, unit: str) -> Callable[[float], None]:
+    """A counter of a long piece of the current step's work (``in_step``): call it with each amount
+    done, from any thread; it tells watchers how far it got each time (a watcher keeps the latest and
+    shows it at its own pace). Outside a step, or with no watcher, it counts nothing."""
+    step = _step.get()
+    with _lock:
+        watched = bool(_watchers)
+    if step is None or not watched:
+        return _count_nothing
+    counted = _Progress(step, total, unit)
+    counted(0)
+    return counted
+
+
+class _Progress:
+    def __init__(self, step: str, total: float, unit: str) -> None:
+        self.step, self.total, self.unit = step, total, unit
+        self.done = 0.0
+        self.lock = threading.Lock()
+
+    def __call__(self, amount: float) -> None:
+        with self.lock:
+            self.done += amount
+            done = self.done
+        _tell("step_progress", self.step, done, self.total, self.unit)
+
+
+def _count_nothing(amount: float) -> None:
+    del amount
 
 
 def step_started(step: str, uses: str) -> None:

@@ -97,3 +97,33 @@ def test_a_watcher_that_fails_never_fails_the_run() -> None:
 
     with watch.watching(Broken()):  # type: ignore[arg-type]
         tell_a_study()
+
+
+def test_a_steps_long_work_shows_how_far_it_got() -> None:
+    """Staging counts bytes and evaluation counts evaluations through ``watch.progress``; the line
+    view says so now and then and at the end, the table in the step's state."""
+    out = io.StringIO()
+    view = RunView(Console(file=out, width=300), live=False)
+    with view, watch.watching(view):
+        watch.step_started("data", "stage")
+        with watch.in_step("data"):
+            copied = watch.progress(3_000_000, "bytes")
+        for _ in range(3):
+            copied(1_000_000)
+        watch.step_started("check", "evaluate")
+        with watch.in_step("check"):
+            evaluated = watch.progress(3, "evaluations")
+        evaluated(1)
+    lines = out.getvalue().splitlines()
+    assert re.fullmatch(r"step data: 0% \(0 B of 3 MB\) \| 00:00", lines[1])
+    assert re.fullmatch(r"step data: 100% \(3 MB of 3 MB\) \| 00:00", lines[2]), "the end is always said"
+    assert len(lines) == 5, lines  # nothing in between: lines come at most every 10 s
+    assert lines[4] == "step check: 0 of 3 evaluations | 00:00"
+    table = io.StringIO()
+    Console(file=table, width=250).print(view)
+    assert "running: 1 of 3 evaluations" in table.getvalue()
+    assert "running: 100% (3 MB of 3 MB)" in table.getvalue()
+
+
+def test_outside_a_step_or_unwatched_progress_counts_nothing() -> None:
+    assert watch.progress(10, "bytes") is watch.progress(5, "files")

@@ -41,6 +41,7 @@ from typing import BinaryIO, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tunepod import watch
 from tunepod.errors import TunepodError
 from tunepod.runtime.files import (
     append_whole,
@@ -140,7 +141,7 @@ def stage_folder(source: Path, target: Path, *, workers: int = 4, verify: bool =
             unchanged = {} if verify else _unchanged(files, previous, target)
             tasks = [_task(source, target, rel, info, previous.get(rel)) for rel, info in files.items()
                      if rel not in unchanged]  # fmt: skip
-            sync = functools.partial(_sync_file, verify=verify)
+            sync = _counted(functools.partial(_sync_file, verify=verify), tasks)
             synced = {**unchanged, **sync_all(tasks, previous, target, workers, sync)}
             removed = remove_deleted(target, previous, set(files))
             write_manifest(target, {rel: result.entry for rel, result in synced.items()}, previous)
@@ -333,6 +334,18 @@ def _unchanged(files: dict[str, os.stat_result], previous: Manifest, target: Pat
             if copy is not None and entry.describes(copy):
                 unchanged[rel] = Synced(entry, copied=False)
     return unchanged
+
+
+def _counted(sync: Callable[[_FileTask], Synced], tasks: list[_FileTask]) -> Callable[[_FileTask], Synced]:
+    """``sync``, counting the bytes of each file it settled for whoever watches the run (``watch``)."""
+    count = watch.progress(sum(task.info.st_size for task in tasks), "bytes")
+
+    def counted(task: _FileTask) -> Synced:
+        synced = sync(task)
+        count(task.info.st_size)
+        return synced
+
+    return counted
 
 
 def _task(

@@ -31,7 +31,6 @@ import functools
 import hashlib
 import logging
 import re
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any
 
+from tunepod import watch
 from tunepod.errors import TransientError, TunepodError
 from tunepod.runtime.files import disk_full_explained, sha256_of
 from tunepod.staging.folder import (
@@ -65,9 +65,6 @@ logger = logging.getLogger(__name__)
 _BUCKET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{1,253}[A-Za-z0-9]")
 _MULTIPART_ETAG = re.compile(r"[0-9a-fA-F]+-[0-9]+")
 _FILE_MODE = 0o644
-# A bar for a transfer that takes more than a few seconds; below that it would only flicker.
-_PROGRESS_MIN_BYTES = 256 << 20
-_PROGRESS_MIN_FILES = 1000
 #: Objects this large are downloaded in ranges of PART_BYTES, several at once. Below it one stream is
 #: enough: it carries such an object in a few seconds while the other workers carry other objects,
 #: and each range is one more request (which S3 servers that slice the whole object, as moto does, pay
@@ -184,7 +181,9 @@ def stage_s3(
             is_current = functools.partial(_is_current, previous, target, verify)
             current = {obj.rel: previous[obj.rel] for obj in objects if is_current(obj)}
             downloads = [obj for obj in objects if obj.rel not in current]
-            with _progress(location, downloads) as on_bytes, _ranged_downloader(s3, downloads) as ranged:
+            # The bytes downloaded, for whoever watches the run (tunepod run's view: tunepod.watch).
+            on_bytes = watch.progress(sum(obj.size for obj in downloads), "bytes")
+            with _ranged_downloader(s3, downloads) as ranged:
                 download = functools.partial(_download, s3, ranged, location, target, on_bytes)
                 synced = sync_all(downloads, previous, target, workers, download)
             removed = remove_deleted(target, previous, {obj.rel for obj in objects})
@@ -411,29 +410,6 @@ class _CountingBody:
         chunk: bytes = self._body.read(size)
         self._on_bytes(len(chunk))
         return chunk
-
-
-@contextlib.contextmanager
-def _progress(location: S3Location, downloads: list[S3Object]) -> Iterator[Callable[[int], None]]:
-    """A callback fed bytes downloaded: drives a rich bar on stderr when it is a terminal and the
-    transfer is large, and does nothing otherwise (logs, CI, small datasets)."""
-    total = sum(obj.size for obj in downloads)
-    large = total >= _PROGRESS_MIN_BYTES or len(downloads) >= _PROGRESS_MIN_FILES
-    if not (large and sys.stderr.isatty()):
-        yield _ignore_bytes
-        return
-    from rich.console import Console
-    from rich.progress import DownloadColumn, Progress, TransferSpeedColumn
-
-    columns = (*Progress.get_default_columns(), DownloadColumn(), TransferSpeedColumn())
-    with Progress(*columns, console=Console(stderr=True)) as bar:
-        task = bar.add_task(f"staging {location.uri}", total=total)
-        # Progress.advance takes its own lock: safe from the download threads.
-        yield lambda num_bytes: bar.advance(task, num_bytes)
-
-
-def _ignore_bytes(num_bytes: int) -> None:
-    del num_bytes
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from tunepod import watch
 from tunepod.errors import JobError
 from tunepod.outputs import Candidate, Evaluation, StepOutput, TrialRecord, TrialSet
 from tunepod.runtime import latest_checkpoint
@@ -34,8 +35,11 @@ def run(
     if not chosen:
         met = " that met the study's constraints" if trials.completed() else ""
         raise JobError(f"step {name}: {trials.step} has no completed trial{met} to evaluate")
+    evaluated = watch.progress(len(chosen), "evaluations")
     with ThreadPoolExecutor(min(settings.num_parallel, len(chosen)), f"{name}-eval") as pool:
         futures = {pool.submit(_evaluate, run, name, settings, trials, t): t for t in chosen}
+        for future in futures:
+            future.add_done_callback(lambda _: evaluated(1))
     scored, failures = [], []
     for future, trial in futures.items():
         if (exc := future.exception()) is not None:
