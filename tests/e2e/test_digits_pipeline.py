@@ -66,6 +66,8 @@ def assert_pipeline_recorded(state: Any, tmp_path: Path, num_trials: int) -> Pip
     assert "COMPLETE" in states
     assert set(states) <= {"COMPLETE", "PRUNED", "FAIL"}
     assert parent.info.status == "FINISHED"
+    plots = {Path(a.path).name for a in client.list_artifacts(parent.info.run_id, "search/plots")}
+    assert {"optimization_history.png", "param_importances.png", "intermediate_values.png"} <= plots, plots
     assert parent.data.tags["prefect.flow_run_id"] == str(state.state_details.flow_run_id)
 
     version = client.get_model_version_by_alias("digits-mlp", "champion")
