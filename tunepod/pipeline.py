@@ -128,6 +128,7 @@ class PipelineRun:
 class TrialRow(BaseModel):
     number: int
     outcome: str
+    """How the trial ended (``TrialRecord.ending``): EXPLOITED apart from PRUNED."""
     value: float | None
     params: dict[str, object]
     run_id: str | None
@@ -140,7 +141,7 @@ class TrialRow(BaseModel):
     def of(cls, trial: TrialRecord, pareto_front: bool | None = None) -> TrialRow:
         return cls(
             number=trial.number,
-            outcome=trial.outcome,
+            outcome=trial.ending or trial.outcome,
             value=trial.value,
             params=trial.params,
             run_id=trial.run_id,

@@ -67,3 +67,14 @@ def test_the_line_names_the_ending_or_else_the_outcome(ending: object, name: str
     )  # fmt: skip
     assert ending_line(record, "search") == f"search/trial-4 {name}: w"
     assert name in ENDING_NAMES.values()
+
+
+def test_the_summarys_row_says_exploited_where_optuna_says_pruned() -> None:
+    from tunepod.pipeline import TrialRow
+
+    exploited = TrialRecord.model_validate(
+        {"number": 4, "outcome": "PRUNED", "params": {}, "job_dir": "/j", "checkpoint_dir": "/c",
+         "ending": "EXPLOITED", "why": "w"}
+    )  # fmt: skip
+    assert TrialRow.of(exploited).outcome == "EXPLOITED"
+    assert TrialRow.of(exploited.model_copy(update={"ending": None})).outcome == "PRUNED"
