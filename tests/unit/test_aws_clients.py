@@ -43,7 +43,7 @@ def test_a_profile_that_does_not_exist_is_said_with_the_fix(
 ) -> None:
     monkeypatch.setenv("AWS_PROFILE", "nowhere")
     assert configured_region() is None, "render goes on without a region"
-    with pytest.raises(
-        TunepodError, match=r"cannot make an AWS sagemaker client: ProfileNotFound.*fix: check AWS_PROFILE"
-    ):
-        aws_client("sagemaker", "us-west-2")
+    expected = r"cannot make an AWS sagemaker client: ProfileNotFound.*fix: check AWS_PROFILE"
+    for region in ("us-west-2", None):  # without a region too: the profile, not the region, is the fix
+        with pytest.raises(TunepodError, match=expected):
+            aws_client("sagemaker", region)

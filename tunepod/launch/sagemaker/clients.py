@@ -50,18 +50,20 @@ def aws_client(service: str, region: str | None) -> Any:
     boto3 applies its usual configuration, ``AWS_ENDPOINT_URL_<SERVICE>`` variables included.
     """
     boto3 = _boto3()
-    if region is None and configured_region() is None:
-        raise TunepodError(
-            f"the sagemaker launcher calls AWS ({service}) in a region, and none is set; fix: set "
-            "launcher.region (e.g. us-west-2), or AWS_REGION in the environment"
-        )
     try:
-        return boto3.session.Session().client(service, region_name=region)
+        session = boto3.session.Session()
+        chosen = region or session.region_name
+        if chosen is not None:
+            return session.client(service, region_name=chosen)
     except Exception as exc:  # botocore's configuration errors: a profile that does not exist, ...
         raise TunepodError(
             f"cannot make an AWS {service} client: {type(exc).__name__}: {exc}; fix: check AWS_PROFILE "
             "and ~/.aws/config (aws configure list shows what boto3 reads)"
         ) from None
+    raise TunepodError(
+        f"the sagemaker launcher calls AWS ({service}) in a region, and none is set; fix: set "
+        "launcher.region (e.g. us-west-2), or AWS_REGION in the environment"
+    )
 
 
 def configured_region() -> str | None:
