@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import shlex
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,7 +44,7 @@ from tunepod.launch.submission import new_submission_id
 from tunepod.spec.models import LauncherSpec, PipelineSpec, StageStep, TuneSettings, TuneStep
 from tunepod.spec.parallelism import job_layout
 from tunepod.steps.stage import staged_path
-from tunepod.stores import is_secret_name, redacted, shown_env
+from tunepod.stores import HIDDEN, is_secret_name, redacted, secret_values, shown_env
 
 RUN_ID_PLACEHOLDER = "<mlflow-run-id>"
 """Stands for the trial's MLflow run id, which exists only once a run has created it."""
@@ -75,7 +75,8 @@ class TrialPreview:
             f"{RUN_ID_PLACEHOLDER} is the trial's MLflow run)\n"
         )
         native = _native(self.launcher, self.shown.payload, _shown_job(self.job))
-        return redacted(header + native, *secrets, values=[*values, *_secret_env_values(self.job.env)])
+        job_secrets = secret_values({"env": dict(self.job.env)})
+        return redacted(header + native, *secrets, values=[*values, *job_secrets])
 
 
 def preview_trials(spec: PipelineSpec, launcher: Launcher, *, step: str | None = None) -> list[TrialPreview]:
@@ -140,10 +141,10 @@ def _first_trial(
 
 
 def _shown_job(job: JobSpec) -> JobSpec:
-    """``job`` with its environment as shown (``shown_env``): rendering it shows no credential."""
-    if not any(is_secret_name(name) for name in job.env):
-        return job
-    return job.with_env({name: value for name, value in shown_env(job.env).items() if is_secret_name(name)})
+    """``job`` with each credential of its environment (``is_secret_name``) as ``***``: rendering it
+    shows none."""
+    hidden = {name: HIDDEN for name in job.env if is_secret_name(name)}
+    return job.with_env(hidden) if hidden else job
 
 
 def _shown_launcher(spec: LauncherSpec, launcher: Launcher) -> Launcher:
@@ -153,10 +154,6 @@ def _shown_launcher(spec: LauncherSpec, launcher: Launcher) -> Launcher:
     if not any(is_secret_name(name) for name in env):
         return launcher
     return make_launcher(spec.model_copy(update={"env": shown_env(env)}), connect=False)
-
-
-def _secret_env_values(env: Mapping[str, str]) -> list[str]:
-    return [value for name, value in env.items() if is_secret_name(name)]
 
 
 def _first_params(settings: TuneSettings) -> tuple[int, dict[str, Any]]:
