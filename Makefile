@@ -45,9 +45,10 @@ services:
 	scripts/sshd-up || echo "warning: no test sshd; the slurm-over-ssh tests will skip (fail under CI=true)" >&2
 	scripts/postgres-up || echo "warning: no PostgreSQL; the production-store tests will skip (fail under CI=true)" >&2
 
-# The local one-node Slurm cluster the slurm-marked tests use (root; installs Debian packages if missing).
+# The local Slurm cluster the slurm-marked tests use: this host (partition debug) and NODES namespaced
+# nodes (partition nodes; default 4, what the tests need). Root; installs Debian packages if missing.
 slurm-up:
-	scripts/slurm-up
+	scripts/slurm-up $(if $(NODES),--nodes $(NODES))
 
 slurm-down:
 	scripts/slurm-down

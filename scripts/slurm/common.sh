@@ -1,6 +1,7 @@
 # shellcheck shell=bash disable=SC2034  # the variables are used by the scripts that source this file
-# Shared by scripts/slurm-up and scripts/slurm-down: where the test cluster lives, and how to tell
-# whether one of its daemons is alive. Sourced, never run.
+# Shared by scripts/slurm-up, scripts/slurm-down and scripts/slurm-node: where the test cluster lives,
+# how its namespaced nodes are named and addressed, and how to tell whether one of its daemons is
+# alive. Sourced, never run.
 
 # Clients (sinfo, sbatch, scontrol, the Slurm launcher) find the config at Slurm's default path, so
 # nothing has to export SLURM_CONF.
@@ -16,12 +17,42 @@ MUNGE_RUN_DIR=/run/munge
 MUNGE_PID_FILE=$MUNGE_RUN_DIR/munged.pid
 MUNGE_LOG_FILE=/var/log/munge/munged.log
 
-# Daemons in start order; slurm-down stops them in reverse.
-DAEMONS=(munged slurmctld slurmd)
+# This host is one node of the cluster (partition debug, the default) at 127.0.0.1.
+HOST_NODE=$(hostname -s)
 
+# The namespaced nodes (slurm-up --nodes N): node nI is a slurmd in a network namespace of its own
+# (tunepod-nI), with its own hostname (a UTS namespace) and address 10.231.0.(10+I) on a bridge that
+# slurm-up makes, where the controller listens at 10.231.0.1. They share this host's file systems, as
+# cluster nodes share FSx. The addresses exist only inside these namespaces and on the bridge.
+NODE_PARTITION=nodes
+BRIDGE=tpslurm0
+SUBNET=10.231.0
+BRIDGE_ADDR=$SUBNET.1
+MAX_NODES=64
+# Bind-mounted over /etc/hosts in each node's mount namespace: torchrun resolves the other nodes' names.
+HOSTS_FILE=$STATE_DIR/hosts
+
+netns_of() { echo "tunepod-$1"; }
+# The host's end of node $1's veth pair (the node's end is eth0 in its namespace).
+veth_of() { echo "tp-$1"; }
+node_addr() { echo "$SUBNET.$((10 + ${1#n}))"; }
+
+# The namespaced nodes that exist now (by their namespaces), in order: n1 n2 ...
+namespaced_nodes() {
+  ip netns list 2>/dev/null | awk '{ print $1 }' | sed -n 's/^tunepod-\(n[0-9][0-9]*\)$/\1/p' | sort -V
+}
+
+# Daemons in start order; slurm-down stops them in reverse. Each node's slurmd is slurmd@NODE.
+DAEMONS=(munged slurmctld "slurmd@$HOST_NODE")
+
+# The process name of daemon $1 (slurmd@n2 runs as slurmd).
+comm_of() { echo "${1%@*}"; }
+
+# slurmd's files are per node (SlurmdPidFile=slurmd-%n.pid in slurm.conf).
 pid_file_of() {
   case "$1" in
     munged) echo "$MUNGE_PID_FILE" ;;
+    slurmd@*) echo "$RUN_DIR/slurmd-${1#slurmd@}.pid" ;;
     *) echo "$RUN_DIR/$1.pid" ;;
   esac
 }
@@ -29,6 +60,7 @@ pid_file_of() {
 log_file_of() {
   case "$1" in
     munged) echo "$MUNGE_LOG_FILE" ;;
+    slurmd@*) echo "$LOG_DIR/slurmd-${1#slurmd@}.log" ;;
     *) echo "$LOG_DIR/$1.log" ;;
   esac
 }
@@ -49,7 +81,7 @@ daemon_pid() {
   pid_file=$(pid_file_of "$name")
   [[ -r $pid_file ]] || return 1
   pid=$(tr -dc '0-9' <"$pid_file")
-  if [[ -z $pid ]] || ! pid_is_alive "$pid" "$name"; then
+  if [[ -z $pid ]] || ! pid_is_alive "$pid" "$(comm_of "$name")"; then
     return 1
   fi
   echo "$pid"
@@ -58,13 +90,14 @@ daemon_pid() {
 # Stops daemon $1 and waits until it is really gone: SIGTERM, SIGKILL after 20 s, and failure when
 # even that has not ended it 10 s later. Returns 0 at once when it is not running.
 stop_daemon() {
-  local name=$1 pid tenths=0
+  local name=$1 pid tenths=0 comm
+  comm=$(comm_of "$name")
   if ! pid=$(daemon_pid "$name"); then
     rm -f "$(pid_file_of "$name")"
     return 0
   fi
   kill -TERM "$pid" 2>/dev/null || true
-  while pid_is_alive "$pid" "$name"; do
+  while pid_is_alive "$pid" "$comm"; do
     if ((tenths == 200)); then
       echo "  $name (pid $pid) ignored SIGTERM for 20 s; sending SIGKILL"
       kill -KILL "$pid" 2>/dev/null || true
@@ -77,4 +110,28 @@ stop_daemon() {
   done
   rm -f "$(pid_file_of "$name")"
   echo "  stopped $name (pid $pid)"
+}
+
+# ------------------------------------------------------------------------------- namespaced nodes
+
+# SIGKILLs every process in node $1's network namespace (its slurmd, job steps and their children):
+# what a node's power cut does to them. Prints how many there were.
+kill_node_processes() {
+  local ns pids
+  ns=$(netns_of "$1")
+  pids=$(ip netns pids "$ns" 2>/dev/null || true)
+  if [[ -n $pids ]]; then
+    # shellcheck disable=SC2086  # one pid per word
+    kill -KILL $pids 2>/dev/null || true
+  fi
+  wc -w <<<"$pids"
+}
+
+# Starts node $1's slurmd in its namespaces: the network namespace slurm-up made, and new UTS and
+# mount namespaces for its hostname and /etc/hosts. Not `ip netns exec`: it remounts /sys, and slurmd
+# then fails to set up its cgroup plugin.
+launch_node_slurmd() {
+  local node=$1
+  nsenter --net="/run/netns/$(netns_of "$node")" unshare --uts --mount --propagation private \
+    sh -c 'mount --bind "$1" /etc/hosts && hostname "$2" && exec slurmd -N "$2"' sh "$HOSTS_FILE" "$node"
 }
