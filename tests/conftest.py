@@ -72,9 +72,11 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Groups for ``pytest -n N --dist loadgroup`` (what `make test` runs): a module's tests stay on one
     worker, so a module-scoped server (moto) starts once; the tests that use the session's local
-    stack share a worker, so it starts once; every Slurm test shares one group, so tests never queue
-    behind each other on the one-node cluster, nor see its sshd stopped by the head-node-unreachable
-    test. Under xdist the groups are then ordered longest first (see ``_longest_groups_first``)."""
+    stack share a worker, so it starts once; every Slurm test of this host's node shares one group, so
+    tests never queue behind each other on that node, nor see its sshd stopped by the
+    head-node-unreachable test; the tests of the namespaced nodes share another, since some of them
+    kill a node that another's job could be running on. Under xdist the groups are then ordered
+    longest first (see ``_longest_groups_first``)."""
     groups = {item.nodeid: _group(item) for item in items}
     for item in items:
         item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
@@ -83,6 +85,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _group(item: pytest.Item) -> str:
+    if item.get_closest_marker("slurm_nodes"):
+        return "slurm-nodes"
     if item.get_closest_marker("slurm"):
         return "slurm"
     if "local_stack" in getattr(item, "fixturenames", ()):

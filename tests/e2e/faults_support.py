@@ -73,6 +73,8 @@ class FaultStudy:
     """The Optuna storage (e.g. a PostgreSQL database); default: a journal file under ``tmp``."""
     tune: Mapping[str, Any] = field(default_factory=dict)
     """More of the tune step (a pruner, a space, trials to enqueue), over the defaults."""
+    launcher_options: Mapping[str, Any] = field(default_factory=dict)
+    """More of the launcher's section (a Slurm partition), over the defaults."""
 
     @property
     def spec(self) -> Path:
@@ -100,6 +102,7 @@ class FaultStudy:
             launcher |= {"python": sys.executable, "poll_cache_s": 0.2}
         else:
             launcher |= {"cancel_grace_s": 5}
+        launcher |= self.launcher_options
         spec = {
             "name": PIPELINE,
             "tracking": {"uri": self.tracking_uri, "experiment": EXPERIMENT},
