@@ -195,7 +195,8 @@ def test_two_tunepod_runs_on_one_study_at_once(runs: MakeRuns, tmp_path: Path) -
 
     Proves: both exit 0 (both create the study's tables at once on the empty database), the study
     ends with exactly num_trials trials (not one batch per orchestrator), each trial was driven and
-    trained once (one start each), and MLflow holds one run per trial with every epoch once.
+    trained once (one start each), never more than num_parallel of them at once (the cap is the
+    study's, not each orchestrator's), and MLflow holds one run per trial with every epoch once.
     """
     with fresh_database("two_orchestrators") as database:
         study = FaultStudy(tmp_path, "local", sqlite_tracking(tmp_path), storage_url=database)
@@ -205,6 +206,16 @@ def test_two_tunepod_runs_on_one_study_at_once(runs: MakeRuns, tmp_path: Path) -
         assert codes == {"a": 0, "b": 0}, "\n".join(o.tail() for o in both)
         trials = assert_study_complete(study)
     assert_trained_once(study)
+    # Each job from its trainer's start to its result: inside the time its trial was in flight.
+    spans = [
+        (float((d / "starts.log").read_text().split()[0]), (d / "result.json").stat().st_mtime)
+        for d in study.job_dirs().values()
+    ]
+    running = most = 0
+    for _, step in sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans]):
+        running += step
+        most = max(most, running)
+    assert most <= study.num_parallel, sorted(spans)
     assert_tracked_once(study, trials)
     assert_nothing_left(study)
 

@@ -146,6 +146,20 @@ def test_the_pause_state_keeps_every_rung_paused_at_across_promotions() -> None:
     assert AshaState.pause(legacy, 3, attempt=2).paused_at == (2, 3)
 
 
+def test_a_promotion_for_an_idle_slot_is_kept_in_the_state_until_the_trial_pauses_again() -> None:
+    """Every orchestrator on the study reads it: such a trial is not the study's own work."""
+    idle = AshaState.pause(None, 0, attempt=1).promoted(idle=True)
+    read = create_trial(state=TrialState.RUNNING, user_attrs={ATTR_ASHA: idle.to_attr()})
+    assert AshaState.of(read) == idle and idle.idle and not idle.paused
+    paused = AshaState.pause(idle, 1, attempt=2)
+    assert not paused.idle and not paused.promoted().idle  # promoted by the rule
+    # A state written before the mark was kept reads as a promotion by the rule.
+    legacy = create_trial(
+        state=TrialState.RUNNING, user_attrs={ATTR_ASHA: '{"rung": 0, "paused": false, "attempt": 1}'}
+    )
+    assert AshaState.of(legacy) == AshaState(0, False, 1)
+
+
 def test_asha_needs_max_resource() -> None:
     with pytest.raises(ValueError, match="pruner kind asha needs max_resource"):
         PrunerSpec.model_validate({"kind": "asha", "min_resource": 1})

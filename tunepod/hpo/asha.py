@@ -53,13 +53,17 @@ class AshaState:
     paused_at: tuple[int, ...] = ()
     """Every rung the trial was paused at, in order (the last is ``rung``): where its learning curve
     marks its pauses and promotions. Empty in a state written before they were kept."""
+    idle: bool = False
+    """Promoted only because a slot would otherwise idle at the end of the study, not by the rule.
+    Kept here, not by the orchestrator that promoted it, so that no orchestrator on the study takes
+    such a trial for the study's own work (``Tuner._end_of_study``)."""
 
     def __post_init__(self) -> None:
         # Read back from JSON, the rungs are a list: kept a tuple, so that states compare equal.
         object.__setattr__(self, "paused_at", tuple(self.paused_at))
 
-    def promoted(self) -> AshaState:
-        return AshaState(self.rung, False, self.attempt, self.promotions + 1, self.paused_at)
+    def promoted(self, *, idle: bool = False) -> AshaState:
+        return AshaState(self.rung, False, self.attempt, self.promotions + 1, self.paused_at, idle)
 
     @classmethod
     def pause(cls, before: AshaState | None, rung: int, attempt: int) -> AshaState:

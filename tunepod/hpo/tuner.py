@@ -139,8 +139,6 @@ class Tuner:
         self._distributions = distributions(ctx.settings.space)
         self.asha = make_asha(ctx.settings)
         self.population = self._population(ctx)
-        self._idle_promoted: set[int] = set()
-        """Paused trials this orchestrator resumed only because a slot would idle (ASHA)."""
         self._metrics = default_metrics().trial_observer(
             pipeline=ctx.pipeline, study=ctx.settings.study.name, step=ctx.step
         )
@@ -225,24 +223,20 @@ class Tuner:
                 log.info("study %s: %s", self.settings.study.name, line)
 
     def _schedule(self, mine: set[int]) -> tuple[list[int], list[int], int]:
-        """Under the study lock: claim unfinished trials nobody drives, promote paused trials (ASHA),
-        ask new ones while there is room. Returns (trials to start driving, trials others drive,
-        trials still to ask for)."""
+        """Under the study lock: claim unfinished trials nobody drives, then promote paused trials
+        (ASHA) and ask new ones while the study has fewer than ``num_parallel`` trials in flight.
+        Returns (trials to start driving, trials others drive, trials still to ask for).
+
+        The cap is the study's, shared by every orchestrator on it: in flight is every trial RUNNING
+        in Optuna and not paused, whoever drives it (this orchestrator, another live one, or nobody
+        yet). A trial nobody drives (its orchestrator died) is claimed whatever the cap: its job runs
+        already, and counts against the cap either way."""
         self.ctx.jobs_dir.mkdir(parents=True, exist_ok=True)
         with locked(self.ctx.jobs_dir / ".study.lock"):
             trials = self.trials.all()
             # Half-asked trials are not running anything: the next asks finish asking them.
             running = [t for t in trials if t.state is TrialState.RUNNING and not _half_asked(t)]
-            claimed, following = [], []
-            for trial in running:
-                if trial.number in mine or trial.number in self._abandoned or is_paused(trial):
-                    continue
-                lease = self.leases.acquire(self._job_dir(trial))
-                if lease is None:
-                    following.append(trial.number)
-                    continue
-                self._hold(trial.number, lease)
-                claimed.append(trial.number)
+            claimed, following = self._claim(running, mine)
             self._announce_claims(claimed, trials)
             self._announce_following(following)
             room = self.settings.num_trials - sum(t.state in FINISHED for t in trials) - len(running)
@@ -250,39 +244,59 @@ class Tuner:
                 # Continuations are not asked for: exploits make them. A half-asked member is still to
                 # ask for: the ask finishes it, as without PBT.
                 room = self.population.room([t for t in trials if not _half_asked(t)])
-            capacity = self.settings.num_parallel - len(mine) - len(claimed)
+            # Trials this orchestrator gave up driving count no more here (their jobs may still run):
+            # it ends with an error once the rest are done, and would otherwise wait for them forever.
+            in_flight = (mine | {t.number for t in running if not is_paused(t)}) - set(self._abandoned)
+            capacity = self.settings.num_parallel - len(in_flight)
             promoted = self._promote(trials, self.asha.promotable(trials), capacity) if self.asha else []
-            self._idle_promoted -= set(promoted)
             capacity -= len(promoted)
             asked = [self._ask(len(trials) + i) for i in range(max(0, min(room, capacity)))]
             capacity -= len(asked)
             if self.asha and room - len(asked) <= 0:
-                # Trials an idle slot resumed do not keep slots idling: only the study's own work does.
-                busy = bool((mine - self._idle_promoted) or claimed or following or promoted or asked)
-                idle = self._end_of_study(trials, capacity, busy=busy)
-                self._idle_promoted |= set(idle)
-                promoted += idle
+                busy = bool(promoted or asked or _own_work(trials, in_flight))
+                promoted += self._end_of_study(trials, capacity, busy=busy)
         return claimed + promoted + asked, following, room - len(asked)
+
+    def _claim(self, running: list[FrozenTrial], mine: set[int]) -> tuple[list[int], list[int]]:
+        """Of the running trials this orchestrator does not drive: those whose lease it could take
+        (nobody drives them: claimed, to drive), and those another live orchestrator holds (followed)."""
+        claimed, following = [], []
+        for trial in running:
+            if trial.number in mine or trial.number in self._abandoned or is_paused(trial):
+                continue
+            lease = self.leases.acquire(self._job_dir(trial))
+            if lease is None:
+                following.append(trial.number)
+                continue
+            self._hold(trial.number, lease)
+            claimed.append(trial.number)
+        return claimed, following
 
     def _end_of_study(self, trials: list[FrozenTrial], capacity: int, *, busy: bool) -> list[int]:
         """Nothing left to ask: while other trials still run (``busy``: not only ones resumed this way,
-        which would keep each other going until every trial had trained to the end), a slot that
-        would idle resumes the best paused trial instead (the highest rung first). Once nothing runs,
+        by any orchestrator, which would keep each other going until every trial had trained to the
+        end), a slot that would idle resumes the best paused trial instead (the highest rung first),
+        marked as resumed for an idle slot (``AshaState.idle``). Once nothing runs,
         the best paused trial is trained on until one trial has completed (at the top rungs too few
         trials may ever meet for the rule to promote anyone), and then the paused trials the rule
         never promoted end PRUNED at the rung they reached. Returns the trials promoted."""
         assert self.asha is not None
         completed = any(t.state is TrialState.COMPLETE for t in trials)
         if busy or not completed:
-            return self._promote(trials, self.asha.by_merit(trials), capacity) if capacity > 0 else []
+            if capacity <= 0:
+                return []
+            return self._promote(trials, self.asha.by_merit(trials), capacity, idle=True)
         for trial in trials:
             if is_paused(trial):
                 self._prune_paused(trial)
         return []
 
-    def _promote(self, trials: list[FrozenTrial], candidates: list[int], capacity: int) -> list[int]:
+    def _promote(
+        self, trials: list[FrozenTrial], candidates: list[int], capacity: int, *, idle: bool = False
+    ) -> list[int]:
         """Resume up to ``capacity`` of ``candidates`` (paused trials, in order): each one's pause
-        state says promoted, written inside its lease's fence, before its new job is submitted."""
+        state says promoted (``idle``: for a slot that would idle), written inside its lease's fence,
+        before its new job is submitted."""
         by_number = {t.number: t for t in trials}
         promoted: list[int] = []
         for number in candidates:
@@ -296,8 +310,11 @@ class Tuner:
                 lease.release()  # promoted meanwhile, by one that has let go already
                 continue
             with lease.fenced():
-                self.trials.set_attr(number, ATTR_ASHA, state.promoted().to_attr())
-            log.info("trial %d: promoted from rung %d, resuming from its checkpoint", number, state.rung)
+                self.trials.set_attr(number, ATTR_ASHA, state.promoted(idle=idle).to_attr())
+            why = " for a slot that would idle" if idle else ""
+            log.info(
+                "trial %d: promoted from rung %d%s, resuming from its checkpoint", number, state.rung, why
+            )
             self._hold(number, lease)
             promoted.append(number)
         return promoted
@@ -928,6 +945,17 @@ def _on_a_thread(tuner: Tuner, number: int) -> Future[TrialRecord]:
 
     world.start_thread(drive, f"trial-{number}")
     return future
+
+
+def _own_work(trials: list[FrozenTrial], in_flight: set[int]) -> bool:
+    """Whether a trial in flight is the study's own work: any but one an idle slot resumed (ASHA)."""
+    by_number = {t.number: t for t in trials}
+    return any(not _resumed_for_idle_slot(by_number[number]) for number in in_flight)
+
+
+def _resumed_for_idle_slot(trial: FrozenTrial) -> bool:
+    state = AshaState.of(trial)
+    return state is not None and state.idle and not state.paused
 
 
 def _half_asked(trial: FrozenTrial) -> bool:

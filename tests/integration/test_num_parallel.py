@@ -1,0 +1,65 @@
+"""``num_parallel`` against real components: one cap for the whole study however many orchestrators
+share it. Jobs are real processes; the study is a journal file, MLflow a SQLite store.
+
+How many trials ran at once is read from what the jobs themselves wrote: each trainer's start time
+(``starts.log``) and the time its result was written (``result.json``). A job runs inside the time its
+trial is in flight (asked before its job is submitted, counted until its driver has told Optuna after
+the job ended), so the most jobs at once can only undercount the trials in flight, never overcount.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from integration.test_tuner import make_tuner, settings
+
+from tunepod.hpo.tuner import Tuner
+from tunepod.outputs import TrialSet
+
+#: Long enough for a second orchestrator to see the first one's trials running (~1.5 s each).
+TRIAL_ARGS = {"epochs": 3, "sleep_s": 0.3}
+
+
+def windows(trials: TrialSet) -> list[tuple[float, float]]:
+    """(start, end) of each trial's job, as the job wrote them."""
+    return [
+        (
+            float(Path(t.job_dir, "starts.log").read_text().split()[0]),
+            Path(t.job_dir, "result.json").stat().st_mtime,
+        )
+        for t in trials.trials
+    ]
+
+
+def most_at_once(spans: list[tuple[float, float]]) -> int:
+    """The most spans open at one moment (an end before a start at the same instant)."""
+    edges = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans])
+    most = running = 0
+    for _, step in edges:
+        running += step
+        most = max(most, running)
+    return most
+
+
+def test_two_orchestrators_share_one_cap_of_num_parallel(tmp_path: Path) -> None:
+    """Two tuners on one journal study, started together, num_parallel 2: never more than two trials'
+    jobs run at once (each tuner capped alone, all three did), and the study still ends with
+    num_trials trials, each trained once."""
+    tune = settings(tmp_path, num_trials=3, num_parallel=2, train={"args": TRIAL_ARGS})
+    first, second = make_tuner(tmp_path, tune), make_tuner(tmp_path, tune)
+    barrier = threading.Barrier(2)
+
+    def run(tuner: Tuner) -> TrialSet:
+        barrier.wait()
+        return tuner.run()
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(run, [first, second]))
+
+    trials = results[0]
+    assert [t.number for t in trials.trials] == [0, 1, 2]
+    assert all(t.outcome == "COMPLETE" for t in trials.trials)
+    assert all(len(Path(t.job_dir, "starts.log").read_text().split()) == 1 for t in trials.trials)
+    assert most_at_once(windows(trials)) == 2, sorted(windows(trials))
