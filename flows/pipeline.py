@@ -24,6 +24,7 @@ from tasks.steps import run_step, step_retries
 from tunepod.outputs import StepOutput
 from tunepod.pipeline import PipelineRun, PipelineSummary
 from tunepod.run_form import LauncherKind, RunForm
+from tunepod.spec.models import NumParallel
 
 
 @flow(name="tunepod-pipeline", flow_run_name="{spec_path}", log_prints=True)
@@ -31,7 +32,7 @@ def pipeline(
     spec_path: str,
     overrides: list[str] | None = None,
     num_trials: Annotated[int | None, RunForm.model_fields["num_trials"]] = None,
-    num_parallel: Annotated[int | None, RunForm.model_fields["num_parallel"]] = None,
+    num_parallel: Annotated[NumParallel | None, RunForm.model_fields["num_parallel"]] = None,
     experiment: Annotated[str | None, RunForm.model_fields["experiment"]] = None,
     launcher: Annotated[LauncherKind | None, RunForm.model_fields["launcher"]] = None,
 ) -> PipelineSummary:
@@ -44,7 +45,8 @@ def pipeline(
         spec_path: Pipeline spec (YAML), relative to the repository root.
         overrides: Any other setting, as dotted.path=value (value read as YAML), applied last.
         num_trials: Finished trials each tune step's study should hold (empty: the spec's).
-        num_parallel: Trials in flight at once in each tune step (empty: the spec's).
+        num_parallel: Trials in flight at once in each tune step's study, or auto: as many as the
+            cluster runs at once (empty: the spec's).
         experiment: MLflow experiment of the pipeline run (empty: the spec's).
         launcher: Run the jobs on this launcher with its defaults, replacing the spec's launcher block.
     """

@@ -41,7 +41,7 @@ from tunepod.launch.factory import make_launcher
 from tunepod.launch.paths import SharedRoot
 from tunepod.launch.refusals import collecting
 from tunepod.launch.submission import new_submission_id
-from tunepod.spec.models import LauncherSpec, PipelineSpec, StageStep, TuneSettings, TuneStep
+from tunepod.spec.models import AUTO, LauncherSpec, PipelineSpec, StageStep, TuneSettings, TuneStep
 from tunepod.spec.parallelism import job_layout
 from tunepod.steps.stage import staged_path
 from tunepod.stores import HIDDEN, is_secret_name, redacted, secret_values, shown_env
@@ -159,6 +159,10 @@ def _shown_launcher(spec: LauncherSpec, launcher: Launcher) -> Launcher:
 def _first_params(settings: TuneSettings) -> tuple[int, dict[str, Any]]:
     """Trial 0 of a new study: its number and parameters, from the step's own sampler (in memory)."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if settings.num_parallel == AUTO:
+        # The sampler's start-up trials follow num_parallel, and the preview reads no cluster; any
+        # number gives trial 0 the same draw (every sampler draws it at random, or from enqueue).
+        settings = settings.model_copy(update={"num_parallel": 1})
     study = optuna.create_study(
         storage=InMemoryStorage(),
         directions=[goal.direction for goal in settings.study.goals],

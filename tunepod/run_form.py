@@ -17,6 +17,7 @@ from tunepod.errors import SpecError, SpecIssue
 from tunepod.spec.models import (
     HyperPodEksLauncherSpec,
     LocalLauncherSpec,
+    NumParallel,
     SageMakerLauncherSpec,
     SlurmLauncherSpec,
     Strict,
@@ -37,7 +38,11 @@ class RunForm(BaseModel):
     num_trials: int | None = Field(
         None, ge=1, description="Finished trials each tune step's study should hold."
     )
-    num_parallel: int | None = Field(None, ge=1, description="Trials in flight at once, in each tune step.")
+    num_parallel: NumParallel | None = Field(
+        None,
+        description="Trials in flight at once in each tune step's study, or auto: as many as the "
+        "cluster runs at once (local and slurm launchers).",
+    )
     experiment: str | None = Field(None, min_length=1, description="MLflow experiment of the pipeline run.")
     launcher: LauncherKind | None = Field(
         None, description="Run the jobs on this launcher, keeping the spec's launcher settings it also has."

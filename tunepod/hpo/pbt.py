@@ -16,7 +16,9 @@ reaching it): the member that gets there last decides on arrival, the others at 
 after that, by then a little further on. Nobody waits (a job trains on while its boundary is open),
 and members are ranked at the same point of training, so a member that is ahead is not favoured for
 it (Ray Tune's PBT ranks the latest result of each). Members keep each other's pace only if they
-train side by side, which is why ``num_parallel >= population`` is checked at spec load.
+train side by side, which is why ``num_parallel >= population`` is checked at spec load (for
+``num_parallel: auto``, once the tune step has read the cluster). The cap is the study's: members
+driven by two orchestrators still train side by side.
 
 Everything here is pure: read from frozen trials; the tuner does the stopping, copying and creating.
 """

@@ -154,7 +154,7 @@ def startup_trials(settings: TuneSettings) -> int:
     if spec.n_startup_trials is not None:
         return spec.n_startup_trials
     if spec.kind == "tpe":
-        return max(2, settings.num_parallel)
+        return max(2, settings.max_parallel)
     return _STARTUP_TRIALS.get(spec.kind, 0)
 
 

@@ -34,6 +34,7 @@ from tunepod import watch, world
 from tunepod.errors import JobError, TunepodError
 from tunepod.hpo.asha import ATTR_ASHA, Asha, AshaState, RungJudge, is_paused
 from tunepod.hpo.endings import ending_line, ending_of, why_ended
+from tunepod.hpo.num_parallel import resolve_num_parallel
 from tunepod.hpo.pbt import ATTR_PBT, BoundaryJudge, PbtState
 from tunepod.hpo.population import ATTR_CONTINUED_IN, Population, Seed, lineage_tags, make_pbt
 from tunepod.hpo.study import (
@@ -131,6 +132,8 @@ class Tuner:
     """Drives one study. ``run`` is called once; ``run_trial`` from any number of threads."""
 
     def __init__(self, ctx: TuneContext) -> None:
+        # First: everything below reads num_parallel as a number (the sampler's start-up trials too).
+        ctx = replace(ctx, settings=resolve_num_parallel(ctx.step, ctx.settings, ctx.launcher))
         self.ctx = ctx
         self.settings = ctx.settings
         self.study = open_study(ctx.settings, ctx.storage)
@@ -247,7 +250,7 @@ class Tuner:
             # Trials this orchestrator gave up driving count no more here (their jobs may still run):
             # it ends with an error once the rest are done, and would otherwise wait for them forever.
             in_flight = (mine | {t.number for t in running if not is_paused(t)}) - set(self._abandoned)
-            capacity = self.settings.num_parallel - len(in_flight)
+            capacity = self.settings.max_parallel - len(in_flight)
             promoted = self._promote(trials, self.asha.promotable(trials), capacity) if self.asha else []
             capacity -= len(promoted)
             asked = [self._ask(len(trials) + i) for i in range(max(0, min(room, capacity)))]

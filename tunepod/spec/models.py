@@ -873,6 +873,47 @@ def _num_trials_optional_under_pbt(schema: dict[str, Any]) -> None:
     schema["anyOf"] = [{"required": ["num_trials"]}, {"required": ["pbt"]}]
 
 
+AUTO = "auto"
+"""``num_parallel: auto``: as many trials as the cluster runs at once, read when the tune step starts."""
+#: The launchers that can tell how many trials their cluster runs at once (``tunepod.launch.slots``).
+AUTO_PARALLEL_LAUNCHERS = ("local", "slurm")
+
+
+def _num_parallel_value(value: Any) -> Any:
+    """The two usual mistakes, worded as rules about ``num_parallel``: left to the union below, pydantic
+    would report each of its members ("expected an integer or ...") instead of the bound."""
+    if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+        raise ValueError(
+            f"must be greater than or equal to 1, got {value}; fix: set num_parallel to 1 or more, or auto"
+        )
+    if isinstance(value, str) and value != AUTO and not value.strip().isdigit():
+        raise ValueError(
+            f"expected a number of trials or auto, got {value!r}; fix: set num_parallel to a number, or auto"
+        )
+    return value
+
+
+NumParallel = Annotated[Annotated[int, Field(ge=1)] | Literal["auto"], BeforeValidator(_num_parallel_value)]
+
+NUM_PARALLEL_DOC = (
+    "Trials in flight at once in the whole study, however many orchestrators (tunepod runs) share it: "
+    "a trial counts from its ask until it ends or ASHA pauses it, its job queued or running. auto: as "
+    "many as the cluster runs at once, read when the tune step starts (Slurm: the idle nodes of the "
+    "launcher's partition / resources.num_nodes; local: this machine's CPUs / resources.procs_per_node; "
+    "at least 1; sagemaker and hyperpod_eks cannot tell, give a number)."
+)
+
+
+def _parallel_below_population(num_parallel: int, pbt: PbtSpec) -> str | None:
+    if num_parallel >= pbt.population:
+        return None
+    return (
+        f"num_parallel {num_parallel} is below pbt.population {pbt.population}: PBT compares members at "
+        "the same point of training, so they train side by side; fix: set num_parallel to "
+        f"{pbt.population} or lower the population"
+    )
+
+
 class TuneSettings(Strict):
     """An Optuna study whose trials are distributed training jobs run ``num_parallel`` at a time."""
 
@@ -887,7 +928,7 @@ class TuneSettings(Strict):
         description="Finished trials the study should hold, counting earlier runs; under pbt, the "
         "population (the default there).",
     )
-    num_parallel: int = Field(1, ge=1, description="Trials in flight at once.")
+    num_parallel: NumParallel = Field(1, description=NUM_PARALLEL_DOC)
     sampler: Annotated[
         SamplerSpec, BeforeValidator(_sampler_shorthand, json_schema_input_type=SamplerKind | SamplerSpec)
     ] = Field(
@@ -937,12 +978,11 @@ class TuneSettings(Strict):
                 f"num_trials {self.num_trials} is not pbt.population {pbt.population} (under PBT each trial "
                 "counted is a member); fix: leave num_trials out or set it to the population"
             )
-        if self.num_parallel < pbt.population:
-            problems.append(
-                f"num_parallel {self.num_parallel} is below pbt.population {pbt.population}: PBT compares "
-                "members at the same point of training, so they train side by side; fix: set num_parallel "
-                f"to {pbt.population} or lower the population"
-            )
+        # auto is checked once resolved (with_num_parallel): the cluster says then how many run at once.
+        parallel = self.num_parallel
+        below = _parallel_below_population(parallel, pbt) if isinstance(parallel, int) else None
+        if below is not None:
+            problems.append(below)
         if self.pruner.kind != "none":
             problems.append(
                 f"pbt and pruner {self.pruner.kind} both stop trials; fix: remove the pruner (PBT's exploit "
@@ -1003,6 +1043,22 @@ class TuneSettings(Strict):
     def parsed_constraints(self) -> list[Constraint]:
         """``constraints`` parsed (once: each trial's report reads them)."""
         return [Constraint.parse(text) for text in self.constraints]
+
+    @property
+    def max_parallel(self) -> int:
+        """``num_parallel`` as a number: the spec's, or what ``auto`` became when the tune step started
+        (``with_num_parallel``). Read before that, ``auto`` is a bug of the caller."""
+        if not isinstance(self.num_parallel, int):
+            raise AssertionError("num_parallel auto is resolved when the tune step starts, before it is read")
+        return self.num_parallel
+
+    def with_num_parallel(self, num_parallel: int) -> TuneSettings:
+        """A copy with ``num_parallel`` set (``auto`` resolved), checked as the spec's number would be:
+        ValueError (``<problem>; fix: ...``) where PBT's population would not train side by side."""
+        below = None if self.pbt is None else _parallel_below_population(num_parallel, self.pbt)
+        if below is not None:
+            raise ValueError(below)
+        return self.model_copy(update={"num_parallel": num_parallel})
 
     @model_validator(mode="after")
     def _check_sampler_fits(self) -> TuneSettings:
@@ -1320,6 +1376,26 @@ class PipelineSpec(Strict):
                 "SageMaker runs under SMP v2; fix: leave image_uri out and set framework_version (tunepod "
                 "then takes the SMP image, smdistributed-modelparallel), or set image_uri to an SMP v2 image "
                 "or one built from it"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_auto_parallel(self) -> PipelineSpec:
+        """``num_parallel: auto`` reads the cluster, which only some launchers can (SageMaker starts
+        instances per job; an EKS cluster's free capacity is the scheduler's to know)."""
+        kind = self.launcher.kind
+        if kind in AUTO_PARALLEL_LAUNCHERS:
+            return self
+        auto = [
+            f"steps.{name}.with.num_parallel"
+            for name, step in self.steps.items()
+            if isinstance(step, TuneStep) and step.with_.num_parallel == AUTO
+        ]
+        if auto:
+            raise ValueError(
+                f"{', '.join(auto)} is auto, and the {kind} launcher cannot tell how many trials its "
+                f"cluster runs at once (auto works with the {' and '.join(AUTO_PARALLEL_LAUNCHERS)} "
+                f"launchers); fix: give a number, e.g. --set {auto[0]}=4"
             )
         return self
 

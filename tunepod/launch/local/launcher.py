@@ -55,8 +55,10 @@ from tunepod.launch.local.processes import (
 from tunepod.launch.local.render import job_argv, wrapper_argv
 from tunepod.launch.paths import JobPaths, file_logs
 from tunepod.launch.procfs import ProcessStat
+from tunepod.launch.slots import Slots, counted, divided
 from tunepod.launch.status_cache import TrackedJob
 from tunepod.launch.submission import Submission
+from tunepod.spec.resources import Resources
 
 logger = logging.getLogger(__name__)
 
@@ -285,6 +287,13 @@ class LocalLauncher(LauncherBase[LocalStatus]):
 
     def make_job(self, job_id: str, job_dir: Path, record: Submission | None) -> LocalJob:
         return LocalJob(self, job_id, job_dir, record)
+
+    def trial_slots(self, resources: Resources) -> Slots:
+        """``num_parallel: auto``: this machine's CPUs (those this process may run on: a container's or
+        taskset's limit) per trial's processes; every process of a local job runs here, whatever its
+        ``num_nodes``."""
+        cpus = len(os.sched_getaffinity(0))
+        return divided(cpus, counted(cpus, "CPU"), resources.procs_per_node, "process")
 
     # ------------------------------------------------------------------------------------ internals
 

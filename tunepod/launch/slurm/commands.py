@@ -16,6 +16,7 @@ from pathlib import Path
 
 from tunepod.errors import TransientError
 from tunepod.launch.runner import CommandFailed, CommandRunner
+from tunepod.launch.slurm.nodes import SINFO_NODES_FORMAT, NodeListing, parse_sinfo_nodes
 from tunepod.launch.slurm.states import (
     ListedJob,
     SlurmStatus,
@@ -47,7 +48,7 @@ def _name_filter(name: str) -> list[str]:
 
 
 class SlurmCommands:
-    """sbatch, squeue, scontrol, sacct and scancel through ``runner``.
+    """sbatch, squeue, scontrol, sacct, sinfo and scancel through ``runner``.
 
     Thread safety: stateless; safe from several threads as far as ``runner`` is (every runner is).
     Every method raises ``TransientError`` when Slurm (or ssh) did not answer, and ``CommandFailed``
@@ -118,6 +119,10 @@ class SlurmCommands:
             logger.debug("sacct could not list the jobs named %r: %s", name, exc)
             return []
         return [job for job in listed if job.name == name]
+
+    def nodes(self) -> list[NodeListing]:
+        """Every node of every partition, with its state (one ``sinfo`` call)."""
+        return parse_sinfo_nodes(self.runner.run(["sinfo", "-h", "-N", "-o", SINFO_NODES_FORMAT]).stdout)
 
     def scancel(self, job_id: str, *, signal: str | None = None) -> None:
         """Ask Slurm to end ``job_id``; with ``signal``, only send it that signal, to the tasks of its

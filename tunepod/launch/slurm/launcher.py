@@ -26,7 +26,9 @@ from tunepod.launch.base import Accepted, Job, JobSpec, JobState, LauncherBase, 
 from tunepod.launch.exit_code import read_exit_code, recorded_job_id, temp_exit_file
 from tunepod.launch.paths import JobPaths, file_logs
 from tunepod.launch.runner import CommandRunner, LocalRunner, SshRunner
+from tunepod.launch.slots import Slots
 from tunepod.launch.slurm.commands import SlurmCommands
+from tunepod.launch.slurm.nodes import idle_node_slots
 from tunepod.launch.slurm.render import (
     SCRIPT_NAME,
     detect_hyperpod,
@@ -38,6 +40,7 @@ from tunepod.launch.slurm.states import ListedJob, SlurmStatus, purged_status
 from tunepod.launch.status_cache import TrackedJob
 from tunepod.launch.submission import Submission
 from tunepod.spec.models import SlurmLauncherSpec
+from tunepod.spec.resources import Resources
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +167,11 @@ class SlurmLauncher(LauncherBase[SlurmStatus]):
     def check_job_id(self, job_id: str) -> None:
         if not job_id.isdigit():
             raise JobError(f"{job_id!r} is not a slurm job id (expected digits, as sbatch --parsable prints)")
+
+    def trial_slots(self, resources: Resources) -> Slots:
+        """``num_parallel: auto``: the idle nodes of the partition jobs go to, per trial's nodes
+        (``tunepod.launch.slurm.nodes``), asked with sinfo where sbatch runs (over ssh too)."""
+        return idle_node_slots(self.slurm.nodes(), self.spec.partition, resources.num_nodes)
 
     # ------------------------------------------------------------------------------------ internals
 
