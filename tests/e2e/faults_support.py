@@ -36,6 +36,13 @@ from tunepod.runtime.contract import RESULT_FILE_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 TRAINER = REPO / "tests" / "fixtures" / "trainers" / "quadratic.py"
+COLLECTIVE_TRAINER = REPO / "tests" / "fixtures" / "trainers" / "collective.py"
+NODES_LAUNCHER = {"partition": "nodes", "exclusive": True}
+"""Slurm launcher options for trials on the cluster's namespaced nodes, each node the trial's alone
+(``exclusive``, as GPU nodes are: else Slurm packs two trials' one-core tasks onto the same nodes)."""
+MULTI_NODE = {"trainer": COLLECTIVE_TRAINER, "args": {"stoppable": 1}, "launcher_options": NODES_LAUNCHER}
+"""What makes a Slurm study's trials run ``collective.py`` on the namespaced nodes, stopping when asked
+(a pause or an exploit); with ``train.resources.num_nodes`` > 1."""
 DATA = REPO / "tests" / "fixtures" / "specs"
 PIPELINE = "faults"
 EXPERIMENT = "faults"
@@ -162,6 +169,31 @@ class FaultStudy:
         """The study's trials, as its storage holds them (read with optuna itself)."""
         study = optuna.load_study(study_name=STUDY, storage=make_storage(self.storage))
         return sorted(study.get_trials(deepcopy=False), key=lambda t: t.number)
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """One line of ``nodes.log``: where one rank of one start of the trainer ran."""
+
+    started_at: float
+    rank: int
+    slurmd_nodename: str
+    hostname: str
+
+
+def placements(job_dir: Path) -> dict[float, list[RankPlace]]:
+    """Every start of the trial's script, by start time: where each of its ranks ran."""
+    starts_by_time: dict[float, list[RankPlace]] = {}
+    for line in (job_dir / "nodes.log").read_text().splitlines():
+        started_at, rank, node, host = line.split()
+        place = RankPlace(float(started_at), int(rank), node, host)
+        starts_by_time.setdefault(place.started_at, []).append(place)
+    return {at: sorted(ranks, key=lambda r: r.rank) for at, ranks in sorted(starts_by_time.items())}
+
+
+def nodes_of(ranks: list[RankPlace]) -> list[str]:
+    """The nodes a start ran on, in rank order, each once."""
+    return list(dict.fromkeys(rank.slurmd_nodename for rank in ranks))
 
 
 def sqlite_tracking(tmp: Path) -> str:

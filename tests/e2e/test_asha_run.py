@@ -1,6 +1,7 @@
 """ASHA with pause and promote through `tunepod run`, as a user runs it: the CLI as a process of its
-own on the session's Prefect server, the quadratic trainer's jobs on the local launcher or the real
-one-node Slurm cluster, a real Optuna journal and MLflow SQLite store.
+own on the session's Prefect server, the quadratic trainer's jobs on the local launcher or this host's
+Slurm node, or the collective trainer's jobs of two namespaced Slurm nodes each (every pause a stop
+that both nodes' ranks agree on), a real Optuna journal and MLflow SQLite store.
 
 Four trials of 6 epochs, one at a time (so the order in which they reach the rung is fixed), one rung
 at 3 units, halving: the first trial (the best x) leads the rung alone and goes on, the second (the
@@ -18,12 +19,16 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from faults_support import (
+    MULTI_NODE,
     FaultStudy,
     MakeRuns,
     assert_nothing_left,
+    nodes_of,
+    placements,
     sqlite_tracking,
     starts,
     submission,
@@ -50,7 +55,10 @@ XS = [0.3, 0.4, 0.9, 0.0]  # best first, then the next best: score = 1 - (x - 0.
 XS_PAUSE_FAULT = [0.3, 0.4, 0.5, 0.9, 0.0, 0.95]
 
 
-def asha_study(tmp_path: Path, launcher: str, sleep_s: float = 0.5, xs: list[float] = XS) -> FaultStudy:
+def asha_study(
+    tmp_path: Path, launcher: str, sleep_s: float = 0.5, xs: list[float] = XS, *, num_nodes: int = 1
+) -> FaultStudy:
+    multi_node: dict[str, Any] = MULTI_NODE if num_nodes > 1 else {}
     return FaultStudy(
         tmp_path,
         launcher,
@@ -71,7 +79,8 @@ def asha_study(tmp_path: Path, launcher: str, sleep_s: float = 0.5, xs: list[flo
         },
         # A long grace: every pause lands at the trainer's should_stop() (it saves there), even on a
         # loaded machine where an epoch's checkpoint can take seconds.
-        train={"resources": {"stop_grace_s": 60}},
+        train={"resources": {"stop_grace_s": 60, "num_nodes": num_nodes}},
+        **multi_node,
     )
 
 
@@ -112,18 +121,21 @@ def assert_paused_and_promoted_once_each(study: FaultStudy) -> list[int]:
     return promoted
 
 
-# On Slurm only: the fault test below runs the same study on local jobs and checks the same after its
-# rerun, so a plain local run would spend CI time on nothing more.
-@pytest.mark.slurm
+# On Slurm only, with trials of two nodes: the fault tests below run the same study on local jobs and
+# this host's Slurm node and check the same after their rerun, so a plain run there would spend CI time
+# on nothing more.
+@pytest.mark.slurm_nodes(4)
 def test_a_study_under_asha_on_slurm_pauses_promotes_and_resumes_from_checkpoints(
     runs: MakeRuns, tmp_path: Path
 ) -> None:
     # Epochs of 1 s: the pause must reach the second trial's job before it trains its last three
     # epochs, and on a loaded machine Slurm's scancel --signal can take more than the 1.5 s that
     # epochs of 0.5 s left (the job then completed unpaused, and nothing proved a resume).
-    study = asha_study(tmp_path, "slurm", sleep_s=1.0)
+    study = asha_study(tmp_path, "slurm", sleep_s=1.0, num_nodes=2)
     run = runs(study).run("asha")
     promoted = assert_paused_and_promoted_once_each(study)
+    for number, job_dir in study.job_dirs().items():
+        assert all(len(nodes_of(ranks)) == 2 for ranks in placements(job_dir).values()), number
     # Off a terminal, `tunepod run` says each event on a line: the pause, never a bare "Completed".
     output = run.output()
     assert re.search(r"^search/trial-1 Paused: paused at step \d+ \(rung \d+\) by ASHA", output, re.M), output

@@ -11,18 +11,21 @@ from __future__ import annotations
 
 import re
 import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 from faults_support import (
+    COLLECTIVE_TRAINER,
+    NODES_LAUNCHER,
     FaultStudy,
     MakeRuns,
     assert_nothing_left,
     assert_study_complete,
     assert_tracked_once,
     assert_trained_once,
+    nodes_of,
+    placements,
     sqlite_tracking,
     starts,
     submission,
@@ -43,8 +46,6 @@ from tunepod.runtime import read_reports
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm_nodes(4)]
 
-COLLECTIVE_TRAINER = Path(__file__).resolve().parents[1] / "fixtures" / "trainers" / "collective.py"
-
 
 def multi_node_study(
     tmp_path: Path,
@@ -57,39 +58,13 @@ def multi_node_study(
     args: dict[str, Any] | None = None,
     train: dict[str, Any] | None = None,
 ) -> FaultStudy:
-    """Trials of ``collective.py`` on two namespaced nodes each, each node the trial's alone
-    (``exclusive``, as GPU nodes are: else Slurm packs both trials' one-core tasks onto the same two)."""
+    """Trials of ``collective.py`` on two namespaced nodes each, each node the trial's alone."""
     return FaultStudy(
         tmp_path, "slurm", sqlite_tracking(tmp_path), num_trials=num_trials, num_parallel=num_parallel,
         epochs=epochs, sleep_s=sleep_s, trainer=COLLECTIVE_TRAINER, args=args or {},
         train={"resources": {"num_nodes": 2, "procs_per_node": procs_per_node}, **(train or {})},
-        launcher_options={"partition": NODE_PARTITION, "exclusive": True},
+        launcher_options=NODES_LAUNCHER,
     )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class RankPlace:
-    """One line of ``nodes.log``: where one rank of one start of the trainer ran."""
-
-    started_at: float
-    rank: int
-    slurmd_nodename: str
-    hostname: str
-
-
-def placements(job_dir: Path) -> dict[float, list[RankPlace]]:
-    """Every start of the trial's script, by start time: where each of its ranks ran."""
-    starts_by_time: dict[float, list[RankPlace]] = {}
-    for line in (job_dir / "nodes.log").read_text().splitlines():
-        started_at, rank, node, host = line.split()
-        place = RankPlace(float(started_at), int(rank), node, host)
-        starts_by_time.setdefault(place.started_at, []).append(place)
-    return {at: sorted(ranks, key=lambda r: r.rank) for at, ranks in sorted(starts_by_time.items())}
-
-
-def nodes_of(ranks: list[RankPlace]) -> list[str]:
-    """The nodes a start ran on, in rank order, each once."""
-    return list(dict.fromkeys(rank.slurmd_nodename for rank in ranks))
 
 
 def report_window(job_dir: Path) -> tuple[float, float]:

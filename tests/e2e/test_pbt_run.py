@@ -1,6 +1,7 @@
 """Population-based training through `tunepod run`, as a user runs it: the CLI as a process of its own
-on the session's Prefect server, the quadratic trainer's jobs on the real one-node Slurm cluster or the
-local launcher, a real Optuna journal and MLflow SQLite store.
+on the session's Prefect server, the collective trainer's jobs of two namespaced Slurm nodes each (an
+exploit's stop agreed by both nodes' ranks) or the quadratic trainer's on the local launcher, a real
+Optuna journal and MLflow SQLite store.
 
 Two members train side by side, 6 epochs, boundaries at 2 and 4 units, the bottom half exploited:
 the second member is the worse (x far from 0.3) and the slower, so it reaches each boundary after the
@@ -15,12 +16,16 @@ the copy, the continuation and the PRUNED may each be half done) and proves the 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from faults_support import (
+    MULTI_NODE,
     FaultStudy,
     MakeRuns,
     assert_nothing_left,
+    nodes_of,
+    placements,
     sqlite_tracking,
     starts,
     submission,
@@ -55,7 +60,8 @@ TUNE = {
 }
 
 
-def pbt_study(tmp_path: Path, launcher: str) -> FaultStudy:
+def pbt_study(tmp_path: Path, launcher: str, *, num_nodes: int = 1) -> FaultStudy:
+    multi_node: dict[str, Any] = MULTI_NODE if num_nodes > 1 else {}
     return FaultStudy(
         tmp_path,
         launcher,
@@ -66,7 +72,8 @@ def pbt_study(tmp_path: Path, launcher: str) -> FaultStudy:
         sleep_s=None,  # tuned: each member's own
         tune=TUNE,
         # A long grace: every exploit lands at the trainer's should_stop() (it saves there).
-        train={"resources": {"stop_grace_s": 60}},
+        train={"resources": {"stop_grace_s": 60, "num_nodes": num_nodes}},
+        **multi_node,
     )
 
 
@@ -124,13 +131,15 @@ def assert_each_member_trained_once(study: FaultStudy) -> list[FrozenTrial]:
     return lineage(trials, 1)
 
 
-@pytest.mark.slurm
+@pytest.mark.slurm_nodes(4)
 def test_a_population_on_slurm_exploits_the_worse_member_from_the_better_ones_checkpoint(
     runs: MakeRuns, tmp_path: Path
 ) -> None:
-    study = pbt_study(tmp_path, "slurm")
+    study = pbt_study(tmp_path, "slurm", num_nodes=2)
     runs(study).run("pbt")
     worse = assert_each_member_trained_once(study)
+    for number, job_dir in study.job_dirs().items():
+        assert all(len(nodes_of(ranks)) == 2 for ranks in placements(job_dir).values()), number
     assert len(worse) >= 2, "the worse member was never exploited"
     first_donor = PbtState.of(worse[1])
     assert first_donor is not None and member_of(study.trials()[first_donor.parent]) == 0
