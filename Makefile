@@ -8,8 +8,8 @@ SPEC ?= examples/digits/pipeline.yaml
 # (2026-12-03). Groups are handed out longest first (tests/conftest.py).
 TEST_WORKERS ?= 3
 
-.PHONY: venv demo test lint services bench bench-overhead bench-checkpoints chaos simulate clean slurm-up \
-	slurm-down postgres-up postgres-down
+.PHONY: venv demo test lint services bench bench-overhead bench-checkpoints bench-node-loss chaos simulate \
+	clean slurm-up slurm-down postgres-up postgres-down
 
 # torch==2.13.0 first, with pip: it is the CPU build (pip finds it on this kind of machine's disk); a
 # bare `torch` requirement could pull a multi-GB CUDA build. The rest with uv, which installs the same
@@ -73,6 +73,12 @@ bench-overhead: venv
 # (benchmarks/checkpoints); the long form (~1 GB states): make bench-checkpoints CHECKPOINT_ARGS=--long
 bench-checkpoints: venv
 	$(PY) -m benchmarks.checkpoints $(CHECKPOINT_ARGS)
+
+# A node's death to the trial's next trained step on the local cluster's namespaced nodes, part by part,
+# against a planned requeue (benchmarks/node_loss; root: it kills nodes). Long form: NODE_LOSS_ARGS=--long
+bench-node-loss: venv
+	scripts/slurm-up
+	$(PY) -m benchmarks.node_loss $(NODE_LOSS_ARGS)
 
 # The chaos soak (benchmarks/chaos): real faults at random on local and Slurm studies, then the checks;
 # exit 1 on a violation. Without Slurm: make chaos CHAOS_ARGS="--launcher local".

@@ -1,6 +1,8 @@
 """The local Slurm cluster from ``scripts/slurm-up`` does what the Slurm launcher relies on: jobs run
 and report final states and exit codes through ``scontrol show job``, a requeued job runs again, and
-1-core jobs share the node. Plus the skip-or-fail rule of the ``slurm`` marker, which needs no cluster."""
+1-core jobs share the node; its namespaced nodes are nodes of their own (hostname, address, slurmd),
+and a killed one comes back. Plus the skip-or-fail rule of the ``slurm`` marker and the scripts'
+argument errors, which need no cluster."""
 
 from __future__ import annotations
 
@@ -11,9 +13,22 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_cluster import sbatch, scancel, show_job, wait_for_job
+from slurm_cluster import (
+    NODE_PARTITION,
+    READY_NODE_STATES,
+    kill_node,
+    node_states,
+    restore_nodes,
+    sbatch,
+    scancel,
+    show_job,
+    slurm_node,
+    wait_for_job,
+    wait_for_node,
+)
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
+SCRIPTS = TESTS_DIR.parent / "scripts"
 # Small explicit requests: the node's default memory per CPU is half the host, and the tests must
 # not depend on it.
 ONE_CORE = ("--ntasks=1", "--cpus-per-task=1", "--mem=64M")
@@ -94,6 +109,73 @@ class TestLocalSlurmCluster:
         finally:
             scancel(first)
             scancel(second)
+
+
+@pytest.mark.slurm_nodes(4)
+@pytest.mark.timeout(240)
+class TestNamespacedNodes:
+    def test_sinfo_lists_four_nodes_ready_in_partition_nodes(self) -> None:
+        states = node_states()
+
+        assert [f"n{i}" for i in range(1, 5)] == sorted(states)[:4], states
+        assert all(state in READY_NODE_STATES for state in states.values()), states
+
+    def test_the_tasks_of_a_four_node_job_run_on_four_nodes_with_their_own_name_and_address(
+        self, tmp_path: Path
+    ) -> None:
+        job_id = sbatch(
+            f"--partition={NODE_PARTITION}", "--nodes=4", "--ntasks-per-node=1", "--mem=16M",
+            f"--chdir={tmp_path}", "--output=job.log",
+            "--wrap=srun sh -c 'echo $SLURMD_NODENAME $(hostname) $(hostname -i)'",
+        )  # fmt: skip
+
+        assert wait_for_job(job_id)["JobState"] == "COMPLETED"
+        lines = sorted(tuple(line.split()) for line in (tmp_path / "job.log").read_text().splitlines())
+        assert lines == [(f"n{i}", f"n{i}", f"10.231.0.{10 + i}") for i in range(1, 5)], lines
+
+    def test_a_killed_node_goes_down_and_takes_jobs_again_once_its_slurmd_starts(
+        self, tmp_path: Path
+    ) -> None:
+        try:
+            kill_node("n4")
+            wait_for_node("n4", frozenset({"down*", "down"}))
+            slurm_node("start", "n4")
+            wait_for_node("n4", READY_NODE_STATES)
+            job_id = sbatch(
+                f"--partition={NODE_PARTITION}", "--nodelist=n4", "--mem=16M", f"--chdir={tmp_path}",
+                "--output=job.log", "--wrap=hostname",
+            )  # fmt: skip
+            assert wait_for_job(job_id)["JobState"] == "COMPLETED"
+            assert (tmp_path / "job.log").read_text().split() == ["n4"]
+        finally:
+            restore_nodes()
+
+
+@pytest.mark.parametrize(
+    ("command", "message"),
+    [
+        (["slurm-up", "--nodes", "two"], "--nodes must be a whole number from 0 to 64, not 'two'"),
+        (["slurm-up", "--nodes", "65"], "--nodes must be a whole number from 0 to 64, not '65'"),
+        (["slurm-up", "--fast"], "unknown argument '--fast'"),
+        (["slurm-node", "kill"], "usage:"),
+        (["slurm-node", "reboot", "n1"], None),
+    ],
+)
+def test_the_cluster_scripts_refuse_bad_arguments_and_say_why(
+    command: list[str], message: str | None
+) -> None:
+    """Refused before anything is touched (no root needed, no cluster changed)."""
+    done = subprocess.run(
+        [str(SCRIPTS / command[0]), *command[1:]], capture_output=True, text=True, timeout=60, check=False
+    )
+
+    assert done.returncode != 0, done.stdout
+    if message is None:  # an unknown command, or an unknown node where the namespaced nodes are down
+        assert "unknown command 'reboot'" in done.stderr or "no namespaced node 'n1'" in done.stderr, (
+            done.stderr
+        )
+    else:
+        assert message in done.stderr, done.stderr
 
 
 CONFTEST_USING_THE_RECIPE = """
