@@ -81,8 +81,9 @@ bench-node-loss: venv
 	$(PY) -m benchmarks.node_loss $(NODE_LOSS_ARGS)
 
 # The chaos soak (benchmarks/chaos): real faults at random on local and Slurm studies, then the checks;
-# exit 1 on a violation. Without Slurm: make chaos CHAOS_ARGS="--launcher local".
-CHAOS_ARGS ?= --launcher both --minutes 10 --seed 1
+# exit 1 on a violation. The Slurm trials span two of slurm-up's namespaced nodes (--nodes 2), so nodes
+# are lost too. Without Slurm: make chaos CHAOS_ARGS="--launcher local".
+CHAOS_ARGS ?= --launcher both --minutes 10 --seed 1 --nodes 2
 chaos: venv
 	scripts/slurm-up || echo "warning: no local Slurm cluster; run with CHAOS_ARGS='--launcher local'" >&2
 	$(PY) -m benchmarks.chaos $(CHAOS_ARGS)

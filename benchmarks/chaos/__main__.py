@@ -21,6 +21,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.chaos import nodes
 from benchmarks.chaos.faults import JOB_FAULTS, Fault, kinds_for
 from benchmarks.chaos.soak import SoakConfig, SoakReport, describe, run_soak
 
@@ -49,6 +50,16 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         help="an MLflow outage lasts between MIN and MAX seconds (drawn)",
     )  # fmt: skip
     parser.add_argument("--max-restarts", type=int, default=3, help="the spec's train.max_restarts")
+    parser.add_argument(
+        "--nodes", type=int, default=1,
+        help="nodes per trial of the Slurm study: 2 or more runs each trial as one job over that many "
+        "namespaced nodes (partition nodes, scripts/slurm-up --nodes N) and adds node loss to the faults",
+    )  # fmt: skip
+    parser.add_argument(
+        "--node-outage-s", type=float, nargs=2, default=(20.0, 40.0), metavar=("MIN", "MAX"),
+        help="a lost node stays out between MIN and MAX seconds (drawn; a killed one at least until "
+        "the controller marks it DOWN)",
+    )  # fmt: skip
     parser.add_argument("--prefect-api", help="a running Prefect server (default: a temporary one per run)")
     parser.add_argument(
         "--overlap", action="store_true",
@@ -61,7 +72,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str]) -> int:
     args = parse(argv)
     launchers = ["local", "slurm"] if args.launcher == "both" else [args.launcher]
-    if "slurm" in launchers and (reason := slurm_down()):
+    if "slurm" in launchers and (reason := slurm_down() or too_few_nodes(args.nodes)):
         console.print(f"[red]the Slurm cluster is not usable: {reason} (start it with scripts/slurm-up)")
         return 2
     folder = args.folder or Path(tempfile.mkdtemp(prefix="tunepod-chaos-"))
@@ -97,6 +108,8 @@ def config(args: argparse.Namespace, launcher: str, folder: Path, num_launchers:
         prefect_api=args.prefect_api,
         overlap=args.overlap,
         outage_s=(args.outage_s[0], args.outage_s[1]),
+        num_nodes=args.nodes if launcher == "slurm" else 1,
+        node_outage_s=(args.node_outage_s[0], args.node_outage_s[1]),
     )
 
 
@@ -108,6 +121,18 @@ def slurm_down() -> str | None:
     states = shown.stdout.split()
     usable = {"idle", "mixed", "allocated", "completing"}
     return None if shown.returncode == 0 and usable & set(states) else f"sinfo: {shown.stderr or states}"
+
+
+def too_few_nodes(num_nodes: int) -> str | None:
+    """Why the namespaced nodes cannot run trials of ``num_nodes`` nodes (None when they can)."""
+    if num_nodes < 2:
+        return None
+    states = nodes.node_states()
+    serving = sorted(node for node, state in states.items() if nodes.in_service(state))
+    if len(serving) >= num_nodes:
+        return None
+    listed = ", ".join(f"{node} {state}" for node, state in states.items()) or "none"
+    return f"--nodes {num_nodes} needs {num_nodes} namespaced nodes in service (partition nodes: {listed})"
 
 
 # ------------------------------------------------------------------------------------------ the tables
@@ -123,10 +148,16 @@ def print_report(report: SoakReport) -> None:
     console.print(fault_table(report))
     console.print(check_table(report))
     for injection in report.injected:
-        target = f"trial {injection.trial}" if injection.trial is not None else "-"
-        effect = f" -> {report.effects.get(injection.trial, '?')}" if injection.trial is not None else ""
+        target = f"trial {', '.join(map(str, injection.trials))}" if injection.trials else "-"
+        effect = "".join(f" -> {n}: {report.effects.get(n, '?')}" for n in injection.trials)
         console.print(
             f"  {injection.at_s:7.1f} s  {injection.kind:<20} {target:<9} {injection.detail}{effect}"
+        )
+    for outage in report.outages:
+        back = f"back at {outage.back_at_s:.1f} s" if outage.back_at_s is not None else "NOT BACK"
+        console.print(
+            f"  node {outage.node}: {outage.kind.value} at {outage.out_at_s:.1f} s (trials "
+            f"{', '.join(map(str, outage.trials))}), {back}{f' ({outage.problem})' if outage.problem else ''}"
         )
 
 
@@ -135,9 +166,9 @@ def fault_table(report: SoakReport) -> Table:
     for column in ("fault", "injected", "trials hit", "outcome"):
         table.add_column(column)
     everything_held = report.held
-    for kind in kinds_for(report.config.launcher):
+    for kind in kinds_for(report.config.launcher, report.config.num_nodes):
         hits = [i for i in report.injected if i.kind is kind]
-        trials = sorted({i.trial for i in hits if i.trial is not None})
+        trials = sorted({n for i in hits for n in i.trials})
         hit = "; ".join(f"{n} ({report.effects.get(n, '?')})" for n in trials) or "-"
         table.add_row(kind.value, str(len(hits)), hit,
                       outcome(report, kind, trials, everything_held))  # fmt: skip
@@ -169,7 +200,22 @@ def summary(report: SoakReport) -> dict[str, object]:
         "launcher": report.config.launcher,
         "held": report.held,
         "wall_s": round(report.wall_s, 1),
-        "injected": {kind.value: sum(i.kind is kind for i in report.injected) for kind in Fault},
+        "nodes": report.config.num_nodes,
+        "injected": {
+            kind.value: sum(i.kind is kind for i in report.injected)
+            for kind in kinds_for(report.config.launcher, report.config.num_nodes)
+        },
+        "nodes_taken_out": [
+            {
+                "node": o.node,
+                "how": o.kind.value,
+                "out_at_s": o.out_at_s,
+                "back_at_s": o.back_at_s,
+                "trials": list(o.trials),
+                "problem": o.problem,
+            }
+            for o in report.outages
+        ],
         "checks": {c.name: c.problems for c in [*report.verdict.checks, report.leftover]},
         "orchestrator_starts": report.orchestrator_starts,
         "mlflow_starts": report.mlflow_starts,

@@ -8,16 +8,20 @@
   else), ending at the trial's Optuna value;
 - each trial's ``result.json`` holds its Optuna value; its checkpoints are all valid (checksums),
   the newest is the last epoch and loads (``tunepod.runtime``) to the trial's ``x`` and epoch;
+- every start of a trial's script (its ``starts.log``) resumed from the newest checkpoint saved before
+  it, and reported only the epochs after that checkpoint, each once: no epoch trained twice after the
+  checkpoint it resumed from, whatever restarted it (a job fault, a requeue, a lost node);
 - a trial restarted only when a job-level fault hit it (an orchestrator kill or an MLflow outage must
-  re-attach, never restart), and within ``max_restarts``;
+  re-attach, never restart; a lost node is a job-level fault), and within ``max_restarts``;
 - no process carrying the soak's marker, no Slurm job of the study in the queue.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import subprocess
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +34,7 @@ from benchmarks.chaos.study import EXPERIMENT, MARKER_ENV, METRIC, ChaosStudy, c
 from tunepod.hpo.study import make_storage
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.submission import read_submission
-from tunepod.runtime import latest_checkpoint, read_reports, read_result, valid_checkpoints
+from tunepod.runtime import Report, latest_checkpoint, read_reports, read_result, valid_checkpoints
 from tunepod.runtime.checkpoints import load_latest_checkpoint, step_folders
 
 
@@ -80,6 +84,7 @@ def verdict(
     found.add("MLflow: one run per trial, each report once", mlflow_problems(study, tracking_uri, values))
     found.add("result.json holds the Optuna value", result_problems(study, values))
     found.add("checkpoints valid, last epoch loads", checkpoint_problems(study, trials))
+    found.add("each start resumed from the newest checkpoint", resumes(study))
     restarts = restart_problems(study, injected)
     found.add("restarts only after a job fault", restarts, _attempts(study))
     return found
@@ -202,8 +207,69 @@ def checkpoint_problems(study: ChaosStudy, trials: list[FrozenTrial]) -> dict[in
     return problems
 
 
+@dataclass(frozen=True)
+class Start:
+    """One start of a trial's training script: a line of its ``starts.log`` (rank 0 writes it)."""
+
+    time: float
+    """``time.time()`` just before it loaded its latest checkpoint."""
+    resumed_from: int | None
+    """The step of the checkpoint it loaded, -1 when there was none; None on a line without it."""
+
+
+def read_starts(job_dir: Path) -> list[Start]:
+    path = job_dir / "starts.log"
+    starts = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        fields = line.split()
+        if fields:
+            starts.append(Start(float(fields[0]), int(fields[1]) if len(fields) > 1 else None))
+    return starts
+
+
+def resumes(study: ChaosStudy) -> dict[int | None, list[str]]:
+    """``resume_problems`` of every trial, from its starts, its reports and its checkpoints now."""
+    problems: dict[int | None, list[str]] = {}
+    for number, job_dir in study.job_dirs().items():
+        paths = JobPaths(job_dir)
+        saved = [(info.step, info.time) for info in valid_checkpoints(paths.checkpoints)]
+        problems[number] = resume_problems(read_starts(job_dir), read_reports(paths.metrics), saved)
+    return problems
+
+
+def resume_problems(
+    starts: Sequence[Start], reports: Sequence[Report], saved: Sequence[tuple[int, float]]
+) -> list[str]:
+    """Each start resumed from the newest checkpoint saved before it and then reported the steps after
+    that checkpoint, in order, each once, up to the next start (pure).
+
+    ``saved`` holds the (step, metadata time) of the checkpoints left at the end: the newest few, the
+    older ones pruned. When one of them was saved before a start, the newest such is the one it must
+    have loaded. Otherwise the newest one before the start is gone or never was, and the reports bound
+    it: the script reports an epoch, then saves its checkpoint, so it is the last step reported before
+    the start, or the one before that (killed between the report and the save), or none (-1).
+    """
+    problems = []
+    ends = [start.time for start in starts[1:]] + [math.inf]
+    for index, (start, end) in enumerate(zip(starts, ends, strict=True), 1):
+        resumed = start.resumed_from
+        if resumed is None:
+            continue
+        at = f"start {index} (+{start.time - starts[0].time:.1f} s) resumed from step {resumed}"
+        older = [step for step, saved_at in saved if saved_at < start.time]
+        last = max((r.step for r in reports if r.time < start.time), default=-1)
+        want = {max(older)} if older else {max(last - 1, -1), last}
+        if resumed not in want:
+            problems.append(f"{at}, the newest saved before it: {' or '.join(map(str, sorted(want)))}")
+        trained = [r.step for r in reports if start.time < r.time < end]
+        expected = list(range(resumed + 1, resumed + 1 + len(trained)))
+        if trained != expected:
+            problems.append(f"{at}, then reported steps {trained}, want {expected}")
+    return problems
+
+
 def restart_problems(study: ChaosStudy, injected: Iterable[Injection]) -> dict[int | None, list[str]]:
-    hit = {i.trial for i in injected if i.kind in JOB_FAULTS}
+    hit = {number for i in injected if i.kind in JOB_FAULTS for number in i.trials}
     problems: dict[int | None, list[str]] = {}
     for number, job_dir in study.job_dirs().items():
         record = read_submission(JobPaths(job_dir))
@@ -223,15 +289,22 @@ def trial_effects(study: ChaosStudy) -> dict[int, str]:
     effects = {}
     for number, job_dir in study.job_dirs().items():
         record = read_submission(JobPaths(job_dir))
-        starts_log = job_dir / "starts.log"
-        starts = [float(t) for t in starts_log.read_text().split()] if starts_log.exists() else []
+        starts = read_starts(job_dir)
         reports = read_reports(JobPaths(job_dir).metrics)
-        resumed = [next((r.step for r in reports if r.time > t), None) for t in starts[1:]]
         attempt = record.attempt if record is not None else "?"
         effects[number] = f"attempt {attempt}, {len(starts)} starts" + "".join(
-            f", resumed at step {step}" for step in resumed
+            _resumed(start, reports, study.epochs) for start in starts[1:]
         )
     return effects
+
+
+def _resumed(start: Start, reports: Sequence[Report], epochs: int) -> str:
+    step = next((r.step for r in reports if r.time > start.time), None)
+    if step is not None:
+        return f", resumed at step {step}"
+    if start.resumed_from == epochs - 1:
+        return ", resumed after its last checkpoint (nothing left to train)"
+    return ", no report after it"
 
 
 # ----------------------------------------------------------------------------------------- helpers

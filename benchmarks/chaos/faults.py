@@ -13,6 +13,12 @@ never overlap: the orchestrator is not killed while MLflow is down, and MLflow i
 restarted ``tunepod run`` is still starting up, because a ``tunepod run`` that starts while the
 tracking server is down fails at once (it opens the pipeline's MLflow run synchronously, with only
 MLflow's own request retries; README, chaos soak). ``--overlap`` shows it.
+
+Node loss (a Slurm study whose trials span several nodes of partition ``nodes``, ``--nodes N``): one
+node out at a time, and only a node whose every job is a job of a trial not hit before (never another
+user's job; two trials' jobs often share a node, and then both count as hit). It comes back after a
+drawn outage, a killed node not before the controller has marked it DOWN (a slurmd that returns sooner
+is a restart, not a lost node); ``bring_nodes_back`` returns whatever is still out when the soak ends.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from benchmarks.chaos import nodes
 from benchmarks.chaos.study import (
     ChaosStudy,
     MlflowServer,
@@ -48,16 +55,30 @@ class Fault(StrEnum):
     """SIGKILL the MLflow server's process group, restart it on the same port and store later."""
     REQUEUE = "Slurm requeue"
     """``scontrol requeue`` of a trial's running Slurm job."""
+    NODE_KILLED = "node killed"
+    """``scripts/slurm-node kill`` of a node a trial's job runs on (a power cut), started again later."""
+    NODE_DOWN = "node set down"
+    """``scontrol update state=drain``, then ``state=down``, of a node a trial's job runs on (the
+    controller's side of a lost node), ``state=resume`` later."""
 
 
-JOB_FAULTS = frozenset({Fault.JOB, Fault.RANK, Fault.REQUEUE})
+JOB_FAULTS = frozenset({Fault.JOB, Fault.RANK, Fault.REQUEUE, Fault.NODE_KILLED, Fault.NODE_DOWN})
+NODE_FAULTS = frozenset({Fault.NODE_KILLED, Fault.NODE_DOWN})
+#: Bound on the wait for the controller to mark a killed node DOWN (SlurmdTimeout 15 s, pings every 5 s)
+#: before it is started again anyway.
+MARKED_DOWN_LIMIT_S = 60.0
+#: Pause before another try at bringing a node back after a failed one.
+RETRY_S = 5.0
 #: Share of fault moments at which a job-level fault hits only a job that has reported an epoch.
 MID_TRAINING_SHARE = 0.6
 
 
-def kinds_for(launcher: str) -> list[Fault]:
-    """The faults a launcher can take (a local job cannot be requeued)."""
-    return [kind for kind in Fault if launcher == "slurm" or kind is not Fault.REQUEUE]
+def kinds_for(launcher: str, num_nodes: int = 1) -> list[Fault]:
+    """The faults a launcher can take: a local job cannot be requeued, and a node is taken out only
+    under a Slurm study of multi-node trials (on the namespaced nodes)."""
+    if launcher != "slurm":
+        return [kind for kind in Fault if kind is not Fault.REQUEUE and kind not in NODE_FAULTS]
+    return [kind for kind in Fault if num_nodes > 1 or kind not in NODE_FAULTS]
 
 
 @dataclass(frozen=True)
@@ -65,24 +86,47 @@ class Injection:
     kind: Fault
     at_s: float
     """Seconds since the first trial of the study started."""
-    trial: int | None
+    trials: tuple[int, ...]
+    """The trials it hit (none for the study-wide faults; a node loss may hit several)."""
     detail: str
 
 
 @dataclass
+class NodeOutage:
+    """A node the soak took out, and when it came back."""
+
+    node: str
+    kind: Fault
+    out_at_s: float
+    """Seconds since the first trial of the study started, as ``Injection.at_s``."""
+    trials: tuple[int, ...]
+    due: float
+    """``time.monotonic()`` from which it may come back."""
+    back_at_s: float | None = None
+    problem: str = ""
+    """Why bringing it back failed ('' when it did not)."""
+
+
+@dataclass
 class FaultDriver:
-    """Injects faults into one launcher's study until ``stop``; ``tend`` brings MLflow back."""
+    """Injects faults into one launcher's study (``step``); ``tend`` brings MLflow and a lost node back
+    when their time is up, ``bring_nodes_back`` at the end."""
 
     study: ChaosStudy
     orchestrator: Orchestrator
     server: MlflowServer
     rng: random.Random
     gap_s: float
+    num_nodes: int = 1
+    """Nodes per trial of a Slurm study: above 1, node losses are among the kinds."""
     overlap: bool = False
     """Allow an orchestrator start while MLflow is down (see the module docstring)."""
     outage_s: tuple[float, float] = (3.0, 10.0)
+    node_outage_s: tuple[float, float] = (20.0, 40.0)
     started: float = field(default_factory=time.monotonic)
     injected: list[Injection] = field(default_factory=list)
+    outages: list[NodeOutage] = field(default_factory=list)
+    """Every node taken out, in order; at most the last one is still out."""
     _queue: list[Fault] = field(default_factory=list)
     _next_at: float = 0.0
     _server_back_at: float | None = None
@@ -99,7 +143,7 @@ class FaultDriver:
         if not self._next_at or time.monotonic() < self._next_at:
             return
         if not self._queue:
-            self._queue = kinds_for(self.study.launcher)
+            self._queue = kinds_for(self.study.launcher, self.num_nodes)
             self.rng.shuffle(self._queue)
         for kind in self._queue:
             injection = self._inject(kind)
@@ -110,10 +154,21 @@ class FaultDriver:
                 return
 
     def tend(self) -> None:
-        """Restart the MLflow server once its outage has lasted its drawn time; call it every loop."""
+        """Restart the MLflow server and bring a node back once their outages have lasted their drawn
+        time; call it every loop."""
         if self._server_back_at is not None and time.monotonic() >= self._server_back_at:
             self.server.start()
             self._server_back_at = None
+        outage = self._node_out()
+        if outage is not None and time.monotonic() >= outage.due and self._may_return(outage):
+            self._bring_back(outage)
+
+    def bring_nodes_back(self) -> list[NodeOutage]:
+        """Bring back a node still out, whatever its outage's time; returns every outage."""
+        outage = self._node_out()
+        if outage is not None:
+            self._bring_back(outage)
+        return self.outages
 
     def mlflow_down(self) -> bool:
         return self._server_back_at is not None
@@ -133,6 +188,8 @@ class FaultDriver:
             Fault.ORCHESTRATOR: self._kill_orchestrator,
             Fault.MLFLOW: self._kill_mlflow,
             Fault.REQUEUE: self._requeue,
+            Fault.NODE_KILLED: lambda: self._take_node_out(Fault.NODE_KILLED),
+            Fault.NODE_DOWN: lambda: self._take_node_out(Fault.NODE_DOWN),
         }
         return injectors[kind]()
 
@@ -170,7 +227,7 @@ class FaultDriver:
         self._hit.add(job.number)
         detail = f"attempt {job.submission.attempt}, job {job.submission.job_id} after {job.reported()} "
         detail += f"reports: {len(pids)} processes, groups {groups}"
-        return Injection(Fault.JOB, self._elapsed(), job.number, detail)
+        return Injection(Fault.JOB, self._elapsed(), (job.number,), detail)
 
     def _kill_rank(self) -> Injection | None:
         job = self._target(lambda j: rank_pid(j, 1) is not None)
@@ -180,7 +237,7 @@ class FaultDriver:
         kill_groups([pid], owned=set())  # the pid alone: its group may hold the other rank
         self._hit.add(job.number)
         detail = f"attempt {job.submission.attempt}, rank 1 pid {pid} after {job.reported()} reports"
-        return Injection(Fault.RANK, self._elapsed(), job.number, detail)
+        return Injection(Fault.RANK, self._elapsed(), (job.number,), detail)
 
     def _requeue(self) -> Injection | None:
         job = self._target(lambda j: slurm_state(j.submission.job_id) == "RUNNING")
@@ -194,7 +251,7 @@ class FaultDriver:
             return None
         self._hit.add(job.number)
         detail = f"job {job.submission.job_id} after {job.reported()} reports"
-        return Injection(Fault.REQUEUE, self._elapsed(), job.number, detail)
+        return Injection(Fault.REQUEUE, self._elapsed(), (job.number,), detail)
 
     def _kill_orchestrator(self) -> Injection | None:
         if self.orchestrator.process is None or not self._sent():
@@ -204,7 +261,7 @@ class FaultDriver:
         self.orchestrator.kill()
         self.orchestrator.start()
         detail = f"run {self.orchestrator.starts - 1} killed, run {self.orchestrator.starts} started"
-        return Injection(Fault.ORCHESTRATOR, self._elapsed(), None, detail)
+        return Injection(Fault.ORCHESTRATOR, self._elapsed(), (), detail)
 
     def _kill_mlflow(self) -> Injection | None:
         if self.mlflow_down() or not self.server.ready() or not self._in_flight():
@@ -214,7 +271,74 @@ class FaultDriver:
         self.server.kill()
         outage = self.rng.uniform(*self.outage_s)
         self._server_back_at = time.monotonic() + outage
-        return Injection(Fault.MLFLOW, self._elapsed(), None, f"down {outage:.1f} s")
+        return Injection(Fault.MLFLOW, self._elapsed(), (), f"down {outage:.1f} s")
+
+    # ------------------------------------------------------------------------------------ node loss
+
+    def _take_node_out(self, kind: Fault) -> Injection | None:
+        """Kill or set down a node of a drawn trial's running job, one whose jobs are all trials of
+        the study not hit before; every trial on it counts as hit."""
+        if self._node_out() is not None:
+            return None
+        choices: dict[int, list[str]] = {}
+
+        def takeable(job: TrialJob) -> bool:
+            if slurm_state(job.submission.job_id) == "RUNNING":
+                choices[job.number] = self._takeable_nodes(job)
+            return bool(choices.get(job.number))
+
+        job = self._target(takeable)
+        if job is None:
+            return None
+        node = self.rng.choice(choices[job.number])
+        trials = self._trials_on(node)
+        if not trials:  # its jobs changed since the look (one ended, another user's came): no fault made
+            return None
+        failed = nodes.kill(node) if kind is Fault.NODE_KILLED else nodes.set_down(node)
+        if failed:
+            return None
+        self._hit.update(trials)
+        length = self.rng.uniform(*self.node_outage_s)
+        at = self._elapsed()
+        self.outages.append(NodeOutage(node, kind, at, trials, time.monotonic() + length))
+        reports = [f"trial {j.number}: {j.reported()}" for j in trial_jobs(self.study) if j.number in trials]
+        detail = f"node {node}, reports so far ({', '.join(reports)}), out for at least {length:.1f} s"
+        return Injection(kind, at, trials, detail)
+
+    def _takeable_nodes(self, job: TrialJob) -> list[str]:
+        """The nodes of ``job`` that may be taken out now (``_trials_on``)."""
+        return [node for node in nodes.job_nodes(str(job.submission.job_id)) if self._trials_on(node)]
+
+    def _trials_on(self, node: str) -> tuple[int, ...]:
+        """The trials whose jobs run on ``node`` when every job there is one of a trial of the study not
+        hit before; () when any is not (another user's job, a trial already hit) or none runs."""
+        ours = {j.submission.job_id: j.number for j in trial_jobs(self.study)}
+        trials = [ours.get(job_id) for job_id in nodes.jobs_on(node)]
+        if not trials or any(n is None or n in self._hit for n in trials):
+            return ()
+        return tuple(sorted(n for n in trials if n is not None))
+
+    def _node_out(self) -> NodeOutage | None:
+        last = self.outages[-1] if self.outages else None
+        return last if last is not None and last.back_at_s is None else None
+
+    def _may_return(self, outage: NodeOutage) -> bool:
+        """A killed node returns once the controller has marked it DOWN (or after a bound)."""
+        if outage.kind is not Fault.NODE_KILLED or time.monotonic() > outage.due + MARKED_DOWN_LIMIT_S:
+            return True
+        return nodes.node_states().get(outage.node, "").startswith("down")
+
+    def _bring_back(self, outage: NodeOutage) -> None:
+        """Start the node's slurmd or resume it; on failure note why and try again in a few seconds. A
+        resume refused because the node already serves (someone else's test resumed it) brings it back."""
+        back = nodes.start if outage.kind is Fault.NODE_KILLED else nodes.resume
+        failed = back(outage.node)
+        if failed and not nodes.in_service(nodes.node_states().get(outage.node, "")):
+            outage.problem = failed
+            outage.due = time.monotonic() + RETRY_S
+        else:
+            outage.problem = ""
+            outage.back_at_s = self._elapsed()
 
 
 def rank_pid(job: TrialJob, rank: int) -> int | None:

@@ -33,6 +33,8 @@ REPO = Path(__file__).resolve().parents[2]
 TRAINER = Path(__file__).with_name("trainer.py")
 DATA = REPO / "tests" / "fixtures" / "specs"
 MARKER_ENV = "TUNEPOD_CHAOS_SOAK"
+#: The partition of the namespaced nodes (``scripts/slurm-up --nodes N``): multi-node trials run there.
+NODE_PARTITION = "nodes"
 STAGE_STEP = "data"
 #: What Prefect logs once the stage step ran, after the pipeline's MLflow run was opened.
 STAGE_TASK_LOGGED = f"Task run '{STAGE_STEP}'"
@@ -61,7 +63,9 @@ def free_port() -> int:
 @dataclass(frozen=True)
 class ChaosStudy:
     """One launcher's pipeline: stage a small folder, then tune the two-rank gloo trainer (random
-    sampler, fixed seed, no pruner), every store under ``folder``."""
+    sampler, fixed seed, no pruner), every store under ``folder``. A Slurm study of ``num_nodes`` > 1
+    runs each trial as one job over that many namespaced nodes (partition ``nodes``), two ranks on
+    each; otherwise on this host's node (partition ``debug``, the default)."""
 
     folder: Path
     launcher: str
@@ -71,6 +75,7 @@ class ChaosStudy:
     epochs: int
     sleep_s: float
     max_restarts: int
+    num_nodes: int = 1
 
     @property
     def name(self) -> str:
@@ -99,14 +104,18 @@ class ChaosStudy:
 
     def _spec(self) -> dict[str, Any]:
         launcher: dict[str, Any] = {"kind": self.launcher, "root": str(self.root)}
+        resources = {"procs_per_node": 2}
         if self.launcher == "slurm":
             launcher |= {"python": sys.executable, "poll_cache_s": 0.2}
+            if self.num_nodes > 1:
+                launcher["partition"] = NODE_PARTITION
+                resources["num_nodes"] = self.num_nodes
         else:
             launcher |= {"cancel_grace_s": 5}
         train = {
             "entrypoint": str(TRAINER),
             "args": {"epochs": self.epochs, "sleep_s": self.sleep_s},
-            "resources": {"procs_per_node": 2},
+            "resources": resources,
             "max_restarts": self.max_restarts,
         }
         tune = {

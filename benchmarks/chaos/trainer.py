@@ -5,7 +5,8 @@ Params: x (float, tuned), epochs (int), sleep_s (float, pause per epoch). The sc
 start that resumes after the last epoch (killed between its last checkpoint and its result) finishes
 with the score it had reached, not a fresh one. Every rank must join each epoch's all-reduce: a rank
 killed mid-run leaves the other waiting until torchrun ends the job. Rank 0 appends a line to
-<job dir>/starts.log at each start, so a restart can be counted.
+<job dir>/starts.log at each start, ``<time before loading> <step of the checkpoint loaded, -1: none>``,
+so a restart can be counted and the checkpoint it resumed from checked (``checks.resume_problems``).
 """
 
 import time
@@ -18,11 +19,12 @@ from tunepod import runtime
 ctx = runtime.init({"x": 0.0, "epochs": 3, "sleep_s": 0.0})
 dist.init_process_group("gloo")
 x, epochs = float(ctx.params["x"]), int(ctx.params["epochs"])
+started = time.time()
+checkpoint = ctx.load_latest_checkpoint()
 if ctx.is_main:
     with (ctx.checkpoint_dir.parent / "starts.log").open("a") as starts:
-        starts.write(f"{time.time()}\n")
+        starts.write(f"{started} {checkpoint.step if checkpoint else -1}\n")
 
-checkpoint = ctx.load_latest_checkpoint()
 score = float(checkpoint.state["score"]) if checkpoint else 0.0
 for epoch in range(checkpoint.step + 1 if checkpoint else 0, epochs):
     total = torch.tensor([x])
