@@ -54,7 +54,7 @@ SCENARIOS = {  # name -> (side, what)
     "kill-second": ("tunepod", "second node killed"),
 }
 PARTS = ("detection", "teardown", "queue wait", "restart", "checkpoint load", "first step")
-console = Console(highlight=False, soft_wrap=True)
+console = Console(highlight=False, soft_wrap=True, width=max(170, Console().width))
 
 
 @dataclass
