@@ -82,7 +82,7 @@ def test_auto_on_the_local_launcher_runs_as_many_trials_as_the_cpus_allow(
 ) -> None:
     """num_parallel auto: the tuner runs as many trials at once as this machine has CPUs (one process
     each), says so, and hands the number to everything after it (its settings are the resolved copy).
-    Dividing by processes per trial: tests/unit/test_num_parallel.py."""
+    Dividing by processes per trial: tests/unit/test_auto_parallel.py."""
     expected = cpus()
     tune = settings(
         tmp_path, num_trials=min(expected + 1, 3), num_parallel="auto", train={"args": TRIAL_ARGS}
