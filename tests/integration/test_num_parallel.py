@@ -70,7 +70,8 @@ def test_two_orchestrators_share_one_cap_of_num_parallel(tmp_path: Path) -> None
     assert [t.number for t in trials.trials] == [0, 1, 2]
     assert all(t.outcome == "COMPLETE" for t in trials.trials)
     assert all(len(Path(t.job_dir, "starts.log").read_text().split()) == 1 for t in trials.trials)
-    assert most_at_once(windows(trials)) == 2, sorted(windows(trials))
+    # Under one cap per orchestrator all three ran at once here (the second asked its own two).
+    assert most_at_once(windows(trials)) <= 2, sorted(windows(trials))
 
 
 def cpus() -> int:
