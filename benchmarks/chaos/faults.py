@@ -60,10 +60,13 @@ class Fault(StrEnum):
     NODE_DOWN = "node set down"
     """``scontrol update state=drain``, then ``state=down``, of a node a trial's job runs on (the
     controller's side of a lost node), ``state=resume`` later."""
+    NODE_CUT = "node link cut"
+    """``scripts/slurm-node cut`` of a node a trial's job runs on: its processes live on, unreachable
+    (the job's ranks there stuck in a collective), until ``mend`` later, when Slurm kills them."""
 
 
-JOB_FAULTS = frozenset({Fault.JOB, Fault.RANK, Fault.REQUEUE, Fault.NODE_KILLED, Fault.NODE_DOWN})
-NODE_FAULTS = frozenset({Fault.NODE_KILLED, Fault.NODE_DOWN})
+NODE_FAULTS = frozenset({Fault.NODE_KILLED, Fault.NODE_DOWN, Fault.NODE_CUT})
+JOB_FAULTS = frozenset({Fault.JOB, Fault.RANK, Fault.REQUEUE}) | NODE_FAULTS
 #: Bound on the wait for the controller to mark a killed node DOWN (SlurmdTimeout 15 s, pings every 5 s)
 #: before it is started again anyway.
 MARKED_DOWN_LIMIT_S = 60.0
@@ -294,7 +297,9 @@ class FaultDriver:
         trials = self._trials_on(node)
         if not trials:  # its jobs changed since the look (one ended, another user's came): no fault made
             return None
-        failed = nodes.kill(node) if kind is Fault.NODE_KILLED else nodes.set_down(node)
+        failed = {Fault.NODE_KILLED: nodes.kill, Fault.NODE_DOWN: nodes.set_down, Fault.NODE_CUT: nodes.cut}[
+            kind
+        ](node)
         if failed:
             return None
         self._hit.update(trials)
@@ -323,15 +328,17 @@ class FaultDriver:
         return last if last is not None and last.back_at_s is None else None
 
     def _may_return(self, outage: NodeOutage) -> bool:
-        """A killed node returns once the controller has marked it DOWN (or after a bound)."""
-        if outage.kind is not Fault.NODE_KILLED or time.monotonic() > outage.due + MARKED_DOWN_LIMIT_S:
+        """A killed or cut-off node returns once the controller has marked it DOWN (or after a bound)."""
+        if outage.kind is Fault.NODE_DOWN or time.monotonic() > outage.due + MARKED_DOWN_LIMIT_S:
             return True
         return nodes.node_states().get(outage.node, "").startswith("down")
 
     def _bring_back(self, outage: NodeOutage) -> None:
         """Start the node's slurmd or resume it; on failure note why and try again in a few seconds. A
         resume refused because the node already serves (someone else's test resumed it) brings it back."""
-        back = nodes.start if outage.kind is Fault.NODE_KILLED else nodes.resume
+        back = {Fault.NODE_KILLED: nodes.start, Fault.NODE_DOWN: nodes.resume, Fault.NODE_CUT: nodes.mend}[
+            outage.kind
+        ]
         failed = back(outage.node)
         if failed and not nodes.in_service(nodes.node_states().get(outage.node, "")):
             outage.problem = failed

@@ -1,6 +1,6 @@
 """The namespaced nodes of the local Slurm cluster (``scripts/slurm-up --nodes N``, partition ``nodes``)
-as the soak sees them: which nodes a job holds, which jobs a node runs, and the two ways the soak takes
-a node out and brings it back.
+as the soak sees them: which nodes a job holds, which jobs a node runs, and the three ways the soak
+takes a node out and brings it back.
 
 - a power cut: ``scripts/slurm-node kill NODE`` SIGKILLs every process in the node's namespaces
   (slurmd, job steps, trainers); the controller marks it DOWN after ``SlurmdTimeout`` and requeues its
@@ -9,6 +9,9 @@ a node out and brings it back.
   kills the node's job steps at once and the controller requeues its jobs; ``state=resume`` returns the
   node. The drain comes first because with ``ReturnToService=2`` a DOWN node whose slurmd answers is
   back in service within a ping (tenths of a second); the drain flag outlives that and keeps it out.
+- a network partition: ``scripts/slurm-node cut NODE`` sets its link down; its processes live on,
+  unreachable, the controller marks it DOWN as for a power cut; ``mend`` sets the link up, and the
+  node's slurmd, told to register again, kills what was left of the requeued jobs there.
 
 Every command here runs as root (the soak does, as the rest of the cluster's scripts).
 """
@@ -62,6 +65,16 @@ def kill(node: str) -> str:
 def start(node: str) -> str:
     """Start the slurmd of a killed ``node`` again; '' when it runs, else why not."""
     return _failure(_run([str(SLURM_NODE), "start", node], timeout=60))
+
+
+def cut(node: str) -> str:
+    """``node``'s link set down: its processes live on, unreachable; '' when it was, else why not."""
+    return _failure(_run([str(SLURM_NODE), "cut", node], timeout=60))
+
+
+def mend(node: str) -> str:
+    """``node``'s link up again, and the node back in service; '' or why not."""
+    return _failure(_run([str(SLURM_NODE), "mend", node], timeout=60))
 
 
 def set_down(node: str) -> str:

@@ -47,5 +47,6 @@ def test_a_first_start_that_found_a_checkpoint_is_a_problem() -> None:
 
 
 def test_node_loss_is_a_fault_of_multi_node_slurm_studies_only() -> None:
-    assert Fault.NODE_KILLED in kinds_for("slurm", 2) and Fault.NODE_DOWN in kinds_for("slurm", 2)
-    assert not {Fault.NODE_KILLED, Fault.NODE_DOWN} & {*kinds_for("slurm", 1), *kinds_for("local", 2)}
+    node_faults = {Fault.NODE_KILLED, Fault.NODE_DOWN, Fault.NODE_CUT}
+    assert node_faults <= set(kinds_for("slurm", 2))
+    assert not node_faults & {*kinds_for("slurm", 1), *kinds_for("local", 2)}
