@@ -193,6 +193,7 @@ class FaultDriver:
             Fault.REQUEUE: self._requeue,
             Fault.NODE_KILLED: lambda: self._take_node_out(Fault.NODE_KILLED),
             Fault.NODE_DOWN: lambda: self._take_node_out(Fault.NODE_DOWN),
+            Fault.NODE_CUT: lambda: self._take_node_out(Fault.NODE_CUT),
         }
         return injectors[kind]()
 

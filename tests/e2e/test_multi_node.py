@@ -73,31 +73,42 @@ def report_window(job_dir: Path) -> tuple[float, float]:
     return reports[0].time, reports[-1].time
 
 
-def test_two_trials_of_two_nodes_each_run_at_once_on_four_nodes(runs: MakeRuns, tmp_path: Path) -> None:
-    """Two trials in flight, each one Slurm job of two nodes with two processes per node.
+def test_three_trials_of_two_nodes_on_four_nodes_two_run_and_one_waits_for_nodes(
+    runs: MakeRuns, tmp_path: Path
+) -> None:
+    """Three trials in flight, each one Slurm job of two whole nodes with two processes per node, on
+    four nodes: two run, the third waits in the queue for nodes, under hang and start-up limits shorter
+    than its wait.
 
     Proves: every trial ran as one process group of four ranks over two distinct nodes (ranks 0-1 on
     one, 2-3 on the other: SLURMD_NODENAME differs between them, and each rank's hostname is its
-    node's), the two trials held four distinct nodes and trained at the same time, rank 0 reported
-    for the job, and each trial was trained and tracked once.
+    node's); the first two held four distinct nodes and trained at the same time; the third started
+    only once one of them had ended, and its wait was taken neither for a hang nor for a failed start
+    (no stop, no restart); each trial was trained and tracked once.
     """
-    study = multi_node_study(tmp_path, num_trials=2, num_parallel=2, epochs=4, sleep_s=1.0, procs_per_node=2)
-    runs(study).run("two-node-trials")
+    study = multi_node_study(
+        tmp_path, num_trials=3, num_parallel=3, epochs=8, sleep_s=1.0, procs_per_node=2,
+        train={"hang_timeout_s": 4, "startup_timeout_s": 15},
+    )  # fmt: skip
+    run = runs(study, TUNEPOD_HEARTBEAT_S="0.5").run("two-node-trials")
 
     trials = assert_study_complete(study)
     assert_trained_once(study)
     assert_tracked_once(study, trials)
-    held: list[str] = []
+    held: dict[int, list[str]] = {}
     for number, job_dir in study.job_dirs().items():
         [ranks] = placements(job_dir).values()
         assert [rank.rank for rank in ranks] == [0, 1, 2, 3], (number, ranks)
         assert all(rank.slurmd_nodename == rank.hostname for rank in ranks), (number, ranks)
         first, second = nodes_of(ranks)
         assert [rank.slurmd_nodename for rank in ranks] == [first, first, second, second], (number, ranks)
-        held += [first, second]
-    assert len(set(held)) == 4, f"the two trials shared a node: {held}"
-    (start_a, end_a), (start_b, end_b) = (report_window(d) for d in study.job_dirs().values())
-    assert start_a < end_b and start_b < end_a, "the two trials did not train at the same time"
+        held[number] = [first, second]
+    windows = sorted((report_window(d), n) for n, d in study.job_dirs().items())
+    ((start_a, end_a), a), ((start_b, end_b), b), ((start_c, _), _) = windows
+    assert start_a < end_b and start_b < end_a, f"the first two trials did not train at once: {windows}"
+    assert len({*held[a], *held[b]}) == 4, f"the first two trials shared a node: {held}"
+    assert start_c > min(end_a, end_b), f"the third trial trained before a node was free: {windows}"
+    assert "hung" not in run.output() and "restart" not in run.output(), run.tail()
     assert_nothing_left(study)
 
 
