@@ -255,6 +255,55 @@ def test_a_requeue_starts_both_clocks_afresh(tmp_path: Path) -> None:
     assert watchdog.running_since("job-1") >= now
 
 
+def beat_of(started_at: float, advanced_at: float, beat_at: float, *, host: str, pid: int) -> str:
+    beat = RankProgress(
+        rank=0, host=host, pid=pid, started_at=started_at, beat_at=beat_at, advanced_at=advanced_at,
+        step=3, interval_s=10.0,
+    )  # fmt: skip
+    return json.dumps(asdict(beat))
+
+
+def test_a_rank_a_lost_node_left_behind_does_not_stop_the_run_after_it(
+    tmp_path: Path, clocks: ManualClocks
+) -> None:
+    """Found by the simulation (a Slurm node whose slurmd died): the job is requeued, or ends
+    NODE_FAIL and is restarted, while its rank on that node lives on, stuck in a collective whose peers
+    Slurm killed, and goes on writing rank-0.json beside the next run's rank. Its beat (started 500 s
+    ago, advanced 300 s ago) is not the next run's: neither hung nor over its time."""
+    paths = JobPaths(tmp_path)
+    now = clocks.wall
+    left_behind = beat_of(now - 500, now - 300, now - 1, host="node-1", pid=7)
+    paths.progress.mkdir(parents=True)
+    (paths.progress / "rank-0.json").write_text(left_behind)
+    watchdog = Watchdog(paths, Limits(timeout_s=400, hang_timeout_s=60))
+    assert watchdog.stall("1234", now) is not None  # while it was the job's run, it was hung
+    watchdog.new_run()  # requeued (or restarted after NODE_FAIL)
+    clocks.advance(60)
+    (paths.progress / "rank-0.json").write_text(beat_of(now + 40, now + 58, now + 59, host="node-2", pid=8))
+    assert watchdog.stall("1234", clocks.wall) is None
+    (paths.progress / "rank-0.json").write_text(left_behind.replace(str(now - 1), str(now + 60)))
+    assert watchdog.stall("1234", clocks.wall) is None
+    assert not watchdog.timed_out("1234", clocks.wall)
+    # The next driver (the orchestrator restarted) reads only the left-behind beat, and passes it over.
+    assert Watchdog(paths, Limits(timeout_s=400, hang_timeout_s=60)).stall("1234", clocks.wall) is None
+
+
+def test_a_rank_left_behind_by_a_requeue_nobody_saw_gives_way_to_the_new_run(
+    tmp_path: Path, clocks: ManualClocks
+) -> None:
+    """No driver saw the requeue: once the new run's rank has been heard, the older run's beats in the
+    same file are passed over, and the new run's last beat stands for the rank."""
+    paths = JobPaths(tmp_path)
+    now = clocks.wall
+    paths.progress.mkdir(parents=True)
+    (paths.progress / "rank-0.json").write_text(beat_of(now - 30, now - 2, now - 1, host="node-2", pid=8))
+    watchdog = Watchdog(paths, Limits(timeout_s=400, hang_timeout_s=60))
+    assert watchdog.stall("1234", now) is None
+    (paths.progress / "rank-0.json").write_text(beat_of(now - 500, now - 300, now, host="node-1", pid=7))
+    assert watchdog.stall("1234", now) is None
+    assert not watchdog.timed_out("1234", now)
+
+
 def test_a_stop_signal_near_the_time_limit_is_the_limit_and_earlier_a_preemption(tmp_path: Path) -> None:
     paths = JobPaths(tmp_path)
     watchdog = Watchdog(paths, Limits(timeout_s=3600))

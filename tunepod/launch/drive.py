@@ -163,7 +163,10 @@ class JobDriver:
                 settled = self._settle(handle, state, stopping)
                 if settled is not None:
                     return settled
-                handle = self._submit()  # a restart: the new attempt resumes from the checkpoints
+                # A restart: the new attempt resumes from the checkpoints, and the ended run's ranks,
+                # should one beat on (on a node its scheduler gave up on), are not the new attempt's.
+                self._fenced(self._watchdog.new_run)
+                handle = self._submit()
                 stopping, seen_running = None, False
                 continue
             if state is JobState.PENDING and seen_running:

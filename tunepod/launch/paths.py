@@ -58,6 +58,12 @@ class JobPaths:
         return self.job_dir / "running.json"
 
     @property
+    def earlier_runs(self) -> Path:
+        """Written by the driver holding the job dir's lease: which ranks' heartbeats are of runs that
+        are over (``tunepod.launch.watchdog``)."""
+        return self.job_dir / "earlier_runs.json"
+
+    @property
     def submission(self) -> Path:
         """Written by the launcher at submit: what it needs to re-attach after a restart."""
         return self.job_dir / "submission.json"

@@ -17,6 +17,16 @@ SageMaker without a writable FSx), how long drivers have watched it running on t
 clocks, which ``running.json`` keeps too: a re-attach goes on from there (only time no driver
 watched is not counted), and a driver whose wall clock jumped or runs ahead of its predecessor's
 cannot stop a healthy job early.
+
+A rank's heartbeat counts only for the run it belongs to. A run that is over may leave a rank
+behind that beats on into the same file: on a node whose slurmd died, Slurm requeues the job (or
+ends it NODE_FAIL and the driver restarts it) while the processes there live on until someone kills
+them, stuck or training. So when a run is over (``new_run``: a requeue seen, a restart), the newest
+start of its ranks is kept in ``earlier_runs.json``, and a rank that started no later belongs to an
+earlier run; so does one that started before a beat already heard of the same rank (a requeue no
+driver saw). Its beat is passed over, and the rank's last beat of the current run stands for it.
+Starts are compared on the ranks' own clocks, never the driver's: a requeued run starts a
+SlurmdTimeout and a queue wait after the run it replaces.
 """
 
 from __future__ import annotations
@@ -36,6 +46,16 @@ from tunepod.spec.resources import Resources
 TIME_LIMIT_SIGNAL_SLACK_S = 60.0
 # How often the watched time of a job without heartbeats is recorded: what a crash of the driver loses.
 WATCH_RECORD_S = 30.0
+
+
+class EarlierRuns(BaseModel):
+    """``<job_dir>/earlier_runs.json``: the heartbeats of runs that are over, by their ranks' starts."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    started_until: float
+    """The newest start (on its rank's clock) of a rank of a run that is over: a rank that started no
+    later is not of the current run."""
 
 
 class RunningSince(BaseModel):
@@ -120,6 +140,8 @@ class Watchdog:
         self.limits = limits
         # rank -> (its heartbeat as last read, the driver's monotonic time when that was new)
         self._heard: dict[int, tuple[tuple[int, float, float], float]] = {}
+        # rank -> its newest-started beat heard (the current run's, which a stale one does not replace)
+        self._current: dict[int, RankProgress] = {}
         # job id -> the driver's monotonic time of its first look at the job running
         self._first_look: dict[str, float] = {}
         # job id -> (the driver's monotonic time of its last look at the job running, watched_s then)
@@ -129,7 +151,7 @@ class Watchdog:
         """When ``job_id`` started running (wall clock); recorded now when this is the first look at it
         running."""
         recorded = self._read(job_id)
-        beats = read_progress(self.paths.progress)
+        beats = self._beats()
         first_beat = min((beat.started_at for beat in beats), default=None)
         if recorded is None:
             now = world.time()
@@ -183,7 +205,7 @@ class Watchdog:
         """When the first rank of this run was asked to stop by a signal its script listened for
         (``ctx.should_stop()``); None when no rank was."""
         return min(
-            (beat.stop_requested_at for beat in read_progress(self.paths.progress) if beat.stop_requested_at),
+            (beat.stop_requested_at for beat in self._beats() if beat.stop_requested_at),
             default=None,
         )
 
@@ -195,12 +217,20 @@ class Watchdog:
         return limit is not None and self._wall_clock_past(job_id, at, limit)
 
     def new_run(self) -> None:
-        """The backend put the job back in its queue (a Slurm requeue): its next run starts both
-        clocks afresh, and the last run's heartbeats must not count against it."""
+        """The job's run is over and the next starts afresh (the backend put the job back in its
+        queue, as a Slurm requeue, or the driver restarts it): both clocks start again, and the last
+        run's heartbeats, even those its ranks left behind go on writing, never count against the next
+        run (see the module docstring)."""
+        starts = [beat.started_at for beat in (*read_progress(self.paths.progress), *self._current.values())]
+        over = self._over()
+        if starts and (over is None or max(starts) > over):
+            record = EarlierRuns(started_until=max(starts))
+            write_bytes_atomic(self.paths.earlier_runs, record.model_dump_json().encode())
         self.paths.running.unlink(missing_ok=True)
         for beat_file in self.paths.progress.glob("rank-*.json"):
             beat_file.unlink(missing_ok=True)
         self._heard.clear()
+        self._current.clear()
         self._first_look.clear()
         self._looked.clear()
 
@@ -227,7 +257,7 @@ class Watchdog:
         """Each rank's idleness, and how long it has run (see the module docstring)."""
         now = world.monotonic()
         measured = []
-        for beat in read_progress(self.paths.progress):
+        for beat in self._beats():
             heard = (beat.pid, beat.started_at, beat.beat_at)
             last = self._heard.get(beat.rank)
             if last is None or last[0] != heard:
@@ -236,6 +266,29 @@ class Watchdog:
             idle = RankIdle(beat, max(0.0, beat.beat_at - beat.advanced_at) + silent, silent)
             measured.append((idle, max(0.0, beat.beat_at - beat.started_at) + silent))
         return measured
+
+    def _beats(self) -> list[RankProgress]:
+        """The current run's heartbeats, one per rank (see the module docstring)."""
+        over = self._over()
+        beats = []
+        for beat in read_progress(self.paths.progress):
+            heard = self._current.get(beat.rank)
+            if (over is not None and beat.started_at <= over) or (
+                heard is not None and beat.started_at < heard.started_at
+            ):
+                if heard is not None and (over is None or heard.started_at > over):
+                    beats.append(heard)
+                continue
+            self._current[beat.rank] = beat
+            beats.append(beat)
+        return beats
+
+    def _over(self) -> float | None:
+        """``earlier_runs.json``'s ``started_until``; None when no run of the job dir is over yet."""
+        try:
+            return EarlierRuns.model_validate_json(self.paths.earlier_runs.read_bytes()).started_until
+        except (FileNotFoundError, ValidationError):
+            return None
 
     def _read(self, job_id: str) -> RunningSince | None:
         try:
