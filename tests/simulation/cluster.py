@@ -9,11 +9,15 @@ faults are on, the program may crash (exit 1) or hang (its loop stops advancing,
 on) at a step, as the scenario's rates say.
 
 ``Cluster`` is the ground truth the invariants read: every job run, when it started and ended, on
-whose request, whether it is hung, and the requests to stop it with the reason its job dir gave.
+whose request, whether it is hung, the requests to stop it with the reason its job dir gave, every
+checkpoint a run saved, and the node failures that struck runs. A run its backend gave up on (its
+node stopped answering: the job went on without it) is *orphaned*: it no longer counts as its job's
+live run, though its processes may train on until they are killed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -68,9 +72,32 @@ class JobRun:
     wrote_result: bool = False
     """Its program wrote its result file (``ctx.finish``): its training is done, whatever its exit (a
     kill may land between the write and the exit)."""
+    result_at: float | None = None
     exit_unrecorded: bool = False
-    """What recorded its exit code is gone (a local job's wrapper was killed): nothing can tell how
-    it ended but its result file."""
+    """What recorded its exit code is gone (a local job's wrapper was killed), or its backend never
+    heard it (a Slurm node that stopped answering): nothing can tell how it ended but its job dir."""
+    orphaned_at: float | None = None
+    """When its backend gave it up (its node stopped answering and its job went on without it)."""
+    stuck: bool = False
+    """Its program can no longer advance (a peer node cut off): it hangs at its next step."""
+    first_step: int | None = None
+    """The step its program started at (the step after the checkpoint it resumed from)."""
+    newest_saved: int | None = None
+    """The newest step any run of its job dir had saved when it started (ground truth)."""
+
+
+@dataclass
+class NodeFailure:
+    """A node failure (or a node set DOWN) that struck a run of a job."""
+
+    at: float
+    job_dir: Path
+    job_id: str
+    saved: int | None
+    """The newest step saved in the job dir when it struck: the next run must not start before it."""
+    outcome: str = ""
+    """What the backend made of it: ``requeued`` or ``NODE_FAIL`` (empty until it decided)."""
+    decided_at: float | None = None
 
 
 @dataclass
@@ -94,9 +121,22 @@ class Cluster:
     stops: list[StopRequest] = field(default_factory=list)
     created: dict[Path, int] = field(default_factory=dict)
     """Jobs ever created per job dir (a backend's count, for the trace)."""
+    saves: dict[Path, list[int]] = field(default_factory=dict)
+    """Every checkpoint step saved per job dir, in order (a step saved again is listed again)."""
+    node_failures: list[NodeFailure] = field(default_factory=list)
+    late_reports: dict[Path, list[tuple[str, float, int]]] = field(default_factory=dict)
+    """Per job dir, what orphaned runs reported (key, value, step) after they were orphaned."""
 
     def live_runs(self, job_dir: Path) -> list[JobRun]:
-        return [run for run in self.runs if run.job_dir == job_dir and run.ended_at is None]
+        """The runs its backend counts as its jobs' (an orphaned run may live on, lost to it)."""
+        return [
+            run
+            for run in self.runs
+            if run.job_dir == job_dir and run.ended_at is None and run.orphaned_at is None
+        ]
+
+    def newest_saved(self, job_dir: Path) -> int | None:
+        return max(self.saves.get(job_dir, []), default=None)
 
     def start(
         self,
@@ -130,6 +170,13 @@ class Cluster:
         run.ended_at = self.sim.now
         self.sim.trace.event(self.sim.now, "job", f"job {run.job_id} killed: {why}")
 
+    def orphan(self, run: JobRun, why: str) -> None:
+        """Its backend gives the run up while its processes may live on (see the module docstring)."""
+        if run.ended_at is not None or run.orphaned_at is not None:
+            return
+        run.orphaned_at = self.sim.now
+        self.sim.trace.event(self.sim.now, "job", f"job {run.job_id}: a run is given up, alive: {why}")
+
     def stop_requested(self, job_dir: Path, job_id: str) -> None:
         marker = read_cancel_marker(JobPaths(job_dir))
         reason = marker.reason if marker is not None else None
@@ -141,6 +188,7 @@ class Cluster:
         sim = self.sim
         latest = latest_checkpoint(paths.checkpoints)
         step = latest.step + 1 if latest is not None else 0
+        run.first_step, run.newest_saved = step, self.newest_saved(run.job_dir)
         self._beat(run, paths, step=None)
         run.process.spawn("heartbeat", lambda: self._heartbeats(run, paths))
         while step < self.program.steps:
@@ -148,14 +196,16 @@ class Cluster:
             if self.faults_on and sim.choices.chance(self.faults.crash):
                 self._exit(run, 1, on_exit, f"crashed at step {step}")
                 return
-            if self.faults_on and sim.choices.chance(self.faults.hang):
+            if run.stuck or (self.faults_on and sim.choices.chance(self.faults.hang)):
                 run.hung = True
                 sim.trace.event(sim.now, "fault", f"job {run.job_id} hangs at step {step}")
                 sim.block(None, "hung")  # forever: only a kill ends it
-            self._report(paths, step, {"score": score(params, step)})
+            self._report(run, paths, step, {"score": score(params, step)})
             if sim.choices.chance(self.program.same_step_reports):
-                self._report(paths, step, {"loss": round(1.0 - score(params, step), 6)})
+                self._report(run, paths, step, {"loss": round(1.0 - score(params, step), 6)})
             save_checkpoint(paths.checkpoints, f"step {step}".encode(), step, keep=2)
+            if paths.checkpoints.parent == run.job_dir:
+                self.saves.setdefault(run.job_dir, []).append(step)
             run.last_progress_at = sim.now
             self._beat(run, paths, step=step)
             step += 1
@@ -172,6 +222,7 @@ class Cluster:
             ).encode(),
         )
         run.wrote_result = paths.result.parent == run.job_dir
+        run.result_at = self.sim.now
 
     def _exit(self, run: JobRun, code: int, on_exit: ExitHook, why: str) -> None:
         run.exit_code = code
@@ -180,11 +231,14 @@ class Cluster:
         on_exit(run)
         self.sim.exit(run.process, f"exit code {code}")
 
-    def _report(self, paths: JobPaths, step: int, metrics: dict[str, float]) -> None:
+    def _report(self, run: JobRun, paths: JobPaths, step: int, metrics: dict[str, float]) -> None:
         line = json.dumps(
             {"step": step, "metrics": metrics, "time": self.sim.now + self.sim.process.host.skew_s}
         )
         append_line_durably(paths.metrics, line)
+        if run.orphaned_at is not None:
+            late = self.late_reports.setdefault(run.job_dir, [])
+            late += [(key, float(value), step) for key, value in metrics.items()]
 
     def _heartbeats(self, run: JobRun, paths: JobPaths) -> None:
         while True:
@@ -206,7 +260,10 @@ class Cluster:
         )
         record = asdict(beat)
         del record["telemetry"]
-        write_bytes_atomic(paths.progress / "rank-0.json", json.dumps(record).encode())
+        # As the runtime's heartbeat thread: a write that fails (a new attempt's submit clearing the
+        # folder under an orphaned run) is a missed beat, never the end of training.
+        with contextlib.suppress(OSError):
+            write_bytes_atomic(paths.progress / "rank-0.json", json.dumps(record).encode())
 
     def _last_step(self, paths: JobPaths) -> int | None:
         latest = latest_checkpoint(paths.checkpoints)

@@ -28,7 +28,18 @@ Checked once every fault has stopped and the study has settled:
   history is its metrics file line for line (same-step reports included), nothing else but the final
   objective at the last step;
 - **every report reaches Optuna**: each intermediate value is a value the trial reported at that step;
-- nothing is left running: no job, no lease held by a live process, no simulated thread that died.
+- **a node failure costs only the steps since its last checkpoint** (Slurm): the run that follows a
+  node failure in its trial's job dir (the requeued job's next run, or the next attempt's) resumes
+  from the newest checkpoint saved when it starts, and that is no older than the newest one saved
+  when the failure struck (no step trained again that was saved before it, none skipped); a job that
+  ended NODE_FAIL (no result, stopped by no one but the watchdog for a hang) is started again while
+  the trial's ``max_restarts`` allows, so its trial does not end FAIL on it. That the trial it hit is
+  still one Optuna trial, told once, with one MLflow run, is "every trial ends counted once" above;
+- nothing is left running: no job, no lease held by a live process, no simulated thread that died (a
+  run orphaned by its node's failure is the cluster's to kill, not tunepod's).
+
+Where a run orphaned by a node failure trains on and finishes unseen (its result written after its
+job went on without it, or an exit 0 nobody heard), a trial may end COMPLETE or not: both are true.
 """
 
 from __future__ import annotations
@@ -40,7 +51,7 @@ from pathlib import Path
 
 from optuna.trial import FrozenTrial, TrialState
 
-from simulation.cluster import HEARTBEAT_S, Cluster
+from simulation.cluster import HEARTBEAT_S, Cluster, JobRun, NodeFailure
 from simulation.scheduler import Scheduler
 from simulation.stores import MlflowTwin, OptunaDatabase
 from tunepod.hpo.asha import AshaState, is_paused
@@ -48,7 +59,7 @@ from tunepod.hpo.pbt import PbtState
 from tunepod.hpo.trials import ATTR_JOB_DIR
 from tunepod.launch.lease import read_lease
 from tunepod.launch.paths import JobPaths
-from tunepod.launch.submission import read_cancel_marker
+from tunepod.launch.submission import read_cancel_marker, read_submission
 
 # A driver sees a state change at its next poll: a stop may come this much after the condition held.
 _POLL_SLACK_S = 1.0
@@ -73,6 +84,7 @@ class StudyFacts:
     metric: str
     timeout_s: float | None
     hang_timeout_s: float | None
+    max_restarts: int = 0
 
 
 class Referee:
@@ -119,7 +131,7 @@ class Referee:
             run.job_id
             for run in self.cluster.runs
             if run.job_dir == job_dir
-            and (run.wrote_result or (run.exit_code == 0 and not run.exit_unrecorded))
+            and (_seen_finishing(run) or (run.exit_code == 0 and not run.exit_unrecorded))
         ]
         if done:
             self.violated(
@@ -205,7 +217,8 @@ class Referee:
                 self._true_outcome(trial)
                 self._mirrored(trial)
                 self._told_values(trial)
-        live = [run for run in self.cluster.runs if run.ended_at is None]
+        self._node_failures_recovered(trials)
+        live = [run for run in self.cluster.runs if run.ended_at is None and run.orphaned_at is None]
         if live:
             self.violated("nothing left running", f"job runs still live: {[run.job_id for run in live]}")
 
@@ -255,11 +268,17 @@ class Referee:
         stands: no restart)."""
         job_dir = self._job_dir(trial)
         runs = [run for run in self.cluster.runs if run.job_dir == job_dir]
-        finished = bool(runs) and (
-            runs[-1].wrote_result or (runs[-1].exit_code == 0 and self._objective_seen(job_dir))
+        last = runs[-1] if runs else None
+        finished = any(_seen_finishing(run) for run in runs) or (
+            last is not None
+            and last.exit_code == 0
+            and not last.exit_unrecorded
+            and self._objective_seen(job_dir)
         )
-        if finished and runs[-1].exit_unrecorded and not JobPaths(job_dir).result.exists():
-            return  # it exited 0 unseen: a FAIL is all anyone could say, a COMPLETE would be luck
+        if not finished and any(_finished_unseen(run) for run in runs):
+            # It exited 0 unseen (a FAIL is all anyone could say, a COMPLETE would be luck), or an
+            # orphaned run finished where no one could be sure to see it (both are true).
+            return
         pruned = any(
             stop.reason in ("pruned", "paused", "exploited")
             for stop in self.cluster.stops
@@ -276,6 +295,51 @@ class Referee:
                 f"trial {trial.number} is {trial.state.name}; its job runs' exit codes {codes}, "
                 f"pruned: {pruned}",
             )
+
+    def _node_failures_recovered(self, trials: list[FrozenTrial]) -> None:
+        """See "a node failure costs only the steps since its last checkpoint" in the module docstring."""
+        by_dir = {self._job_dir(trial): trial for trial in trials}
+        for failure in self.cluster.node_failures:
+            if failure.decided_at is None:
+                continue  # the job was stopped, or it ended, before Slurm decided on it
+            runs = [run for run in self.cluster.runs if run.job_dir == failure.job_dir]
+            following = [run for run in runs if run.started_at >= failure.decided_at]
+            self._resumed(failure, following[0] if following else None)
+            trial = by_dir.get(failure.job_dir)
+            last = bool(runs) and runs[-1].job_id == failure.job_id
+            failed = trial is not None and trial.state is TrialState.FAIL
+            if failure.outcome == "NODE_FAIL" and failed and last and self._restart_allowed(failure):
+                self.violated(
+                    "a node failure costs only the steps since its last checkpoint",
+                    f"trial {trial.number if trial else '?'} ends FAIL on job {failure.job_id}'s NODE_FAIL "
+                    f"with max_restarts {self.facts.max_restarts} not spent",
+                )
+
+    def _resumed(self, failure: NodeFailure, run: JobRun | None) -> None:
+        if run is None or run.first_step is None:
+            return  # no run followed (the trial ended), or it was killed before its program began
+        name = failure.job_dir.name
+        wanted = run.newest_saved + 1 if run.newest_saved is not None else run.first_step
+        if run.first_step != wanted:
+            self.violated(
+                "a node failure costs only the steps since its last checkpoint",
+                f"job {run.job_id} of {name} resumes at step {run.first_step} after a node failure, "
+                f"the newest checkpoint being step {run.newest_saved}",
+            )
+        elif failure.saved is not None and (run.newest_saved is None or run.newest_saved < failure.saved):
+            self.violated(
+                "a node failure costs only the steps since its last checkpoint",
+                f"job {run.job_id} of {name} resumes at step {run.first_step} after a node failure "
+                f"struck job {failure.job_id} with step {failure.saved} saved",
+            )
+
+    def _restart_allowed(self, failure: NodeFailure) -> bool:
+        """The job ended NODE_FAIL on its own (no stop but a hang's was asked) with restarts left."""
+        paths = JobPaths(failure.job_dir)
+        record = read_submission(paths)
+        marker = read_cancel_marker(paths)
+        stopped = marker is not None and marker.job_id in (failure.job_id, "") and marker.reason != "hung"
+        return record is not None and not stopped and record.attempt - 1 < self.facts.max_restarts
 
     def _mirrored(self, trial: FrozenTrial) -> None:
         key = f"{self.facts.study}/trial-{trial.number}"
@@ -307,7 +371,8 @@ class Referee:
                     )
                 ]
             )
-        missing = reported - logged
+        # What an orphaned run reported once its job had gone on without it may come too late for anyone.
+        missing = reported - logged - Counter(self.cluster.late_reports.get(self._job_dir(trial), []))
         if missing or extra:
             self.violated(
                 "every report reaches MLflow once",
@@ -348,6 +413,19 @@ class Referee:
 
     def _job_dir(self, trial: FrozenTrial) -> Path:
         return Path(str(trial.user_attrs.get(ATTR_JOB_DIR, self.facts.jobs_dir / f"trial-{trial.number}")))
+
+
+def _seen_finishing(run: JobRun) -> bool:
+    """It wrote its result file while it was still its job's run (its backend's to report)."""
+    return run.wrote_result and (
+        run.orphaned_at is None or (run.result_at is not None and run.result_at <= run.orphaned_at)
+    )
+
+
+def _finished_unseen(run: JobRun) -> bool:
+    """An orphaned run that finished its training once its job had gone on without it, or a run whose
+    exit 0 nobody heard."""
+    return (run.wrote_result and not _seen_finishing(run)) or (run.exit_unrecorded and run.exit_code == 0)
 
 
 def _reported_points(metrics: Path) -> list[tuple[str, float, int]]:

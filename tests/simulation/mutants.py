@@ -25,9 +25,10 @@ from tunepod.launch.paths import JobPaths
 from tunepod.launch.sagemaker import states as sagemaker_states
 from tunepod.launch.slurm import launcher as slurm_launcher
 from tunepod.launch.slurm import render
+from tunepod.launch.slurm import states as slurm_states
 from tunepod.launch.watchdog import Watchdog
 from tunepod.locks import locked
-from tunepod.runtime.progress import read_progress
+from tunepod.runtime.progress import RankProgress, read_progress
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,29 @@ def _forgotten_intent_sent_again() -> contextlib.AbstractContextManager[None]:
     """The Slurm launcher before: an intent whose job ran and was purged, with no accounting, is sent
     again, whatever its script recorded."""
     return _patched(slurm_launcher, "_ended_and_forgotten", lambda intent, job_dir: None)
+
+
+def _requeued_is_failed() -> contextlib.AbstractContextManager[None]:
+    """Slurm's states with a requeued job read as failed, as if its node's failure had ended it."""
+    table = {**slurm_states.SLURM_STATES, "REQUEUED": base.JobState.FAILED}
+    return _patched(slurm_states, "SLURM_STATES", table)
+
+
+def _node_fail_is_cancelled() -> contextlib.AbstractContextManager[None]:
+    """Slurm's states with NODE_FAIL read as a cancel (the controller killed the job), which no
+    restart follows."""
+    table = {**slurm_states.SLURM_STATES, "NODE_FAIL": base.JobState.CANCELLED}
+    return _patched(slurm_states, "SLURM_STATES", table)
+
+
+def _left_behind_beats_count() -> contextlib.AbstractContextManager[None]:
+    """The watchdog before: every heartbeat in the job dir is the current run's, the beats of a rank
+    that a lost node left behind (live after the requeue or the restart) included."""
+
+    def every_beat(self: Watchdog) -> list[RankProgress]:
+        return read_progress(self.paths.progress)
+
+    return _patched(Watchdog, "_beats", every_beat)
 
 
 def _decided_stop_wins() -> contextlib.AbstractContextManager[None]:
@@ -203,6 +227,25 @@ MUTANTS = [
         "forgotten-intent",
         "a Slurm job that ran and was purged before its job id reached the record is submitted again",
         _forgotten_intent_sent_again,
+        kinds=("slurm",),
+    ),
+    Mutant(
+        "requeued-failed",
+        "a Slurm job requeued after a node failure is read as FAILED",
+        _requeued_is_failed,
+        kinds=("slurm",),
+    ),
+    Mutant(
+        "node-fail-cancelled",
+        "a Slurm job that ended NODE_FAIL is read as cancelled, and not restarted",
+        _node_fail_is_cancelled,
+        kinds=("slurm",),
+    ),
+    Mutant(
+        "left-behind-beats",
+        "a rank that a Slurm node left behind, beating on after its job was requeued or restarted, "
+        "is taken for the next run's and stops it as hung or timed out",
+        _left_behind_beats_count,
         kinds=("slurm",),
     ),
     Mutant(

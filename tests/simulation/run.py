@@ -116,6 +116,7 @@ class _Run:
                 METRIC,
                 scenario.timeout_s,
                 scenario.hang_timeout_s,
+                scenario.max_restarts,
             ),
         )
         self.database.on_told = self.referee.told
@@ -335,7 +336,7 @@ def _settings(scenario: Scenario) -> TuneSettings:
             "quantile": 0.5,
             "max_resource": scenario.program.steps,
         }
-    resources: dict[str, object] = {}
+    resources: dict[str, object] = {"num_nodes": scenario.num_nodes}
     if scenario.timeout_s is not None:
         resources["timeout_min"] = scenario.timeout_s / 60
     return TuneSettings.model_validate(

@@ -2,10 +2,10 @@
 
 Faults come in two kinds. *Rates* apply at every boundary call while the fault phase lasts (a store
 call failing before or after it commits, a backend command timing out or losing its reply, a job
-crashing or hanging at a step, a Slurm requeue). *Timed faults* strike once, at a time of the fault
-phase: an orchestrator killed (SIGKILL), stalled past its lease TTL, its host's clock jumping, a
-second orchestrator started beside the first. After ``fault_phase_s`` every fault stops, and the
-study must then end (liveness) within ``settle_s``.
+crashing or hanging at a step, a Slurm requeue, a Slurm node that stops answering or is set DOWN).
+*Timed faults* strike once, at a time of the fault phase: an orchestrator killed (SIGKILL), stalled
+past its lease TTL, its host's clock jumping, a second orchestrator started beside the first. After
+``fault_phase_s`` every fault stops, and the study must then end (liveness) within ``settle_s``.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import random
 from dataclasses import dataclass, field, replace
 
 from simulation.backends import KINDS, BackendSettings, draws, rate
+from simulation.backends.slurm import SlurmSettings, with_node_failures
 from simulation.cluster import JobFaults, Program
 from simulation.stores import Faults
 
@@ -64,6 +65,8 @@ class Scenario:
     aimed at the windows between two writes of one transition, where exactly-once is won or lost."""
     two_hosts: bool = False
     """Orchestrators alternate between two hosts (their pids cannot be looked up across them)."""
+    num_nodes: int = 1
+    """Nodes per job (``resources.num_nodes``): drawn for Slurm's seeds, whose twin allocates them."""
 
     def quiet(self) -> Scenario:
         """The same study and cluster without any fault (for a run's baseline)."""
@@ -85,7 +88,8 @@ class Scenario:
             f"seed {self.seed}: {self.backend.kind}, {self.num_trials} trials, "
             f"{self.num_parallel} in parallel, "
             f"max_restarts {self.max_restarts}, pruner {self.pruner}, timeout {self.timeout_s}, "
-            f"hang timeout {self.hang_timeout_s}, orchestrators on {2 if self.two_hosts else 1} host(s)",
+            f"hang timeout {self.hang_timeout_s}, orchestrators on {2 if self.two_hosts else 1} host(s), "
+            f"{self.num_nodes} node(s) per job",
             f"program: {self.program.steps} steps of {self.program.step_s:.0f}s, "
             f"{'a result file' if self.program.writes_result else 'exit 0 without a result file'}, "
             f"same-step reports {self.program.same_step_reports}",
@@ -148,7 +152,7 @@ def scenario_of(seed: int, *, kinds: tuple[str, ...] = KINDS) -> Scenario:
         # The local launcher's jobs are processes of one machine, the orchestrators' own.
         two_hosts=backend.kind != "local" and draw.random() < 0.5,
     )
-    return _with_crashes_after_writes(_with_pbt(_with_asha(scenario)))
+    return _with_node_failures(_with_crashes_after_writes(_with_pbt(_with_asha(scenario))))
 
 
 def _with_asha(scenario: Scenario) -> Scenario:
@@ -178,6 +182,16 @@ def _with_crashes_after_writes(scenario: Scenario) -> Scenario:
     PRUNED) in about one seed of a thousand; this, in ten."""
     draw = random.Random(f"crash-after-write-{scenario.seed}")
     return replace(scenario, crash_after_write=rate(draw, 0.1))
+
+
+def _with_node_failures(scenario: Scenario) -> Scenario:
+    """Slurm's seeds: nodes that stop answering or are set DOWN, and jobs of one or two nodes, drawn
+    apart (as ASHA's)."""
+    if not isinstance(scenario.backend, SlurmSettings):
+        return scenario
+    draw = random.Random(f"node-failures-{scenario.seed}")
+    backend = with_node_failures(scenario.backend, draw)
+    return replace(scenario, backend=backend, num_nodes=draw.choice([1, 1, 2]))
 
 
 def _timed_faults(draw: random.Random, phase_s: float) -> list[TimedFault]:

@@ -8,11 +8,26 @@ Modelled, as Slurm does it:
   dir), ``--time``, its ``export`` lines (the job's environment) and its ``EXIT`` trap, which bash runs
   when the script ends or is stopped by SIGTERM (a cancel, the time limit), not when its node dies;
   ids grow and never restart at 1;
-- a job waits in the queue (PENDING) a little, then runs on one of the compute nodes, each with a
-  clock of its own; it ends COMPLETED or FAILED with its exit code, TIMEOUT at its ``--time``;
+- a job waits in the queue (PENDING) a little, then runs on ``--nodes`` of the compute nodes that
+  are not DOWN (each with a clock of its own; PENDING, reason Resources, while too few are up); its
+  program (rank 0, which writes the job dir) runs on the first, the batch host; it ends COMPLETED or
+  FAILED with its exit code, TIMEOUT at its ``--time``;
 - ``scancel``: PENDING -> CANCELLED at once; RUNNING -> COMPLETING (processes killed) -> CANCELLED;
-- requeue (``--requeue``, a node failure or ``scontrol requeue`` while faults are on): the run is
-  killed and the job waits again under the same id, ``Restarts`` + 1, a new ``StartTime``;
+- requeue (``scontrol requeue`` while faults are on; jobs are always sent with ``--requeue``): every
+  process of the run is killed (the batch script's trap runs), the job shows REQUEUED, then waits
+  (PENDING, BeginTime) under the same id, ``Restarts`` + 1, and runs again with a new ``StartTime``;
+- a node failure (while faults are on): a node's slurmd dies (its processes go on, writing the
+  shared job dirs) or its link is cut (its processes freeze; a job's ranks on other nodes wait in a
+  collective, without advancing). The controller notices SlurmdTimeout later and marks the node
+  DOWN: each job running on it is requeued as above, or, where Slurm does not requeue it, ends
+  NODE_FAIL. Slurm kills the run's processes on the nodes that answer; those on the silent node
+  outlive its decision until the node's namespaces are torn down (killed, not by Slurm), and no
+  one hears how they end (their trap still writes the job dir). A job cancelled or timed out on a
+  silent node stays COMPLETING until the node is DOWN; one started there never starts its script.
+  The node comes back later (slurmd restarted) and takes jobs again;
+- ``scontrol update nodename=X state=down`` (an operator's, while faults are on): the node is DOWN at
+  once, its jobs are requeued (or end NODE_FAIL) at once and its slurmd kills their processes; it
+  takes jobs again once resumed;
 - an ended job stays in the controller's memory for ``MinJobAge`` seconds (``squeue --states=all``,
   ``scontrol``), then is purged; ``sacct`` answers only with accounting (slurmdbd), and lists
   comments only with ``AccountingStoreFlags=job_comment``;
@@ -32,7 +47,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from simulation.backends import Machine, Outage, ServiceFaults, rate, service_faults
-from simulation.cluster import Cluster, JobRun
+from simulation.cluster import Cluster, JobRun, NodeFailure
 from simulation.invariants import Referee
 from simulation.scheduler import Host, Scheduler
 from tunepod.launch.base import Launcher
@@ -44,14 +59,23 @@ from tunepod.spec.models import SlurmLauncherSpec
 _TIMED_OUT = "slurm_load_jobs error: Socket timed out on send/recv operation"
 _INVALID = "slurm_load_jobs error: Invalid job id specified"
 _ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"}
+_NODES = 3
+"""Compute nodes: a two-node job still finds two while one is DOWN."""
 
 
 @dataclass(frozen=True)
 class SlurmFaults(ServiceFaults):
-    """The controller's (a command unanswered; ``sbatch``/``scancel`` answers lost), and requeues."""
+    """The controller's (a command unanswered; ``sbatch``/``scancel`` answers lost), requeues and the
+    nodes' failures."""
 
     requeue_per_s: float = 0.0
-    """Per running job and second: a node failure or ``scontrol requeue``."""
+    """Per running job and second: ``scontrol requeue``."""
+    node_failure_per_s: float = 0.0
+    """Per compute node and second: its slurmd dies or its link is cut (it stops answering)."""
+    node_down_per_s: float = 0.0
+    """Per compute node and second: ``scontrol update nodename=X state=down``."""
+    node_fail: float = 0.0
+    """The chance that Slurm cannot requeue a job a DOWN node ended: it ends NODE_FAIL."""
 
 
 @dataclass(frozen=True)
@@ -62,11 +86,14 @@ class SlurmSettings:
     min_job_age_s: float
     accounting: bool
     comments_in_accounting: bool
+    slurmd_timeout_s: float = 300.0
+    """How long a node may not answer before the controller marks it DOWN (Slurm's default: 300)."""
     kind: str = "slurm"
 
     def describe(self) -> str:
         return (
-            f"slurm: MinJobAge {self.min_job_age_s:.0f}s, accounting {self.accounting} "
+            f"slurm: {_NODES} nodes, MinJobAge {self.min_job_age_s:.0f}s, SlurmdTimeout "
+            f"{self.slurmd_timeout_s:.0f}s, accounting {self.accounting} "
             f"(comments {self.comments_in_accounting}), faults {self.faults}"
         )
 
@@ -86,6 +113,18 @@ def draw(random_: random.Random) -> SlurmSettings:
     )
 
 
+def with_node_failures(settings: SlurmSettings, random_: random.Random) -> SlurmSettings:
+    """``settings`` with the nodes' failures, drawn from a source of their own (the scenario's other
+    draws stay what they were)."""
+    faults = replace(
+        settings.faults,
+        node_failure_per_s=rate(random_, 0.01),
+        node_down_per_s=rate(random_, 0.001),
+        node_fail=random_.choice([0.0, 0.3, 1.0]),
+    )
+    return replace(settings, faults=faults, slurmd_timeout_s=random_.choice([30.0, 120.0, 300.0]))
+
+
 class SlurmBackend:
     """The real ``SlurmLauncher`` of each orchestrator, all reaching one simulated controller."""
 
@@ -102,6 +141,32 @@ class SlurmBackend:
 
 
 @dataclass
+class SlurmNode:
+    """A compute node: what the controller holds of it (DOWN or not), and what is so (it answers)."""
+
+    host: Host
+    down: bool = False
+    reason: str = ""
+    silent_since: float | None = None
+    """When it stopped answering (slurmd dead, link cut); DOWN ``SlurmdTimeout`` after that."""
+    cut_off: bool = False
+    """Its link is cut (its processes reach neither the job dirs nor their peers), rather than its
+    slurmd dead (they go on)."""
+    namespace_ends_at: float = 0.0
+    """When what still runs on the silent node is killed (its jobs' namespaces torn down)."""
+    back_at: float | None = None
+    """When a DOWN node comes back (slurmd restarted, an operator's ``state=resume``)."""
+
+    @property
+    def name(self) -> str:
+        return self.host.name
+
+    @property
+    def answers(self) -> bool:
+        return self.silent_since is None
+
+
+@dataclass
 class SlurmJob:
     job_id: str
     name: str
@@ -111,6 +176,7 @@ class SlurmJob:
     time_limit_s: float | None
     submitted_at: float
     start_after: float
+    num_nodes: int = 1
     state: str = "PENDING"
     reason: str = "Priority"
     exit_code: int = 0
@@ -122,6 +188,14 @@ class SlurmJob:
     exit_fields: tuple[str, ...] = ()
     """Where the script's EXIT trap records how it ended (None: the script has no such trap)."""
     run: JobRun | None = field(default=None, repr=False)
+    nodes: tuple[SlurmNode, ...] = field(default=(), repr=False)
+    """Its allocation while it runs (or completes); the first is the batch host."""
+    settles_at: float = 0.0
+    """When a COMPLETING or REQUEUED job's epilog is over (its nodes that answer are released)."""
+    final_state: str = ""
+    """What a COMPLETING job ends as."""
+    struck: NodeFailure | None = field(default=None, repr=False)
+    """A node failure that struck its run and that the controller has not acted on yet."""
 
 
 class Slurmctld:
@@ -132,8 +206,9 @@ class Slurmctld:
         self.cluster: Cluster = machine.cluster
         self.referee: Referee = machine.referee
         self.root = machine.root
-        self.nodes: list[Host] = list(machine.nodes)
+        self.nodes = [SlurmNode(host) for host in _compute_hosts(machine)]
         self.min_job_age_s = settings.min_job_age_s
+        self.slurmd_timeout_s = settings.slurmd_timeout_s
         self.accounting = settings.accounting
         self.comments_in_accounting = settings.comments_in_accounting
         self.faults = settings.faults
@@ -142,6 +217,8 @@ class Slurmctld:
         sim = self.sim
         self.memory: dict[str, SlurmJob] = {}
         self.accounted: dict[str, SlurmJob] = {}
+        self.doomed: list[tuple[float, JobRun]] = []
+        """Runs on a silent node, and when its namespaces end (what kills them: not Slurm)."""
         self._next_id = 1000 + sim.choices.integer(0, 5000)
         controller = sim.start_process("slurmctld", Host("head", "boot-head", "pid:[head]"))
         controller.spawn("control", self._control)
@@ -151,6 +228,9 @@ class Slurmctld:
     def _control(self) -> None:
         while True:
             self.sim.sleep(1.0)
+            for node in self.nodes:
+                self._node_tick(node)
+            self._kill_doomed()
             for job in list(self.memory.values()):
                 self._tick(job)
 
@@ -161,9 +241,9 @@ class Slurmctld:
         elif job.state == "RUNNING" and self._over_time(job):
             self._end_run(job, "TIMEOUT", "TimeLimit", exit_code=0, signal=15)
         elif job.state == "RUNNING" and self.faults_on and self.sim.choices.chance(self.faults.requeue_per_s):
-            self._requeue(job)
-        elif job.state == "COMPLETING" and now >= (job.ended_at or now):
-            job.state = "CANCELLED"
+            self._requeue(job, "scontrol requeue")
+        elif job.state in ("COMPLETING", "REQUEUED") and now >= job.settles_at and self._released(job):
+            self._settle(job)
         elif job.state in _ENDED and job.ended_at is not None and now - job.ended_at > self.min_job_age_s:
             del self.memory[job.job_id]
             self.sim.trace.event(now, "job", f"slurm purges job {job.job_id} (MinJobAge)")
@@ -173,20 +253,43 @@ class Slurmctld:
         return limit is not None and started is not None and self.sim.now - started >= limit
 
     def _start(self, job: SlurmJob) -> None:
+        up = [node for node in self.nodes if not node.down]
+        if len(up) < job.num_nodes:
+            job.reason = "Resources"
+            return
+        picked: list[SlurmNode] = []
+        for _ in range(job.num_nodes):
+            picked.append(self.sim.choices.pick([node for node in up if node not in picked]))
+        job.nodes = tuple(picked)
         job.state, job.reason, job.started_at = "RUNNING", "None", self.sim.now
-        node = self.sim.choices.pick(self.nodes)
+        batch = picked[0]
+        if not batch.answers:  # the launch goes to a node that no longer answers: the script never starts
+            self.sim.trace.event(self.sim.now, "job", f"job {job.job_id} is sent to silent {batch.name}")
+            self._struck(job)
+            return
         job.run = self.cluster.start(
-            job.job_dir, job.job_id, job.env, node, lambda run: self._exited(job, run)
+            job.job_dir, job.job_id, job.env, batch.host, lambda run: self._exited(job, run)
         )
         self.referee.job_started(job.job_dir)
+        for node in picked[1:]:
+            if not node.answers:
+                self._silenced(job, node)
 
     def _exited(self, job: SlurmJob, run: JobRun) -> None:
-        if job.run is not run:
-            return
         code = run.exit_code or 0
-        job.state, job.reason = ("COMPLETED", "None") if code == 0 else ("FAILED", "NonZeroExitCode")
-        job.exit_code, job.ended_at, job.run = code, self.sim.now, None
+        if job.run is not run or not job.nodes[0].answers:
+            # The script ended on a silent node (or one its job has left): its trap writes the job
+            # dir, and the controller never hears of it.
+            run.exit_unrecorded = True
+            self._trap(job, code)
+            return
+        state, reason = ("COMPLETED", "None") if code == 0 else ("FAILED", "NonZeroExitCode")
+        job.run, job.reason, job.exit_code = None, reason, code
         self._trap(job, code)
+        if self._released(job):
+            job.state, job.ended_at, job.nodes = state, self.sim.now, ()
+        else:  # its epilog waits for a node that does not answer
+            job.state, job.final_state, job.settles_at = "COMPLETING", state, self.sim.now
 
     def _trap(self, job: SlurmJob, code: int) -> None:
         """The batch script's EXIT trap, as bash runs it: its printf's arguments, each ``"$code"`` or a
@@ -197,20 +300,127 @@ class Slurmctld:
         fields = [values.get(name, "") for name in job.exit_fields]
         write_bytes_atomic(job.exit_file, (" ".join(fields) + "\n").encode())
 
-    def _end_run(self, job: SlurmJob, state: str, reason: str, *, exit_code: int, signal: int) -> None:
-        if job.run is not None:
-            self.cluster.kill(job.run, f"slurm {state}")
+    def _stop_run(self, job: SlurmJob, why: str, *, signal: int) -> None:
+        """Slurm ends the job's run: killed where its batch host answers (the script's trap runs),
+        else given up, left to its node's fate."""
+        run, job.run = job.run, None
+        if run is None or run.ended_at is not None:
+            return
+        if job.nodes[0].answers:
+            self.cluster.kill(run, why)
             self._trap(job, 128 + signal)
-        job.state, job.reason, job.exit_code, job.signal = state, reason, exit_code, signal
-        job.ended_at, job.run = self.sim.now, None
+        else:
+            self.cluster.orphan(run, f"{why}; on {job.nodes[0].name}, which does not answer")
+            # Its peers on the nodes that answer are killed: its next collective never completes.
+            run.stuck = run.stuck or len(job.nodes) > 1
 
-    def _requeue(self, job: SlurmJob) -> None:
-        self.sim.trace.event(self.sim.now, "fault", f"slurm requeues job {job.job_id} (node failure)")
-        if job.run is not None:
-            self.cluster.kill(job.run, "requeued")
-        job.run, job.state, job.reason = None, "PENDING", "BeginTime"
-        job.restarts += 1
-        job.start_after = self.sim.now + self.sim.choices.uniform(5.0, 60.0)
+    def _end_run(self, job: SlurmJob, state: str, reason: str, *, exit_code: int, signal: int) -> None:
+        """Through COMPLETING, which lasts while a node of the job neither answers nor is DOWN."""
+        self._stop_run(job, f"slurm {state}", signal=signal)
+        job.state, job.final_state, job.reason = "COMPLETING", state, reason
+        job.exit_code, job.signal, job.settles_at = exit_code, signal, self.sim.now
+
+    def _requeue(self, job: SlurmJob, why: str) -> None:
+        self.sim.trace.event(self.sim.now, "fault", f"slurm requeues job {job.job_id} ({why})")
+        self._stop_run(job, f"requeued ({why})", signal=15)
+        job.state, job.restarts = "REQUEUED", job.restarts + 1
+        job.settles_at = self.sim.now + self.sim.choices.uniform(0.5, 3.0)
+        job.start_after = job.settles_at + self.sim.choices.uniform(5.0, 60.0)
+
+    def _settle(self, job: SlurmJob) -> None:
+        job.nodes = ()
+        if job.state == "REQUEUED":
+            job.state, job.reason = "PENDING", "BeginTime"
+        else:
+            job.state, job.ended_at = job.final_state, self.sim.now
+
+    def _released(self, job: SlurmJob) -> bool:
+        """No node of the job is silent and still up: the controller waits for one to answer."""
+        return all(node.answers or node.down for node in job.nodes)
+
+    # ------------------------------------------------------------------------------ the nodes
+
+    def _node_tick(self, node: SlurmNode) -> None:
+        now, chance = self.sim.now, self.sim.choices.chance
+        if node.silent_since is not None and not node.down:
+            if now - node.silent_since >= self.slurmd_timeout_s:
+                self._set_down(node, "Not responding")
+        elif node.down:
+            if node.back_at is not None and now >= node.back_at:
+                self._back(node)
+        elif self.faults_on and chance(self.faults.node_failure_per_s):
+            self._stops_answering(node)
+        elif self.faults_on and chance(self.faults.node_down_per_s):
+            self.sim.trace.event(now, "fault", f"scontrol update nodename={node.name} state=down")
+            node.back_at = now + self.sim.choices.uniform(30.0, 300.0)
+            self._set_down(node, "scontrol update state=down")
+
+    def _stops_answering(self, node: SlurmNode) -> None:
+        now, choices = self.sim.now, self.sim.choices
+        node.silent_since, node.cut_off = now, choices.chance(0.5)
+        node.namespace_ends_at = now + self.slurmd_timeout_s + choices.uniform(0.0, 120.0)
+        node.back_at = node.namespace_ends_at + choices.uniform(10.0, 300.0)
+        how = "its link is cut" if node.cut_off else "its slurmd dies"
+        self.sim.trace.event(now, "fault", f"{node.name} stops answering ({how})")
+        for job in self._allocated(node):
+            if job.state == "RUNNING":
+                self._silenced(job, node)
+
+    def _silenced(self, job: SlurmJob, node: SlurmNode) -> None:
+        """What a node's silence does at once to the job running on it: the program goes on (slurmd
+        dead), freezes (its batch host cut off) or waits for a peer that is gone (another node cut off)."""
+        self._struck(job)
+        run = job.run
+        if run is None or run.ended_at is not None:
+            return
+        if node is job.nodes[0]:
+            self.doomed.append((node.namespace_ends_at, run))
+            if node.cut_off:  # frozen past the controller's tick that kills it: it never writes again
+                self.sim.stall(run.process, node.namespace_ends_at + 2.0 - self.sim.now)
+                run.hung = True
+        elif node.cut_off:
+            run.stuck = True
+
+    def _struck(self, job: SlurmJob) -> None:
+        """Record the failure for the referee, with the newest step saved when it struck."""
+        if job.struck is None:
+            job.struck = NodeFailure(
+                self.sim.now, job.job_dir, job.job_id, self.cluster.newest_saved(job.job_dir)
+            )
+            self.cluster.node_failures.append(job.struck)
+
+    def _set_down(self, node: SlurmNode, reason: str) -> None:
+        node.down, node.reason = True, reason
+        self.sim.trace.event(self.sim.now, "job", f"slurm marks {node.name} DOWN ({reason})")
+        for job in self._allocated(node):
+            if job.state == "RUNNING":
+                self._node_failed(job, node)
+
+    def _node_failed(self, job: SlurmJob, node: SlurmNode) -> None:
+        self._struck(job)
+        failure, job.struck = job.struck, None
+        assert failure is not None
+        if self.sim.choices.chance(self.faults.node_fail):
+            self.sim.trace.event(self.sim.now, "fault", f"job {job.job_id} ends NODE_FAIL ({node.name})")
+            self._end_run(job, "NODE_FAIL", "NodeDown", exit_code=0, signal=0)
+            failure.outcome = "NODE_FAIL"
+        else:
+            self._requeue(job, f"{node.name} is DOWN")
+            failure.outcome = "requeued"
+        failure.decided_at = self.sim.now
+
+    def _back(self, node: SlurmNode) -> None:
+        node.down, node.reason, node.silent_since, node.cut_off, node.back_at = False, "", None, False, None
+        self.sim.trace.event(self.sim.now, "job", f"{node.name} is back (IDLE)")
+
+    def _kill_doomed(self) -> None:
+        now = self.sim.now
+        for at, run in [entry for entry in self.doomed if entry[0] <= now]:
+            self.doomed.remove((at, run))
+            self.cluster.kill(run, "its node's namespaces are torn down")
+
+    def _allocated(self, node: SlurmNode) -> list[SlurmJob]:
+        return [job for job in self.memory.values() if node in job.nodes]
 
     # ------------------------------------------------------------------------------ the commands
 
@@ -241,6 +451,7 @@ class Slurmctld:
             comment=options.get("comment", ""),
             job_dir=job_dir,
             env=_exports(script),
+            num_nodes=int(options.get("nodes", "1")),
             time_limit_s=_time_limit_s(options.get("time")),
             exit_file=_exit_file(script),
             exit_fields=_exit_fields(script),
@@ -274,11 +485,12 @@ class Slurmctld:
         if job is None:
             return 1, "", _INVALID
         start = _iso(job.started_at) if job.started_at is not None else "Unknown"
+        nodes = ",".join(node.name for node in job.nodes) or "(null)"
         line = (
             f"JobId={job.job_id} JobName={job.name} UserId=tunepod(1000) GroupId=tunepod(1000) "
             f"Priority=4294901757 JobState={job.state} Reason={job.reason} Dependency=(null) Requeue=1 "
             f"Restarts={job.restarts} BatchFlag=1 ExitCode={job.exit_code}:{job.signal} StartTime={start} "
-            f"Comment={job.comment or '(null)'}\n"
+            f"NodeList={nodes} Comment={job.comment or '(null)'}\n"
         )
         return 0, line, ""
 
@@ -325,11 +537,9 @@ class Slurmctld:
         if job.state == "PENDING":
             job.state, job.reason, job.ended_at = "CANCELLED", "None", self.sim.now
             return 0, "", ""
-        if job.run is not None:
-            self.cluster.kill(job.run, "scancel")
-            self._trap(job, 143)
-        job.run, job.state, job.exit_code, job.signal = None, "COMPLETING", 0, 15
-        job.ended_at = self.sim.now + self.sim.choices.uniform(0.5, 3.0)
+        self._stop_run(job, "scancel", signal=15)
+        job.state, job.final_state, job.exit_code, job.signal = "COMPLETING", "CANCELLED", 0, 15
+        job.settles_at = self.sim.now + self.sim.choices.uniform(0.5, 3.0)
         return 0, "", ""
 
 
@@ -367,6 +577,16 @@ class SimSlurmRunner:
 
 
 # ---------------------------------------------------------------------------------- the text
+
+
+def _compute_hosts(machine: Machine) -> list[Host]:
+    """The machine room's compute nodes, and as many more as the cluster has."""
+    sim = machine.sim
+    extra = [
+        Host(f"node-{n}", f"boot-node-{n}", f"pid:[node-{n}]", skew_s=sim.choices.uniform(-2, 2))
+        for n in range(len(machine.nodes), _NODES)
+    ]
+    return [*machine.nodes, *extra]
 
 
 def _sbatch_options(script: str) -> dict[str, str]:
