@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +24,7 @@ from typing import Any
 
 import optuna
 import pytest
-from integration.test_tuner import child_runs, make_tuner, settings, starts
+from integration.test_tuner import child_runs, make_tuner, run_together, settings, starts
 from mlflow import MlflowClient
 from sshd import require_sshd
 
@@ -206,14 +205,7 @@ def test_two_orchestrators_on_one_study_drive_each_trial_once(tmp_path: Path) ->
     each epoch's metric logged once."""
     tune = settings(tmp_path, num_trials=3, num_parallel=2, train={"args": {"epochs": 3, "sleep_s": 0.3}})
     first, second = make_tuner(tmp_path, tune), make_tuner(tmp_path, tune)
-    barrier = threading.Barrier(2)
-
-    def run(tuner: Any) -> Any:
-        barrier.wait()
-        return tuner.run()
-
-    with ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(run, [first, second]))
+    results = run_together(first, second)
 
     for trial_set in results:
         assert [t.number for t in trial_set.trials] == [0, 1, 2]

@@ -13,14 +13,11 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from integration.test_tuner import make_tuner, settings
+from integration.test_tuner import make_tuner, run_together, settings
 
-from tunepod.hpo.tuner import Tuner
 from tunepod.launch.slots import counted
 from tunepod.launch.slurm import SlurmLauncher
 from tunepod.outputs import TrialSet
@@ -56,15 +53,7 @@ def test_two_orchestrators_share_one_cap_of_num_parallel(tmp_path: Path) -> None
     jobs run at once (each tuner capped alone, all three did), and the study still ends with
     num_trials trials, each trained once."""
     tune = settings(tmp_path, num_trials=3, num_parallel=2, train={"args": TRIAL_ARGS})
-    first, second = make_tuner(tmp_path, tune), make_tuner(tmp_path, tune)
-    barrier = threading.Barrier(2)
-
-    def run(tuner: Tuner) -> TrialSet:
-        barrier.wait()
-        return tuner.run()
-
-    with ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(run, [first, second]))
+    results = run_together(make_tuner(tmp_path, tune), make_tuner(tmp_path, tune))
 
     trials = results[0]
     assert [t.number for t in trials.trials] == [0, 1, 2]

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -91,6 +92,19 @@ def make_tuner(tmp_path: Path, tune: TuneSettings, launcher: str | Launcher = "l
             pipeline=PIPELINE,
         )
     )
+
+
+def run_together(*tuners: Tuner) -> list[TrialSet]:
+    """Each tuner's ``run()`` on a thread of its own, all started at once (two orchestrators on one
+    study); their trial sets, in order."""
+    barrier = threading.Barrier(len(tuners))
+
+    def run(tuner: Tuner) -> TrialSet:
+        barrier.wait()
+        return tuner.run()
+
+    with ThreadPoolExecutor(len(tuners)) as pool:
+        return list(pool.map(run, tuners))
 
 
 def child_runs(tmp_path: Path, parent_run_id: str) -> list[Any]:
