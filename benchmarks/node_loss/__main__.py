@@ -37,14 +37,16 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.chaos import nodes
+from benchmarks.chaos.faults import slurm_state
+from benchmarks.chaos.nodes import job_nodes, node_states
+from benchmarks.chaos.study import NODE_PARTITION
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.submission import read_submission
 from tunepod.runtime import read_reports
 
 REPO = Path(__file__).resolve().parents[2]
 TRAINER = Path(__file__).resolve().parent / "trainer.py"
-SLURM_NODE = REPO / "scripts" / "slurm-node"
-PARTITION = "nodes"
 GOAL_S = 60.0
 POLL_S = 0.2
 RUN_LIMIT_S = 420.0
@@ -88,34 +90,19 @@ class Timeline:
         return self.step_at - self.fault_at
 
 
-def slurm(*args: str) -> str:
-    return subprocess.run(list(args), capture_output=True, text=True, timeout=30, check=False).stdout.strip()
-
-
-def node_states() -> dict[str, str]:
-    lines = slurm("sinfo", "-h", "-N", "-p", PARTITION, "-o", "%N %T").splitlines()
-    return dict(line.split() for line in lines if len(line.split()) == 2)
-
-
-def job_state(job_id: str) -> str:
-    return slurm("squeue", "-h", "-j", job_id, "-o", "%T")
-
-
-def job_nodes(job_id: str) -> list[str]:
-    return slurm("scontrol", "show", "hostnames", slurm("squeue", "-h", "-j", job_id, "-o", "%N")).split()
-
-
-def slurm_node(command: str, node: str) -> None:
-    subprocess.run([str(SLURM_NODE), command, node], check=True, capture_output=True, timeout=60)
+def checked(failure: str) -> None:
+    """A node command's outcome (``benchmarks.chaos.nodes``: '' or why it failed) as an error."""
+    if failure:
+        raise RuntimeError(failure)
 
 
 def restore(node: str) -> None:
     """The node back in service, idle, before the next run."""
-    slurm_node("start", node)
+    checked(nodes.start(node))
     deadline = time.monotonic() + 90
     while node_states().get(node) != "idle":
         if node_states().get(node, "").startswith(("down", "drain")):
-            slurm("scontrol", "update", f"NodeName={node}", "State=RESUME")
+            nodes.resume(node)
         if time.monotonic() > deadline:
             raise RuntimeError(f"node {node} is {node_states().get(node)} 90 s after its slurmd started")
         time.sleep(0.5)
@@ -127,7 +114,7 @@ def write_spec(folder: Path, steps: int, state_mb: float) -> Path:
         "tracking": {"uri": f"sqlite:///{folder / 'mlflow.db'}", "experiment": "node-loss"},
         "launcher": {
             "kind": "slurm", "root": str(folder / "shared"), "python": sys.executable,
-            "poll_cache_s": 0.2, "partition": PARTITION, "exclusive": True,
+            "poll_cache_s": 0.2, "partition": NODE_PARTITION, "exclusive": True,
         },
         "steps": {
             "data": {"uses": "stage", "with": {"source": str(TRAINER.parent), "target": "fsx:///datasets/x"}},
@@ -170,7 +157,7 @@ class Poller(threading.Thread):
             now = time.time()
             if node_states().get(self.victim, "").startswith("down"):
                 self.seen.setdefault("down", now)
-            state = job_state(self.job_id)
+            state = slurm_state(self.job_id)
             if state in ("PENDING", "REQUEUED", "CONFIGURING"):
                 self.seen.setdefault("queued", now)
             elif state == "RUNNING" and "queued" in self.seen:
@@ -190,13 +177,13 @@ def run_once(scenario: str, folder: Path, steps: int, state_mb: float) -> Timeli
     victim = ""
     try:
         job_id = wait_for_reports(paths, run, log)
-        nodes = job_nodes(job_id)
-        victim = {"kill-first": nodes[0], "kill-second": nodes[1]}.get(scenario, "")
+        held = job_nodes(job_id)
+        victim = {"kill-first": held[0], "kill-second": held[1]}.get(scenario, "")
         poller = Poller(job_id, victim)
         poller.start()
         fault_at = time.time()
         if victim:
-            slurm_node("kill", victim)
+            checked(nodes.kill(victim))
         else:
             subprocess.run(["scontrol", "requeue", job_id], check=True, capture_output=True, timeout=30)
         code = run.wait(timeout=RUN_LIMIT_S)
@@ -280,7 +267,7 @@ def main(argv: Sequence[str]) -> int:
     states = node_states()
     if sum(state == "idle" for state in states.values()) < 3:
         console.print(
-            f"needs 3 idle nodes in partition {PARTITION} (scripts/slurm-up --nodes 4); sinfo: {states}"
+            f"needs 3 idle nodes in partition {NODE_PARTITION} (scripts/slurm-up --nodes 4); sinfo: {states}"
         )
         return 2
     scenarios = args.only.split(",") if args.only else list(SCENARIOS)
