@@ -193,6 +193,43 @@ def test_a_driver_whose_lease_was_taken_over_acts_no_more(tmp_path: Path) -> Non
         _stop_all(launcher, job.job_dir)
 
 
+def test_an_exploit_of_a_job_that_had_already_died_is_carried_out_after_a_crash(tmp_path: Path) -> None:
+    """Found by the simulation: PBT decides to exploit a trial whose job has just died (SIGKILLed), so
+    the stop finds nothing to stop; the orchestrator then dies before telling the trial PRUNED. The
+    next one must carry the exploit out, not read the dead job as a failure and start it again: the
+    decision is in the job dir (the cancel marker is written for an ended job too). The job's process
+    group is really SIGKILLed; the orchestrator's crash is its driver returning before the tell (a
+    process cannot be killed between two lines of this test)."""
+    launcher = LocalLauncher(tmp_path / "shared", cancel_grace_s=2)
+    job = _sleeping_job(tmp_path / "shared" / "jobs" / "trial-0")
+    paths = JobPaths(job.job_dir)
+
+    def killed_then_exploited(_reports: object) -> CancelReason | None:
+        record = read_submission(paths)
+        if not paths.metrics.exists() or record is None or record.job_id is None:
+            return None
+        handle = launcher.attach(record.job_id, job.job_dir)
+        os.killpg(handle.pids()[0], signal.SIGKILL)
+        wait_for(lambda: handle.state().is_terminal, "the killed job to end")
+        return "exploited"
+
+    first = JobDriver(
+        launcher,
+        job,
+        DriveSettings(poll_s=0.2, max_restarts=2),
+        what="trial 0",
+        on_reports=killed_then_exploited,
+    )
+    assert first.run().outcome.name == "EXPLOITED"
+    marker = read_cancel_marker(paths)
+    assert marker is not None and marker.reason == "exploited"
+
+    after_the_crash = JobDriver(launcher, job, DriveSettings(poll_s=0.2, max_restarts=2), what="trial 0")
+    assert after_the_crash.run().outcome.name == "EXPLOITED"
+    record = read_submission(paths)
+    assert record is not None and record.attempt == 1, "the exploited trial's job was started again"
+
+
 def test_a_lease_of_another_pid_namespace_is_not_taken_for_a_dead_pid(tmp_path: Path) -> None:
     """Also checked: two orchestrators in containers with their own PID namespaces, maybe with one
     hostname (hostNetwork pods). The holder's pid names nothing (or a stranger) in the taker's

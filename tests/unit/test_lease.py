@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -20,7 +21,7 @@ def test_a_held_lease_is_refused_to_another_driver_until_released(tmp_path: Path
     assert second.acquire(tmp_path / "job") is None
     holder = second.holder(tmp_path / "job")
     assert holder is not None and holder.owner == first.owner
-    assert first.acquire(tmp_path / "job") is lease  # the holder may take it again: the same lease
+    assert first.acquire(tmp_path / "job") is None  # nor to its holder's other callers: it drives it
     lease.release()
     taken = second.acquire(tmp_path / "job")
     assert taken is not None
@@ -78,3 +79,37 @@ def test_a_holder_that_finds_its_lease_taken_knows_it_lost_it(tmp_path: Path) ->
     lease.release()  # a lost lease is not released on the new holder's behalf
     kept = read_lease(JobPaths(tmp_path / "job"))
     assert kept is not None and kept.owner == taker.owner
+
+
+def test_a_second_thread_of_the_holder_waits_outside_the_fence(tmp_path: Path) -> None:
+    """Found by the simulation: a promotion entered a trial's fence on the same lease while the
+    trial's own driver was still inside it, recording the pause. The fence's re-entry is one thread's,
+    so the second thread waits until the first has left."""
+    lease = Leases(private_job_dirs=True).acquire(tmp_path / "job")
+    assert lease is not None
+    inside, leave = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def driver() -> None:
+        with lease.fenced(), lease.fenced():  # re-entrant for the thread inside
+            order.append("driver in")
+            inside.set()
+            leave.wait(10)
+            order.append("driver out")
+
+    def promotion() -> None:
+        with lease.fenced():
+            order.append("promotion in")
+
+    first = threading.Thread(target=driver)
+    first.start()
+    assert inside.wait(10)
+    second = threading.Thread(target=promotion)
+    second.start()
+    second.join(0.5)
+    assert second.is_alive() and order == ["driver in"], "the second thread entered beside the first"
+    leave.set()
+    first.join(10)
+    second.join(10)
+    assert order == ["driver in", "driver out", "promotion in"]
+    lease.release()

@@ -518,15 +518,19 @@ class Job(Generic[S]):
     def cancel(self, reason: CancelReason = "cancelled") -> None:
         """Mark the job cancelled (with ``reason``), stop it, and wait until the backend says it ended.
 
-        Idempotent; a job that has already ended keeps its real outcome. ``StopUnfinished`` when it is
-        still not over after the launcher's ``cancel_timeout_s``, ``TransientError`` when the backend did
-        not answer: either way the marker stays, and calling again sends the stop again and waits anew.
+        Idempotent. The marker is written first, even for a job that has already ended: it records the
+        decision (a PBT exploit, a prune), which an orchestrator restarted after a crash must carry out
+        as this one would have, not read the ended job as a failure to restart. A job that exited 0
+        keeps its outcome (the driver reads a result or a clean exit before the marker).
+        ``StopUnfinished`` when it is still not over after the launcher's ``cancel_timeout_s``,
+        ``TransientError`` when the backend did not answer: either way the marker stays, and calling
+        again sends the stop again and waits anew.
         """
         with self._cancel_lock:
-            if self.status(max_age_s=0).job_state.is_terminal:
-                return
             if self.cancel_marker() is None:
                 write_cancel_marker(self.paths, self.job_id, reason)
+            if self.status(max_age_s=0).job_state.is_terminal:
+                return
             self.launcher.stop(self)
             self._wait_until_ended()
 

@@ -90,6 +90,9 @@ class Lease:
         self.job_dir = job_dir
         self.generation = generation
         self.lost = False
+        # One thread of this process inside the fence at a time, re-entrant for that thread: a second
+        # thread (a promotion beside the driver still recording its pause) waits for the first to leave.
+        self._fence_thread = world.rlock()
         self._fence_depth = 0
 
     def release(self) -> None:
@@ -100,21 +103,23 @@ class Lease:
     def fenced(self) -> Iterator[None]:
         """Act on the job inside this block: it runs under the job dir's lease lock, once this lease
         is known to be the current one. ``LeaseLost`` (and nothing done) when another driver took it.
-        Re-entrant for the thread that drives the job dir."""
-        if self._fence_depth:
-            self._fence_depth += 1
-            try:
-                yield
-            finally:
-                self._fence_depth -= 1
-            return
-        with locked(JobPaths(self.job_dir).lease_lock):
-            self.leases.check(self)
-            self._fence_depth = 1
-            try:
-                yield
-            finally:
-                self._fence_depth = 0
+        Re-entrant for the thread inside it; another thread of this process waits for that one to
+        leave (the depth counts one thread's re-entries, never two threads')."""
+        with self._fence_thread:
+            if self._fence_depth:
+                self._fence_depth += 1
+                try:
+                    yield
+                finally:
+                    self._fence_depth -= 1
+                return
+            with locked(JobPaths(self.job_dir).lease_lock):
+                self.leases.check(self)
+                self._fence_depth = 1
+                try:
+                    yield
+                finally:
+                    self._fence_depth = 0
 
     def check(self) -> None:
         """``LeaseLost`` unless this lease is still the job dir's current one (reads the lease file)."""
@@ -140,16 +145,16 @@ class Leases:
         self._lock = world.lock()
 
     def acquire(self, job_dir: Path, *, wait: bool = False) -> Lease | None:
-        """Take the lease of ``job_dir`` (the same ``Lease`` again when this owner holds it already);
-        None when another live driver holds it, or (unless ``wait``) is acting on the job right now."""
-        with self._lock:
-            held = self._held.get(job_dir)
-        if held is not None and not held.lost:
-            return held
+        """Take the lease of ``job_dir``; None when another live driver holds it, or (unless ``wait``)
+        is acting on the job right now, or when this owner holds it already: one of its own drivers
+        (another thread: a trial's driver still recording its pause) drives the job dir, and a second
+        caller handed the same lease would act beside it, inside the same fence."""
+        if self._holds(job_dir):
+            return None
         make_job_dir(job_dir, private=self.private_job_dirs)
         paths = JobPaths(job_dir)
         with _lease_lock(paths, wait=wait) as got:
-            if not got:
+            if not got or self._holds(job_dir):  # two callers of this owner at once: the first has it
                 return None
             current = read_lease(paths)
             if current is not None and current.owner != self.owner and current.is_live():
@@ -158,11 +163,16 @@ class Leases:
                 logger.warning("%s: taking over the expired lease of %s", job_dir, current.describe())
             generation = current.generation + 1 if current is not None else 1
             _write(paths, self._record(generation))
-        lease = Lease(self, job_dir, generation)
-        with self._lock:
-            self._held[job_dir] = lease
+            lease = Lease(self, job_dir, generation)
+            with self._lock:
+                self._held[job_dir] = lease
         _heartbeat().add(lease)
         return lease
+
+    def _holds(self, job_dir: Path) -> bool:
+        with self._lock:
+            held = self._held.get(job_dir)
+        return held is not None and not held.lost
 
     def holder(self, job_dir: Path) -> LeaseRecord | None:
         """The live holder of ``job_dir``'s lease other than this owner, if any."""
