@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 from unittest import mock
 
 import optuna
@@ -40,7 +40,6 @@ from tunepod.errors import is_transient
 from tunepod.hpo.tuner import TuneContext, Tuner
 from tunepod.outputs import Dataset
 from tunepod.spec.models import TuneSettings
-from tunepod.tracking import MlflowTracker
 from tunepod.tracking.outbox import TrackingOutbox
 
 START = 1_800_000_000.0
@@ -260,7 +259,7 @@ class _Run:
                 copied_bytes=0,
             ),
             jobs_dir=self.jobs_dir,
-            tracker=cast(MlflowTracker, SimTracker(self.sim, self.mlflow, scenario.mlflow, self.switch)),
+            tracker=SimTracker(self.sim, self.mlflow, scenario.mlflow, self.switch),
             outbox=TrackingOutbox(threads=1, max_backoff_s=10.0),
             parent_run_id=self.parent_run_id,
             pipeline="sim",

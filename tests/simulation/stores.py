@@ -9,7 +9,7 @@ transient ("database is locked").
 **MLflow.** ``MlflowTwin`` keeps runs, tags, params, metric histories (a point logged again with the
 same key, value, step and timestamp is stored once, as MLflow's SQL stores do), run statuses and
 logged models; each orchestrator process reaches it through its own ``SimTracker``, with the
-methods of ``tunepod.tracking.MlflowTracker`` that the tuning loop calls, and the same two ways to
+methods of ``tunepod.tracking.RunTracker`` (what the tuning loop calls of MLflow), and the same two ways to
 fail.
 """
 
@@ -264,7 +264,7 @@ class MlflowTwin:
 
 
 class SimTracker:
-    """One orchestrator's client of the tracking store: ``MlflowTracker``'s methods the loop uses."""
+    """One orchestrator's client of the tracking store, a ``RunTracker`` as ``MlflowTracker`` is."""
 
     tracking_uri = "sim://mlflow"
     experiment_id = "1"
@@ -368,6 +368,9 @@ class SimTracker:
 
     def run_url(self, run_id: str, ui_url: str) -> str:
         return f"{ui_url}/#/runs/{run_id}"
+
+    def run_is_active(self, run_id: str) -> bool:
+        return self._call("get_run", lambda: self.twin.runs[run_id].status == "RUNNING")
 
     def _write(self, run_id: str, *, tags: Mapping[str, object], params: Mapping[str, object] | None) -> None:
         run = self.twin.runs[run_id]

@@ -59,7 +59,7 @@ from tunepod.runtime import Parallelism, Report
 from tunepod.runtime.checkpoints import saved_checkpoints
 from tunepod.spec.models import LOCAL_MLFLOW_UI, TuneSettings
 from tunepod.spec.parallelism import job_layout, script_params
-from tunepod.tracking import MlflowTracker, tags
+from tunepod.tracking import RunTracker, tags
 from tunepod.tracking.mirror import Final, FinalMetric, ModelPlan, RunMirror, RunPlan, read_mirror_state
 from tunepod.tracking.mlflow_tracker import RunStatus
 from tunepod.tracking.outbox import TrackingOutbox
@@ -104,7 +104,7 @@ class TuneContext:
     launcher: Launcher
     dataset: Dataset
     jobs_dir: Path
-    tracker: MlflowTracker
+    tracker: RunTracker
     outbox: TrackingOutbox
     parent_run_id: str
     pipeline: str

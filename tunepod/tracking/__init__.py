@@ -5,6 +5,6 @@ Every call names its run explicitly: MLflow's "active run" is per thread, and tr
 several threads at once.
 """
 
-from tunepod.tracking.mlflow_tracker import MlflowTracker, artifact_root_for
+from tunepod.tracking.mlflow_tracker import MlflowTracker, RunTracker, artifact_root_for
 
-__all__ = ["MlflowTracker", "artifact_root_for"]
+__all__ = ["MlflowTracker", "RunTracker", "artifact_root_for"]

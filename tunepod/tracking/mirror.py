@@ -49,7 +49,7 @@ from tunepod.runtime.files import write_bytes_atomic
 from tunepod.runtime.metrics import metric_name_problem
 from tunepod.runtime.progress import RankProgress, read_progress
 from tunepod.tracking import tags
-from tunepod.tracking.mlflow_tracker import MlflowTracker, RunStatus
+from tunepod.tracking.mlflow_tracker import RunStatus, RunTracker
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ class RunMirror:
 
     def __init__(
         self,
-        tracker: MlflowTracker,
+        tracker: RunTracker,
         job_dir: Path,
         *,
         plan: RunPlan | None = None,

@@ -46,6 +46,49 @@ class MetricPoint(Protocol):
     def model_id(self) -> str | None: ...
 
 
+class RunTracker(Protocol):
+    """What the tuning loop and the run mirrors ask of MLflow: ``MlflowTracker`` is one; the
+    lifecycle simulation's tracking store twin is another, checked against this by the type checker."""
+
+    @property
+    def tracking_uri(self) -> str: ...
+
+    def start_run(
+        self, name: str, *, parent_run_id: str | None = None, tags: Mapping[str, str] | None = None
+    ) -> str: ...
+
+    def find_run(self, key: str) -> str | None: ...
+
+    def set_tags(
+        self, run_id: str, tags: Mapping[str, object], *, params: Mapping[str, object] | None = None
+    ) -> None: ...
+
+    def log_reports(self, run_id: str, reports: Iterable[Report]) -> None: ...
+
+    def log_outcome(
+        self,
+        run_id: str,
+        points: Sequence[MetricPoint],
+        tags: Mapping[str, object],
+        *,
+        params: Mapping[str, object] | None = None,
+    ) -> None: ...
+
+    def log_text(self, run_id: str, text: str, artifact_file: str) -> None: ...
+
+    def end_run(self, run_id: str, status: RunStatus) -> None: ...
+
+    def run_is_active(self, run_id: str) -> bool: ...
+
+    def run_url(self, run_id: str, ui_url: str) -> str: ...
+
+    def find_logged_model(self, run_id: str, name: str) -> str | None: ...
+
+    def log_checkpoint_model(
+        self, run_id: str, checkpoint: Path, *, name: str, step: int, params: Mapping[str, object]
+    ) -> str: ...
+
+
 def absolute_tracking_uri(uri: str) -> str:
     """Jobs run in other directories (or on other machines): hand them an absolute SQLite path. A
     PostgreSQL store is opened through psycopg 3 (``postgresql://`` would mean psycopg2)."""
