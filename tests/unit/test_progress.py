@@ -204,6 +204,34 @@ def test_a_jump_of_the_orchestrators_clock_neither_hangs_nor_times_out_a_job(
     assert not watchdog.timed_out("job-1", clocks.wall)
 
 
+def test_a_step_of_a_ranks_own_clock_after_its_advance_is_not_idleness(
+    tmp_path: Path, clocks: ManualClocks
+) -> None:
+    """Found by the simulation: the clock of the host a local job runs on stepped between an advance
+    and the next beat, and ``beat_at - advanced_at`` measured the step as idleness. A beat carries
+    its idleness and run time on the rank's monotonic clock; a beat without them (an older runtime)
+    is still read on its wall clock."""
+    paths = JobPaths(tmp_path)
+    now = clocks.wall
+    write_beat(paths, 0, advanced_at=now - 3605, beat_at=now, idle_s=5.0, ran_s=100.0)  # an hour's step
+    watchdog = Watchdog(paths, Limits(hang_timeout_s=60))
+    assert watchdog.stall("job-1", now) is None
+    write_beat(paths, 0, advanced_at=now - 3605, beat_at=now)
+    assert Watchdog(paths, Limits(hang_timeout_s=60)).stall("job-1", now) is not None
+
+
+def test_a_heartbeat_measures_idleness_and_run_time_on_the_monotonic_clock(tmp_path: Path) -> None:
+    beat = Heartbeat(tmp_path, rank=0, interval_s=0.05).start()
+    time.sleep(0.2)
+    beat.advance(1)
+    wait_until(lambda: read_progress(tmp_path)[0].step == 1, "the advance to be beaten")
+    wait_until(lambda: (read_progress(tmp_path)[0].idle_s or 0) >= 0.1, "idleness to grow")
+    last = read_progress(tmp_path)[0]
+    beat.finish()
+    assert last.idle_s is not None and last.ran_s is not None
+    assert last.ran_s >= last.idle_s + 0.2, "the run began 0.2 s before the advance"
+
+
 def test_without_heartbeats_a_jump_of_the_orchestrators_clock_does_not_time_out_a_job(
     tmp_path: Path, clocks: ManualClocks
 ) -> None:

@@ -7,9 +7,10 @@ and progress is what the ranks' heartbeats say (``tunepod.runtime.progress``).
 
 No clock of the orchestrator's host is trusted alone, since it may jump (an NTP step, a VM resumed)
 and differ from the compute nodes' clocks. How long a rank has not advanced, and how long it has
-run, are measured on the rank's own clock while it beats (``beat_at - advanced_at``, ``beat_at -
-started_at``), plus, once it stops beating, the time this driver has watched its heartbeat file not
-change, on the driver's monotonic clock. The wall clock only says when a job may be over its time
+run, are measured on the rank's own monotonic clock while it beats (the beat's ``idle_s`` and
+``ran_s``; ``beat_at - advanced_at`` and ``beat_at - started_at`` for a beat of a runtime without
+them), plus, once it stops beating, the time this driver has watched its heartbeat file not change,
+on the driver's monotonic clock. The wall clock only says when a job may be over its time
 (``running.json``); a second clock must agree before it counts as timed out: its ranks', within one
 heartbeat interval, so a requeued Slurm job's new run (whose ranks started afresh) is never taken for
 the old one, even when no driver saw the requeue; or, for a job without heartbeats (an evaluation,
@@ -263,8 +264,8 @@ class Watchdog:
             if last is None or last[0] != heard:
                 self._heard[beat.rank] = last = (heard, now)
             silent = now - last[1]
-            idle = RankIdle(beat, max(0.0, beat.beat_at - beat.advanced_at) + silent, silent)
-            measured.append((idle, max(0.0, beat.beat_at - beat.started_at) + silent))
+            idle = RankIdle(beat, _idle_s(beat) + silent, silent)
+            measured.append((idle, _ran_s(beat) + silent))
         return measured
 
     def _beats(self) -> list[RankProgress]:
@@ -296,3 +297,13 @@ class Watchdog:
         except (FileNotFoundError, ValidationError):
             return None
         return record if record.job_id == job_id else None
+
+
+def _idle_s(beat: RankProgress) -> float:
+    """How long the rank had not advanced when it beat (see the module docstring)."""
+    return beat.idle_s if beat.idle_s is not None else max(0.0, beat.beat_at - beat.advanced_at)
+
+
+def _ran_s(beat: RankProgress) -> float:
+    """How long the rank had run when it beat."""
+    return beat.ran_s if beat.ran_s is not None else max(0.0, beat.beat_at - beat.started_at)

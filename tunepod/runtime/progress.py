@@ -98,6 +98,12 @@ class RankProgress:
     telemetry: StepTelemetry | None = None
     """The rank's speed and memory, once its loop called ``ctx.step_done``; None before, and for a
     script that never calls it (the key is then left out of the file)."""
+    idle_s: float | None = None
+    """Seconds from the loop's last advance to this beat, on the rank's monotonic clock: unlike
+    ``beat_at - advanced_at``, no step of the node's wall clock (NTP, a VM resumed) between the two
+    counts as idleness. None in a beat of a runtime that did not write it."""
+    ran_s: float | None = None
+    """Seconds from ``started_at`` to this beat, on the rank's monotonic clock (as ``idle_s``)."""
 
 
 def progress_dir(metrics_file: Path) -> Path:
@@ -260,6 +266,8 @@ class Heartbeat:
         self._rank = rank
         self._started_at = now
         self._advanced_at = now
+        # The same two moments on the monotonic clock: what idle_s and ran_s are measured with.
+        self._started_mono = self._advanced_mono = time.monotonic()
         self._step: int | None = None
         self._finished = False
         self._stop_signal: str | None = None
@@ -281,6 +289,7 @@ class Heartbeat:
 
     def advance(self, step: int | None = None) -> None:
         self._advanced_at = time.time()
+        self._advanced_mono = time.monotonic()
         if step is not None:
             self._step = step
 
@@ -329,6 +338,7 @@ class Heartbeat:
 
     def _write(self) -> None:
         with self._writing:
+            mono = time.monotonic()
             beat = RankProgress(
                 rank=self._rank,
                 host=socket.gethostname(),
@@ -342,6 +352,8 @@ class Heartbeat:
                 stop_signal=self._stop_signal,
                 stop_requested_at=self._stop_requested_at,
                 telemetry=self._meter.window(),
+                idle_s=mono - self._advanced_mono,
+                ran_s=mono - self._started_mono,
             )
             record = asdict(beat)
             if beat.telemetry is None:
