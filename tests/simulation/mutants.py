@@ -140,7 +140,7 @@ def _left_behind_beats_count() -> contextlib.AbstractContextManager[None]:
 
 
 def _decided_stop_wins() -> contextlib.AbstractContextManager[None]:
-    return _patched(drive.JobDriver, "_ended_on_its_own", lambda self, state: False)
+    return _patched(drive.JobDriver, "_ended_on_its_own", lambda self, handle, state: False)
 
 
 def _stopped_upload_cancelled() -> contextlib.AbstractContextManager[None]:

@@ -278,7 +278,7 @@ def test_a_requeue_starts_both_clocks_afresh(tmp_path: Path) -> None:
     write_beat(paths, 0, advanced_at=now - 500, beat_at=now - 400)
     watchdog = Watchdog(paths, Limits(timeout_s=600, hang_timeout_s=60))
     assert watchdog.stall("job-1", now) is not None and watchdog.running_since("job-1") < now - 500
-    watchdog.new_run()  # Slurm put the job back in its queue
+    watchdog.new_run("job-1")  # Slurm put the job back in its queue
     assert watchdog.stall("job-1", now) is None
     assert watchdog.running_since("job-1") >= now
 
@@ -305,7 +305,7 @@ def test_a_rank_a_lost_node_left_behind_does_not_stop_the_run_after_it(
     (paths.progress / "rank-0.json").write_text(left_behind)
     watchdog = Watchdog(paths, Limits(timeout_s=400, hang_timeout_s=60))
     assert watchdog.stall("1234", now) is not None  # while it was the job's run, it was hung
-    watchdog.new_run()  # requeued (or restarted after NODE_FAIL)
+    watchdog.new_run("1234")  # requeued (or restarted after NODE_FAIL)
     clocks.advance(60)
     (paths.progress / "rank-0.json").write_text(beat_of(now + 40, now + 58, now + 59, host="node-2", pid=8))
     assert watchdog.stall("1234", clocks.wall) is None
@@ -343,6 +343,24 @@ def test_a_stop_signal_near_the_time_limit_is_the_limit_and_earlier_a_preemption
     assert asked_at == since + 3500  # the first rank asked
     assert watchdog.stopped_by_time_limit("job-1", asked_at, grace_s=60)  # --signal=TERM@60, sent early
     assert not watchdog.stopped_by_time_limit("job-1", since + 1000, grace_s=60)
+
+
+def test_a_preempted_run_is_still_stopped_for_a_driver_that_reattaches_after_its_restart_began(
+    tmp_path: Path,
+) -> None:
+    """Found by the simulation: a driver restarting a preempted job (its script saved and exited 0 on
+    the signal) clears the run's heartbeats, then dies before the new attempt is recorded. The next
+    driver re-attaches to the old job: its exit 0 is still a stop, not the end of training. A new run
+    that beats (a Slurm requeue of the same job id) speaks for itself."""
+    paths = JobPaths(tmp_path)
+    now = time.time()
+    write_beat(paths, 0, advanced_at=now - 5, beat_at=now - 1, stop_requested_at=now - 3)
+    Watchdog(paths, Limits(hang_timeout_s=60)).new_run("job-1")
+    reattached = Watchdog(paths, Limits(hang_timeout_s=60))
+    assert reattached.stop_requested_at("job-1") == now - 3
+    assert reattached.stop_requested_at("job-2") is None, "the next attempt's own exit is its own"
+    write_beat(paths, 0, advanced_at=now + 20, beat_at=now + 30)
+    assert reattached.stop_requested_at("job-1") is None
 
 
 def run_script(tmp_path: Path, body: str) -> subprocess.Popen[str]:

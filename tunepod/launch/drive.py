@@ -29,6 +29,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
@@ -165,7 +166,7 @@ class JobDriver:
                     return settled
                 # A restart: the new attempt resumes from the checkpoints, and the ended run's ranks,
                 # should one beat on (on a node its scheduler gave up on), are not the new attempt's.
-                self._fenced(self._watchdog.new_run)
+                self._fenced(partial(self._watchdog.new_run, handle.job_id))
                 handle = self._submit()
                 stopping, seen_running = None, False
                 continue
@@ -175,7 +176,7 @@ class JobDriver:
                     self.what,
                     handle.job_id,
                 )
-                self._fenced(self._watchdog.new_run)
+                self._fenced(partial(self._watchdog.new_run, handle.job_id))
             seen_running = state is JobState.RUNNING or (seen_running and state is None)
             if stopping is None:
                 stopping = self._feed_reports()
@@ -192,7 +193,7 @@ class JobDriver:
         """The outcome of a job that ended; None when it is to be started again. ``stopping`` is a
         stop this driver decided on, which the job may have beaten to the end."""
         result = read_result(self.paths.result)
-        if result is not None or self._ended_on_its_own(state):
+        if result is not None or self._ended_on_its_own(handle, state):
             # Finished, whatever stop anyone decided on meanwhile: the stop came too late (or never
             # got through; the cancel marker only says it was decided).
             return DriveResult(Outcome.COMPLETED, result, handle)
@@ -219,7 +220,7 @@ class JobDriver:
             )
         # Someone's cancel on the backend (CANCELLED) was meant; any other stop the script saved on was not.
         if reason is None and state is not JobState.CANCELLED:
-            asked_at = self._watchdog.stop_requested_at()
+            asked_at = self._watchdog.stop_requested_at(handle.job_id)
             if asked_at is not None:
                 return self._settle_stopped(handle, state, asked_at)
         if state is JobState.SUCCEEDED:
@@ -228,9 +229,9 @@ class JobDriver:
             return None
         return DriveResult(Outcome.FAILED, None, handle, failure_message(self.what, handle, state, kind=kind))
 
-    def _ended_on_its_own(self, state: JobState) -> bool:
+    def _ended_on_its_own(self, handle: JobHandle, state: JobState) -> bool:
         """Exited 0 and not on a stop signal its script listened for (a preemption saves and exits 0)."""
-        return state is JobState.SUCCEEDED and self._watchdog.stop_requested_at() is None
+        return state is JobState.SUCCEEDED and self._watchdog.stop_requested_at(handle.job_id) is None
 
     def _settle_stopped(self, handle: JobHandle, state: JobState, asked_at: float) -> DriveResult | None:
         """A job whose script saved and exited on a stop signal tunepod did not send: the warning

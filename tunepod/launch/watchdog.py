@@ -57,6 +57,12 @@ class EarlierRuns(BaseModel):
     started_until: float
     """The newest start (on its rank's clock) of a rank of a run that is over: a rank that started no
     later is not of the current run."""
+    job_id: str | None = None
+    """The job whose run was the last to be over."""
+    stop_requested_at: float | None = None
+    """When that run's ranks were asked to stop by a signal their script listened for (a
+    preemption): a driver that re-attaches to that job after a crash, once ``new_run`` removed the
+    heartbeats that said so, still reads its exit 0 as a stop, not as the end of training."""
 
 
 class RunningSince(BaseModel):
@@ -202,13 +208,15 @@ class Watchdog:
         idle = min(rank.idle_s for rank in stalled)
         return Stall(idle, [rank for rank, _ in ranks], [rank.beat.rank for rank in stalled])
 
-    def stop_requested_at(self) -> float | None:
+    def stop_requested_at(self, job_id: str | None = None) -> float | None:
         """When the first rank of this run was asked to stop by a signal its script listened for
-        (``ctx.should_stop()``); None when no rank was."""
-        return min(
-            (beat.stop_requested_at for beat in self._beats() if beat.stop_requested_at),
-            default=None,
-        )
+        (``ctx.should_stop()``); None when no rank was. With no heartbeat of a current run left,
+        the run of ``job_id`` that ``new_run`` ended, as ``earlier_runs.json`` says."""
+        beats = self._beats()
+        if beats or job_id is None:
+            return min((beat.stop_requested_at for beat in beats if beat.stop_requested_at), default=None)
+        earlier = self._earlier()
+        return earlier.stop_requested_at if earlier is not None and earlier.job_id == job_id else None
 
     def stopped_by_time_limit(self, job_id: str, stop_requested_at: float, grace_s: float) -> bool:
         """Whether a stop signal at ``stop_requested_at`` was the backend's warning before the run-time
@@ -217,15 +225,16 @@ class Watchdog:
         at = stop_requested_at + grace_s + TIME_LIMIT_SIGNAL_SLACK_S
         return limit is not None and self._wall_clock_past(job_id, at, limit)
 
-    def new_run(self) -> None:
-        """The job's run is over and the next starts afresh (the backend put the job back in its
-        queue, as a Slurm requeue, or the driver restarts it): both clocks start again, and the last
-        run's heartbeats, even those its ranks left behind go on writing, never count against the next
-        run (see the module docstring)."""
+    def new_run(self, job_id: str) -> None:
+        """The run of job ``job_id`` is over and the next starts afresh (the backend put the job back
+        in its queue, as a Slurm requeue, or the driver restarts it): both clocks start again, and the
+        last run's heartbeats, even those its ranks left behind go on writing, never count against the
+        next run (see the module docstring); whether it was asked to stop is kept."""
         starts = [beat.started_at for beat in (*read_progress(self.paths.progress), *self._current.values())]
+        stopped = self.stop_requested_at()
         over = self._over()
         if starts and (over is None or max(starts) > over):
-            record = EarlierRuns(started_until=max(starts))
+            record = EarlierRuns(started_until=max(starts), job_id=job_id, stop_requested_at=stopped)
             write_bytes_atomic(self.paths.earlier_runs, record.model_dump_json().encode())
         self.paths.running.unlink(missing_ok=True)
         for beat_file in self.paths.progress.glob("rank-*.json"):
@@ -286,8 +295,12 @@ class Watchdog:
 
     def _over(self) -> float | None:
         """``earlier_runs.json``'s ``started_until``; None when no run of the job dir is over yet."""
+        earlier = self._earlier()
+        return earlier.started_until if earlier is not None else None
+
+    def _earlier(self) -> EarlierRuns | None:
         try:
-            return EarlierRuns.model_validate_json(self.paths.earlier_runs.read_bytes()).started_until
+            return EarlierRuns.model_validate_json(self.paths.earlier_runs.read_bytes())
         except (FileNotFoundError, ValidationError):
             return None
 
