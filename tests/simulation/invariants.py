@@ -9,8 +9,20 @@ Checked at the moment it happens (the backends, the stores and the scheduler cal
   from the process that holds the trial's lease at that moment, inside its fence (the lease lock held,
   the lease file naming that process);
 - **no healthy job is cancelled**: a stop asked as ``timed_out`` comes after the job's run really ran
-  that long; as ``hung``, after it really stopped progressing for the hang timeout; a stop without a
-  reason in the job dir is a violation (the tuner never stops a job without one);
+  that long; as ``hung``, after it really stopped progressing for the hang timeout, or once its first
+  heartbeat came (or has not yet come) later than the start-up timeout after it started running; a
+  stop without a reason in the job dir is a violation (the tuner never stops a job without one);
+- **no lease held by a process that no longer acts**: when a driver call (``Tuner.run()``, a train
+  or evaluate step's ``run_job``) returns or raises, and no other thread of its process is left but
+  its lease heartbeat and tracking outbox (none that could drive a job), that heartbeat renews no
+  lease that is still its job dir's current one. (A release whose write failed, on a full disk, is no
+  leak: the heartbeat no longer renews it, and it expires with its TTL.) A process killed mid-call is
+  not asked: its leases are taken over as a dead holder's;
+- **a step's outcome is its job's** (train and evaluate steps): a step that returns a result has a
+  run of its job that wrote it; a step that fails with a ``JobError`` (not a lost lease) has no run
+  that finished, and did not fail on a preemption ``max_restarts`` still allowed to restart;
+- **a rerun of a completed step starts no job**: no job is created in a step's job dir that held a
+  result when a step began with it (the rerun reuses the result);
 - **an exploited trial goes on once** (PBT, checked at the end): one continuation per trial an exploit
   ended, and that trial PRUNED;
 - **a paused trial has no live job** (ASHA): a pause is recorded only once the trial's job has ended,
@@ -35,6 +47,10 @@ Checked once every fault has stopped and the study has settled:
   ended NODE_FAIL (no result, stopped by no one but the watchdog for a hang) is started again while
   the trial's ``max_restarts`` allows, so its trial does not end FAIL on it. That the trial it hit is
   still one Optuna trial, told once, with one MLflow run, is "every trial ends counted once" above;
+- **a preempted job resumes** (a stop signal its script saved on and exited 0 by, not tunepod's): the
+  next run of its job dir resumes from the newest checkpoint, no older than the newest saved when it
+  was preempted; its trial does not end FAIL on it while ``max_restarts`` allows a restart, nor
+  COMPLETE on its exit 0 ("every trial ends with its job's outcome");
 - nothing is left running: no job, no lease held by a live process, no simulated thread that died (a
   run orphaned by its node's failure is the cluster's to kill, not tunepod's).
 
@@ -424,7 +440,10 @@ class Referee:
             for stop in self.cluster.stops
             if stop.job_dir == job_dir
         )
-        failed_alone = bool(runs) and runs[-1].exit_code not in (0, None)
+        # Ended unfinished by itself (a crash, or a preemption's exit 0) after the pruner decided.
+        failed_alone = bool(runs) and (
+            runs[-1].exit_code not in (0, None) or runs[-1].preempted_at is not None
+        )
         wrong = (trial.state is TrialState.COMPLETE) != finished or (
             trial.state is TrialState.PRUNED and not (pruned or failed_alone)
         )

@@ -5,9 +5,13 @@ An *orchestrator* is a simulated process running what ``tunepod run`` runs for a
 against the simulated Optuna database and MLflow store. A tune step that fails with a transient
 error is retried in the same process, as Prefect's task retries do (twice); a process whose step
 fails for good, or that is killed, is started again by the *operator* a little later, as a person or
-a deployment would. Timed faults strike from the *chaos* process. The run ends once a ``tunepod run``
-has returned with the study done and no orchestrator is left, or when an invariant breaks, or when
-the study fails to end ``settle_s`` after the faults stopped.
+a deployment would. In the seeds that draw them, *step workers* run the pipeline's train and
+evaluate steps beside the tune step (``simulation.steps``), struck by the same faults and started
+again by the same operator. Timed faults strike from the *chaos* process. The run ends once a
+``tunepod run`` has returned with the study done, the steps have run to their outcome, and no
+orchestrator or step worker is left; or when an invariant breaks; or when the study fails to end
+``settle_s`` after the faults stopped. Each return or raise of ``Tuner.run()`` is shown to the
+referee (``Referee.driver_returned``: the leases its process still renews).
 """
 
 from __future__ import annotations

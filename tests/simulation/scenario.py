@@ -2,10 +2,13 @@
 
 Faults come in two kinds. *Rates* apply at every boundary call while the fault phase lasts (a store
 call failing before or after it commits, a backend command timing out or losing its reply, a job
-crashing or hanging at a step, a Slurm requeue, a Slurm node that stops answering or is set DOWN).
+crashing, hanging or being preempted at a step, a job slow to start up or never starting, a Slurm
+requeue, a Slurm node that stops answering or is set DOWN).
 *Timed faults* strike once, at a time of the fault phase: an orchestrator killed (SIGKILL), stalled
 past its lease TTL, its host's clock jumping, a second orchestrator started beside the first. After
 ``fault_phase_s`` every fault stops, and the study must then end (liveness) within ``settle_s``.
+Draws added later (ASHA, PBT, crashes after writes, node failures, start-ups, preemptions, the train
+and evaluate steps) come from random sources of their own, so a seed's earlier draws stay as they were.
 """
 
 from __future__ import annotations
