@@ -26,6 +26,7 @@ from pathlib import Path
 from simulation.scheduler import Host, Process, Scheduler
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.submission import read_cancel_marker
+from tunepod.runtime import CHECKPOINT_DIR_ENV
 from tunepod.runtime.checkpoints import latest_checkpoint, save_checkpoint
 from tunepod.runtime.files import append_line_durably, write_bytes_atomic
 from tunepod.runtime.progress import RankProgress
@@ -41,6 +42,15 @@ class JobFaults:
 
     crash: float = 0.0
     hang: float = 0.0
+    slow_start: float = 0.0
+    """Per run: the chance its first heartbeat comes up to ``slow_start_s`` late (an image pull, a
+    slow mount, imports)."""
+    slow_start_s: float = 0.0
+    never_starts: float = 0.0
+    """Per run: the chance it never gets to its first heartbeat (stuck starting up)."""
+    preempt: float = 0.0
+    """Per step: the chance the backend stops the run with a signal its script saves on (a preemption,
+    a spot interruption, a SIGTERM): it saves its checkpoint and exits 0 (``ctx.should_stop()``)."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +94,12 @@ class JobRun:
     """The step its program started at (the step after the checkpoint it resumed from)."""
     newest_saved: int | None = None
     """The newest step any run of its job dir had saved when it started (ground truth)."""
+    beating_at: float | None = None
+    """When its program sent its first heartbeat (None: still starting up, or never)."""
+    preempted_at: float | None = None
+    """When the backend stopped it with a signal its script saved on and exited 0 by."""
+    saved_when_preempted: int | None = None
+    """The newest step of its job dir saved when it was preempted: the next run resumes after it."""
 
 
 @dataclass
@@ -159,7 +175,10 @@ class Cluster:
         self.sim.trace.event(self.sim.now, "job", f"job {job_id} runs ({job_dir.name})")
         params = dict(json.loads(env.get("TUNEPOD_PARAMS", "{}")))
         writes = paths if paths is not None else JobPaths(job_dir)
-        process.spawn("train", lambda: self._train(run, writes, params, on_exit))
+        if env.get(CHECKPOINT_DIR_ENV, str(writes.checkpoints)) != str(writes.checkpoints):
+            process.spawn("evaluate", lambda: self._evaluate(run, writes, params, on_exit))
+        else:
+            process.spawn("train", lambda: self._train(run, writes, params, on_exit))
         return run
 
     def kill(self, run: JobRun, why: str) -> None:
@@ -189,6 +208,7 @@ class Cluster:
         latest = latest_checkpoint(paths.checkpoints)
         step = latest.step + 1 if latest is not None else 0
         run.first_step, run.newest_saved = step, self.newest_saved(run.job_dir)
+        self._start_up(run)
         self._beat(run, paths, step=None)
         run.process.spawn("heartbeat", lambda: self._heartbeats(run, paths))
         while step < self.program.steps:
@@ -208,11 +228,54 @@ class Cluster:
                 self.saves.setdefault(run.job_dir, []).append(step)
             run.last_progress_at = sim.now
             self._beat(run, paths, step=step)
+            if step + 1 < self.program.steps and self._preempted(run, paths):
+                self._exit(run, 0, on_exit, f"preempted: saved step {step} and stopped")
+                return
             step += 1
         if self.program.writes_result:
             self._finish(run, paths, params, step - 1)
         self._beat(run, paths, step=step - 1, finished=True)
         self._exit(run, 0, on_exit, "finished")
+
+    def _start_up(self, run: JobRun) -> None:
+        """Up to the first heartbeat (``runtime.init``): at once, late, or never (see ``JobFaults``)."""
+        sim, faults = self.sim, self.faults
+        if self.faults_on and sim.choices.chance(faults.never_starts):
+            sim.trace.event(sim.now, "fault", f"job {run.job_id} never gets to its first heartbeat")
+            sim.block(None, "starting up")  # forever: only a kill ends it
+        if self.faults_on and sim.choices.chance(faults.slow_start):
+            delay = sim.choices.uniform(0.0, faults.slow_start_s)
+            sim.trace.event(sim.now, "job", f"job {run.job_id} takes {delay:.0f}s to start up")
+            sim.sleep(delay)
+        run.beating_at = run.last_progress_at = sim.now
+
+    def _preempted(self, run: JobRun, paths: JobPaths) -> bool:
+        """Whether the backend stops the run now, after the checkpoint of ``step`` (the script sees
+        ``ctx.should_stop()`` at its next step and saves; its heartbeat tells when it was asked). Only
+        a run that writes its job dir: elsewhere nobody could tell a preemption from an end."""
+        sim = self.sim
+        if paths.checkpoints.parent != run.job_dir:
+            return False
+        if not (self.faults_on and sim.choices.chance(self.faults.preempt)):
+            return False
+        run.preempted_at = sim.now
+        run.saved_when_preempted = self.newest_saved(run.job_dir)
+        sim.trace.event(
+            sim.now, "fault", f"job {run.job_id} is preempted (a stop signal its script saves on)"
+        )
+        self._beat(run, paths, step=self._last_step(paths), finished=True)
+        return True
+
+    def _evaluate(self, run: JobRun, paths: JobPaths, params: dict[str, float], on_exit: ExitHook) -> None:
+        """An evaluation: it reads the checkpoint it was given, scores it for one step's time (no
+        heartbeat, as an evaluation sends none), writes its result and exits 0; it may crash."""
+        sim = self.sim
+        sim.sleep(self.program.step_s)
+        if self.faults_on and sim.choices.chance(self.faults.crash):
+            self._exit(run, 1, on_exit, "crashed evaluating")
+            return
+        self._finish(run, paths, params, self.program.steps - 1)
+        self._exit(run, 0, on_exit, "evaluated")
 
     def _finish(self, run: JobRun, paths: JobPaths, params: dict[str, float], step: int) -> None:
         write_bytes_atomic(
@@ -257,6 +320,10 @@ class Cluster:
             step=step,
             interval_s=HEARTBEAT_S,
             finished=finished,
+            stop_signal="SIGTERM" if run.preempted_at is not None else None,
+            stop_requested_at=None
+            if run.preempted_at is None
+            else run.preempted_at + run.process.host.skew_s,
         )
         record = asdict(beat)
         del record["telemetry"]

@@ -9,8 +9,20 @@ Checked at the moment it happens (the backends, the stores and the scheduler cal
   from the process that holds the trial's lease at that moment, inside its fence (the lease lock held,
   the lease file naming that process);
 - **no healthy job is cancelled**: a stop asked as ``timed_out`` comes after the job's run really ran
-  that long; as ``hung``, after it really stopped progressing for the hang timeout; a stop without a
-  reason in the job dir is a violation (the tuner never stops a job without one);
+  that long; as ``hung``, after it really stopped progressing for the hang timeout, or once its first
+  heartbeat came (or has not yet come) later than the start-up timeout after it started running; a
+  stop without a reason in the job dir is a violation (the tuner never stops a job without one);
+- **no lease held by a process that no longer acts**: when a driver call (``Tuner.run()``, a train
+  or evaluate step's ``run_job``) returns or raises, and no other thread of its process is left but
+  its lease heartbeat and tracking outbox (none that could drive a job), that heartbeat renews no
+  lease that is still its job dir's current one. (A release whose write failed, on a full disk, is no
+  leak: the heartbeat no longer renews it, and it expires with its TTL.) A process killed mid-call is
+  not asked: its leases are taken over as a dead holder's;
+- **a step's outcome is its job's** (train and evaluate steps): a step that returns a result has a
+  run of its job that wrote it; a step that fails with a ``JobError`` (not a lost lease) has no run
+  that finished, and did not fail on a preemption ``max_restarts`` still allowed to restart;
+- **a rerun of a completed step starts no job**: no job is created in a step's job dir that held a
+  result when a step began with it (the rerun reuses the result);
 - **an exploited trial goes on once** (PBT, checked at the end): one continuation per trial an exploit
   ended, and that trial PRUNED;
 - **a paused trial has no live job** (ASHA): a pause is recorded only once the trial's job has ended,
@@ -35,6 +47,10 @@ Checked once every fault has stopped and the study has settled:
   ended NODE_FAIL (no result, stopped by no one but the watchdog for a hang) is started again while
   the trial's ``max_restarts`` allows, so its trial does not end FAIL on it. That the trial it hit is
   still one Optuna trial, told once, with one MLflow run, is "every trial ends counted once" above;
+- **a preempted job resumes** (a stop signal its script saved on and exited 0 by, not tunepod's): the
+  next run of its job dir resumes from the newest checkpoint, no older than the newest saved when it
+  was preempted; its trial does not end FAIL on it while ``max_restarts`` allows a restart, nor
+  COMPLETE on its exit 0 ("every trial ends with its job's outcome");
 - nothing is left running: no job, no lease held by a live process, no simulated thread that died (a
   run orphaned by its node's failure is the cluster's to kill, not tunepod's).
 
@@ -52,17 +68,21 @@ from pathlib import Path
 from optuna.trial import FrozenTrial, TrialState
 
 from simulation.cluster import HEARTBEAT_S, Cluster, JobRun, NodeFailure
-from simulation.scheduler import Scheduler
+from simulation.scheduler import Process, Scheduler, State
 from simulation.stores import MlflowTwin, OptunaDatabase
+from tunepod.errors import JobError
 from tunepod.hpo.asha import AshaState, is_paused
 from tunepod.hpo.pbt import PbtState
 from tunepod.hpo.trials import ATTR_JOB_DIR
-from tunepod.launch.lease import read_lease
+from tunepod.launch.lease import Lease, LeaseLost, LeaseRecord, _Heartbeat, read_lease
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.submission import read_cancel_marker, read_submission
 
 # A driver sees a state change at its next poll: a stop may come this much after the condition held.
 _POLL_SLACK_S = 1.0
+# Threads of an orchestrator that never drive a job: the lease heartbeat only renews what drivers hold.
+_NOT_DRIVERS = ("tunepod-lease-heartbeat", "tunepod-tracking-outbox")
+_HEARTBEAT = "tunepod.launch.lease.heartbeat"
 _RUN_STATUS = {TrialState.COMPLETE: "FINISHED", TrialState.PRUNED: "KILLED", TrialState.FAIL: "FAILED"}
 
 
@@ -85,6 +105,7 @@ class StudyFacts:
     timeout_s: float | None
     hang_timeout_s: float | None
     max_restarts: int = 0
+    startup_timeout_s: float | None = None
 
 
 class Referee:
@@ -104,6 +125,8 @@ class Referee:
         self.mlflow = mlflow
         self.facts = facts
         self.violations: list[Violation] = []
+        self._reused: set[Path] = set()
+        """Step job dirs that held a result when a step began: no job is created there any more."""
 
     def violated(self, invariant: str, detail: str) -> None:
         self.violations.append(Violation(self.sim.now, invariant, detail))
@@ -130,13 +153,18 @@ class Referee:
         done = [
             run.job_id
             for run in self.cluster.runs
-            if run.job_dir == job_dir
-            and (_seen_finishing(run) or (run.exit_code == 0 and not run.exit_unrecorded))
+            if run.job_dir == job_dir and (_seen_finishing(run) or _exited_by_itself(run))
         ]
         if done:
             self.violated(
                 "a finished trial never runs again",
                 f"a job is created for {job_dir.name}, whose job {done[0]} finished its training (exit 0)",
+            )
+        if job_dir in self._reused:
+            self.violated(
+                "a rerun of a completed step starts no job",
+                f"a job is created for {job_dir.parent.name} {job_dir.name}, whose result was there when "
+                "the step began",
             )
 
     def job_started(self, job_dir: Path) -> None:
@@ -164,17 +192,32 @@ class Referee:
                     f"its {facts.timeout_s}s",
                 )
         elif reason == "hung":
-            idle = now - run.last_progress_at
-            if not run.hung and (facts.hang_timeout_s is None or idle + _POLL_SLACK_S < facts.hang_timeout_s):
+            if not self._hung(run):
+                idle = now - run.last_progress_at
                 self.violated(
                     "no healthy job is cancelled",
                     f"job {job_id} of {job_dir.name} stopped as hung {idle:.0f}s after its last "
-                    f"progress (hang timeout {facts.hang_timeout_s}s)",
+                    f"progress (hang timeout {facts.hang_timeout_s}s, start-up timeout "
+                    f"{facts.startup_timeout_s}s, first heartbeat {_since(run.beating_at, run.started_at)})",
                 )
         else:
             self.violated(
                 "no healthy job is cancelled", f"job {job_id} of {job_dir.name} stopped for reason {reason!r}"
             )
+
+    def _hung(self, run: JobRun) -> bool:
+        """Whether a stop as hung is right: the run's loop stopped advancing for the hang timeout (or it
+        is hung for good), or its first heartbeat came (or has not come) past the start-up timeout
+        after it started running. The watchdog counts both from later (its first look, the last
+        advance it read), so a stop may come later, never earlier."""
+        facts, now = self.facts, self.sim.now
+        startup_s = (run.beating_at if run.beating_at is not None else now) - run.started_at
+        if facts.startup_timeout_s is not None and startup_s + _POLL_SLACK_S >= facts.startup_timeout_s:
+            return True
+        if run.beating_at is None:
+            return False
+        idle = now - run.last_progress_at
+        return run.hung or (facts.hang_timeout_s is not None and idle + _POLL_SLACK_S >= facts.hang_timeout_s)
 
     def asha_state_written(self, trial_id: int, state: AshaState) -> None:
         frozen = self.database.storage.get_trial(trial_id)
@@ -190,6 +233,58 @@ class Referee:
     def told(self, trial_id: int, state: TrialState) -> None:
         frozen = self.database.storage.get_trial(trial_id)
         self._fenced(self._job_dir(frozen), f"tells trial {frozen.number} {state.name}")
+
+    def step_job_dir(self, job_dir: Path) -> None:
+        """A train or evaluate step begins with ``job_dir``: holding a result, it is reused, never run."""
+        if JobPaths(job_dir).result.exists():
+            self._reused.add(job_dir)
+
+    def step_ended(self, job_dir: Path | None, error: Exception | None) -> None:
+        """A train or evaluate step returned (``error`` None) or raised: its outcome is its job's. A
+        result comes from a run that wrote it; a failure of the job (a ``JobError``, not a lost lease)
+        from a job none of whose runs finished, and not from a preemption that ``max_restarts`` still
+        allowed to restart."""
+        if job_dir is None:
+            return  # it failed before its job dir was known (an MLflow or filesystem error)
+        runs = [run for run in self.cluster.runs if run.job_dir == job_dir]
+        finished = any(_seen_finishing(run) for run in runs)
+        where = f"{job_dir.parent.name} {job_dir.name}"
+        if error is None and not finished:
+            self.violated(
+                "a step's outcome is its job's", f"{where} returned a result no run of its job wrote"
+            )
+        if error is None or not isinstance(error, JobError) or isinstance(error, LeaseLost):
+            return
+        if finished:
+            self.violated("a step's outcome is its job's", f"{where} failed though its job finished: {error}")
+        last = runs[-1] if runs else None
+        if last is not None and last.preempted_at is not None and self._may_restart(job_dir, last.job_id):
+            self.violated(
+                "a preempted job resumes",
+                f"{where} failed on job {last.job_id}'s preemption with max_restarts "
+                f"{self.facts.max_restarts} not spent: {error}"[:400],
+            )
+
+    def driver_returned(self, process: Process, call: str) -> None:
+        """See "no lease held by a process that no longer acts" in the module docstring: called in
+        the thread whose driver call (``call``) just returned or raised."""
+        me = self.sim.task
+        drivers = [
+            task
+            for task in process.tasks
+            if task is not me and task.state is not State.DONE and not task.name.startswith(_NOT_DRIVERS)
+        ]
+        if drivers or not process.alive:
+            return
+        for lease in _renewed_by(process):
+            record = read_lease(JobPaths(lease.job_dir))
+            if record is not None and not record.released and record.generation == lease.generation:
+                self.violated(
+                    "no lease held by a process that no longer acts",
+                    f"{call} of {process} returned, no thread of it drives a job, and its heartbeat "
+                    f"renews the lease of {lease.job_dir.parent.name}/{lease.job_dir.name} "
+                    f"(generation {lease.generation})",
+                )
 
     def _fenced(self, job_dir: Path, action: str) -> None:
         process = self.sim.process
@@ -218,6 +313,8 @@ class Referee:
                 self._mirrored(trial)
                 self._told_values(trial)
         self._node_failures_recovered(trials)
+        self._preemptions_recovered(trials)
+        self._no_lease_held_by_a_live_process()
         live = [run for run in self.cluster.runs if run.ended_at is None and run.orphaned_at is None]
         if live:
             self.violated("nothing left running", f"job runs still live: {[run.job_id for run in live]}")
@@ -246,6 +343,68 @@ class Referee:
                     f"trial {trial.number} was told {len(tells)} times: {tells}",
                 )
 
+    def _no_lease_held_by_a_live_process(self) -> None:
+        live = {task.process for task in self.sim.tasks if task.process.alive}
+        for job_dir, lease in self._leases():
+            holders = [process for process in live if not lease.released and _names(lease, process)]
+            if holders:
+                self.violated(
+                    "nothing left running",
+                    f"{holders[0]} still holds the lease of {job_dir.parent.name}/{job_dir.name}",
+                )
+
+    def _preemptions_recovered(self, trials: list[FrozenTrial]) -> None:
+        """See "a preempted job resumes" in the module docstring (a step's failure is ``step_ended``'s)."""
+        by_dir = {self._job_dir(trial): trial for trial in trials}
+        for preempted in [run for run in self.cluster.runs if run.preempted_at is not None]:
+            runs = [run for run in self.cluster.runs if run.job_dir == preempted.job_dir]
+            at = preempted.preempted_at
+            following = [
+                run for run in runs if run is not preempted and at is not None and run.started_at >= at
+            ]
+            if following:
+                self._resumed_after_preemption(preempted, following[0])
+            trial = by_dir.get(preempted.job_dir)
+            failed = trial is not None and trial.state is TrialState.FAIL
+            if failed and runs[-1] is preempted and self._may_restart(preempted.job_dir, preempted.job_id):
+                self.violated(
+                    "a preempted job resumes",
+                    f"trial {trial.number if trial else '?'} ends FAIL on job {preempted.job_id}'s "
+                    f"preemption with max_restarts {self.facts.max_restarts} not spent",
+                )
+
+    def _resumed_after_preemption(self, preempted: JobRun, run: JobRun) -> None:
+        if run.first_step is None:
+            return  # killed before its program began
+        saved = preempted.saved_when_preempted
+        wanted = run.newest_saved + 1 if run.newest_saved is not None else 0
+        newest = run.newest_saved if run.newest_saved is not None else -1
+        if run.first_step != wanted or (saved is not None and newest < saved):
+            self.violated(
+                "a preempted job resumes",
+                f"job {run.job_id} of {run.job_dir.name} starts at step {run.first_step} after job "
+                f"{preempted.job_id} was preempted with step {saved} saved (newest saved at its start: "
+                f"{run.newest_saved})",
+            )
+
+    def _may_restart(self, job_dir: Path, job_id: str) -> bool:
+        """Job ``job_id``, its job dir's current attempt, may be started again: no stop of tunepod's
+        ended it, and ``max_restarts`` is not spent."""
+        paths = JobPaths(job_dir)
+        record = read_submission(paths)
+        marker = read_cancel_marker(paths)
+        stopped = marker is not None and marker.job_id in (job_id, "")
+        return record is not None and not stopped and record.attempt - 1 < self.facts.max_restarts
+
+    def _leases(self) -> list[tuple[Path, LeaseRecord]]:
+        """Every job dir's lease record (trials' and steps')."""
+        found = []
+        for path in sorted(self.facts.jobs_dir.parent.glob("**/lease.json")):
+            lease = read_lease(JobPaths(path.parent))
+            if lease is not None:
+                found.append((path.parent, lease))
+        return found
+
     def _continued_once(self, trials: list[FrozenTrial]) -> None:
         """PBT: an exploited trial goes on in exactly one continuation of its member, and has ended
         PRUNED (whether its job was stopped as exploited or had already ended is ``_true_outcome``'s)."""
@@ -270,10 +429,7 @@ class Referee:
         runs = [run for run in self.cluster.runs if run.job_dir == job_dir]
         last = runs[-1] if runs else None
         finished = any(_seen_finishing(run) for run in runs) or (
-            last is not None
-            and last.exit_code == 0
-            and not last.exit_unrecorded
-            and self._objective_seen(job_dir)
+            last is not None and _exited_by_itself(last) and self._objective_seen(job_dir)
         )
         if not finished and any(_finished_unseen(run) for run in runs):
             # It exited 0 unseen (a FAIL is all anyone could say, a COMPLETE would be luck), or an
@@ -284,7 +440,10 @@ class Referee:
             for stop in self.cluster.stops
             if stop.job_dir == job_dir
         )
-        failed_alone = bool(runs) and runs[-1].exit_code not in (0, None)
+        # Ended unfinished by itself (a crash, or a preemption's exit 0) after the pruner decided.
+        failed_alone = bool(runs) and (
+            runs[-1].exit_code not in (0, None) or runs[-1].preempted_at is not None
+        )
         wrong = (trial.state is TrialState.COMPLETE) != finished or (
             trial.state is TrialState.PRUNED and not (pruned or failed_alone)
         )
@@ -413,6 +572,31 @@ class Referee:
 
     def _job_dir(self, trial: FrozenTrial) -> Path:
         return Path(str(trial.user_attrs.get(ATTR_JOB_DIR, self.facts.jobs_dir / f"trial-{trial.number}")))
+
+
+def _exited_by_itself(run: JobRun) -> bool:
+    """It exited 0, heard, and not on a stop signal (a preempted script saves and exits 0 too)."""
+    return run.exit_code == 0 and not run.exit_unrecorded and run.preempted_at is None
+
+
+def _renewed_by(process: Process) -> list[Lease]:
+    """The leases ``process``'s lease heartbeat renews (``tunepod.launch.lease``'s, per process)."""
+    heartbeat = process.locals.get(_HEARTBEAT)
+    if not isinstance(heartbeat, _Heartbeat):
+        return []
+    return [lease for lease in heartbeat._leases if not lease.lost]
+
+
+def _names(lease: LeaseRecord, process: Process) -> bool:
+    return (lease.host, lease.pid, lease.pid_start_ticks) == (
+        process.host.name,
+        process.pid,
+        process.start_ticks,
+    )
+
+
+def _since(at: float | None, start: float) -> str:
+    return "never" if at is None else f"{at - start:.0f}s after it started"
 
 
 def _seen_finishing(run: JobRun) -> bool:

@@ -16,6 +16,7 @@ from typing import Any
 from optuna.trial import FrozenTrial
 
 from simulation.backends import KINDS
+from tunepod.errors import JobError
 from tunepod.hpo import population, tuner
 from tunepod.hpo.asha import ATTR_ASHA, AshaState
 from tunepod.launch import base, drive, lease
@@ -26,9 +27,13 @@ from tunepod.launch.sagemaker import states as sagemaker_states
 from tunepod.launch.slurm import launcher as slurm_launcher
 from tunepod.launch.slurm import render
 from tunepod.launch.slurm import states as slurm_states
-from tunepod.launch.watchdog import Watchdog
+from tunepod.launch.watchdog import Stall, Watchdog
 from tunepod.locks import locked
+from tunepod.runtime import Result
 from tunepod.runtime.progress import RankProgress, read_progress
+from tunepod.steps import jobs, train
+from tunepod.steps.context import StepContext
+from tunepod.tracking.mirror import RunMirror
 
 
 @dataclass(frozen=True)
@@ -202,6 +207,47 @@ def _continued_without_looking() -> contextlib.AbstractContextManager[None]:
     return _patched(population.Population, "continuation_of", lambda self, number: None)
 
 
+def _train_step_leaks_lease() -> contextlib.AbstractContextManager[None]:
+    """A train step's ``run_job`` releasing its lease only when the drive returns (no ``finally``): a
+    drive that raises (a full disk, a lost lease) leaves the lease held, renewed by the process's
+    heartbeat, and every later driver of the job dir (the step's own retry too) follows it forever."""
+
+    def run_job(ctx: StepContext, job: jobs.StepJob, mirror: RunMirror) -> Result:
+        leases = lease.Leases(private_job_dirs=ctx.launcher.private_job_dirs)
+        held = drive.acquire_or_follow(leases, job.job_dir, what=job.what, poll_s=jobs.POLL_S)
+        driven = jobs._driver(ctx, job, mirror, leases).run(held)
+        held.release()
+        if driven.outcome is drive.Outcome.COMPLETED and driven.result is not None:
+            return driven.result
+        raise JobError(driven.message or f"{job.what} exited 0 without a result file")
+
+    return _patched(train, "run_job", run_job)
+
+
+def _preempted_is_completed() -> contextlib.AbstractContextManager[None]:
+    """The driver reading a job that exited 0 as completed, whatever stop signal its script saved and
+    exited on (a preemption): the run ends there, unfinished, its trial COMPLETE or its step failed."""
+    return _patched(
+        drive.JobDriver, "_ended_on_its_own", lambda self, state: state is base.JobState.SUCCEEDED
+    )
+
+
+def _started_at_first_step() -> contextlib.AbstractContextManager[None]:
+    """The watchdog counting a job as started at its first step rather than its first heartbeat: a
+    healthy job whose first step takes longer than the start-up timeout is stopped as hung."""
+    stall = Watchdog.stall
+
+    def started_at_first_step(self: Watchdog, job_id: str, now: float) -> Any:
+        limit = self.limits.startup_timeout_s
+        ranks = self._ranks()
+        if limit is None or not ranks or any(rank.beat.step is not None for rank, _ in ranks):
+            return stall(self, job_id, now)
+        ran = max(ran for _, ran in ranks)
+        return Stall(ran, [], []) if ran > limit else None
+
+    return _patched(Watchdog, "stall", started_at_first_step)
+
+
 MUTANTS = [
     Mutant("leases-leak", "issue 28, 2: leases of trials a failed ask never started stay held", _leases_leak),
     Mutant(
@@ -299,6 +345,25 @@ MUTANTS = [
         _continued_without_looking,
         # Every backend's seeds, though SageMaker's never run PBT: fewer kinds draw other scenarios.
         # Found by 10 of the first 1000 since the crashes just after a write (1 before).
+    ),
+    Mutant(
+        "train-step-leaks-lease",
+        "a train step's job driver releases its lease only when the drive returns, not when it raises",
+        _train_step_leaks_lease,
+        kinds=("slurm", "hyperpod_eks", "local"),  # the seeds with steps
+        # Found by seed 0 (a full disk under the train step's first submit).
+    ),
+    Mutant(
+        "preempted-completed",
+        "a job that saved and exited 0 on a preemption's stop signal is read as completed",
+        _preempted_is_completed,
+        # Found by seed 8 (a trial COMPLETE on a preemption's exit 0).
+    ),
+    Mutant(
+        "startup-at-first-step",
+        "the start-up timeout runs until a job's first step, not its first heartbeat",
+        _started_at_first_step,
+        # Found by seed 33 (a job 84 s starting up, stopped before its first step of a 88 s timeout).
     ),
 ]
 

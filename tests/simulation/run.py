@@ -5,15 +5,20 @@ An *orchestrator* is a simulated process running what ``tunepod run`` runs for a
 against the simulated Optuna database and MLflow store. A tune step that fails with a transient
 error is retried in the same process, as Prefect's task retries do (twice); a process whose step
 fails for good, or that is killed, is started again by the *operator* a little later, as a person or
-a deployment would. Timed faults strike from the *chaos* process. The run ends once a ``tunepod run``
-has returned with the study done and no orchestrator is left, or when an invariant breaks, or when
-the study fails to end ``settle_s`` after the faults stopped.
+a deployment would. In the seeds that draw them, *step workers* run the pipeline's train and
+evaluate steps beside the tune step (``simulation.steps``), struck by the same faults and started
+again by the same operator. Timed faults strike from the *chaos* process. The run ends once a
+``tunepod run`` has returned with the study done, the steps have run to their outcome, and no
+orchestrator or step worker is left; or when an invariant breaks; or when the study fails to end
+``settle_s`` after the faults stopped. Each return or raise of ``Tuner.run()`` is shown to the
+referee (``Referee.driver_returned``: the leases its process still renews).
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import os
 import shutil
 import tempfile
 import threading
@@ -33,6 +38,7 @@ from simulation.cluster import Cluster
 from simulation.invariants import Referee, StudyFacts, Violation
 from simulation.scenario import Scenario, TimedFault, scenario_of
 from simulation.scheduler import Entropy, Host, Process, Scheduler, SimulationError, SimWorld, Task
+from simulation.steps import Pipeline, StepSetup
 from simulation.stores import FaultSwitch, MlflowTwin, OptunaDatabase, SimStorage, SimTracker
 from simulation.trace import Trace
 from tunepod import world
@@ -75,12 +81,22 @@ warnings.filterwarnings("ignore", category=UserWarning, module="optuna")
 def run_seed(seed: int, *, scenario: Scenario | None = None, keep: Path | None = None) -> Outcome:
     """Run ``seed`` (or ``scenario``) once; ``keep``: leave its files there instead of deleting them."""
     scenario = scenario or scenario_of(seed)
-    root = Path(keep) if keep is not None else Path(tempfile.mkdtemp(prefix="tunepod-sim-", dir=_scratch()))
+    root = Path(keep) if keep is not None else _fresh_root(scenario.seed)
     try:
         return _Run(scenario, root).run()
     finally:
         if keep is None:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def _fresh_root(seed: int) -> Path:
+    """The seed's folder, the same path at each run of the seed in this process: the steps' job dirs
+    are keyed by what their jobs read (an evaluation, its checkpoint's path), and their names are in
+    the trace, which a replay compares."""
+    root = Path(_scratch() or tempfile.gettempdir()) / f"tunepod-sim-{os.getpid()}-{seed}"
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    return root
 
 
 def _scratch() -> str | None:
@@ -116,6 +132,7 @@ class _Run:
                 scenario.timeout_s,
                 scenario.hang_timeout_s,
                 scenario.max_restarts,
+                scenario.startup_timeout_s,
             ),
         )
         self.database.on_told = self.referee.told
@@ -132,6 +149,7 @@ class _Run:
         machine = Machine(self.sim, self.cluster, self.referee, root, nodes, self.orchestrator_hosts[0])
         self.backend = scenario.backend.make(machine)
         self.orchestrators: list[Process] = []
+        self.pipeline: Pipeline | None = None
         self.completed = False
         self.notes: list[str] = []
         self.parent_run_id = ""
@@ -166,6 +184,9 @@ class _Run:
         scenario = self.scenario
         self.parent_run_id = self.mlflow.new_id("pipeline-run-")
         self._start_orchestrator("first run")
+        if scenario.steps:
+            self.pipeline = self._pipeline()
+            self.pipeline.start_worker("first run")
         helper = self.sim.start_process("operator", Host("operator", "boot-operator", "pid:[operator]"))
         helper.spawn("operator", self._operate)
         helper.spawn("chaos", lambda: self._strike(scenario.timed))
@@ -173,7 +194,7 @@ class _Run:
         while not self.referee.violations:
             if self.sim.now >= START + scenario.fault_phase_s and self.switch.on:
                 self._faults_stop()
-            if self.completed and not any(p.alive for p in self.orchestrators):
+            if self._done():
                 self.referee.settled()
                 return
             if self.sim.now > deadline:
@@ -190,6 +211,28 @@ class _Run:
                 self.referee.violated("liveness", f"every thread waits forever ({self._state()})")
                 return
 
+    def _done(self) -> bool:
+        steps_done = self.pipeline is None or self.pipeline.done
+        return self.completed and steps_done and not any(p.alive for p in self.orchestrators)
+
+    def _drivers(self) -> list[Process]:
+        """The processes that drive jobs: the orchestrators, and the step workers."""
+        return self.orchestrators + (self.pipeline.workers if self.pipeline is not None else [])
+
+    def _pipeline(self) -> Pipeline:
+        setup = StepSetup(
+            self.scenario,
+            self.sim,
+            self.referee,
+            self.backend,
+            self.mlflow,
+            self.switch,
+            self.root,
+            self.orchestrator_hosts,
+            self.parent_run_id,
+        )
+        return Pipeline(setup)
+
     def _faults_stop(self) -> None:
         self.switch.on = False
         self.cluster.faults_on = False
@@ -203,8 +246,9 @@ class _Run:
         except KeyError:
             trials = []
         states = ", ".join(f"{t.number}:{t.state.name}" for t in trials)
-        alive = [p.name for p in self.orchestrators if p.alive]
-        return f"trials {states or 'none'}; orchestrators alive {alive}"
+        alive = [p.name for p in self._drivers() if p.alive]
+        steps = "" if self.pipeline is None else f"; steps settled: {self.pipeline.settled}"
+        return f"trials {states or 'none'}; orchestrators alive {alive}{steps}"
 
     # ------------------------------------------------------------------------------ orchestrators
 
@@ -222,7 +266,7 @@ class _Run:
         quiet_from_the_start = not self.switch.on
         for attempt in range(_STEP_RETRIES + 1):
             try:
-                Tuner(ctx).run()
+                self._tune(process, ctx)
             except Exception as exc:
                 if is_transient(exc) and attempt < _STEP_RETRIES:
                     self.trace.event(
@@ -239,6 +283,15 @@ class _Run:
                 self.trace.event(self.sim.now, "process", f"{process.name}: tunepod run completes")
                 break
         self._exit(process)
+
+    def _tune(self, process: Process, ctx: TuneContext) -> None:
+        """``Tuner.run()``, its return or raise shown to the referee (its leases)."""
+        try:
+            Tuner(ctx).run()
+        except Exception:
+            self.referee.driver_returned(process, "Tuner.run()")
+            raise
+        self.referee.driver_returned(process, "Tuner.run()")
 
     def _exit(self, process: Process) -> None:
         self.sim.exit(process, "tunepod run returned")
@@ -280,11 +333,13 @@ class _Run:
             world.sleep(30.0)
             if not self.completed and not any(p.alive for p in self.orchestrators):
                 self._start_orchestrator("the operator runs it again")
+            if self.pipeline is not None:
+                self.pipeline.operate()
 
     def _strike(self, timed: tuple[TimedFault, ...]) -> None:
         for fault in timed:
             world.sleep(max(0.0, START + fault.at - self.sim.now))
-            alive = [p for p in self.orchestrators if p.alive]
+            alive = [p for p in self._drivers() if p.alive]
             if fault.kind == "second_orchestrator":
                 self._start_orchestrator("a second run beside the first")
             elif fault.kind == "clock_jump":
@@ -303,14 +358,14 @@ class _Run:
         process = self.sim.process
         return (
             self.switch.on
-            and process in self.orchestrators
+            and process in self._drivers()
             and self.sim.choices.chance(self.scenario.disk_full_per_write)
         )
 
     def _maybe_crash(self, task: Task) -> None:
         """A crash anywhere: the orchestrator that just ran dies where its thread stopped."""
         process = task.process
-        orchestrating = self.switch.on and process in self.orchestrators and process.alive
+        orchestrating = self.switch.on and process in self._drivers() and process.alive
         if orchestrating and self.sim.choices.chance(self.scenario.crash_per_step):
             self.sim.crash(process, f"SIGKILL while {task.name} was at {task.waiting_for}")
 
@@ -345,6 +400,7 @@ def _settings(scenario: Scenario) -> TuneSettings:
                 "resources": resources,
                 "max_restarts": scenario.max_restarts,
                 "hang_timeout_s": scenario.hang_timeout_s,
+                "startup_timeout_s": scenario.startup_timeout_s,
             },
             "study": {
                 "name": STUDY,

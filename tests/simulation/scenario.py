@@ -2,10 +2,13 @@
 
 Faults come in two kinds. *Rates* apply at every boundary call while the fault phase lasts (a store
 call failing before or after it commits, a backend command timing out or losing its reply, a job
-crashing or hanging at a step, a Slurm requeue, a Slurm node that stops answering or is set DOWN).
+crashing, hanging or being preempted at a step, a job slow to start up or never starting, a Slurm
+requeue, a Slurm node that stops answering or is set DOWN).
 *Timed faults* strike once, at a time of the fault phase: an orchestrator killed (SIGKILL), stalled
 past its lease TTL, its host's clock jumping, a second orchestrator started beside the first. After
 ``fault_phase_s`` every fault stops, and the study must then end (liveness) within ``settle_s``.
+Draws added later (ASHA, PBT, crashes after writes, node failures, start-ups, preemptions, the train
+and evaluate steps) come from random sources of their own, so a seed's earlier draws stay as they were.
 """
 
 from __future__ import annotations
@@ -67,6 +70,10 @@ class Scenario:
     """Orchestrators alternate between two hosts (their pids cannot be looked up across them)."""
     num_nodes: int = 1
     """Nodes per job (``resources.num_nodes``): drawn for Slurm's seeds, whose twin allocates them."""
+    startup_timeout_s: float | None = 1800.0
+    """``train.startup_timeout_s``: how long a running job may take to send its first heartbeat."""
+    steps: tuple[str, ...] = ()
+    """The pipeline's train and evaluate steps run beside the tune step (``simulation.steps``)."""
 
     def quiet(self) -> Scenario:
         """The same study and cluster without any fault (for a run's baseline)."""
@@ -109,6 +116,10 @@ class Scenario:
                 f"an orchestrator crashes just after an Optuna write commits with probability "
                 f"{self.crash_after_write:.3f}"
             )
+        if self.startup_timeout_s != 1800.0:
+            lines.append(f"start-up timeout {self.startup_timeout_s:.0f}s")
+        if self.steps:
+            lines.append(f"steps beside the tune step: {', '.join(self.steps)}")
         lines += [f"timed: {fault.describe()}" for fault in self.timed]
         return "\n".join(lines)
 
@@ -152,7 +163,8 @@ def scenario_of(seed: int, *, kinds: tuple[str, ...] = KINDS) -> Scenario:
         # The local launcher's jobs are processes of one machine, the orchestrators' own.
         two_hosts=backend.kind != "local" and draw.random() < 0.5,
     )
-    return _with_node_failures(_with_crashes_after_writes(_with_pbt(_with_asha(scenario))))
+    scenario = _with_node_failures(_with_crashes_after_writes(_with_pbt(_with_asha(scenario))))
+    return _with_steps(_with_preemptions(_with_slow_starts(scenario)))
 
 
 def _with_asha(scenario: Scenario) -> Scenario:
@@ -212,3 +224,41 @@ def _timed_faults(draw: random.Random, phase_s: float) -> list[TimedFault]:
                 seconds = draw.choice([-1, 1]) * draw.uniform(1.0, 300.0)
             faults.append(TimedFault(draw.uniform(0.0, phase_s), kind, seconds))
     return faults
+
+
+def _with_slow_starts(scenario: Scenario) -> Scenario:
+    """A start-up timeout in about half the seeds, drawn apart (as ASHA's), with jobs whose first
+    heartbeat comes late (up to twice the timeout: some are stopped as hung, some not) and jobs that
+    never send one."""
+    draw = random.Random(f"start-up-{scenario.seed}")
+    if draw.random() >= 0.5:
+        return scenario
+    startup_timeout_s = draw.uniform(20.0, 90.0)
+    jobs = replace(
+        scenario.jobs,
+        slow_start=rate(draw, 0.6),
+        slow_start_s=2 * startup_timeout_s,
+        never_starts=rate(draw, 0.1),
+    )
+    return replace(scenario, startup_timeout_s=startup_timeout_s, jobs=jobs)
+
+
+def _with_preemptions(scenario: Scenario) -> Scenario:
+    """Preemptions (a stop signal the script saves and exits 0 on) in about half the seeds without a
+    run-time limit, drawn apart: with a limit, a signal near it is the limit's warning (timed out)."""
+    if scenario.timeout_s is not None:
+        return scenario
+    draw = random.Random(f"preemption-{scenario.seed}")
+    return replace(scenario, jobs=replace(scenario.jobs, preempt=rate(draw, 0.2)))
+
+
+def _with_steps(scenario: Scenario) -> Scenario:
+    """A train step, and in half of those an evaluate step after it, beside the tune step in about a
+    third of the seeds, drawn apart. Not SageMaker's: its twin finds a job's dir from its checkpoint
+    folder, which for an evaluation is the trained job's."""
+    if scenario.backend.kind == "sagemaker":
+        return scenario
+    draw = random.Random(f"steps-{scenario.seed}")
+    if draw.random() >= 1 / 3:
+        return scenario
+    return replace(scenario, steps=("train", "evaluate") if draw.random() < 0.5 else ("train",))

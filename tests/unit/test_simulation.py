@@ -26,10 +26,18 @@ def test_a_seed_replays_its_run_event_for_event() -> None:
 
 # Mutants a few seeds find (make simulate SIMULATE_ARGS=--mutants hunts every one, on its backends):
 # the short form shows that the invariants can fail, on the tuner, the watchdog, three launchers (Slurm's
-# under node failures), and ASHA.
+# under node failures), ASHA, and a train step's lease.
 @pytest.mark.parametrize(
     "name",
-    ["half-asked", "host-clock", "leftovers-ignored", "gone-intent", "early-pause", "node-fail-cancelled"],
+    [
+        "half-asked",
+        "host-clock",
+        "leftovers-ignored",
+        "gone-intent",
+        "early-pause",
+        "node-fail-cancelled",
+        "train-step-leaks-lease",
+    ],
 )
 def test_the_simulation_finds_a_fixed_defect_put_back(name: str) -> None:
     put_back = mutant(name)

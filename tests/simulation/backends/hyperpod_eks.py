@@ -317,6 +317,8 @@ class KubeServer:
         self._print_progress(obj, run)
         deadline = obj.run_policy.get("activeDeadlineSeconds")
         recur = self._recurring_s(obj)
+        if obj.printed is None:  # no progress line yet: the rule's start cut-off, where it has one
+            recur = self._start_cutoff_s(obj) or recur
         silent_since = obj.printed[0] if obj.printed is not None else run.started_at
         if deadline is not None and now - obj.started_at >= float(deadline):
             self._kill(obj, "activeDeadlineSeconds", code=143)
@@ -336,7 +338,7 @@ class KubeServer:
         """The runtime's progress line, at a heartbeat, as ``tunepod.runtime.progress`` prints it."""
         now = self.sim.now
         every = obj.env.get(PROGRESS_LOG_S_ENV)
-        if every is None or now < obj.next_beat:
+        if every is None or now < obj.next_beat or run.beating_at is None:  # printed from runtime.init
             return
         obj.next_beat += HEARTBEAT_S
         told = obj.printed
@@ -361,6 +363,19 @@ class KubeServer:
             if "expectedRecurringFrequencyInSeconds" in rule and re.fullmatch(str(rule["logPattern"]), line)
         ]
         return min(recurring, default=None)
+
+    def _start_cutoff_s(self, obj: JobObject) -> float | None:
+        """The ``expectedStartCutOffInSeconds`` of HyperPod's progress rule: how long a started job
+        may go without its first progress line (None: no such rule)."""
+        if obj.crd.kind != "HyperPodPyTorchJob":
+            return None
+        rules = obj.run_policy.get("logMonitoringConfiguration") or []
+        cutoffs = [
+            float(rule["expectedStartCutOffInSeconds"])
+            for rule in rules
+            if "expectedStartCutOffInSeconds" in rule
+        ]
+        return min(cutoffs, default=None)
 
     def _start(self, obj: JobObject) -> None:
         """The pods run (created the first time, their containers restarted after that)."""
