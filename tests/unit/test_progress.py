@@ -316,6 +316,28 @@ def test_a_rank_a_lost_node_left_behind_does_not_stop_the_run_after_it(
     assert Watchdog(paths, Limits(timeout_s=400, hang_timeout_s=60)).stall("1234", clocks.wall) is None
 
 
+def test_the_next_run_counts_though_its_nodes_clock_stepped_back_between_the_runs(
+    tmp_path: Path, clocks: ManualClocks
+) -> None:
+    """Found by the simulation: a local job's host clock stepped back 99 s between a restart and the
+    new run's first beat, whose start then read as older than the ended run's; taken for a left-behind
+    rank, the new run looked silent and was stopped as stuck starting up. Earlier runs' ranks are
+    known by identity (host, pid, start), not by a start compared across runs."""
+    paths = JobPaths(tmp_path)
+    now = clocks.wall
+    paths.progress.mkdir(parents=True)
+    (paths.progress / "rank-0.json").write_text(beat_of(now - 30, now - 2, now - 1, host="node-1", pid=7))
+    watchdog = Watchdog(paths, Limits(hang_timeout_s=60, startup_timeout_s=30))
+    assert watchdog.stall("job-1", now) is None
+    watchdog.new_run("job-1")  # restarted
+    assert watchdog.stall("job-2", now) is None  # the first look at the new job running
+    clocks.advance(40)
+    (paths.progress / "rank-0.json").write_text(beat_of(now - 90, now - 90, now - 89, host="node-1", pid=9))
+    assert watchdog.stall("job-2", clocks.wall) is None, "the new run's beat was taken for the old run's"
+    (paths.progress / "rank-0.json").write_text(beat_of(now - 30, now - 2, now + 39, host="node-1", pid=7))
+    assert watchdog.stall("job-2", clocks.wall) is None  # the old run's rank, beating on: passed over
+
+
 def test_a_rank_left_behind_by_a_requeue_nobody_saw_gives_way_to_the_new_run(
     tmp_path: Path, clocks: ManualClocks
 ) -> None:

@@ -22,12 +22,14 @@ cannot stop a healthy job early.
 A rank's heartbeat counts only for the run it belongs to. A run that is over may leave a rank
 behind that beats on into the same file: on a node whose slurmd died, Slurm requeues the job (or
 ends it NODE_FAIL and the driver restarts it) while the processes there live on until someone kills
-them, stuck or training. So when a run is over (``new_run``: a requeue seen, a restart), the newest
-start of its ranks is kept in ``earlier_runs.json``, and a rank that started no later belongs to an
-earlier run; so does one that started before a beat already heard of the same rank (a requeue no
-driver saw). Its beat is passed over, and the rank's last beat of the current run stands for it.
-Starts are compared on the ranks' own clocks, never the driver's: a requeued run starts a
-SlurmdTimeout and a queue wait after the run it replaces.
+them, stuck or training. So when a run is over (``new_run``: a requeue seen, a restart), the
+identities of its ranks (host, pid and start, which a process keeps as long as it beats) are kept in
+``earlier_runs.json``, and a beat of one of them belongs to an earlier run, whatever the clocks say
+(a node's clock stepped back between two runs makes the next run's starts look older). A rank that
+started before a beat already heard of the same rank (a requeue no driver saw) belongs to an
+earlier run too, by the ranks' own clocks (never the driver's: a requeued run starts a SlurmdTimeout
+and a queue wait after the run it replaces). Its beat is passed over, and the rank's last beat of
+the current run stands for it.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ from tunepod.spec.resources import Resources
 TIME_LIMIT_SIGNAL_SLACK_S = 60.0
 # How often the watched time of a job without heartbeats is recorded: what a crash of the driver loses.
 WATCH_RECORD_S = 30.0
+# Ranks of ended runs kept in earlier_runs.json: restarts times ranks, bounded for a long-lived job dir.
+MAX_EARLIER_RANKS = 4096
 
 
 class EarlierRuns(BaseModel):
@@ -55,8 +59,10 @@ class EarlierRuns(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     started_until: float
-    """The newest start (on its rank's clock) of a rank of a run that is over: a rank that started no
-    later is not of the current run."""
+    """The newest start (on its rank's clock) of a rank of a run that is over; what tells an earlier
+    run's rank in a record without ``ranks``."""
+    ranks: list[tuple[str, int, float]] = []
+    """(host, pid, started_at) of every rank of the runs that are over (the newest ``MAX_EARLIER_RANKS``)."""
     job_id: str | None = None
     """The job whose run was the last to be over."""
     stop_requested_at: float | None = None
@@ -230,11 +236,21 @@ class Watchdog:
         in its queue, as a Slurm requeue, or the driver restarts it): both clocks start again, and the
         last run's heartbeats, even those its ranks left behind go on writing, never count against the
         next run (see the module docstring); whether it was asked to stop is kept."""
-        starts = [beat.started_at for beat in (*read_progress(self.paths.progress), *self._current.values())]
+        beats = [*read_progress(self.paths.progress), *self._current.values()]
         stopped = self.stop_requested_at()
-        over = self._over()
-        if starts and (over is None or max(starts) > over):
-            record = EarlierRuns(started_until=max(starts), job_id=job_id, stop_requested_at=stopped)
+        earlier = self._earlier()
+        if beats:
+            known = earlier.ranks if earlier is not None else []
+            ranks = list(dict.fromkeys([*known, *(_identity(beat) for beat in beats)]))
+            started_until = max(beat.started_at for beat in beats)
+            if earlier is not None:
+                started_until = max(started_until, earlier.started_until)
+            record = EarlierRuns(
+                started_until=started_until,
+                ranks=ranks[-MAX_EARLIER_RANKS:],
+                job_id=job_id,
+                stop_requested_at=stopped,
+            )
             write_bytes_atomic(self.paths.earlier_runs, record.model_dump_json().encode())
         self.paths.running.unlink(missing_ok=True)
         for beat_file in self.paths.progress.glob("rank-*.json"):
@@ -279,24 +295,18 @@ class Watchdog:
 
     def _beats(self) -> list[RankProgress]:
         """The current run's heartbeats, one per rank (see the module docstring)."""
-        over = self._over()
+        earlier = self._earlier()
         beats = []
         for beat in read_progress(self.paths.progress):
             heard = self._current.get(beat.rank)
-            if (over is not None and beat.started_at <= over) or (
-                heard is not None and beat.started_at < heard.started_at
-            ):
-                if heard is not None and (over is None or heard.started_at > over):
+            started_before_heard = heard is not None and beat.started_at < heard.started_at
+            if _of_an_earlier_run(beat, earlier) or started_before_heard:
+                if heard is not None and not _of_an_earlier_run(heard, earlier):
                     beats.append(heard)
                 continue
             self._current[beat.rank] = beat
             beats.append(beat)
         return beats
-
-    def _over(self) -> float | None:
-        """``earlier_runs.json``'s ``started_until``; None when no run of the job dir is over yet."""
-        earlier = self._earlier()
-        return earlier.started_until if earlier is not None else None
 
     def _earlier(self) -> EarlierRuns | None:
         try:
@@ -320,3 +330,16 @@ def _idle_s(beat: RankProgress) -> float:
 def _ran_s(beat: RankProgress) -> float:
     """How long the rank had run when it beat."""
     return beat.ran_s if beat.ran_s is not None else max(0.0, beat.beat_at - beat.started_at)
+
+
+def _identity(beat: RankProgress) -> tuple[str, int, float]:
+    return (beat.host, beat.pid, beat.started_at)
+
+
+def _of_an_earlier_run(beat: RankProgress, earlier: EarlierRuns | None) -> bool:
+    """Whether ``beat`` is of a rank of a run that is over (see the module docstring)."""
+    if earlier is None:
+        return False
+    if earlier.ranks:
+        return _identity(beat) in {tuple(rank) for rank in earlier.ranks}
+    return beat.started_at <= earlier.started_until
