@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from simulation.scheduler import Host, Process, Scheduler
+from simulation.scheduler import Host, Process, Scheduler, SimLock
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.submission import read_cancel_marker
 from tunepod.runtime import CHECKPOINT_DIR_ENV
@@ -100,6 +100,14 @@ class JobRun:
     """When the backend stopped it with a signal its script saved on and exited 0 by."""
     saved_when_preempted: int | None = None
     """The newest step of its job dir saved when it was preempted: the next run resumes after it."""
+    beats_over: bool = False
+    """Its last heartbeat (``finished``) is written: as the runtime's, no beat comes after it."""
+    beat_lock: SimLock | None = None
+    """One heartbeat write at a time, as the runtime's lock does (a beat built before the last one
+    must not land after it)."""
+    wall_readings: dict[float, float] = field(default_factory=dict)
+    """A moment of true time -> its host's wall clock then, as the runtime reads it once (its start,
+    an advance, a stop signal) and keeps it: a later jump of that clock moves none of them."""
 
 
 @dataclass
@@ -309,21 +317,30 @@ class Cluster:
             self._beat(run, paths, step=self._last_step(paths))
 
     def _beat(self, run: JobRun, paths: JobPaths, *, step: int | None, finished: bool = False) -> None:
+        if run.beat_lock is None:
+            run.beat_lock = SimLock(self.sim)
+        with run.beat_lock:
+            if not run.beats_over:
+                self._write_beat(run, paths, step=step, finished=finished)
+                run.beats_over = finished
+
+    def _write_beat(self, run: JobRun, paths: JobPaths, *, step: int | None, finished: bool) -> None:
         now = self._now(run)
         beat = RankProgress(
             rank=0,
             host=run.process.host.name,
             pid=run.process.pid,
-            started_at=run.started_at + run.process.host.skew_s,
+            started_at=self._wall(run, run.started_at),
             beat_at=now,
-            advanced_at=run.last_progress_at + run.process.host.skew_s,
+            advanced_at=self._wall(run, run.last_progress_at),
             step=step,
             interval_s=HEARTBEAT_S,
             finished=finished,
             stop_signal="SIGTERM" if run.preempted_at is not None else None,
-            stop_requested_at=None
-            if run.preempted_at is None
-            else run.preempted_at + run.process.host.skew_s,
+            stop_requested_at=None if run.preempted_at is None else self._wall(run, run.preempted_at),
+            # As the runtime measures them: on the monotonic clock, which no jump moves.
+            idle_s=self.sim.now - run.last_progress_at,
+            ran_s=self.sim.now - run.started_at,
         )
         record = asdict(beat)
         del record["telemetry"]
@@ -338,6 +355,10 @@ class Cluster:
 
     def _now(self, run: JobRun) -> float:
         return self.sim.now + run.process.host.skew_s
+
+    def _wall(self, run: JobRun, moment: float) -> float:
+        """The wall-clock reading the runtime took at ``moment`` (read now, at its first beat after)."""
+        return run.wall_readings.setdefault(moment, moment + run.process.host.skew_s)
 
 
 def score(params: dict[str, float], step: int) -> float:

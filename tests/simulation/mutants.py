@@ -228,7 +228,7 @@ def _preempted_is_completed() -> contextlib.AbstractContextManager[None]:
     """The driver reading a job that exited 0 as completed, whatever stop signal its script saved and
     exited on (a preemption): the run ends there, unfinished, its trial COMPLETE or its step failed."""
     return _patched(
-        drive.JobDriver, "_ended_on_its_own", lambda self, state: state is base.JobState.SUCCEEDED
+        drive.JobDriver, "_ended_on_its_own", lambda self, handle, state: state is base.JobState.SUCCEEDED
     )
 
 
