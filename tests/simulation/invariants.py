@@ -493,12 +493,15 @@ class Referee:
             )
 
     def _restart_allowed(self, failure: NodeFailure) -> bool:
-        """The job ended NODE_FAIL on its own (no stop but a hang's was asked) with restarts left."""
+        """The job ended NODE_FAIL on its own (no stop but a hang's was asked) with restarts left, and
+        is still its job dir's last attempt (a restart that never ran, and ended otherwise, is not)."""
         paths = JobPaths(failure.job_dir)
         record = read_submission(paths)
         marker = read_cancel_marker(paths)
         stopped = marker is not None and marker.job_id in (failure.job_id, "") and marker.reason != "hung"
-        return record is not None and not stopped and record.attempt - 1 < self.facts.max_restarts
+        if record is None or stopped or record.job_id not in (None, failure.job_id):
+            return False
+        return record.attempt - 1 < self.facts.max_restarts
 
     def _mirrored(self, trial: FrozenTrial) -> None:
         key = f"{self.facts.study}/trial-{trial.number}"
