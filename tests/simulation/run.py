@@ -6,10 +6,10 @@ against the simulated Optuna database and MLflow store. A tune step that fails w
 error is retried in the same process, as Prefect's task retries do (twice); a process whose step
 fails for good, or that is killed, is started again by the *operator* a little later, as a person or
 a deployment would. Timed faults strike from the *chaos* process; faults at any yield point (a crash,
-a stall, a clock jump) strike the process whose thread just ran, after its step, where it stopped
-(``_fault_at_yield_point``). The run ends once a ``tunepod run``
-has returned with the study done and no orchestrator is left, or when an invariant breaks, or when
-the study fails to end ``settle_s`` after the faults stopped.
+a stall, a clock jump) strike the process whose thread just ran, where it stopped, a lock or a fence
+held or not (``_fault_at_yield_point``). The run ends once a ``tunepod run`` has returned with the
+study done and no orchestrator is left, or when an invariant breaks, or when the study fails to end
+``settle_s`` after the faults stopped.
 """
 
 from __future__ import annotations
