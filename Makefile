@@ -89,8 +89,10 @@ chaos: venv
 	$(PY) -m benchmarks.chaos $(CHAOS_ARGS)
 
 # The deterministic simulation of the tuning loop (tests/simulation): the real tuner, drivers, leases,
-# outbox and mirrors (and, in some seeds, the train and evaluate steps' run_job) over simulated time,
-# processes, backends and stores, faults at every boundary, the invariants checked after every step. SEEDS seeds on two processes (prints "seeds: N, violations: K");
+# outbox and mirrors (and, in some seeds, the train and evaluate steps' run_job) over simulated time
+# (every call lasting a duration drawn from the seed), processes, backends and stores, faults at every
+# boundary and at any yield point, the invariants checked after every step. SEEDS seeds on two
+# processes (prints "seeds: N, violations: K");
 # one seed with its trace and a replay: make simulate SEED=42 (SIMULATE_ARGS=--shrink: the fewest
 # faults that still break it); every fixed defect put back, each to be found: SIMULATE_ARGS=--mutants.
 SEEDS ?= 1000

@@ -177,6 +177,7 @@ class Cluster:
         reports, heartbeats, checkpoints and result (default: ``job_dir``'s; a backend whose jobs
         write elsewhere, such as SageMaker without a writable FSx, says where)."""
         process = self.sim.start_process(f"job {job_id}", node)
+        self.sim.starts_late(process, self.sim.latency.process_start)
         attempt_key = env.get("TUNEPOD_SUBMISSION_ID", "")
         run = JobRun(job_dir, job_id, attempt_key, self.sim.now, process, last_progress_at=self.sim.now)
         self.runs.append(run)

@@ -34,6 +34,7 @@ from tunepod.runtime.progress import RankProgress, read_progress
 from tunepod.steps import jobs, train
 from tunepod.steps.context import StepContext
 from tunepod.tracking.mirror import RunMirror
+from tunepod.tracking.outbox import TrackingOutbox
 
 
 @dataclass(frozen=True)
@@ -248,6 +249,45 @@ def _started_at_first_step() -> contextlib.AbstractContextManager[None]:
     return _patched(Watchdog, "stall", started_at_first_step)
 
 
+def _fence_checked_before_lock() -> contextlib.AbstractContextManager[None]:
+    """The fence checking the lease before it takes the lease lock: a holder that stalls between the
+    check and the lock, past its TTL, acts while another driver holds the lease."""
+
+    @contextlib.contextmanager
+    def check_then_lock(self: lease.Lease) -> Iterator[None]:
+        with self._fence_thread:
+            if self._fence_depth:
+                self._fence_depth += 1
+                try:
+                    yield
+                finally:
+                    self._fence_depth -= 1
+                return
+            self.leases.check(self)
+            with locked(JobPaths(self.job_dir).lease_lock):
+                self._fence_depth = 1
+                try:
+                    yield
+                finally:
+                    self._fence_depth = 0
+
+    return _patched(lease.Lease, "fenced", check_then_lock)
+
+
+def _readded_mirror_dropped() -> contextlib.AbstractContextManager[None]:
+    """The outbox ending a sync by dropping its mirror, whether or not a driver added it again while
+    the sync was under way: what that driver added (a report, the final record) never reaches MLflow."""
+
+    def synced(self: TrackingOutbox, mirror: RunMirror, version: int) -> None:
+        with self._cond:
+            self._syncing.discard(id(mirror))
+            self._waiting.pop(id(mirror), None)
+            self._failing_since = None
+            self._cond.notify_all()
+
+    return _patched(TrackingOutbox, "_synced", synced)
+
+
 MUTANTS = [
     Mutant("leases-leak", "issue 28, 2: leases of trials a failed ask never started stay held", _leases_leak),
     Mutant(
@@ -364,6 +404,18 @@ MUTANTS = [
         "the start-up timeout runs until a job's first step, not its first heartbeat",
         _started_at_first_step,
         # Found by seed 33 (a job 84 s starting up, stopped before its first step of a 88 s timeout).
+    ),
+    Mutant(
+        "fence-check-before-lock",
+        "a lease's fence checks the lease before it takes the lease lock: a stall between the two, past "
+        "the TTL, and the old holder acts beside the new one",
+        _fence_checked_before_lock,
+    ),
+    Mutant(
+        "outbox-drops-readded",
+        "the tracking outbox drops a mirror added again while its sync was under way: the newest records "
+        "never reach MLflow",
+        _readded_mirror_dropped,
     ),
 ]
 

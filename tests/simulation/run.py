@@ -7,11 +7,13 @@ error is retried in the same process, as Prefect's task retries do (twice); a pr
 fails for good, or that is killed, is started again by the *operator* a little later, as a person or
 a deployment would. In the seeds that draw them, *step workers* run the pipeline's train and
 evaluate steps beside the tune step (``simulation.steps``), struck by the same faults and started
-again by the same operator. Timed faults strike from the *chaos* process. The run ends once a
-``tunepod run`` has returned with the study done, the steps have run to their outcome, and no
-orchestrator or step worker is left; or when an invariant breaks; or when the study fails to end
-``settle_s`` after the faults stopped. Each return or raise of ``Tuner.run()`` is shown to the
-referee (``Referee.driver_returned``: the leases its process still renews).
+again by the same operator. Timed faults strike from the *chaos* process; faults at any yield point
+(a crash, a stall, a clock jump) strike the process whose thread just ran, where it stopped, a lock
+or a fence held or not (``_fault_at_yield_point``). The run ends once a ``tunepod run`` has returned
+with the study done, the steps have run to their outcome, and no orchestrator or step worker is
+left; or when an invariant breaks; or when the study fails to end ``settle_s`` after the faults
+stopped. Each return or raise of ``Tuner.run()`` is shown to the referee
+(``Referee.driver_returned``: the leases its process still renews).
 """
 
 from __future__ import annotations
@@ -53,6 +55,11 @@ STUDY = "sim"
 METRIC = "score"
 _STEP_RETRIES = 2
 _MAX_STEPS = 400_000
+_STALLS_S = ((0.05, 5.0), (5.0, 55.0), (61.0, 240.0))
+"""An orchestrator's stalls at a yield point: a pause (a GC, a busy host), a long one within the lease
+TTL (swapping, a hung NFS read), and one past it (a frozen VM, SIGSTOP), a third of them each."""
+_JOB_STALL_S = (0.5, 30.0)
+"""A job's stalls: a slow read of its data, a checkpoint on a busy filesystem."""
 
 
 @dataclass
@@ -110,7 +117,7 @@ class _Run:
         self.scenario = scenario
         self.root = root
         self.trace = Trace(START)
-        self.sim = Scheduler(Choices(scenario.seed), self.trace, start_time=START)
+        self.sim = Scheduler(Choices(scenario.seed), self.trace, start_time=START, latency=scenario.latency)
         self.world = SimWorld(self.sim, Entropy(scenario.seed))
         self.switch = FaultSwitch()
         self.database = OptunaDatabase()
@@ -138,7 +145,7 @@ class _Run:
         self.database.on_told = self.referee.told
         self.database.on_asha = self.referee.asha_state_written
         self.sim.on_thread_death = self._thread_died
-        self.sim.after_step = self._maybe_crash
+        self.sim.after_step = self._fault_at_yield_point
         self.orchestrator_hosts = [
             Host(f"orchestrator-host-{n}", f"boot-o{n}", f"pid:[o{n}]") for n in range(2)
         ]
@@ -153,6 +160,8 @@ class _Run:
         self.completed = False
         self.notes: list[str] = []
         self.parent_run_id = ""
+        self._job_processes: set[Process] = set()
+        self._runs_seen = 0
 
     # ------------------------------------------------------------------------------ the run
 
@@ -362,12 +371,39 @@ class _Run:
             and self.sim.choices.chance(self.scenario.disk_full_per_write)
         )
 
-    def _maybe_crash(self, task: Task) -> None:
-        """A crash anywhere: the orchestrator that just ran dies where its thread stopped."""
+    def _fault_at_yield_point(self, task: Task) -> None:
+        """A fault anywhere, while faults are on: the orchestrator that just ran is killed, stalled,
+        or its host's clock jumps, where its thread stopped (inside a lock or a lease's fence, or in
+        the middle of a call that takes time); a job's training process that just ran may stall."""
         process = task.process
-        orchestrating = self.switch.on and process in self._drivers() and process.alive
-        if orchestrating and self.sim.choices.chance(self.scenario.crash_per_step):
-            self.sim.crash(process, f"SIGKILL while {task.name} was at {task.waiting_for}")
+        if not (self.switch.on and process.alive):
+            return
+        if process in self._drivers():
+            self._orchestrator_fault(task)
+        elif self._is_job(process) and self.sim.choices.chance(self.scenario.job_stall_per_step):
+            self.sim.stall(process, self.sim.choices.uniform(*_JOB_STALL_S), f" at {task.waiting_for}")
+
+    def _orchestrator_fault(self, task: Task) -> None:
+        process, scenario, choices = task.process, self.scenario, self.sim.choices
+        where = f"{task.name} at {task.waiting_for}"
+        if choices.chance(scenario.crash_per_step):
+            self.sim.crash(process, f"SIGKILL while {where}")
+        elif choices.chance(scenario.stall_per_step):
+            self.sim.stall(process, choices.uniform(*choices.pick(_STALLS_S)), f" while {where}")
+        elif choices.chance(scenario.clock_jump_per_step):
+            jump = choices.pick((-1, 1)) * choices.uniform(1.0, 300.0)
+            process.host.skew_s += jump
+            self.trace.event(
+                self.sim.now, "fault", f"the clock of {process.host.name} jumps {jump:+.0f}s while {where}"
+            )
+
+    def _is_job(self, process: Process) -> bool:
+        """Whether ``process`` runs a job's training program (the cluster's runs only ever grow)."""
+        runs = self.cluster.runs
+        while self._runs_seen < len(runs):
+            self._job_processes.add(runs[self._runs_seen].process)
+            self._runs_seen += 1
+        return process in self._job_processes
 
     def _thread_died(self, task: object, exc: BaseException) -> None:
         self.referee.violated("no thread dies", f"{task} died: {type(exc).__name__}: {exc}")
@@ -423,7 +459,8 @@ def _settings(scenario: Scenario) -> TuneSettings:
 @contextmanager
 def _sim_files(sim: Scheduler, full: Callable[[], bool]) -> Iterator[None]:
     """Every atomic record write (``tunepod.runtime.files.write_bytes_atomic``, which starts with a
-    temporary file) becomes a yield point: a crash may strike just before any record is written; and
+    temporary file) becomes a yield point that takes time (``Latency.write``): a fault may strike just
+    before any record is written, or while it is; and
     when ``full()`` says so, the filesystem is full (ENOSPC) for that write. Only the simulation's
     own OS thread (where all its greenlets run) meets it: a real thread of the same process (another
     test's, under pytest) writes as usual."""
@@ -432,7 +469,7 @@ def _sim_files(sim: Scheduler, full: Callable[[], bool]) -> Iterator[None]:
 
     def mkstemp(*args: Any, **kwargs: Any) -> tuple[int, str]:
         if sim.current is not None and threading.get_ident() == simulation_thread:
-            sim.pause("write")
+            sim.takes("write", sim.latency.write)
             if full():
                 sim.trace.event(sim.now, "fault", f"{sim.process}: a write fails, the disk is full")
                 raise OSError(errno.ENOSPC, "No space left on device (simulated)")

@@ -5,10 +5,17 @@ call failing before or after it commits, a backend command timing out or losing 
 crashing, hanging or being preempted at a step, a job slow to start up or never starting, a Slurm
 requeue, a Slurm node that stops answering or is set DOWN).
 *Timed faults* strike once, at a time of the fault phase: an orchestrator killed (SIGKILL), stalled
-past its lease TTL, its host's clock jumping, a second orchestrator started beside the first. After
-``fault_phase_s`` every fault stops, and the study must then end (liveness) within ``settle_s``.
-Draws added later (ASHA, PBT, crashes after writes, node failures, start-ups, preemptions, the train
-and evaluate steps) come from random sources of their own, so a seed's earlier draws stay as they were.
+past its lease TTL, its host's clock jumping, a second orchestrator started beside the first. *Faults
+at any yield point* strike an orchestrator where its thread stopped, a lock or a lease's fence held or
+not: a SIGKILL, a stall (short, or past the lease TTL), its host's clock jumping; and a job's training
+process may stall there too. After ``fault_phase_s`` every fault stops, and the study must then end
+(liveness) within ``settle_s``. Draws added later (ASHA, PBT, crashes after writes, node failures,
+start-ups, preemptions, the train and evaluate steps, time) come from random sources of their own, so
+a seed's earlier draws stay as they were.
+
+Time passes: each seed draws a *latency profile* (``scheduler.Latency``), how long each kind of call
+takes (Optuna, MLflow, a backend's API, a local syscall, a record written, a job's process starting):
+instant in some seeds (every interleaving within one instant), slow in others.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from simulation.backends import KINDS, BackendSettings, draws, rate
 from simulation.backends.slurm import SlurmSettings, with_node_failures
 from simulation.cluster import JobFaults, Program
+from simulation.scheduler import Latency, Span
 from simulation.stores import Faults
 
 
@@ -74,6 +82,14 @@ class Scenario:
     """``train.startup_timeout_s``: how long a running job may take to send its first heartbeat."""
     steps: tuple[str, ...] = ()
     """The pipeline's train and evaluate steps run beside the tune step (``simulation.steps``)."""
+    latency: Latency = field(default_factory=Latency)
+    """How long each kind of call takes (see the module docstring)."""
+    stall_per_step: float = 0.0
+    """The chance an orchestrator stalls at any one of its yield points (short, or past the lease TTL)."""
+    clock_jump_per_step: float = 0.0
+    """The chance an orchestrator's host clock jumps (forward or back) at any one of its yield points."""
+    job_stall_per_step: float = 0.0
+    """The chance a job's training process stalls a while at any one of its yield points."""
 
     def quiet(self) -> Scenario:
         """The same study and cluster without any fault (for a run's baseline)."""
@@ -88,6 +104,9 @@ class Scenario:
             crash_per_step=0.0,
             crash_after_write=0.0,
             disk_full_per_write=0.0,
+            stall_per_step=0.0,
+            clock_jump_per_step=0.0,
+            job_stall_per_step=0.0,
         )
 
     def describe(self) -> str:
@@ -120,8 +139,24 @@ class Scenario:
             lines.append(f"start-up timeout {self.startup_timeout_s:.0f}s")
         if self.steps:
             lines.append(f"steps beside the tune step: {', '.join(self.steps)}")
+        lines += self._describe_time()
         lines += [f"timed: {fault.describe()}" for fault in self.timed]
         return "\n".join(lines)
+
+    def _describe_time(self) -> list[str]:
+        """The latency profile and the faults at any yield point besides a crash."""
+        lines = [self.latency.describe()]
+        at_any_point = (
+            ("an orchestrator stalls", self.stall_per_step),
+            ("an orchestrator's host clock jumps", self.clock_jump_per_step),
+            ("a job's process stalls", self.job_stall_per_step),
+        )
+        lines += [
+            f"{what} at any yield point with probability {chance:.4f}"
+            for what, chance in at_any_point
+            if chance
+        ]
+        return lines
 
 
 def scenario_of(seed: int, *, kinds: tuple[str, ...] = KINDS) -> Scenario:
@@ -164,7 +199,7 @@ def scenario_of(seed: int, *, kinds: tuple[str, ...] = KINDS) -> Scenario:
         two_hosts=backend.kind != "local" and draw.random() < 0.5,
     )
     scenario = _with_node_failures(_with_crashes_after_writes(_with_pbt(_with_asha(scenario))))
-    return _with_steps(_with_preemptions(_with_slow_starts(scenario)))
+    return _with_time(_with_steps(_with_preemptions(_with_slow_starts(scenario))))
 
 
 def _with_asha(scenario: Scenario) -> Scenario:
@@ -204,6 +239,41 @@ def _with_node_failures(scenario: Scenario) -> Scenario:
     draw = random.Random(f"node-failures-{scenario.seed}")
     backend = with_node_failures(scenario.backend, draw)
     return replace(scenario, backend=backend, num_nodes=draw.choice([1, 1, 2]))
+
+
+_SLOWEST: dict[str, Span] = {
+    # A seed's slowest call of each kind lies between these (log-uniformly); its fastest is a tenth.
+    "optuna": (0.001, 0.05),  # a local SQLite file .. a busy PostgreSQL server across a region
+    "mlflow": (0.01, 0.5),  # a tracking server next door .. one under a backlog of batches
+    "api": (0.02, 3.0),  # an idle slurmctld or AWS endpoint .. a loaded one (squeue over 10k jobs)
+    "syscall": (0.0001, 0.05),  # an idle machine .. one whose cores the jobs keep busy
+    "write": (0.0005, 0.02),  # a local disk .. an fsync on Lustre
+    "process_start": (0.1, 5.0),  # a bare interpreter .. importing torch and CUDA's setup
+}
+
+
+def _with_time(scenario: Scenario) -> Scenario:
+    """Time that passes (a latency profile) and faults at any yield point, drawn apart (as ASHA's)."""
+    draw = random.Random(f"time-{scenario.seed}")
+    return replace(
+        scenario,
+        latency=_latency(draw),
+        stall_per_step=rate(draw, 0.004),
+        clock_jump_per_step=rate(draw, 0.001),
+        job_stall_per_step=rate(draw, 0.004),
+    )
+
+
+def _latency(draw: random.Random) -> Latency:
+    """Instant in a fifth of the seeds (as before calls took time); else each kind of call somewhere
+    between fast and slow, independently."""
+    if draw.random() < 0.2:
+        return Latency()
+    spans = {}
+    for kind, (fast, slow) in _SLOWEST.items():
+        slowest = fast * (slow / fast) ** draw.random()
+        spans[kind] = (slowest / 10, slowest)
+    return Latency(**spans)
 
 
 def _timed_faults(draw: random.Random, phase_s: float) -> list[TimedFault]:

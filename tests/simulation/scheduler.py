@@ -7,11 +7,15 @@ file lock, a condition; a backend, storage or tracking call; a record written in
 the scheduler takes over and picks, with the seed's choices, which runnable thread goes on (or
 whether a fault strikes first). So one seed fixes every interleaving, and a run replays exactly.
 
-Time is simulated: it stands still while threads run, and jumps to the next wake-up once every
-thread waits (a sleep, a timeout, a job's next step). Each host has a wall clock that may be skewed
-and may jump; monotonic clocks never jump. A crashed process's threads are never run again and its
-file locks are freed, as the kernel frees a SIGKILLed process's ``flock``s; a stalled process is not
-run until its stall ends, while time goes on for everyone else.
+Time is simulated: it stands still while a thread runs from one yield point to the next, and jumps to
+the next wake-up once every thread waits (a sleep, a timeout, a job's next step, a call under way).
+A call to the world outside takes time (``Scheduler.takes``): a backend's API call, an Optuna or
+MLflow request, a record written, a process starting each last a duration drawn from the seed's
+``Latency`` profile, during which the calling thread waits, keeping every lock it holds, while the
+other threads run on. Each host has a wall clock that may be skewed and may jump; monotonic clocks
+never jump. A crashed process's threads are never run again and its file locks are freed, as the
+kernel frees a SIGKILLed process's ``flock``s; a stalled process is not run until its stall ends
+(wherever its threads stopped, a lock held or not), while time goes on for everyone else.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
@@ -35,6 +39,42 @@ from tunepod import world
 
 T = TypeVar("T")
 A = TypeVar("A")
+
+Span = tuple[float, float]
+"""How long one kind of call takes: the fastest and the slowest, in seconds."""
+
+_INSTANT: Span = (0.0, 0.0)
+
+
+@dataclass(frozen=True)
+class Latency:
+    """A seed's latency profile: how long each kind of call to the world outside takes (each call a
+    duration drawn uniformly from its kind's span). The default takes no time at all."""
+
+    optuna: Span = _INSTANT
+    """An Optuna storage request (a round trip to its database)."""
+    mlflow: Span = _INSTANT
+    """An MLflow request (a round trip to the tracking server)."""
+    api: Span = _INSTANT
+    """A backend's API call: a Slurm command, a Kubernetes request, a SageMaker request (and again its
+    reply)."""
+    syscall: Span = _INSTANT
+    """A call to the local machine's kernel: a fork+exec of a job's wrapper, a signal."""
+    write: Span = _INSTANT
+    """A record written atomically (a temporary file, its fsync, a rename)."""
+    process_start: Span = _INSTANT
+    """From a job's process created to its program's first line (exec, imports, the runtime's setup)."""
+
+    def describe(self) -> str:
+        spans = [(kind.name, getattr(self, kind.name)) for kind in fields(self)]
+        return "latency: " + ", ".join(f"{name} {_ms(low)}-{_ms(high)}" for name, (low, high) in spans)
+
+
+def _ms(seconds: float) -> str:
+    if seconds >= 1:
+        return f"{seconds:.1f}s"
+    ms = seconds * 1000
+    return f"{ms:.0f}ms" if ms >= 10 else f"{ms:.2g}ms"
 
 
 class SimulationError(Exception):
@@ -129,8 +169,11 @@ class Process:
 class Scheduler:
     """Runs the simulated threads, one at a time, as ``choices`` decides; see the module docstring."""
 
-    def __init__(self, choices: Choices, trace: Trace, *, start_time: float) -> None:
+    def __init__(
+        self, choices: Choices, trace: Trace, *, start_time: float, latency: Latency = Latency()
+    ) -> None:
         self.choices = choices
+        self.latency = latency
         self.trace = trace
         self.now = start_time
         self.main = greenlet.getcurrent()
@@ -140,7 +183,8 @@ class Scheduler:
         self.locks = FileLocks(self)
         self.on_thread_death: Callable[[Task, BaseException], None] | None = None
         self.after_step: Callable[[Task], None] | None = None
-        """Called after each step with the thread that ran (a crash may strike its process there)."""
+        """Called after each step with the thread that ran: a fault (a crash, a stall, a clock jump)
+        may strike its process there, where its thread stopped, whatever locks it holds."""
         self.tearing_down = False
         self._pids = 100
 
@@ -168,9 +212,16 @@ class Scheduler:
         self.locks.release_all_of(process)
         self.trace.event(self.now, "process", f"{process.name} exits ({why})")
 
-    def stall(self, process: Process, seconds: float) -> None:
+    def stall(self, process: Process, seconds: float, why: str = "") -> None:
         process.stalled_until = max(process.stalled_until, self.now + seconds)
-        self.trace.event(self.now, "fault", f"{process.name} stalls for {seconds:.0f}s")
+        self.trace.event(self.now, "fault", f"{process.name} stalls for {seconds:.1f}s{why}")
+
+    def starts_late(self, process: Process, span: Span) -> None:
+        """A new process whose program begins a drawn while later (``Latency.process_start``): it
+        exists (its pid is there, its backend counts it running) and does nothing yet."""
+        seconds = self._duration(span)
+        if seconds > 0:
+            process.stalled_until = max(process.stalled_until, self.now + seconds)
 
     def thread_died(self, task: Task, exc: BaseException) -> None:
         self.trace.event(self.now, "thread", f"{task} died: {type(exc).__name__}: {exc}")
@@ -204,6 +255,20 @@ class Scheduler:
         task.state, task.wake_at, task.woken, task.waiting_for = State.BLOCKED, until, False, what
         self.main.switch()
         return task.woken
+
+    def takes(self, what: str, span: Span) -> None:
+        """A call that takes a drawn time out of ``span``: a yield point, after which the calling
+        thread waits that long (simulated time passes, the other threads run) keeping every lock it
+        holds, as a thread blocked in a request does. A fault may strike its process meanwhile."""
+        seconds = self._duration(span)
+        if seconds <= 0:
+            self.pause(what)
+        else:
+            self.block(self.now + seconds, what)
+
+    def _duration(self, span: Span) -> float:
+        low, high = span
+        return self.choices.uniform(low, high) if high > 0 else 0.0
 
     def sleep(self, seconds: float) -> None:
         if seconds <= 0:

@@ -1,9 +1,9 @@
 """The smallest story of a failing seed: its scenario with as few faults as still break the invariant.
 
-Greedy, as delta debugging does it: drop one timed fault, or silence one kind of fault, or run one
-trial fewer, or one in parallel fewer; keep the change whenever the same invariant still breaks;
-stop when no change keeps it broken. The scheduling choices stay the seed's, so each candidate is
-itself a deterministic, replayable run.
+Greedy, as delta debugging does it: drop one timed fault, or silence one kind of fault, or make every
+call instant, or run one trial fewer, or one in parallel fewer; keep the change whenever the same
+invariant still breaks; stop when no change keeps it broken. The scheduling choices stay the seed's,
+so each candidate is itself a deterministic, replayable run.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 
 from simulation.run import Outcome, run_seed
 from simulation.scenario import Scenario
+from simulation.scheduler import Latency
 
 _RATES = ("optuna_writes", "optuna_reads", "mlflow", "jobs")
 
@@ -55,6 +56,12 @@ def smaller(scenario: Scenario) -> Iterator[Scenario]:
         yield replace(scenario, crash_after_write=0.0)
     if scenario.disk_full_per_write:
         yield replace(scenario, disk_full_per_write=0.0)
+    for name in ("stall_per_step", "clock_jump_per_step", "job_stall_per_step"):
+        if getattr(scenario, name):
+            off: dict[str, Any] = {name: 0.0}
+            yield replace(scenario, **off)
+    if scenario.latency != Latency():
+        yield replace(scenario, latency=Latency())
     for name, least in (("num_trials", 1), ("num_parallel", 1), ("max_restarts", 0)):
         value: Any = getattr(scenario, name)
         if value > least:

@@ -2,15 +2,18 @@
 
 **Optuna.** The study lives in one ``optuna.storages.InMemoryStorage``, the database, which
 outlives every orchestrator; each orchestrator process reaches it through its own ``SimStorage``,
-where every call is a yield point and may fail as a database does: before it commits (nothing
-happened) or after (it happened, and the caller hears an error), with the error tunepod reads as
-transient ("database is locked").
+where every call is a yield point, takes its round trip's time (the seed's ``Latency.optuna``) and may
+fail as a database does: before it commits (nothing happened) or after (it happened, and the caller
+hears an error), with the error tunepod reads as transient ("database is locked").
 
 **MLflow.** ``MlflowTwin`` keeps runs, tags, params, metric histories (a point logged again with the
 same key, value, step and timestamp is stored once, as MLflow's SQL stores do), run statuses and
 logged models; each orchestrator process reaches it through its own ``SimTracker``, with the
-methods of ``tunepod.tracking.RunTracker`` (what the tuning loop calls of MLflow), and the same two ways to
-fail.
+methods of ``tunepod.tracking.RunTracker`` (what the tuning loop calls of MLflow), each taking its
+round trip's time (``Latency.mlflow``), and the same two ways to fail.
+
+A call takes effect once its time has passed: meanwhile its thread waits with whatever locks it holds
+(a lease's fence, the outbox's mirror), and other threads, and faults, go on.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any, TypeVar
 from optuna.storages import BaseStorage, InMemoryStorage
 from optuna.trial import TrialState
 
-from simulation.scheduler import Scheduler
+from simulation.scheduler import Scheduler, Span
 from tunepod.hpo.asha import ATTR_ASHA, AshaState
 from tunepod.runtime import Report
 from tunepod.tracking.mlflow_tracker import MetricPoint, RunStatus
@@ -66,8 +69,9 @@ def _faulty(
     what: str,
     call: Callable[[], T],
     error: Callable[[], Exception],
+    latency: Span,
 ) -> T:
-    sim.pause(what)
+    sim.takes(what, latency)
     if not switch.on:
         return call()
     if sim.choices.chance(faults.before):
@@ -128,7 +132,15 @@ class SimStorage(BaseStorage):
                 self.database.on_asha(args[0], AshaState(**json.loads(args[2])))
             return result
 
-        return _faulty(self.sim, faults, self.switch, f"optuna {name}", call, lambda: OperationalError(name))
+        return _faulty(
+            self.sim,
+            faults,
+            self.switch,
+            f"optuna {name}",
+            call,
+            lambda: OperationalError(name),
+            self.sim.latency.optuna,
+        )
 
     def _write(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """A write that may fail (``write_faults``), and after which the orchestrator may be killed
@@ -283,6 +295,7 @@ class SimTracker:
             f"mlflow {what}",
             action,
             lambda: MlflowUnavailable(f"mlflow {what}"),
+            self.sim.latency.mlflow,
         )
 
     def start_run(

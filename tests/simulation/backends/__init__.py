@@ -9,6 +9,9 @@ settings and faults. A backend module defines:
   server, SageMaker) draws its API's faults as ``ServiceFaults`` (``service_faults``), plus its own;
 - ``draw(random) -> settings``, registered in ``DRAWS`` below.
 
+Every call to a backend's API takes time, each way (the seed's ``Latency.api``: ``Scheduler.takes``),
+its caller waiting meanwhile with whatever locks it holds, as a thread blocked in a request does.
+
 ``Backend`` is what the run needs: a new launcher for an orchestrator (made inside its process), and
 a switch to stop the backend's faults when the scenario's fault phase ends.
 """

@@ -608,8 +608,7 @@ class KubeServer:
     def call(self, doing: str) -> None:
         """What every call meets before it takes effect: the network, and a busy API server."""
         sim = self.sim
-        sim.pause(f"kube {doing}")
-        sim.sleep(sim.choices.uniform(0.01, 0.2))
+        sim.takes(f"kube {doing}", sim.latency.api)
         if not (self.faults_on and (self.outage.on(sim) or sim.choices.chance(self.faults.transient))):
             return
         sim.trace.event(sim.now, "fault", f"{sim.process}: kube {doing.split(' ')[0]} is refused")

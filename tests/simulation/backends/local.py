@@ -14,7 +14,9 @@ the training program (``cluster.py``). As the kernel and those programs do:
 - a process that exited is a zombie until its parent reaps it (the orchestrator that started the
   wrapper reaps it; a wrapper whose orchestrator died is reaped by init at once); a reaped process's
   pid may be given to the next process (pids come from a small range), so a pid alone names no one;
-- an exiting process's environment cannot be read (as ``/proc/<pid>/environ`` gives ESRCH).
+- an exiting process's environment cannot be read (as ``/proc/<pid>/environ`` gives ESRCH);
+- a fork+exec and a signal take a moment (the seed's ``Latency.syscall``: a loaded machine), the
+  calling thread waiting with whatever it holds.
 
 While faults are on, an agent may be SIGKILLed (the OOM killer, a person), leaving its worker behind,
 and a wrapper may be SIGKILLed, leaving its command running without anyone to record its exit.
@@ -140,7 +142,7 @@ class SimProcesses:
     # ------------------------------------------------------------------------------ the table
 
     def start(self, argv: Sequence[str], env: Mapping[str, str], stdout: Path, stderr: Path) -> int:
-        self.sim.pause("fork+exec")
+        self.sim.takes("fork+exec", self.sim.latency.syscall)
         job_dir = Path(argv[5]).parent  # the wrapper's exit_final argument (local/render.py)
         live = sorted({f"local-{_submission(p.environ)}" for p in self._job_processes(job_dir)})
         self.referee.job_created(job_dir, live)
@@ -176,7 +178,7 @@ class SimProcesses:
         return process.environ if process is not None and process.alive and not process.exiting else None
 
     def signal(self, pid: int, signum: Signals) -> None:
-        self.sim.pause(f"kill -{signum.name}")
+        self.sim.takes(f"kill -{signum.name}", self.sim.latency.syscall)
         process = self.table.get(pid)
         if process is None or not process.alive:
             return

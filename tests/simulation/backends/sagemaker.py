@@ -476,8 +476,7 @@ class SageMakerApi:
         throttling), after a moment on the network."""
         sim = self.sim
         _validated(operation, params)
-        sim.pause(f"sagemaker {operation}")
-        sim.sleep(sim.choices.uniform(0.02, 0.3))
+        sim.takes(f"sagemaker {operation}", sim.latency.api)
         if self.faults_on and (self.outage.on(sim) or sim.choices.chance(self.faults.transient)):
             if self.outage.on(sim) or sim.choices.chance(0.5):
                 sim.trace.event(sim.now, "fault", f"{sim.process}: {operation} times out before AWS has it")
@@ -492,7 +491,7 @@ class SageMakerApi:
         if lost:
             sim.trace.event(sim.now, "fault", f"{sim.process}: {operation} took effect; its reply is lost")
             self.outage.begins(sim, self.faults)
-        sim.sleep(sim.choices.uniform(0.01, 0.2))
+        sim.takes(f"sagemaker {operation}'s reply", sim.latency.api)
         return lost
 
     def log_streams(self, prefix: str) -> list[TrainingJob]:
@@ -569,7 +568,7 @@ class SimLogsClient:
         logStreamNamePrefix: str = "",
         nextToken: str | None = None,
     ) -> dict[str, Any]:
-        self.api.sim.pause("logs DescribeLogStreams")
+        self.api.sim.takes("logs DescribeLogStreams", self.api.sim.latency.api)
         jobs = self.api.log_streams(logStreamNamePrefix)
         if logGroupName != LOG_GROUP or not self.api.log_streams(""):
             raise _client_error(
@@ -585,7 +584,7 @@ class SimLogsClient:
         startFromHead: bool = False,
         limit: int = 10_000,
     ) -> dict[str, Any]:
-        self.api.sim.pause("logs GetLogEvents")
+        self.api.sim.takes("logs GetLogEvents", self.api.sim.latency.api)
         found = [job for job in self.api.log_streams(logStreamName) if job.stream == logStreamName]
         if logGroupName != LOG_GROUP or not found:
             raise _client_error(

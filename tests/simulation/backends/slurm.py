@@ -554,8 +554,7 @@ class SimSlurmRunner:
         self, argv: Sequence[str], *, input: str | None = None, timeout_s: float = 60
     ) -> subprocess.CompletedProcess[str]:
         sim, faults = self.ctld.sim, self.ctld.faults
-        sim.pause(f"slurm {argv[0]}")
-        sim.sleep(sim.choices.uniform(0.01, 0.3))
+        sim.takes(f"slurm {argv[0]}", sim.latency.api)
         if self.ctld.faults_on and (self.ctld.outage.on(sim) or sim.choices.chance(faults.transient)):
             sim.trace.event(sim.now, "fault", f"{sim.process}: {argv[0]} times out")
             raise TransientCommandFailed(argv, 1, _TIMED_OUT)
