@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from optuna.trial import FrozenTrial
@@ -27,6 +28,7 @@ from tunepod.launch.sagemaker import states as sagemaker_states
 from tunepod.launch.slurm import launcher as slurm_launcher
 from tunepod.launch.slurm import render
 from tunepod.launch.slurm import states as slurm_states
+from tunepod.launch.submission import write_cancel_marker
 from tunepod.launch.watchdog import Stall, Watchdog
 from tunepod.locks import locked
 from tunepod.runtime import Result
@@ -288,6 +290,56 @@ def _readded_mirror_dropped() -> contextlib.AbstractContextManager[None]:
     return _patched(TrackingOutbox, "_synced", synced)
 
 
+def _lease_handed_back() -> contextlib.AbstractContextManager[None]:
+    """Leases before: ``acquire`` hands the same lease back to its owner, and the fence counts re-entry
+    per lease, not per thread: a promotion enters a paused trial's fence while the trial's own driver
+    is still inside it recording the pause, and starts a job the driver then records as paused."""
+    acquire = lease.Leases.acquire
+
+    def handed_back(self: lease.Leases, job_dir: Path, *, wait: bool = False) -> lease.Lease | None:
+        held = self._held.get(job_dir)
+        return held if held is not None and not held.lost else acquire(self, job_dir, wait=wait)
+
+    @contextlib.contextmanager
+    def fenced_per_lease(self: lease.Lease) -> Iterator[None]:
+        if self._fence_depth:
+            self._fence_depth += 1
+            try:
+                yield
+            finally:
+                self._fence_depth -= 1
+            return
+        with locked(JobPaths(self.job_dir).lease_lock):
+            self.leases.check(self)
+            self._fence_depth = 1
+            try:
+                yield
+            finally:
+                self._fence_depth = 0
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(_patched(lease.Leases, "acquire", handed_back))
+    stack.enter_context(_patched(lease.Lease, "fenced", fenced_per_lease))
+    return stack  # type: ignore[return-value]
+
+
+def _no_marker_for_an_ended_job() -> contextlib.AbstractContextManager[None]:
+    """``Job.cancel`` before: a job that has already ended gets no cancel marker, so a stop decided
+    as it died (a PBT exploit, a prune) lives only in the deciding driver's memory; the orchestrator
+    after a crash reads the dead job as a failure, restarts it or tells FAIL."""
+
+    def cancel(self: base.Job[Any], reason: Any = "cancelled") -> None:
+        with self._cancel_lock:
+            if self.status(max_age_s=0).job_state.is_terminal:
+                return
+            if self.cancel_marker() is None:
+                write_cancel_marker(self.paths, self.job_id, reason)
+            self.launcher.stop(self)
+            self._wait_until_ended()
+
+    return _patched(base.Job, "cancel", cancel)
+
+
 MUTANTS = [
     Mutant("leases-leak", "issue 28, 2: leases of trials a failed ask never started stay held", _leases_leak),
     Mutant(
@@ -416,6 +468,18 @@ MUTANTS = [
         "the tracking outbox drops a mirror added again while its sync was under way: the newest records "
         "never reach MLflow",
         _readded_mirror_dropped,
+    ),
+    Mutant(
+        "lease-handed-back",
+        "a lease handed back to its owner's second caller, its fence re-entered by a second thread: a "
+        "promotion starts a job while the paused trial's driver still records the pause",
+        _lease_handed_back,
+    ),
+    Mutant(
+        "no-marker-for-an-ended-job",
+        "a stop decided on a job that had just ended leaves no cancel marker: after a crash a PBT exploit "
+        "is read as a failure, the exploited trial restarted or told FAIL beside its continuation",
+        _no_marker_for_an_ended_job,
     ),
 ]
 
