@@ -6,6 +6,11 @@ crashing or hanging at a step, a Slurm requeue, a Slurm node that stops answerin
 *Timed faults* strike once, at a time of the fault phase: an orchestrator killed (SIGKILL), stalled
 past its lease TTL, its host's clock jumping, a second orchestrator started beside the first. After
 ``fault_phase_s`` every fault stops, and the study must then end (liveness) within ``settle_s``.
+
+The program and the study vary too, each drawn apart from the rest (a ``random.Random`` of its own
+per seed, so every other draw of a seed stays what it was): a job of a thousand steps and more
+reporting every few steps, slow appends of the metrics file (torn lines), two objectives, enqueued
+configurations, and TPE in place of random sampling.
 """
 
 from __future__ import annotations
@@ -67,6 +72,12 @@ class Scenario:
     """Orchestrators alternate between two hosts (their pids cannot be looked up across them)."""
     num_nodes: int = 1
     """Nodes per job (``resources.num_nodes``): drawn for Slurm's seeds, whose twin allocates them."""
+    objectives: tuple[tuple[str, str], ...] = (("score", "maximize"),)
+    """The study's objectives, (metric, direction), primary first: two make it multi-objective."""
+    enqueue: tuple[float, ...] = ()
+    """Values of ``x`` the spec enqueues (``TuneSettings.enqueue``): each must run once, first."""
+    sampler: str = "random"
+    """The study's sampler kind."""
 
     def quiet(self) -> Scenario:
         """The same study and cluster without any fault (for a run's baseline)."""
@@ -83,6 +94,21 @@ class Scenario:
             disk_full_per_write=0.0,
         )
 
+    def _describe_program(self) -> str:
+        program = self.program
+        return (
+            f"program: {program.steps} steps, a report every {program.stride}, "
+            f"{program.reports_per_sleep} report(s) in each sleep of {program.step_s:.0f}s, metrics "
+            f"{', '.join(program.metrics)}, "
+            f"{'a result file' if program.writes_result else 'exit 0 without a result file'}, "
+            f"same-step reports {program.same_step_reports}, slow (tearable) appends {program.torn_appends}"
+        )
+
+    def _describe_study(self) -> str:
+        objectives = ", ".join(f"{metric} ({direction})" for metric, direction in self.objectives)
+        enqueued = ", ".join(f"x={x}" for x in self.enqueue) or "nothing"
+        return f"study: {objectives}, sampler {self.sampler}, enqueues {enqueued}"
+
     def describe(self) -> str:
         lines = [
             f"seed {self.seed}: {self.backend.kind}, {self.num_trials} trials, "
@@ -90,9 +116,8 @@ class Scenario:
             f"max_restarts {self.max_restarts}, pruner {self.pruner}, timeout {self.timeout_s}, "
             f"hang timeout {self.hang_timeout_s}, orchestrators on {2 if self.two_hosts else 1} host(s), "
             f"{self.num_nodes} node(s) per job",
-            f"program: {self.program.steps} steps of {self.program.step_s:.0f}s, "
-            f"{'a result file' if self.program.writes_result else 'exit 0 without a result file'}, "
-            f"same-step reports {self.program.same_step_reports}",
+            self._describe_program(),
+            self._describe_study(),
             f"rates: optuna writes {self.optuna_writes}, reads {self.optuna_reads}, mlflow {self.mlflow}, "
             f"jobs {self.jobs}",
             self.backend.describe(),
@@ -152,7 +177,8 @@ def scenario_of(seed: int, *, kinds: tuple[str, ...] = KINDS) -> Scenario:
         # The local launcher's jobs are processes of one machine, the orchestrators' own.
         two_hosts=backend.kind != "local" and draw.random() < 0.5,
     )
-    return _with_node_failures(_with_crashes_after_writes(_with_pbt(_with_asha(scenario))))
+    scenario = _with_node_failures(_with_crashes_after_writes(_with_pbt(_with_asha(scenario))))
+    return _with_sampler(_with_enqueue(_with_objectives(_with_torn_appends(_with_long_program(scenario)))))
 
 
 def _with_asha(scenario: Scenario) -> Scenario:
@@ -192,6 +218,67 @@ def _with_node_failures(scenario: Scenario) -> Scenario:
     draw = random.Random(f"node-failures-{scenario.seed}")
     backend = with_node_failures(scenario.backend, draw)
     return replace(scenario, backend=backend, num_nodes=draw.choice([1, 1, 2]))
+
+
+def _with_long_program(scenario: Scenario) -> Scenario:
+    """A program of a thousand steps and more in about a quarter of the seeds, drawn apart (as
+    ASHA's): a report every few steps (a stride of 3 to 9, past step 1,000 Optuna is told only some;
+    of 25, every one), as many sleeps as the program drawn first (so its run time, the time limits
+    drawn from it, and the seed's simulated time stay what they were), each several reports long."""
+    draw = random.Random(f"long-program-{scenario.seed}")
+    if draw.random() >= 0.25:
+        return scenario
+    program = scenario.program
+    stride = draw.choice([3, 7, 9, 25])
+    points = draw.randint(1100, 2400) // stride + 1
+    long = replace(
+        program,
+        steps=(points - 1) * stride + 1,
+        stride=stride,
+        reports_per_sleep=-(-points // program.steps),
+    )
+    return replace(scenario, program=long)
+
+
+def _with_torn_appends(scenario: Scenario) -> Scenario:
+    """Slow appends of the metrics file in about a third of the seeds, drawn apart (as ASHA's): a
+    reader meets half-written lines, and a run killed or crashed mid-append leaves a torn one."""
+    draw = random.Random(f"torn-appends-{scenario.seed}")
+    if draw.random() >= 0.35:
+        return scenario
+    chance = draw.choice([0.05, 0.3]) if scenario.program.stride == 1 else draw.choice([0.002, 0.01])
+    return replace(scenario, program=replace(scenario.program, torn_appends=chance))
+
+
+def _with_objectives(scenario: Scenario) -> Scenario:
+    """Two objectives (score up, cost down) in most seeds without a pruner and a few with the median or
+    threshold pruner, which then have none (every pruner refuses several objectives, PBT too), drawn
+    apart (as ASHA's); the program then reports both."""
+    draw = random.Random(f"objectives-{scenario.seed}")
+    chance = {"none": 0.6, "median": 0.15, "threshold": 0.15}.get(scenario.pruner, 0.0)
+    if draw.random() >= chance:
+        return scenario
+    objectives = (("score", "maximize"), ("cost", "minimize"))
+    program = replace(scenario.program, metrics=tuple(metric for metric, _ in objectives))
+    return replace(scenario, objectives=objectives, program=program, pruner="none")
+
+
+def _with_enqueue(scenario: Scenario) -> Scenario:
+    """One to three known configurations enqueued (no more than the study's trials) in about a third
+    of the seeds, drawn apart (as ASHA's)."""
+    draw = random.Random(f"enqueue-{scenario.seed}")
+    if draw.random() >= 0.35:
+        return scenario
+    count = draw.randint(1, min(3, scenario.num_trials))
+    values = sorted({round(draw.uniform(0.0, 1.0), 3) for _ in range(count)})
+    return replace(scenario, enqueue=tuple(values))
+
+
+def _with_sampler(scenario: Scenario) -> Scenario:
+    """TPE (multivariate, the constant liar) in place of random sampling in about a third of the
+    seeds, drawn apart (as ASHA's)."""
+    draw = random.Random(f"sampler-{scenario.seed}")
+    return replace(scenario, sampler="tpe") if draw.random() < 0.35 else scenario
 
 
 def _timed_faults(draw: random.Random, phase_s: float) -> list[TimedFault]:
