@@ -265,13 +265,17 @@ def _with_objectives(scenario: Scenario) -> Scenario:
 
 def _with_enqueue(scenario: Scenario) -> Scenario:
     """One to three known configurations enqueued (no more than the study's trials) in about a third
-    of the seeds, drawn apart (as ASHA's)."""
+    of the seeds, drawn apart (as ASHA's); in half of those a second orchestrator starts together with
+    the first, so that both enqueue at once (where only the study lock keeps each configuration once)."""
     draw = random.Random(f"enqueue-{scenario.seed}")
     if draw.random() >= 0.35:
         return scenario
     count = draw.randint(1, min(3, scenario.num_trials))
-    values = sorted({round(draw.uniform(0.0, 1.0), 3) for _ in range(count)})
-    return replace(scenario, enqueue=tuple(values))
+    values = tuple(sorted({round(draw.uniform(0.0, 1.0), 3) for _ in range(count)}))
+    timed = scenario.timed
+    if draw.random() < 0.5:
+        timed = (TimedFault(0.0, "second_orchestrator"), *timed)
+    return replace(scenario, enqueue=values, timed=timed)
 
 
 def _with_sampler(scenario: Scenario) -> Scenario:
