@@ -25,8 +25,8 @@ Checked once every fault has stopped and the study has settled:
 - **every trial ends with its job's outcome**: COMPLETE exactly when its last job exited 0 by itself;
   PRUNED only after a stop asked as pruned or paused (or a job that failed as the pruner decided);
 - **every report reaches MLflow once**: one MLflow run per trial, ended as Optuna says, whose metric
-  history is its metrics file line for line (same-step reports included), nothing else but the final
-  objective at the last step;
+  history is its metrics file whole line for whole line (same-step reports included), nothing else but
+  the final objectives (each of a multi-objective study's) at the last step;
 - **every report reaches Optuna**: each intermediate value is a value the trial reported at that step;
   Optuna holds each step the sparse rule picks of the trial's reports (every step below 1,000, then the
   first report in each run of steps sharing three significant digits: re-derived here apart from
