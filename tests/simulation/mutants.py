@@ -386,36 +386,43 @@ MUTANTS = [
         "torn-metrics-line",
         "the report reader takes a line still being written, or torn, for a whole one and passes it",
         _partial_line_consumed,
+        # First found by seed 4 (a slow append read half written).
     ),
     Mutant(
         "torn-line-glued",
         "a report appended after a torn line of the metrics file is glued onto it",
         _glued_onto_torn_line,
+        # First found by seed 10 (a crash mid-append, then the next run's report).
     ),
     Mutant(
         "sparse-telling",
         "Optuna told every step below 100 only, one in ten above (every step below 1,000 is told)",
         _dense_below_a_hundred,
+        # First found by seed 6 (a program of 2,000 steps).
     ),
     Mutant(
         "last-step-untold",
         "a trial's last reported step is not told to Optuna as the trial ends",
         _last_step_untold,
+        # First found by seed 22 (a last step off the grid of tens).
     ),
     Mutant(
         "objective-from-reports",
         "a trial's value is its last report's even where the job passed a final one to ctx.finish",
         _objective_from_reports,
+        # First found by seed 0 (a result file).
     ),
     Mutant(
         "enqueued-again",
         "the spec's enqueued configurations are queued again by every run of the study",
         _enqueued_again,
+        # First found by seed 0 (any rerun).
     ),
     Mutant(
         "enqueue-unlocked",
         "the spec's enqueued configurations are queued outside the study lock",
         _enqueued_unlocked,
+        # First found by seed 14 (two orchestrators starting together).
     ),
 ]
 
