@@ -1,8 +1,11 @@
 """What a trial's job does once a backend runs it, and what the backends know for the invariants.
 
 A job is a simulated process running the *training program*: it resumes from its newest checkpoint,
-then for each step sleeps the step's time, reports (sometimes twice at one step), saves a checkpoint
-and advances its heartbeat, and at the end writes its result file and exits 0. It writes the very
+then for each sleep of the step's time reports one or several steps (a stride apart: a job of
+thousands of steps in a few sleeps; sometimes twice at one step), saves a checkpoint and advances its
+heartbeat, and at the end writes its result file (a final evaluation, not its last report) and exits
+0. A report's append may be slow (two writes, a pause between), so a reader meets half a line, and a
+kill in the pause, or a crash, leaves a torn line that the next run appends after. It writes the very
 files a real job writes (``tunepod.runtime``'s formats: the metrics file, ``step-N`` checkpoints, the
 heartbeat, the result file), on its node's clock, so the real orchestrator reads real job dirs. While
 faults are on, the program may crash (exit 1) or hang (its loop stops advancing, its heartbeat goes
@@ -10,9 +13,9 @@ on) at a step, as the scenario's rates say.
 
 ``Cluster`` is the ground truth the invariants read: every job run, when it started and ended, on
 whose request, whether it is hung, the requests to stop it with the reason its job dir gave, every
-checkpoint a run saved, and the node failures that struck runs. A run its backend gave up on (its
-node stopped answering: the job went on without it) is *orphaned*: it no longer counts as its job's
-live run, though its processes may train on until they are killed.
+checkpoint a run saved, every report appended whole or torn, and the node failures that struck runs.
+A run its backend gave up on (its node stopped answering: the job went on without it) is *orphaned*:
+it no longer counts as its job's live run, though its processes may train on until they are killed.
 """
 
 from __future__ import annotations
@@ -26,9 +29,9 @@ from pathlib import Path
 from simulation.scheduler import Host, Process, Scheduler, SimLock
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.submission import read_cancel_marker
-from tunepod.runtime import CHECKPOINT_DIR_ENV
+from tunepod.runtime import CHECKPOINT_DIR_ENV, files
 from tunepod.runtime.checkpoints import latest_checkpoint, save_checkpoint
-from tunepod.runtime.files import append_line_durably, write_bytes_atomic
+from tunepod.runtime.files import write_bytes_atomic
 from tunepod.runtime.progress import RankProgress
 
 HEARTBEAT_S = 10.0
@@ -55,7 +58,8 @@ class JobFaults:
 
 @dataclass(frozen=True)
 class Program:
-    """The training every trial runs: ``steps`` steps of ``step_s`` seconds."""
+    """The training every trial runs: ``steps`` steps, a report (and a checkpoint) every ``stride``
+    of them, ``reports_per_sleep`` reports in each sleep of ``step_s`` seconds."""
 
     steps: int
     step_s: float
@@ -63,6 +67,39 @@ class Program:
     """The chance a step reports a second metric in a second line (one step, two reports)."""
     writes_result: bool = True
     """Whether the script ends with ``ctx.finish`` (a result file); without, it just exits 0."""
+    stride: int = 1
+    """Steps between two reports: it reports at steps 0, ``stride``, ``2 * stride``... up to its last
+    step, ``steps - 1`` (a multiple of it). Above 1: a job of thousands of steps, whose reports past
+    step 1,000 Optuna is told only some of (``tunepod.hpo.tuner.next_step_to_tell``)."""
+    reports_per_sleep: int = 1
+    """Reports trained in one sleep of ``step_s``, after which the program saves one checkpoint and
+    beats: thousands of steps in a few simulated events (faults strike once per sleep)."""
+    metrics: tuple[str, ...] = ("score",)
+    """The metrics every report holds (and the result file): the study's objectives."""
+    torn_appends: float = 0.0
+    """The chance one report's append is slow (a busy shared filesystem): its line is written in two
+    parts with a pause between, so a reader meets it half written, and a kill in the pause leaves a
+    torn line (the next run appends after it). A crash at a sleep tears the line it was writing with
+    this chance too."""
+
+    @property
+    def sleep_steps(self) -> int:
+        """The steps one sleep trains: a unit of ASHA's rungs and of PBT's interval."""
+        return self.stride * self.reports_per_sleep
+
+    @property
+    def sleeps(self) -> int:
+        """The sleeps of a whole run (its duration is ``sleeps * step_s``)."""
+        return -(-self.points // self.reports_per_sleep)
+
+    @property
+    def points(self) -> int:
+        """The reports of a whole run (one per ``stride`` steps)."""
+        return (self.steps - 1) // self.stride + 1
+
+    def steps_of_sleep(self, first: int) -> range:
+        """The report steps trained in the sleep that starts at step ``first``."""
+        return range(first, min(self.steps, first + self.sleep_steps), self.stride)
 
 
 @dataclass
@@ -150,6 +187,11 @@ class Cluster:
     node_failures: list[NodeFailure] = field(default_factory=list)
     late_reports: dict[Path, list[tuple[str, float, int]]] = field(default_factory=dict)
     """Per job dir, what orphaned runs reported (key, value, step) after they were orphaned."""
+    appended: dict[Path, list[tuple[str, float, int]]] = field(default_factory=dict)
+    """Per job dir, every report (key, value, step) whose line its metrics file got whole."""
+    torn: dict[Path, list[tuple[str, float, int]]] = field(default_factory=dict)
+    """Per job dir, the reports whose line was torn (a run killed or crashed mid-append, or one
+    whose slow append another run's cut in two)."""
 
     def live_runs(self, job_dir: Path) -> list[JobRun]:
         """The runs its backend counts as its jobs' (an orphaned run may live on, lost to it)."""
@@ -213,37 +255,34 @@ class Cluster:
     # ------------------------------------------------------------------------------ the program
 
     def _train(self, run: JobRun, paths: JobPaths, params: dict[str, float], on_exit: ExitHook) -> None:
-        sim = self.sim
+        sim, program = self.sim, self.program
         latest = latest_checkpoint(paths.checkpoints)
-        step = latest.step + 1 if latest is not None else 0
+        step = latest.step + program.stride if latest is not None else 0
         run.first_step, run.newest_saved = step, self.newest_saved(run.job_dir)
         self._start_up(run)
         self._beat(run, paths, step=None)
         run.process.spawn("heartbeat", lambda: self._heartbeats(run, paths))
-        while step < self.program.steps:
-            sim.sleep(self.program.step_s)
+        while step < program.steps:
+            sim.sleep(program.step_s)
             if self.faults_on and sim.choices.chance(self.faults.crash):
+                if sim.choices.chance(program.torn_appends):
+                    self._tear(run, paths, step, params)
                 self._exit(run, 1, on_exit, f"crashed at step {step}")
                 return
             if run.stuck or (self.faults_on and sim.choices.chance(self.faults.hang)):
                 run.hung = True
                 sim.trace.event(sim.now, "fault", f"job {run.job_id} hangs at step {step}")
                 sim.block(None, "hung")  # forever: only a kill ends it
-            self._report(run, paths, step, {"score": score(params, step)})
-            if sim.choices.chance(self.program.same_step_reports):
-                self._report(run, paths, step, {"loss": round(1.0 - score(params, step), 6)})
-            save_checkpoint(paths.checkpoints, f"step {step}".encode(), step, keep=2)
-            if paths.checkpoints.parent == run.job_dir:
-                self.saves.setdefault(run.job_dir, []).append(step)
+            step = self._train_a_sleep(run, paths, params, step)
             run.last_progress_at = sim.now
             self._beat(run, paths, step=step)
-            if step + 1 < self.program.steps and self._preempted(run, paths):
+            if step + program.stride < program.steps and self._preempted(run, paths):
                 self._exit(run, 0, on_exit, f"preempted: saved step {step} and stopped")
                 return
-            step += 1
-        if self.program.writes_result:
-            self._finish(run, paths, params, step - 1)
-        self._beat(run, paths, step=step - 1, finished=True)
+            step += program.stride
+        if program.writes_result:
+            self._finish(run, paths, params, step - program.stride)
+        self._beat(run, paths, step=step - program.stride, finished=True)
         self._exit(run, 0, on_exit, "finished")
 
     def _start_up(self, run: JobRun) -> None:
@@ -286,12 +325,28 @@ class Cluster:
         self._finish(run, paths, params, self.program.steps - 1)
         self._exit(run, 0, on_exit, "evaluated")
 
+    def _train_a_sleep(self, run: JobRun, paths: JobPaths, params: dict[str, float], first: int) -> int:
+        """Report the steps of the sleep that starts at ``first``, then checkpoint the last one: its step."""
+        step = first
+        for step in self.program.steps_of_sleep(first):
+            self._report(run, paths, step, self._metrics(params, step))
+            if self.sim.choices.chance(self.program.same_step_reports):
+                self._report(run, paths, step, {"loss": round(1.0 - score(params, step), 6)})
+        save_checkpoint(paths.checkpoints, f"step {step}".encode(), step, keep=2)
+        if paths.checkpoints.parent == run.job_dir:
+            self.saves.setdefault(run.job_dir, []).append(step)
+        return step
+
+    def _metrics(self, params: dict[str, float], step: int) -> dict[str, float]:
+        return {name: OBJECTIVES[name](params, step) for name in self.program.metrics}
+
     def _finish(self, run: JobRun, paths: JobPaths, params: dict[str, float], step: int) -> None:
+        # The final evaluation (what ``ctx.finish`` is given) differs from the last report: a trial's
+        # value is the result's where there is one, its last report's where there is none.
+        final = {name: round(value + FINAL_BONUS, 6) for name, value in self._metrics(params, step).items()}
         write_bytes_atomic(
             paths.result,
-            json.dumps(
-                {"metrics": {"score": score(params, step)}, "step": step, "time": self._now(run)}
-            ).encode(),
+            json.dumps({"metrics": final, "step": step, "time": self._now(run)}).encode(),
         )
         run.wrote_result = paths.result.parent == run.job_dir
         run.result_at = self.sim.now
@@ -304,13 +359,44 @@ class Cluster:
         self.sim.exit(run.process, f"exit code {code}")
 
     def _report(self, run: JobRun, paths: JobPaths, step: int, metrics: dict[str, float]) -> None:
-        line = json.dumps(
+        line = self._line(step, metrics)
+        points = [(key, float(value), step) for key, value in metrics.items()]
+        whole = True
+        if self.sim.choices.chance(self.program.torn_appends):
+            whole = self._append_slowly(run, paths.metrics, line)
+        else:
+            files.append_line_durably(paths.metrics, line)
+        if paths.metrics.parent == run.job_dir:
+            record = self.appended if whole else self.torn
+            record.setdefault(run.job_dir, []).extend(points)
+        if run.orphaned_at is not None:
+            self.late_reports.setdefault(run.job_dir, []).extend(points)
+
+    def _line(self, step: int, metrics: dict[str, float]) -> str:
+        return json.dumps(
             {"step": step, "metrics": metrics, "time": self.sim.now + self.sim.process.host.skew_s}
         )
-        append_line_durably(paths.metrics, line)
-        if run.orphaned_at is not None:
-            late = self.late_reports.setdefault(run.job_dir, [])
-            late += [(key, float(value), step) for key, value in metrics.items()]
+
+    def _append_slowly(self, run: JobRun, path: Path, line: str) -> bool:
+        """``append_line_durably``'s bytes in two writes, a pause between them (where readers meet
+        half a line, and a kill leaves it torn); whether the line ended whole (no other run of the job
+        dir appended in the pause, as an orphaned run may)."""
+        payload = _payload(path, line)
+        cut = self.sim.choices.integer(1, len(payload) - 2)
+        end = _append_raw(path, payload[:cut])
+        self.sim.sleep(self.program.step_s / 4)
+        whole = path.stat().st_size == end
+        _append_raw(path, payload[cut:])
+        return whole
+
+    def _tear(self, run: JobRun, paths: JobPaths, step: int, params: dict[str, float]) -> None:
+        """A crash in the middle of an append: part of the report's line, without its newline."""
+        metrics = self._metrics(params, step)
+        payload = _payload(paths.metrics, self._line(step, metrics))
+        _append_raw(paths.metrics, payload[: self.sim.choices.integer(1, len(payload) - 2)])
+        if paths.metrics.parent == run.job_dir:
+            self.torn.setdefault(run.job_dir, []).extend((key, value, step) for key, value in metrics.items())
+        self.sim.trace.event(self.sim.now, "fault", f"job {run.job_id} dies mid-append at step {step}")
 
     def _heartbeats(self, run: JobRun, paths: JobPaths) -> None:
         while True:
@@ -365,3 +451,39 @@ class Cluster:
 def score(params: dict[str, float], step: int) -> float:
     """The objective at ``step``: rises with the step, higher for a higher ``x``."""
     return round(params.get("x", 0.5) * (1.0 - 0.5 ** (step + 1)), 6)
+
+
+def cost(params: dict[str, float], step: int) -> float:
+    """A second objective (to minimize), at odds with ``score``: higher for a higher ``x``."""
+    return round(params.get("x", 0.5) ** 2 + 0.1 * 0.5 ** (step + 1), 6)
+
+
+OBJECTIVES: dict[str, Callable[[dict[str, float], int], float]] = {"score": score, "cost": cost}
+"""What the program can report, by metric name."""
+FINAL_BONUS = 0.001
+"""What the final evaluation (the result file) adds to each metric's last report."""
+
+
+def _payload(path: Path, line: str) -> bytes:
+    """The bytes ``append_line_durably`` writes for ``line``: after a newline where the file ends torn."""
+    return (b"\n" if _ends_torn(path) else b"") + line.encode() + b"\n"
+
+
+def _ends_torn(path: Path) -> bool:
+    try:
+        with open(path, "rb") as handle:
+            size = handle.seek(0, 2)
+            if size == 0:
+                return False
+            handle.seek(size - 1)
+            return handle.read(1) != b"\n"
+    except FileNotFoundError:
+        return False
+
+
+def _append_raw(path: Path, data: bytes) -> int:
+    """Append ``data`` as one write; the file's size after it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "ab") as handle:
+        handle.write(data)
+        return handle.tell()

@@ -37,9 +37,22 @@ Checked once every fault has stopped and the study has settled:
 - **every trial ends with its job's outcome**: COMPLETE exactly when its last job exited 0 by itself;
   PRUNED only after a stop asked as pruned or paused (or a job that failed as the pruner decided);
 - **every report reaches MLflow once**: one MLflow run per trial, ended as Optuna says, whose metric
-  history is its metrics file line for line (same-step reports included), nothing else but the final
-  objective at the last step;
+  history is its metrics file whole line for whole line (same-step reports included), nothing else but
+  the final objectives (each of a multi-objective study's) at the last step;
 - **every report reaches Optuna**: each intermediate value is a value the trial reported at that step;
+  Optuna holds each step the sparse rule picks of the trial's reports (every step below 1,000, then the
+  first report in each run of steps sharing three significant digits: re-derived here apart from
+  ``next_step_to_tell``) up to the last step it holds, and a COMPLETE trial's last reported step; a
+  multi-objective trial holds none (nothing is told before its end);
+- **every objective is told**: a COMPLETE trial holds one value per objective, its result file's
+  (``ctx.finish``), else its last whole report's;
+- **a torn line costs only itself**: every report the program appended whole is a whole line of its
+  metrics file, once; a line torn by a run killed or crashed mid-append is no report to any reader (the
+  referee's too), so with the two above no torn line reaches Optuna or MLflow as a value, and the
+  whole lines after it do;
+- **each enqueued configuration runs once, first**: it is the parameters of exactly one trial (a PBT
+  continuation, which inherits its member's, aside), among the first ``len(enqueue)``, whatever the
+  crashes and however many orchestrators start together;
 - **a node failure costs only the steps since its last checkpoint** (Slurm): the run that follows a
   node failure in its trial's job dir (the requeued job's next run, or the next attempt's) resumes
   from the newest checkpoint saved when it starts, and that is no older than the newest one saved
@@ -64,6 +77,7 @@ import json
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from optuna.trial import FrozenTrial, TrialState
 
@@ -74,6 +88,7 @@ from tunepod.errors import JobError
 from tunepod.hpo.asha import AshaState, is_paused
 from tunepod.hpo.pbt import PbtState
 from tunepod.hpo.trials import ATTR_JOB_DIR
+from tunepod.hpo.tuner import ATTR_LAST_STEP
 from tunepod.launch.lease import Lease, LeaseLost, LeaseRecord, _Heartbeat, read_lease
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.submission import read_cancel_marker, read_submission
@@ -106,6 +121,14 @@ class StudyFacts:
     hang_timeout_s: float | None
     max_restarts: int = 0
     startup_timeout_s: float | None = None
+    objectives: tuple[str, ...] = ()
+    """The study's objectives' metrics, primary first (empty: ``metric`` alone)."""
+    enqueue: tuple[dict[str, float], ...] = ()
+    """The configurations the spec enqueues, in order."""
+
+    @property
+    def goals(self) -> tuple[str, ...]:
+        return self.objectives or (self.metric,)
 
 
 class Referee:
@@ -307,11 +330,15 @@ class Referee:
         study_id = storage.get_study_id_from_name(self.facts.study)
         trials = storage.get_all_trials(study_id, deepcopy=False)
         self._counted_once(trials)
+        self._enqueued_once(trials)
         for trial in trials:
             if trial.state.is_finished():
                 self._true_outcome(trial)
                 self._mirrored(trial)
                 self._told_values(trial)
+                self._told_steps(trial)
+                self._told_objectives(trial)
+                self._whole_lines_kept(trial)
         self._node_failures_recovered(trials)
         self._preemptions_recovered(trials)
         self._no_lease_held_by_a_live_process()
@@ -478,7 +505,8 @@ class Referee:
         if run is None or run.first_step is None:
             return  # no run followed (the trial ended), or it was killed before its program began
         name = failure.job_dir.name
-        wanted = run.newest_saved + 1 if run.newest_saved is not None else run.first_step
+        stride = self.cluster.program.stride
+        wanted = run.newest_saved + stride if run.newest_saved is not None else run.first_step
         if run.first_step != wanted:
             self.violated(
                 "a node failure costs only the steps since its last checkpoint",
@@ -524,14 +552,9 @@ class Referee:
         )
         extra = logged - reported
         if trial.state is TrialState.COMPLETE and trial.values:
+            last = max(trial.intermediate_values, default=_last_step_attr(trial))
             extra -= Counter(
-                [
-                    (
-                        self.facts.metric,
-                        trial.values[0],
-                        max(trial.intermediate_values, default=_first_step(trial)),
-                    )
-                ]
+                (metric, value, last) for metric, value in zip(self.facts.goals, trial.values, strict=False)
             )
         # What an orphaned run reported once its job had gone on without it may come too late for anyone.
         missing = reported - logged - Counter(self.cluster.late_reports.get(self._job_dir(trial), []))
@@ -554,6 +577,93 @@ class Referee:
                     "every report reaches Optuna",
                     f"trial {trial.number} was told {value} at step {step}, never reported",
                 )
+
+    def _told_steps(self, trial: FrozenTrial) -> None:
+        """Optuna holds the steps ``_steps_told_by_rule`` picks of the trial's reports, up to the last
+        step it holds, and a COMPLETE trial's last step; a multi-objective trial holds none."""
+        held = trial.intermediate_values
+        if len(self.facts.goals) > 1:
+            if held:
+                self.violated(
+                    "every report reaches Optuna",
+                    f"trial {trial.number} of a multi-objective study holds steps {sorted(held)[:5]}",
+                )
+            return
+        job_dir = self._job_dir(trial)
+        steps = [s for key, _, s in _reported_points(JobPaths(job_dir).metrics) if key == self.facts.metric]
+        last_held = max(held, default=-1)
+        skipped = [step for step in _steps_told_by_rule(steps) if step <= last_held and step not in held]
+        if skipped:
+            self.violated(
+                "every report reaches Optuna",
+                f"trial {trial.number} was never told steps {skipped[:5]} (it holds up to {last_held})",
+            )
+        complete = trial.state is TrialState.COMPLETE and self._reports_settled(job_dir)
+        if complete and steps and last_held != max(steps):
+            self.violated(
+                "every report reaches Optuna",
+                f"COMPLETE trial {trial.number}'s last step told is {last_held}, "
+                f"its last report's {max(steps)}",
+            )
+
+    def _told_objectives(self, trial: FrozenTrial) -> None:
+        """A COMPLETE trial is told every objective: the result file's value where there is one, else
+        its last report's."""
+        if trial.state is not TrialState.COMPLETE:
+            return
+        values = trial.values or []
+        if len(values) != len(self.facts.goals):
+            self.violated(
+                "every objective is told",
+                f"trial {trial.number} holds {len(values)} values for {self.facts.goals}",
+            )
+            return
+        job_dir = self._job_dir(trial)
+        if not self._reports_settled(job_dir):
+            return
+        wanted = _objective_values(JobPaths(job_dir))
+        wrong = [
+            f"{metric} {value} (wanted {wanted[metric]})"
+            for metric, value in zip(self.facts.goals, values, strict=True)
+            if metric in wanted and value != wanted[metric]
+        ]
+        if wrong:
+            self.violated("every objective is told", f"trial {trial.number} was told {', '.join(wrong)}")
+
+    def _whole_lines_kept(self, trial: FrozenTrial) -> None:
+        """Every report the program appended whole is a whole line of its metrics file, once: a torn
+        line (a run killed mid-append) costs only its own report."""
+        job_dir = self._job_dir(trial)
+        written = Counter(self.cluster.appended.get(job_dir, []))
+        found = Counter(_reported_points(JobPaths(job_dir).metrics))
+        if written != found:
+            self.violated(
+                "a torn line costs only itself",
+                f"trial {trial.number}: appended whole but not found {sorted(written - found)[:3]}, found "
+                f"but not appended whole {sorted(found - written)[:3]}",
+            )
+
+    def _enqueued_once(self, trials: list[FrozenTrial]) -> None:
+        """Each enqueued configuration is the parameters of exactly one trial (a PBT continuation
+        aside: it inherits its member's), among the first ``len(enqueue)``."""
+        first = len(self.facts.enqueue)
+        for params in self.facts.enqueue:
+            ran = [
+                trial.number
+                for trial in trials
+                if PbtState.of(trial) is None and all(trial.params.get(k) == v for k, v in params.items())
+            ]
+            if len(ran) != 1 or ran[0] >= first:
+                self.violated(
+                    "each enqueued configuration runs once, first",
+                    f"{params} is the parameters of trials {ran} (of the first {first} wanted)",
+                )
+
+    def _reports_settled(self, job_dir: Path) -> bool:
+        """Nothing came to the job dir after its trial could have read it: no report from an orphaned
+        run, no training finished unseen."""
+        runs = [run for run in self.cluster.runs if run.job_dir == job_dir]
+        return not self.cluster.late_reports.get(job_dir) and not any(_finished_unseen(run) for run in runs)
 
     # ------------------------------------------------------------------------------ helpers
 
@@ -616,15 +726,70 @@ def _finished_unseen(run: JobRun) -> bool:
 
 
 def _reported_points(metrics: Path) -> list[tuple[str, float, int]]:
+    """Every (metric, value, step) of the metrics file's whole lines, in the order written. A line
+    that is no whole report (torn: its writer was killed mid-append, and the next append began on a
+    new line) is skipped, as the contract says readers skip it."""
     try:
         lines = metrics.read_text().splitlines()
     except FileNotFoundError:
         return []
     points = []
     for line in lines:
-        report = json.loads(line)
-        points += [(key, float(value), int(report["step"])) for key, value in report["metrics"].items()]
+        report = _whole_report(line)
+        if report is not None:
+            points += [(key, float(value), int(report["step"])) for key, value in report["metrics"].items()]
     return points
+
+
+def _whole_report(line: str) -> dict[str, Any] | None:
+    try:
+        report = json.loads(line)
+    except ValueError:
+        return None
+    return report if isinstance(report, dict) else None
+
+
+def _steps_told_by_rule(steps: list[int]) -> list[int]:
+    """Of a trial's reports of its objective at ``steps`` (in the order written), the steps Optuna
+    must hold: each first report past every step told before (a resumed job reports some again) that
+    reaches a new *cell*: each step below 1,000 is one, then the steps that share their first three
+    digits (1,000 to 1,009, 1,010 to 1,019... 10,000 to 10,099...). Re-derived here apart from
+    ``tunepod.hpo.tuner.next_step_to_tell``; a step told beyond these (the last one of a cell, told as
+    a trial ends, pauses or is exploited) is allowed."""
+    told, picked = -1, []
+    for step in steps:
+        if step > told and _cell(step) > _cell(told):
+            picked.append(step)
+            told = step
+    return picked
+
+
+def _cell(step: int) -> int:
+    """The first step of ``step``'s cell (``_steps_told_by_rule``); -1 for none told."""
+    if step < 1000:
+        return step
+    spacing = int(10 ** (len(str(step)) - 3))
+    return step // spacing * spacing
+
+
+def _last_step_attr(trial: FrozenTrial) -> int:
+    """Where a trial's final objectives land when Optuna holds no intermediate value: the last step
+    recorded at its end (a multi-objective study's), else ``_first_step``."""
+    step = trial.user_attrs.get(ATTR_LAST_STEP)
+    return int(step) if step is not None else _first_step(trial)
+
+
+def _objective_values(paths: JobPaths) -> dict[str, float]:
+    """What the trial's values must be: its result file's metrics, and for the metrics it lacks (no
+    result file), the last whole report of each."""
+    values: dict[str, float] = {}
+    for key, value, _ in _reported_points(paths.metrics):
+        values[key] = value
+    try:
+        result = json.loads(paths.result.read_text())
+    except FileNotFoundError:
+        return values
+    return values | {key: float(value) for key, value in result["metrics"].items()}
 
 
 def _first_step(trial: FrozenTrial) -> int:

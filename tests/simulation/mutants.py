@@ -14,11 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import optuna
 from optuna.trial import FrozenTrial
 
 from simulation.backends import KINDS
 from tunepod.errors import JobError
 from tunepod.hpo import population, tuner
+from tunepod.hpo import study as hpo_study
 from tunepod.hpo.asha import ATTR_ASHA, AshaState
 from tunepod.launch import base, drive, lease
 from tunepod.launch.hyperpod_eks import launcher as eks_launcher
@@ -31,7 +33,7 @@ from tunepod.launch.slurm import states as slurm_states
 from tunepod.launch.submission import write_cancel_marker
 from tunepod.launch.watchdog import Stall, Watchdog
 from tunepod.locks import locked
-from tunepod.runtime import Result
+from tunepod.runtime import Result, files, metrics
 from tunepod.runtime.progress import RankProgress, read_progress
 from tunepod.steps import jobs, train
 from tunepod.steps.context import StepContext
@@ -340,6 +342,84 @@ def _no_marker_for_an_ended_job() -> contextlib.AbstractContextManager[None]:
     return _patched(base.Job, "cancel", cancel)
 
 
+def _partial_line_consumed() -> contextlib.AbstractContextManager[None]:
+    """``ReportTail`` splitting what it read with ``splitlines``: a line still being written (or torn)
+    is taken for a whole one, skipped as malformed and passed, and its report, once written whole, is
+    never read."""
+
+    def read_new_with_ends(self: metrics.ReportTail) -> list[tuple[metrics.Report, int]]:
+        try:
+            with open(self.path, "rb") as handle:
+                handle.seek(self.offset)
+                data = handle.read()
+        except FileNotFoundError:
+            return []
+        reports = []
+        for raw in data.splitlines(keepends=True):
+            self.offset += len(raw)
+            report = metrics._parse_report(raw.decode("utf-8", errors="replace"))
+            if report is not None:
+                reports.append((report, self.offset))
+        return reports
+
+    return _patched(metrics.ReportTail, "read_new_with_ends", read_new_with_ends)
+
+
+def _glued_onto_torn_line() -> contextlib.AbstractContextManager[None]:
+    """``append_line_durably`` without its look at the file's last byte: the report appended after a
+    torn line is glued onto it, and both are lost."""
+
+    def append(path: Path, line: str) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        files.append_whole(path, line.encode("utf-8") + b"\n")
+
+    return _patched(files, "append_line_durably", append)
+
+
+def _dense_below_a_hundred() -> contextlib.AbstractContextManager[None]:
+    """Optuna told every step below 100 only (two dense digits), then one step in ten."""
+    return _patched(tuner, "_DENSE_STEPS_DIGITS", 2)
+
+
+def _last_step_untold() -> contextlib.AbstractContextManager[None]:
+    """A trial's last step not told as it ends: its intermediate values stop at the last step on the
+    grid of ``next_step_to_tell``."""
+    return _patched(tuner.ReportFeed, "tell_last_step", lambda self: None)
+
+
+def _objective_from_reports() -> contextlib.AbstractContextManager[None]:
+    """A trial's value from its last report first, the result file (``ctx.finish``) only without one."""
+    objective = tuner.ReportFeed.objective
+
+    def last_report_first(self: tuner.ReportFeed, driven: Any, metric: str) -> float | None:
+        if metric in self.latest:
+            return float(self.latest[metric])
+        return objective(self, driven, metric)
+
+    return _patched(tuner.ReportFeed, "objective", last_report_first)
+
+
+def _enqueued_again() -> contextlib.AbstractContextManager[None]:
+    """The spec's configurations enqueued on every run of the study, the ones it holds already too."""
+
+    def enqueue(study: optuna.Study, params: dict[str, Any]) -> bool:
+        study.enqueue_trial(params)
+        return True
+
+    return _patched(hpo_study, "_enqueue", enqueue)
+
+
+def _enqueued_unlocked() -> contextlib.AbstractContextManager[None]:
+    """The spec's configurations enqueued outside the study lock: two orchestrators starting together
+    both find a configuration missing, and both enqueue it."""
+
+    def enqueue_first_trials(self: tuner.Tuner) -> None:
+        for line in hpo_study.enqueue_first_trials(self.study, self.settings):
+            tuner.log.info("study %s: %s", self.settings.study.name, line)
+
+    return _patched(tuner.Tuner, "_enqueue_first_trials", enqueue_first_trials)
+
+
 MUTANTS = [
     Mutant("leases-leak", "issue 28, 2: leases of trials a failed ask never started stay held", _leases_leak),
     Mutant(
@@ -480,6 +560,48 @@ MUTANTS = [
         "a stop decided on a job that had just ended leaves no cancel marker: after a crash a PBT exploit "
         "is read as a failure, the exploited trial restarted or told FAIL beside its continuation",
         _no_marker_for_an_ended_job,
+    ),
+    Mutant(
+        "torn-metrics-line",
+        "the report reader takes a line still being written, or torn, for a whole one and passes it",
+        _partial_line_consumed,
+        # First found by seed 4 (a slow append read half written).
+    ),
+    Mutant(
+        "torn-line-glued",
+        "a report appended after a torn line of the metrics file is glued onto it",
+        _glued_onto_torn_line,
+        # First found by seed 10 (a crash mid-append, then the next run's report).
+    ),
+    Mutant(
+        "sparse-telling",
+        "Optuna told every step below 100 only, one in ten above (every step below 1,000 is told)",
+        _dense_below_a_hundred,
+        # First found by seed 6 (a program of 2,000 steps).
+    ),
+    Mutant(
+        "last-step-untold",
+        "a trial's last reported step is not told to Optuna as the trial ends",
+        _last_step_untold,
+        # First found by seed 22 (a last step off the grid of tens).
+    ),
+    Mutant(
+        "objective-from-reports",
+        "a trial's value is its last report's even where the job passed a final one to ctx.finish",
+        _objective_from_reports,
+        # First found by seed 0 (a result file).
+    ),
+    Mutant(
+        "enqueued-again",
+        "the spec's enqueued configurations are queued again by every run of the study",
+        _enqueued_again,
+        # First found by seed 0 (any rerun).
+    ),
+    Mutant(
+        "enqueue-unlocked",
+        "the spec's enqueued configurations are queued outside the study lock",
+        _enqueued_unlocked,
+        # First found by seed 14 (two orchestrators starting together).
     ),
 ]
 

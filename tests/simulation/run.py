@@ -14,6 +14,10 @@ with the study done, the steps have run to their outcome, and no orchestrator or
 left; or when an invariant breaks; or when the study fails to end ``settle_s`` after the faults
 stopped. Each return or raise of ``Tuner.run()`` is shown to the referee
 (``Referee.driver_returned``: the leases its process still renews).
+
+The tune step's spec (``_settings``) follows the scenario: one objective or two, the configurations it
+enqueues, its sampler, and ASHA's rungs and PBT's interval counted in the steps of one of the program's
+sleeps, so that they scale with a program of thousands of steps.
 """
 
 from __future__ import annotations
@@ -140,6 +144,8 @@ class _Run:
                 scenario.hang_timeout_s,
                 scenario.max_restarts,
                 scenario.startup_timeout_s,
+                objectives=tuple(metric for metric, _ in scenario.objectives),
+                enqueue=tuple({"x": x} for x in scenario.enqueue),
             ),
         )
         self.database.on_told = self.referee.told
@@ -410,21 +416,22 @@ class _Run:
 
 
 def _settings(scenario: Scenario) -> TuneSettings:
+    program = scenario.program
     pruner: dict[str, object] = {"kind": scenario.pruner}
     if scenario.pruner == "threshold":
         pruner["lower"] = 0.2
     if scenario.pruner == "median":
         pruner["warmup_steps"] = 1
-    if scenario.pruner == "asha":  # rungs at 1, 2 and 4 steps, below a whole run
-        pruner |= {"min_resource": 1, "reduction_factor": 2, "max_resource": scenario.program.steps}
+    if scenario.pruner == "asha":  # rungs at 1, 2 and 4 sleeps' steps, below a whole run
+        pruner |= {"min_resource": program.sleep_steps, "reduction_factor": 2, "max_resource": program.steps}
     pbt = None
-    if scenario.pruner == "pbt":  # a decision at every step below a whole run, the bottom half exploited
+    if scenario.pruner == "pbt":  # a decision at every sleep below a whole run, the bottom half exploited
         pruner = {"kind": "none"}
         pbt = {
             "population": scenario.num_trials,
-            "interval": 1,
+            "interval": program.sleep_steps,
             "quantile": 0.5,
-            "max_resource": scenario.program.steps,
+            "max_resource": program.steps,
         }
     resources: dict[str, object] = {"num_nodes": scenario.num_nodes}
     if scenario.timeout_s is not None:
@@ -438,22 +445,30 @@ def _settings(scenario: Scenario) -> TuneSettings:
                 "hang_timeout_s": scenario.hang_timeout_s,
                 "startup_timeout_s": scenario.startup_timeout_s,
             },
-            "study": {
-                "name": STUDY,
-                "storage": "journal://unused-the-simulation-passes-its-own.log",
-                "direction": "maximize",
-                "metric": METRIC,
-            },
+            "study": _study(scenario),
             "space": {"x": {"type": "float", "low": 0.0, "high": 1.0}},
             "num_trials": scenario.num_trials,
             "num_parallel": scenario.num_parallel,
-            "sampler": "random",
+            "sampler": scenario.sampler,
             "seed": scenario.seed,
             "pruner": pruner,
             "pbt": pbt,
+            "enqueue": [{"x": x} for x in scenario.enqueue],
             "poll_s": scenario.poll_s,
         }
     )
+
+
+def _study(scenario: Scenario) -> dict[str, object]:
+    """The study spec: one objective as ``metric`` and ``direction``, several as ``objectives``."""
+    study: dict[str, object] = {
+        "name": STUDY,
+        "storage": "journal://unused-the-simulation-passes-its-own.log",
+    }
+    if len(scenario.objectives) == 1:
+        (metric, direction), *_ = scenario.objectives
+        return study | {"metric": metric, "direction": direction}
+    return study | {"objectives": [{"metric": m, "direction": d} for m, d in scenario.objectives]}
 
 
 @contextmanager

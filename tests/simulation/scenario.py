@@ -16,6 +16,11 @@ a seed's earlier draws stay as they were.
 Time passes: each seed draws a *latency profile* (``scheduler.Latency``), how long each kind of call
 takes (Optuna, MLflow, a backend's API, a local syscall, a record written, a job's process starting):
 instant in some seeds (every interleaving within one instant), slow in others.
+
+The program and the study vary too, each drawn apart from the rest (a ``random.Random`` of its own
+per seed, so every other draw of a seed stays what it was): a job of a thousand steps and more
+reporting every few steps, slow appends of the metrics file (torn lines), two objectives, enqueued
+configurations, and TPE in place of random sampling.
 """
 
 from __future__ import annotations
@@ -90,6 +95,12 @@ class Scenario:
     """The chance an orchestrator's host clock jumps (forward or back) at any one of its yield points."""
     job_stall_per_step: float = 0.0
     """The chance a job's training process stalls a while at any one of its yield points."""
+    objectives: tuple[tuple[str, str], ...] = (("score", "maximize"),)
+    """The study's objectives, (metric, direction), primary first: two make it multi-objective."""
+    enqueue: tuple[float, ...] = ()
+    """Values of ``x`` the spec enqueues (``TuneSettings.enqueue``): each must run once, first."""
+    sampler: str = "random"
+    """The study's sampler kind."""
 
     def quiet(self) -> Scenario:
         """The same study and cluster without any fault (for a run's baseline)."""
@@ -109,6 +120,21 @@ class Scenario:
             job_stall_per_step=0.0,
         )
 
+    def _describe_program(self) -> str:
+        program = self.program
+        return (
+            f"program: {program.steps} steps, a report every {program.stride}, "
+            f"{program.reports_per_sleep} report(s) in each sleep of {program.step_s:.0f}s, metrics "
+            f"{', '.join(program.metrics)}, "
+            f"{'a result file' if program.writes_result else 'exit 0 without a result file'}, "
+            f"same-step reports {program.same_step_reports}, slow (tearable) appends {program.torn_appends}"
+        )
+
+    def _describe_study(self) -> str:
+        objectives = ", ".join(f"{metric} ({direction})" for metric, direction in self.objectives)
+        enqueued = ", ".join(f"x={x}" for x in self.enqueue) or "nothing"
+        return f"study: {objectives}, sampler {self.sampler}, enqueues {enqueued}"
+
     def describe(self) -> str:
         lines = [
             f"seed {self.seed}: {self.backend.kind}, {self.num_trials} trials, "
@@ -116,9 +142,8 @@ class Scenario:
             f"max_restarts {self.max_restarts}, pruner {self.pruner}, timeout {self.timeout_s}, "
             f"hang timeout {self.hang_timeout_s}, orchestrators on {2 if self.two_hosts else 1} host(s), "
             f"{self.num_nodes} node(s) per job",
-            f"program: {self.program.steps} steps of {self.program.step_s:.0f}s, "
-            f"{'a result file' if self.program.writes_result else 'exit 0 without a result file'}, "
-            f"same-step reports {self.program.same_step_reports}",
+            self._describe_program(),
+            self._describe_study(),
             f"rates: optuna writes {self.optuna_writes}, reads {self.optuna_reads}, mlflow {self.mlflow}, "
             f"jobs {self.jobs}",
             self.backend.describe(),
@@ -199,7 +224,8 @@ def scenario_of(seed: int, *, kinds: tuple[str, ...] = KINDS) -> Scenario:
         two_hosts=backend.kind != "local" and draw.random() < 0.5,
     )
     scenario = _with_node_failures(_with_crashes_after_writes(_with_pbt(_with_asha(scenario))))
-    return _with_time(_with_steps(_with_preemptions(_with_slow_starts(scenario))))
+    scenario = _with_time(_with_steps(_with_preemptions(_with_slow_starts(scenario))))
+    return _with_sampler(_with_enqueue(_with_objectives(_with_torn_appends(_with_long_program(scenario)))))
 
 
 def _with_asha(scenario: Scenario) -> Scenario:
@@ -274,6 +300,71 @@ def _latency(draw: random.Random) -> Latency:
         slowest = fast * (slow / fast) ** draw.random()
         spans[kind] = (slowest / 10, slowest)
     return Latency(**spans)
+
+
+def _with_long_program(scenario: Scenario) -> Scenario:
+    """A program of a thousand steps and more in about a quarter of the seeds, drawn apart (as
+    ASHA's): a report every few steps (a stride of 3 to 9, past step 1,000 Optuna is told only some;
+    of 25, every one), as many sleeps as the program drawn first (so its run time, the time limits
+    drawn from it, and the seed's simulated time stay what they were), each several reports long."""
+    draw = random.Random(f"long-program-{scenario.seed}")
+    if draw.random() >= 0.25:
+        return scenario
+    program = scenario.program
+    stride = draw.choice([3, 7, 9, 25])
+    points = draw.randint(1100, 2400) // stride + 1
+    long = replace(
+        program,
+        steps=(points - 1) * stride + 1,
+        stride=stride,
+        reports_per_sleep=-(-points // program.steps),
+    )
+    return replace(scenario, program=long)
+
+
+def _with_torn_appends(scenario: Scenario) -> Scenario:
+    """Slow appends of the metrics file in about a third of the seeds, drawn apart (as ASHA's): a
+    reader meets half-written lines, and a run killed or crashed mid-append leaves a torn one."""
+    draw = random.Random(f"torn-appends-{scenario.seed}")
+    if draw.random() >= 0.35:
+        return scenario
+    chance = draw.choice([0.05, 0.3]) if scenario.program.stride == 1 else draw.choice([0.002, 0.01])
+    return replace(scenario, program=replace(scenario.program, torn_appends=chance))
+
+
+def _with_objectives(scenario: Scenario) -> Scenario:
+    """Two objectives (score up, cost down) in most seeds without a pruner and a few with the median or
+    threshold pruner, which then have none (every pruner refuses several objectives, PBT too), drawn
+    apart (as ASHA's); the program then reports both."""
+    draw = random.Random(f"objectives-{scenario.seed}")
+    chance = {"none": 0.6, "median": 0.15, "threshold": 0.15}.get(scenario.pruner, 0.0)
+    if draw.random() >= chance:
+        return scenario
+    objectives = (("score", "maximize"), ("cost", "minimize"))
+    program = replace(scenario.program, metrics=tuple(metric for metric, _ in objectives))
+    return replace(scenario, objectives=objectives, program=program, pruner="none")
+
+
+def _with_enqueue(scenario: Scenario) -> Scenario:
+    """One to three known configurations enqueued (no more than the study's trials) in about a third
+    of the seeds, drawn apart (as ASHA's); in half of those a second orchestrator starts together with
+    the first, so that both enqueue at once (where only the study lock keeps each configuration once)."""
+    draw = random.Random(f"enqueue-{scenario.seed}")
+    if draw.random() >= 0.35:
+        return scenario
+    count = draw.randint(1, min(3, scenario.num_trials))
+    values = tuple(sorted({round(draw.uniform(0.0, 1.0), 3) for _ in range(count)}))
+    timed = scenario.timed
+    if draw.random() < 0.5:
+        timed = (TimedFault(0.0, "second_orchestrator"), *timed)
+    return replace(scenario, enqueue=values, timed=timed)
+
+
+def _with_sampler(scenario: Scenario) -> Scenario:
+    """TPE (multivariate, the constant liar) in place of random sampling in about a third of the
+    seeds, drawn apart (as ASHA's)."""
+    draw = random.Random(f"sampler-{scenario.seed}")
+    return replace(scenario, sampler="tpe") if draw.random() < 0.35 else scenario
 
 
 def _timed_faults(draw: random.Random, phase_s: float) -> list[TimedFault]:
