@@ -404,7 +404,7 @@ class Referee:
         if run.first_step is None:
             return  # killed before its program began
         saved = preempted.saved_when_preempted
-        wanted = run.newest_saved + 1 if run.newest_saved is not None else 0
+        wanted = run.newest_saved + self.cluster.program.stride if run.newest_saved is not None else 0
         newest = run.newest_saved if run.newest_saved is not None else -1
         if run.first_step != wanted or (saved is not None and newest < saved):
             self.violated(

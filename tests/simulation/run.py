@@ -339,6 +339,7 @@ class _Run:
                 read_faults=scenario.optuna_reads,
                 switch=self.switch,
                 crash_after_write=scenario.crash_after_write,
+                lost_pause_answers=scenario.lost_pause_answers,
             ),
         )
 

@@ -102,6 +102,10 @@ class Scenario:
     sampler: str = "random"
     """The study's sampler kind."""
 
+    lost_pause_answers: float = 0.0
+    """The chance the answer of a write of a trial's ASHA state (a pause, a promotion) is lost after it
+    committed: its writer retries while the orchestrator's other threads already see the new state."""
+
     def quiet(self) -> Scenario:
         """The same study and cluster without any fault (for a run's baseline)."""
         return replace(
@@ -114,6 +118,7 @@ class Scenario:
             timed=(),
             crash_per_step=0.0,
             crash_after_write=0.0,
+            lost_pause_answers=0.0,
             disk_full_per_write=0.0,
             stall_per_step=0.0,
             clock_jump_per_step=0.0,
@@ -154,6 +159,10 @@ class Scenario:
         if self.crash_per_step:
             lines.append(
                 f"an orchestrator crashes at any yield point with probability {self.crash_per_step:.4f}"
+            )
+        if self.lost_pause_answers:
+            lines.append(
+                f"an ASHA state write's answer is lost with probability {self.lost_pause_answers:.3f}"
             )
         if self.crash_after_write:
             lines.append(
@@ -224,6 +233,7 @@ def scenario_of(seed: int, *, kinds: tuple[str, ...] = KINDS) -> Scenario:
         two_hosts=backend.kind != "local" and draw.random() < 0.5,
     )
     scenario = _with_node_failures(_with_crashes_after_writes(_with_pbt(_with_asha(scenario))))
+    scenario = _with_lost_pause_answers(scenario)
     scenario = _with_time(_with_steps(_with_preemptions(_with_slow_starts(scenario))))
     return _with_sampler(_with_enqueue(_with_objectives(_with_torn_appends(_with_long_program(scenario)))))
 
@@ -246,6 +256,16 @@ def _with_pbt(scenario: Scenario) -> Scenario:
         return scenario
     population = max(2, scenario.num_parallel)
     return replace(scenario, pruner="pbt", num_parallel=population, num_trials=population)
+
+
+def _with_lost_pause_answers(scenario: Scenario) -> Scenario:
+    """ASHA's seeds, in half of them: lost answers aimed at the writes of a trial's pause state, drawn
+    apart (as ASHA's). A trial's driver then retries its pause while the loop sees the trial paused and
+    may promote it: the window where two threads of one orchestrator met inside one trial's fence."""
+    draw = random.Random(f"lost-pause-answers-{scenario.seed}")
+    if scenario.pruner != "asha":
+        return scenario
+    return replace(scenario, lost_pause_answers=rate(draw, 0.5))
 
 
 def _with_crashes_after_writes(scenario: Scenario) -> Scenario:

@@ -54,6 +54,8 @@ def smaller(scenario: Scenario) -> Iterator[Scenario]:
         yield replace(scenario, crash_per_step=0.0)
     if scenario.crash_after_write:
         yield replace(scenario, crash_after_write=0.0)
+    if scenario.lost_pause_answers:
+        yield replace(scenario, lost_pause_answers=0.0)
     if scenario.disk_full_per_write:
         yield replace(scenario, disk_full_per_write=0.0)
     for name in ("stall_per_step", "clock_jump_per_step", "job_stall_per_step"):

@@ -113,6 +113,7 @@ class SimStorage(BaseStorage):
         read_faults: Faults,
         switch: FaultSwitch,
         crash_after_write: float = 0.0,
+        lost_pause_answers: float = 0.0,
     ) -> None:
         self.sim = sim
         self.database = database
@@ -120,6 +121,7 @@ class SimStorage(BaseStorage):
         self.read_faults = read_faults
         self.switch = switch
         self.crash_after_write = crash_after_write
+        self.lost_pause_answers = lost_pause_answers
 
     def _call(self, name: str, faults: Faults, *args: Any, **kwargs: Any) -> Any:
         method = getattr(self.database.storage, name)
@@ -144,12 +146,21 @@ class SimStorage(BaseStorage):
 
     def _write(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """A write that may fail (``write_faults``), and after which the orchestrator may be killed
-        (``crash_after_write``): whatever its next write would have made whole stays half done."""
+        (``crash_after_write``): whatever its next write would have made whole stays half done. The
+        answer of a write of a trial's ASHA state (a pause, a promotion) is lost more often
+        (``lost_pause_answers``): its writer retries while the other threads see the state it wrote."""
         result = self._call(name, self.write_faults, *args, **kwargs)
         if self.switch.on and self.sim.choices.chance(self.crash_after_write):
             # Dead before its caller hears the answer: its thread never runs again past this pause.
             self.sim.crash(self.sim.process, f"SIGKILL just after optuna {name} committed")
             self.sim.pause(f"killed after optuna {name}")
+        pausing = name == "set_trial_user_attr" and args[1] == ATTR_ASHA
+        if pausing and self.switch.on and self.sim.choices.chance(self.lost_pause_answers):
+            # Its writer retries (after a backoff) while every other thread already sees the new state.
+            self.sim.trace.event(
+                self.sim.now, "fault", f"{self.sim.process.name}: an ASHA state's answer is lost"
+            )
+            raise OperationalError(name)
         return result
 
     def _told(self, trial_id: int, state: TrialState | None) -> None:
