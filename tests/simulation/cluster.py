@@ -26,7 +26,7 @@ from pathlib import Path
 from simulation.scheduler import Host, Process, Scheduler
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.submission import read_cancel_marker
-from tunepod.runtime.checkpoints import latest_checkpoint, save_checkpoint
+from tunepod.runtime.checkpoints import latest_checkpoint, read_whole_state, save_checkpoint
 from tunepod.runtime.files import append_line_durably, write_bytes_atomic
 from tunepod.runtime.progress import RankProgress
 
@@ -84,6 +84,8 @@ class JobRun:
     """The step its program started at (the step after the checkpoint it resumed from)."""
     newest_saved: int | None = None
     """The newest step any run of its job dir had saved when it started (ground truth)."""
+    resumed_from: dict[str, object] | None = None
+    """What the checkpoint it resumed from says of itself (``checkpoint_state``); None without one."""
 
 
 @dataclass
@@ -189,6 +191,7 @@ class Cluster:
         latest = latest_checkpoint(paths.checkpoints)
         step = latest.step + 1 if latest is not None else 0
         run.first_step, run.newest_saved = step, self.newest_saved(run.job_dir)
+        run.resumed_from = json.loads(read_whole_state(latest)) if latest is not None else None
         self._beat(run, paths, step=None)
         run.process.spawn("heartbeat", lambda: self._heartbeats(run, paths))
         while step < self.program.steps:
@@ -203,7 +206,7 @@ class Cluster:
             self._report(run, paths, step, {"score": score(params, step)})
             if sim.choices.chance(self.program.same_step_reports):
                 self._report(run, paths, step, {"loss": round(1.0 - score(params, step), 6)})
-            save_checkpoint(paths.checkpoints, f"step {step}".encode(), step, keep=2)
+            save_checkpoint(paths.checkpoints, checkpoint_state(run, step, params), step, keep=2)
             if paths.checkpoints.parent == run.job_dir:
                 self.saves.setdefault(run.job_dir, []).append(step)
             run.last_progress_at = sim.now
@@ -271,6 +274,12 @@ class Cluster:
 
     def _now(self, run: JobRun) -> float:
         return self.sim.now + run.process.host.skew_s
+
+
+def checkpoint_state(run: JobRun, step: int, params: dict[str, float]) -> bytes:
+    """A checkpoint that says where it was trained (its trial's job dir), at which step, with which
+    parameters: what a run resumes from can be told apart from a copy of another trial's."""
+    return json.dumps({"trial": run.job_dir.name, "step": step, "params": params}, sort_keys=True).encode()
 
 
 def score(params: dict[str, float], step: int) -> float:

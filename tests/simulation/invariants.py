@@ -15,7 +15,10 @@ Checked at the moment it happens (the backends, the stores and the scheduler cal
   ended, and that trial PRUNED;
 - **a paused trial has no live job** (ASHA): a pause is recorded only once the trial's job has ended,
   and a promotion only written inside the trial's fence; no job is created for a trial recorded as
-  paused (a promotion is written before its job is created).
+  paused (a promotion is written before its job is created);
+- **ASHA decides by its rule** (its end of the study): a promotion for a slot that would idle comes
+  only once every trial was asked for; a paused trial is pruned only then, and once a trial has
+  completed.
 
 Checked once every fault has stopped and the study has settled:
 
@@ -35,6 +38,17 @@ Checked once every fault has stopped and the study has settled:
   ended NODE_FAIL (no result, stopped by no one but the watchdog for a hang) is started again while
   the trial's ``max_restarts`` allows, so its trial does not end FAIL on it. That the trial it hit is
   still one Optuna trial, told once, with one MLflow run, is "every trial ends counted once" above;
+- **a trial fails only once its restarts are spent**: a trial whose last attempt failed by itself (its
+  program exited non-zero, its node failed, or it hung) ends FAIL only after ``1 + max_restarts +
+  promotions`` attempts ran (the submission ids its runs carried; an ASHA promotion is an attempt
+  that is no restart);
+- **ASHA decides by its rule**: every pause, every rung a job went on past, and every promotion by the
+  rule agrees with the referee's own successive-halving rule on the values Optuna held at some
+  moment the decision could have been made (``simulation.decisions`` says which moments, and why);
+- **a continuation resumes from its donor** (PBT): a continuation's first run resumes from a
+  checkpoint trained by the donor its lineage records (or by that donor's own donor, when the donor
+  started from that very step), at the recorded step, with the donor's parameters; each simulated
+  checkpoint says which trial trained it, at which step, with which parameters;
 - nothing is left running: no job, no lease held by a live process, no simulated thread that died (a
   run orphaned by its node's failure is the cluster's to kill, not tunepod's).
 
@@ -52,6 +66,7 @@ from pathlib import Path
 from optuna.trial import FrozenTrial, TrialState
 
 from simulation.cluster import HEARTBEAT_S, Cluster, JobRun, NodeFailure
+from simulation.decisions import HalvingRule, ToldLog, asha_verdicts
 from simulation.scheduler import Scheduler
 from simulation.stores import MlflowTwin, OptunaDatabase
 from tunepod.hpo.asha import AshaState, is_paused
@@ -60,6 +75,7 @@ from tunepod.hpo.trials import ATTR_JOB_DIR
 from tunepod.launch.lease import read_lease
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.submission import read_cancel_marker, read_submission
+from tunepod.spec.models import PrunerSpec
 
 # A driver sees a state change at its next poll: a stop may come this much after the condition held.
 _POLL_SLACK_S = 1.0
@@ -85,6 +101,8 @@ class StudyFacts:
     timeout_s: float | None
     hang_timeout_s: float | None
     max_restarts: int = 0
+    pruner: PrunerSpec | None = None
+    """The study's pruner (ASHA's rungs); the study maximizes its metric."""
 
 
 class Referee:
@@ -104,6 +122,26 @@ class Referee:
         self.mlflow = mlflow
         self.facts = facts
         self.violations: list[Violation] = []
+        pruner = facts.pruner
+        self.halving = HalvingRule.of(pruner) if pruner is not None and pruner.kind == "asha" else None
+        self.told_log = ToldLog()
+        """Every intermediate value as it reached Optuna (what ASHA's decisions are judged on)."""
+        self.asha_writes: dict[int, list[tuple[int, AshaState]]] = {}
+        """Per trial number, each ASHA state written, at its moment of ``told_log``."""
+        self._listen_to_reports()
+
+    def _listen_to_reports(self) -> None:
+        """Log each intermediate value as the database stores it, whoever tells it (as the
+        database's hooks call the referee for tells and ASHA states)."""
+        storage = self.database.storage
+        store = storage.set_trial_intermediate_value
+
+        def stored(trial_id: int, step: int, intermediate_value: float) -> None:
+            store(trial_id, step, intermediate_value)
+            number = storage.get_trial_number_from_id(trial_id)
+            self.told_log.add(self.sim.now, self.sim.process.name, number, step, intermediate_value)
+
+        storage.set_trial_intermediate_value = stored  # type: ignore[method-assign]
 
     def violated(self, invariant: str, detail: str) -> None:
         self.violations.append(Violation(self.sim.now, invariant, detail))
@@ -186,10 +224,33 @@ class Referee:
                 "a paused trial has no live job",
                 f"trial {frozen.number} is recorded paused while {[run.job_id for run in live]} live",
             )
+        self.asha_writes.setdefault(frozen.number, []).append((self.told_log.seq, state))
+        if not state.paused and state.idle and not self._all_asked():
+            self.violated(
+                "ASHA decides by its rule",
+                f"trial {frozen.number} is promoted for an idle slot while trials are still to ask for",
+            )
 
     def told(self, trial_id: int, state: TrialState) -> None:
         frozen = self.database.storage.get_trial(trial_id)
         self._fenced(self._job_dir(frozen), f"tells trial {frozen.number} {state.name}")
+        asha = AshaState.of(frozen)
+        if state is TrialState.PRUNED and asha is not None and asha.paused:
+            self._pruned_paused(frozen)
+
+    def _pruned_paused(self, frozen: FrozenTrial) -> None:
+        """ASHA's end of the study: a paused trial ends PRUNED only once every trial was asked for
+        and one has completed (until then, a slot that would idle resumes the best paused trial)."""
+        trials = self._trials()
+        if not self._all_asked() or not any(t.state is TrialState.COMPLETE for t in trials):
+            states = dict(Counter(t.state.name for t in trials))
+            self.violated(
+                "ASHA decides by its rule",
+                f"paused trial {frozen.number} is pruned at the end of the study with trials {states}",
+            )
+
+    def _all_asked(self) -> bool:
+        return len(self._trials()) >= self.facts.num_trials
 
     def _fenced(self, job_dir: Path, action: str) -> None:
         process = self.sim.process
@@ -217,7 +278,10 @@ class Referee:
                 self._true_outcome(trial)
                 self._mirrored(trial)
                 self._told_values(trial)
+                self._restarts_spent(trial)
+            self._asha_decided(trial)
         self._node_failures_recovered(trials)
+        self._continued_from_donors(trials)
         live = [run for run in self.cluster.runs if run.ended_at is None and run.orphaned_at is None]
         if live:
             self.violated("nothing left running", f"job runs still live: {[run.job_id for run in live]}")
@@ -341,6 +405,92 @@ class Referee:
         stopped = marker is not None and marker.job_id in (failure.job_id, "") and marker.reason != "hung"
         return record is not None and not stopped and record.attempt - 1 < self.facts.max_restarts
 
+    def _restarts_spent(self, trial: FrozenTrial) -> None:
+        """A trial whose last attempt failed by itself (its program exited non-zero, its node failed, or
+        it hung) ends FAIL only after 1 + max_restarts + promotions attempts ran: each ASHA promotion
+        is an attempt that is no restart. Attempts are the submission ids its runs carried (a requeued
+        job runs again in the same attempt); one whose job never ran proves nothing, and is passed."""
+        if trial.state is not TrialState.FAIL:
+            return
+        job_dir = self._job_dir(trial)
+        runs = [run for run in self.cluster.runs if run.job_dir == job_dir]
+        record = read_submission(JobPaths(job_dir))
+        if not runs or record is None or record.submission_id != runs[-1].attempt_key:
+            return
+        if not self._failed_by_itself(runs[-1]):
+            return
+        asha = AshaState.of(trial)
+        promotions = asha.promotions if asha is not None else 0
+        attempts = len({run.attempt_key for run in runs})
+        wanted = 1 + self.facts.max_restarts + promotions
+        if attempts < wanted:
+            self.violated(
+                "a trial fails only once its restarts are spent",
+                f"trial {trial.number} ends FAIL after {attempts} attempt(s) of the {wanted} its "
+                f"max_restarts {self.facts.max_restarts} and {promotions} promotion(s) allow",
+            )
+
+    def _failed_by_itself(self, run: JobRun) -> bool:
+        """The run's job ended on a failure no stop of tunepod's explains (a stop as hung is restarted
+        like a failure)."""
+        reasons = {stop.reason for stop in self.cluster.stops if stop.job_id == run.job_id}
+        if reasons - {"hung"}:
+            return False
+        node_failed = any(
+            failure.job_id == run.job_id and failure.outcome == "NODE_FAIL"
+            for failure in self.cluster.node_failures
+        )
+        return bool(reasons) or node_failed or run.exit_code not in (0, None)
+
+    def _asha_decided(self, trial: FrozenTrial) -> None:
+        """Each pause, promotion and go-on of ASHA agrees with the referee's own rule
+        (``simulation.decisions``)."""
+        if self.halving is None:
+            return
+        writes = self.asha_writes.get(trial.number, [])
+        for verdict in asha_verdicts(self.halving, trial, writes, self.told_log):
+            self.violated("ASHA decides by its rule", verdict)
+
+    def _continued_from_donors(self, trials: list[FrozenTrial]) -> None:
+        """PBT: a continuation's first run resumes from its recorded donor's checkpoint at the recorded
+        step (what the checkpoint says of itself: the trial that trained it, the step, the parameters),
+        or from none where no checkpoint was copied (``from_step`` -1)."""
+        by_number = {trial.number: trial for trial in trials}
+        by_dir = {self._job_dir(trial).name: trial for trial in trials}
+        for trial in trials:
+            state = PbtState.of(trial)
+            first = self._first_program_run(self._job_dir(trial))
+            if state is None or first is None:
+                continue
+            origin = first.resumed_from
+            got = None if origin is None else (str(origin["trial"]), int(str(origin["step"])))
+            trained = by_dir.get(got[0]) if got is not None else None
+            params_differ = origin is not None and trained is not None and origin["params"] != trained.params
+            if got not in self._donor_checkpoints(by_number, state.parent, state.from_step) or params_differ:
+                self.violated(
+                    "a continuation resumes from its donor",
+                    f"trial {trial.number} continues from trial {state.parent}'s step {state.from_step}, "
+                    f"its job {first.job_id} resumed from {origin}",
+                )
+
+    def _first_program_run(self, job_dir: Path) -> JobRun | None:
+        """The job dir's first run whose program began (one killed before cannot have resumed)."""
+        return next((r for r in self.cluster.runs if r.job_dir == job_dir and r.first_step is not None), None)
+
+    def _donor_checkpoints(
+        self, by_number: dict[int, FrozenTrial], donor: int, step: int
+    ) -> set[tuple[str, int] | None]:
+        """The checkpoints that are ``donor``'s at ``step``: saved by its own jobs, or, for a
+        continuation that started from that very step, its own donor's it was seeded with."""
+        if step < 0:
+            return {None}
+        trial = by_number[donor]
+        found: set[tuple[str, int] | None] = {(self._job_dir(trial).name, step)}
+        state = PbtState.of(trial)
+        if state is not None and state.from_step == step:
+            found |= self._donor_checkpoints(by_number, state.parent, step)
+        return found
+
     def _mirrored(self, trial: FrozenTrial) -> None:
         key = f"{self.facts.study}/trial-{trial.number}"
         runs = self.mlflow.runs_with_key(key)
@@ -395,16 +545,16 @@ class Referee:
 
     # ------------------------------------------------------------------------------ helpers
 
-    def _trial_of(self, job_dir: Path) -> FrozenTrial | None:
+    def _trials(self) -> list[FrozenTrial]:
         storage = self.database.storage
         try:
             study_id = storage.get_study_id_from_name(self.facts.study)
         except KeyError:
-            return None
-        for trial in storage.get_all_trials(study_id, deepcopy=False):
-            if self._job_dir(trial) == job_dir:
-                return trial
-        return None
+            return []
+        return storage.get_all_trials(study_id, deepcopy=False)
+
+    def _trial_of(self, job_dir: Path) -> FrozenTrial | None:
+        return next((trial for trial in self._trials() if self._job_dir(trial) == job_dir), None)
 
     def _objective_seen(self, job_dir: Path) -> bool:
         paths = JobPaths(job_dir)

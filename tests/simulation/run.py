@@ -117,6 +117,7 @@ class _Run:
                 scenario.timeout_s,
                 scenario.hang_timeout_s,
                 scenario.max_restarts,
+                pruner=self.settings.pruner,
             ),
         )
         self.database.on_told = self.referee.told
