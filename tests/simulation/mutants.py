@@ -17,8 +17,9 @@ from optuna.trial import FrozenTrial
 
 from simulation.backends import KINDS
 from tunepod.hpo import population, tuner
-from tunepod.hpo.asha import ATTR_ASHA, AshaState
+from tunepod.hpo.asha import ATTR_ASHA, Asha, AshaState, is_paused
 from tunepod.launch import base, drive, lease
+from tunepod.launch.drive import DriveSettings
 from tunepod.launch.hyperpod_eks import launcher as eks_launcher
 from tunepod.launch.local import LocalLauncher, LocalStatus
 from tunepod.launch.paths import JobPaths
@@ -28,6 +29,7 @@ from tunepod.launch.slurm import render
 from tunepod.launch.slurm import states as slurm_states
 from tunepod.launch.watchdog import Watchdog
 from tunepod.locks import locked
+from tunepod.runtime.checkpoints import CheckpointInfo
 from tunepod.runtime.progress import RankProgress, read_progress
 
 
@@ -202,6 +204,64 @@ def _continued_without_looking() -> contextlib.AbstractContextManager[None]:
     return _patched(population.Population, "continuation_of", lambda self, number: None)
 
 
+def _promotions_eat_restarts() -> contextlib.AbstractContextManager[None]:
+    """A promoted trial's drive with only ``max_restarts``: its promotions, attempts that are no
+    restarts, spend the restarts a failure would have had."""
+
+    def drive_settings(self: tuner.Tuner, asha_state: AshaState | None) -> DriveSettings:
+        promotions = asha_state.promotions if asha_state else 0
+        return DriveSettings(
+            poll_s=self.settings.poll_s,
+            max_restarts=self.settings.train.max_restarts,
+            resume_attempt=asha_state.attempt if asha_state and promotions else None,
+        )
+
+    return _patched(tuner.Tuner, "_drive_settings", drive_settings)
+
+
+def _asha_keeps_one_too_many() -> contextlib.AbstractContextManager[None]:
+    """ASHA's rung keeping one trial more than its top ``1 / reduction_factor``."""
+
+    def kept(self: Asha, reached: int) -> int:
+        return max(1, reached // self.reduction_factor) + 1 if reached else 0
+
+    return _patched(Asha, "kept", kept)
+
+
+def _asha_prunes_before_a_completion() -> contextlib.AbstractContextManager[None]:
+    """ASHA's end of the study pruning the paused trials as soon as nothing else runs, before any trial
+    has completed (the study may end without one)."""
+
+    def end_of_study(self: tuner.Tuner, trials: list[FrozenTrial], capacity: int, *, busy: bool) -> list[int]:
+        assert self.asha is not None
+        if busy:
+            paused = self.asha.by_merit(trials)
+            return [] if capacity <= 0 else self._promote(trials, paused, capacity, idle=True)
+        for trial in trials:
+            if is_paused(trial):
+                self._prune_paused(trial)
+        return []
+
+    return _patched(tuner.Tuner, "_end_of_study", end_of_study)
+
+
+def _pbt_copies_its_own() -> contextlib.AbstractContextManager[None]:
+    """PBT copying the exploited member's own newest checkpoint while it records the donor's."""
+
+    def copy_from_a_donor(
+        self: population.Population, exploited: FrozenTrial, donors: Any, trials: Any
+    ) -> tuple[FrozenTrial, CheckpointInfo | None]:
+        for member in donors:
+            head = self.pbt.head(member, trials)
+            copied = self._copy_newest(exploited, self.job_dir(exploited) / f"pbt-seed-from-{head.number}")
+            if copied is not None:
+                return head, copied
+        own = self._copy_newest(exploited, self.job_dir(exploited) / f"pbt-seed-from-{exploited.number}")
+        return exploited, own
+
+    return _patched(population.Population, "_copy_from_a_donor", copy_from_a_donor)
+
+
 MUTANTS = [
     Mutant("leases-leak", "issue 28, 2: leases of trials a failed ask never started stay held", _leases_leak),
     Mutant(
@@ -299,6 +359,26 @@ MUTANTS = [
         _continued_without_looking,
         # Every backend's seeds, though SageMaker's never run PBT: fewer kinds draw other scenarios.
         # Found by 10 of the first 1000 since the crashes just after a write (1 before).
+    ),
+    Mutant(
+        "promotions-eat-restarts",
+        "ASHA's promotions counted against max_restarts: a promoted trial fails with restarts unspent",
+        _promotions_eat_restarts,
+    ),
+    Mutant(
+        "asha-keeps-one-too-many",
+        "ASHA's rungs keep one trial more than their top: trials go on, or are promoted, outside it",
+        _asha_keeps_one_too_many,
+    ),
+    Mutant(
+        "asha-prunes-early",
+        "ASHA's end of the study prunes the paused trials before any trial has completed",
+        _asha_prunes_before_a_completion,
+    ),
+    Mutant(
+        "pbt-wrong-donor",
+        "PBT seeds a continuation with the exploited member's own checkpoint, recording the donor's",
+        _pbt_copies_its_own,
     ),
 ]
 
