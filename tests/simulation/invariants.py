@@ -40,8 +40,8 @@ Checked once every fault has stopped and the study has settled:
   still one Optuna trial, told once, with one MLflow run, is "every trial ends counted once" above;
 - **a trial fails only once its restarts are spent**: a trial whose last attempt failed by itself (its
   program exited non-zero, its node failed, or it hung) ends FAIL only after ``1 + max_restarts +
-  promotions`` attempts ran (the submission ids its runs carried; an ASHA promotion is an attempt
-  that is no restart);
+  promotions`` attempts (an ASHA promotion is an attempt that is no restart; a job lost with its node
+  before it started is an attempt too);
 - **ASHA decides by its rule**: every pause, every rung a job went on past, and every promotion by the
   rule agrees with the referee's own successive-halving rule on the values Optuna held at some
   moment the decision could have been made (``simulation.decisions`` says which moments, and why);
@@ -407,9 +407,10 @@ class Referee:
 
     def _restarts_spent(self, trial: FrozenTrial) -> None:
         """A trial whose last attempt failed by itself (its program exited non-zero, its node failed, or
-        it hung) ends FAIL only after 1 + max_restarts + promotions attempts ran: each ASHA promotion
-        is an attempt that is no restart. Attempts are the submission ids its runs carried (a requeued
-        job runs again in the same attempt); one whose job never ran proves nothing, and is passed."""
+        it hung) ends FAIL only after 1 + max_restarts + promotions attempts: each ASHA promotion is an
+        attempt that is no restart. The attempts are the submission record's count, not the submission
+        ids the runs carried: a job whose node was lost before it started is an attempt that never ran.
+        A trial whose last attempt never ran proves nothing, and is passed."""
         if trial.state is not TrialState.FAIL:
             return
         job_dir = self._job_dir(trial)
@@ -421,7 +422,7 @@ class Referee:
             return
         asha = AshaState.of(trial)
         promotions = asha.promotions if asha is not None else 0
-        attempts = len({run.attempt_key for run in runs})
+        attempts = record.attempt
         wanted = 1 + self.facts.max_restarts + promotions
         if attempts < wanted:
             self.violated(
@@ -432,9 +433,10 @@ class Referee:
 
     def _failed_by_itself(self, run: JobRun) -> bool:
         """The run's job ended on a failure no stop of tunepod's explains (a stop as hung is restarted
-        like a failure)."""
+        like a failure). A run whose exit nobody could record (its local wrapper killed: the signals
+        that then end it are no stop the backend hears) is the job dir's to tell, and passed."""
         reasons = {stop.reason for stop in self.cluster.stops if stop.job_id == run.job_id}
-        if reasons - {"hung"}:
+        if reasons - {"hung"} or run.exit_unrecorded:
             return False
         node_failed = any(
             failure.job_id == run.job_id and failure.outcome == "NODE_FAIL"
