@@ -18,8 +18,9 @@ them. The rule is the referee's own (``HalvingRule``), from the spec's rungs, ne
   pause carried out after a crash, whose rung is judged again, or the highest reached);
 - a **go on** past a rung (a job that was judged there and not paused): inside the top at a moment of
   one of its judgements (each driver's first look at the rung: from the value's arrival, or the
-  driver's first report, to its report two steps later), unless that look already saw the trial's
-  last step (a job that is finishing is never paused);
+  driver's first report, to its next call's reports), unless that look already saw the trial's last
+  step (a job that is finishing is never paused); a look made once the job had ended (a driver that
+  re-attached late) decides nothing;
 - a **promotion** by the rule (not for an idle slot) from rung ``r``: inside the top at ``r`` at some
   moment from the pause being written to the promotion being written.
 """
@@ -28,13 +29,19 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from optuna.trial import FrozenTrial
 
 from tunepod.hpo.asha import AshaState
 from tunepod.spec.models import PrunerSpec
+
+JobRunning = Callable[[int, float], bool]
+"""Whether a job of trial ``number`` ran at simulated time ``at`` (the ground truth's)."""
+_ONE_CALL_S = 1.0
+"""A driver calls its report feed once a poll, 1 s apart at the least; the values one call tells are
+apart only by the first backoffs of a storage call retried (0.2 s, 0.4 s, 0.8 s)."""
 
 
 @dataclass(frozen=True)
@@ -158,9 +165,11 @@ def segments(number: int, writes: list[tuple[int, AshaState]], end: int) -> list
     return found
 
 
-def judged_windows(rule: HalvingRule, segment: Segment, rung: int, log: ToldLog) -> list[tuple[int, int]]:
-    """The windows in which a driver of the segment's job looked at ``rung`` (see the module
-    docstring); empty where a look saw the job finishing (nothing to judge)."""
+def judged_windows(
+    rule: HalvingRule, segment: Segment, rung: int, log: ToldLog, running: JobRunning
+) -> list[tuple[int, int]]:
+    """The windows in which a driver of the segment's job looked at ``rung`` while its job ran (see
+    the module docstring); empty where a look saw the job finishing (nothing to judge)."""
     arrival = rule.arrival(segment.number, rung, log, segment.start)
     if arrival is None or arrival > segment.end:
         return []
@@ -181,17 +190,18 @@ def judged_windows(rule: HalvingRule, segment: Segment, rung: int, log: ToldLog)
         end = after[0][0].seq - 1 if after else segment.end
         if any(t.step + 1 >= rule.max_resource for group in looked for t in group):
             return []  # a look that saw the job's last step judges nothing
-        windows.append((batch[0].seq, end))
+        if running(segment.number, batch[-1].at):  # a pause of a job that has ended is no pause
+            windows.append((batch[0].seq, end))
     return windows
 
 
 def _batches(told: list[Told]) -> list[list[Told]]:
     """One trial's values, grouped as told by one call of a driver's report feed: consecutive, by one
-    process, at one simulated time."""
+    process, less than ``_ONE_CALL_S`` apart."""
     batches: list[list[Told]] = []
     for told_one in told:
         last = batches[-1][-1] if batches else None
-        if last is not None and last.process == told_one.process and last.at == told_one.at:
+        if last is not None and last.process == told_one.process and told_one.at - last.at < _ONE_CALL_S:
             batches[-1].append(told_one)
         else:
             batches.append([told_one])
@@ -208,14 +218,18 @@ def passed_rungs(rule: HalvingRule, segment: Segment, log: ToldLog) -> list[int]
 
 
 def asha_verdicts(
-    rule: HalvingRule, trial: FrozenTrial, writes: list[tuple[int, AshaState]], log: ToldLog
+    rule: HalvingRule,
+    trial: FrozenTrial,
+    writes: list[tuple[int, AshaState]],
+    log: ToldLog,
+    running: JobRunning,
 ) -> Iterator[str]:
     """What is wrong with ASHA's decisions on ``trial`` (see the module docstring)."""
     number = trial.number
     found = segments(number, writes, log.seq)
     for segment in found:
         for rung in passed_rungs(rule, segment, log):
-            windows = judged_windows(rule, segment, rung, log)
+            windows = judged_windows(rule, segment, rung, log, running)
             if windows and not any(rule.ever(True, number, rung, log, w) for w in windows):
                 yield f"trial {number} went on past rung {rung} outside its top (judged in {windows})"
         if segment.paused_at is not None:

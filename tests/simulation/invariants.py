@@ -8,6 +8,8 @@ Checked at the moment it happens (the backends, the stores and the scheduler cal
 - **fenced actions**: every job created or stopped, and every trial outcome told to Optuna, comes
   from the process that holds the trial's lease at that moment, inside its fence (the lease lock held,
   the lease file naming that process);
+- **a pruner prunes by its rule** (the threshold pruner): a stop asked as ``pruned`` comes only when
+  the trial's last value told to Optuna lies outside the pruner's bounds;
 - **no healthy job is cancelled**: a stop asked as ``timed_out`` comes after the job's run really ran
   that long; as ``hung``, after it really stopped progressing for the hang timeout; a stop without a
   reason in the job dir is a violation (the tuner never stops a job without one);
@@ -17,8 +19,8 @@ Checked at the moment it happens (the backends, the stores and the scheduler cal
   and a promotion only written inside the trial's fence; no job is created for a trial recorded as
   paused (a promotion is written before its job is created);
 - **ASHA decides by its rule** (its end of the study): a promotion for a slot that would idle comes
-  only once every trial was asked for; a paused trial is pruned only then, and once a trial has
-  completed.
+  only once every trial was asked for; a paused trial is pruned only then, once a trial has
+  completed, and while none of the study's own work runs (a trial resumed for an idle slot is not).
 
 Checked once every fault has stopped and the study has settled:
 
@@ -67,7 +69,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from simulation.cluster import HEARTBEAT_S, Cluster, JobRun, NodeFailure
 from simulation.decisions import HalvingRule, ToldLog, asha_verdicts
-from simulation.scheduler import Scheduler
+from simulation.scheduler import Scheduler, State
 from simulation.stores import MlflowTwin, OptunaDatabase
 from tunepod.hpo.asha import AshaState, is_paused
 from tunepod.hpo.pbt import PbtState
@@ -188,6 +190,8 @@ class Referee:
         self.cluster.stop_requested(job_dir, job_id)
         marker = read_cancel_marker(JobPaths(job_dir))
         reason = marker.reason if marker is not None else None
+        if reason == "pruned":
+            self._pruned_by_threshold(job_dir, job_id)
         runs = [run for run in self.cluster.live_runs(job_dir) if run.job_id == job_id]
         if reason in ("pruned", "paused", "exploited") or not runs:
             return
@@ -212,6 +216,23 @@ class Referee:
         else:
             self.violated(
                 "no healthy job is cancelled", f"job {job_id} of {job_dir.name} stopped for reason {reason!r}"
+            )
+
+    def _pruned_by_threshold(self, job_dir: Path, job_id: str) -> None:
+        """The threshold pruner stops a trial only when the value it was last told lies outside
+        ``[lower, upper]`` (the stop carries out that decision: nothing is told in between)."""
+        pruner, trial = self.facts.pruner, self._trial_of(job_dir)
+        if pruner is None or pruner.kind != "threshold" or trial is None:
+            return
+        steps = [step for step in trial.intermediate_values if step >= pruner.warmup_steps]
+        last = trial.intermediate_values[max(steps)] if steps else None
+        below = last is not None and pruner.lower is not None and last < pruner.lower
+        above = last is not None and pruner.upper is not None and last > pruner.upper
+        if not (below or above):
+            self.violated(
+                "a pruner prunes by its rule",
+                f"job {job_id} of {job_dir.name} is stopped as pruned by the threshold pruner "
+                f"[{pruner.lower}, {pruner.upper}] at value {last}",
             )
 
     def asha_state_written(self, trial_id: int, state: AshaState) -> None:
@@ -239,8 +260,9 @@ class Referee:
             self._pruned_paused(frozen)
 
     def _pruned_paused(self, frozen: FrozenTrial) -> None:
-        """ASHA's end of the study: a paused trial ends PRUNED only once every trial was asked for
-        and one has completed (until then, a slot that would idle resumes the best paused trial)."""
+        """ASHA's end of the study: a paused trial ends PRUNED only once every trial was asked for,
+        one has completed (until then, a slot that would idle resumes the best paused trial) and none
+        of the study's own work runs (a trial resumed for an idle slot is not: ``AshaState.idle``)."""
         trials = self._trials()
         if not self._all_asked() or not any(t.state is TrialState.COMPLETE for t in trials):
             states = dict(Counter(t.state.name for t in trials))
@@ -248,6 +270,34 @@ class Referee:
                 "ASHA decides by its rule",
                 f"paused trial {frozen.number} is pruned at the end of the study with trials {states}",
             )
+        busy = self._running_since(frozen, trials)
+        if busy:
+            self.violated(
+                "ASHA decides by its rule",
+                f"paused trial {frozen.number} is pruned at the end of the study while trials {busy} run",
+            )
+
+    def _running_since(self, paused: FrozenTrial, trials: list[FrozenTrial]) -> list[int]:
+        """The trials of the study's own work that have run since ``paused`` was paused: the decision
+        to prune it, made after that, saw them. One never paused has run since it was asked (every
+        trial was asked before the decision); one promoted by the rule since its promotion (one that
+        another orchestrator promoted after the decision is passed). A trial no live thread drives is
+        passed too: an orchestrator leaves out the trials it gave up driving (their jobs run on, to be
+        re-attached to by a later run), and so prunes beside them."""
+        pauses = [at for at, state in self.asha_writes.get(paused.number, []) if state.paused]
+        running = []
+        for trial in trials:
+            state = AshaState.of(trial)
+            if trial.state is not TrialState.RUNNING or ATTR_JOB_DIR not in trial.user_attrs:
+                continue  # finished, or half asked (nothing runs)
+            if state is not None and (state.paused or state.idle):
+                continue
+            if not self._driven(trial.number):
+                continue
+            promoted = [at for at, written in self.asha_writes.get(trial.number, []) if not written.paused]
+            if not promoted or (pauses and promoted[-1] < pauses[-1]):
+                running.append(trial.number)
+        return running
 
     def _all_asked(self) -> bool:
         return len(self._trials()) >= self.facts.num_trials
@@ -450,8 +500,16 @@ class Referee:
         if self.halving is None:
             return
         writes = self.asha_writes.get(trial.number, [])
-        for verdict in asha_verdicts(self.halving, trial, writes, self.told_log):
+        for verdict in asha_verdicts(self.halving, trial, writes, self.told_log, self._job_ran):
             self.violated("ASHA decides by its rule", verdict)
+
+    def _job_ran(self, number: int, at: float) -> bool:
+        """A run of trial ``number``'s job dir was live at simulated time ``at``."""
+        job_dir = self.facts.jobs_dir / f"trial-{number}"
+        return any(
+            run.job_dir == job_dir and run.started_at <= at and (run.ended_at is None or run.ended_at > at)
+            for run in self.cluster.runs
+        )
 
     def _continued_from_donors(self, trials: list[FrozenTrial]) -> None:
         """PBT: a continuation's first run resumes from its recorded donor's checkpoint at the recorded
@@ -546,6 +604,11 @@ class Referee:
                 )
 
     # ------------------------------------------------------------------------------ helpers
+
+    def _driven(self, number: int) -> bool:
+        """A live orchestrator's thread drives trial ``number`` (the tuner names it ``trial-<n>``)."""
+        name = f"trial-{number}"
+        return any(t.name == name and t.process.alive and t.state is not State.DONE for t in self.sim.tasks)
 
     def _trials(self) -> list[FrozenTrial]:
         storage = self.database.storage

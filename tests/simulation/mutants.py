@@ -13,10 +13,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from optuna.trial import FrozenTrial
+import optuna
+from optuna.trial import FrozenTrial, TrialState
 
 from simulation.backends import KINDS
-from tunepod.hpo import population, tuner
+from tunepod.hpo import population, study, tuner
 from tunepod.hpo.asha import ATTR_ASHA, Asha, AshaState, is_paused
 from tunepod.launch import base, drive, lease
 from tunepod.launch.drive import DriveSettings
@@ -31,6 +32,7 @@ from tunepod.launch.watchdog import Watchdog
 from tunepod.locks import locked
 from tunepod.runtime.checkpoints import CheckpointInfo
 from tunepod.runtime.progress import RankProgress, read_progress
+from tunepod.spec.models import PrunerSpec
 
 
 @dataclass(frozen=True)
@@ -228,13 +230,13 @@ def _asha_keeps_one_too_many() -> contextlib.AbstractContextManager[None]:
     return _patched(Asha, "kept", kept)
 
 
-def _asha_prunes_before_a_completion() -> contextlib.AbstractContextManager[None]:
-    """ASHA's end of the study pruning the paused trials as soon as nothing else runs, before any trial
-    has completed (the study may end without one)."""
+def _asha_prunes_while_busy() -> contextlib.AbstractContextManager[None]:
+    """ASHA's end of the study pruning the paused trials once a trial has completed, while the study's
+    own trials still run (and could still put a paused one in the top)."""
 
     def end_of_study(self: tuner.Tuner, trials: list[FrozenTrial], capacity: int, *, busy: bool) -> list[int]:
         assert self.asha is not None
-        if busy:
+        if not any(t.state is TrialState.COMPLETE for t in trials):
             paused = self.asha.by_merit(trials)
             return [] if capacity <= 0 else self._promote(trials, paused, capacity, idle=True)
         for trial in trials:
@@ -260,6 +262,20 @@ def _pbt_copies_its_own() -> contextlib.AbstractContextManager[None]:
         return exploited, own
 
     return _patched(population.Population, "_copy_from_a_donor", copy_from_a_donor)
+
+
+def _threshold_bounds_swapped() -> contextlib.AbstractContextManager[None]:
+    """The threshold pruner built with its bounds swapped: it prunes the trials that rise above
+    ``lower`` instead of those that fall below it."""
+    make = study.make_pruner
+
+    def make_pruner(spec: PrunerSpec) -> optuna.pruners.BasePruner:
+        if spec.kind != "threshold":
+            return make(spec)
+        lower, upper = spec.upper, spec.lower
+        return optuna.pruners.ThresholdPruner(lower=lower, upper=upper, n_warmup_steps=spec.warmup_steps)
+
+    return _patched(study, "make_pruner", make_pruner)
 
 
 MUTANTS = [
@@ -371,14 +387,19 @@ MUTANTS = [
         _asha_keeps_one_too_many,
     ),
     Mutant(
-        "asha-prunes-early",
-        "ASHA's end of the study prunes the paused trials before any trial has completed",
-        _asha_prunes_before_a_completion,
+        "asha-prunes-while-busy",
+        "ASHA's end of the study prunes the paused trials while the study's own trials still run",
+        _asha_prunes_while_busy,
     ),
     Mutant(
         "pbt-wrong-donor",
         "PBT seeds a continuation with the exploited member's own checkpoint, recording the donor's",
         _pbt_copies_its_own,
+    ),
+    Mutant(
+        "threshold-swapped",
+        "the threshold pruner built with lower and upper swapped: trials above the bound are pruned",
+        _threshold_bounds_swapped,
     ),
 ]
 
