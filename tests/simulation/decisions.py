@@ -180,7 +180,7 @@ def judged_windows(
         new_driver = index == 0 or batches[index - 1][0].process != batch[0].process
         if not (batch[0].seq <= arrival <= batch[-1].seq or (new_driver and batch[0].seq > arrival)):
             continue
-        # The look follows the batch (or, after a retried call split it, the batch after).
+        # The look follows the batch; its window runs on to the next call's (a retry may split one).
         looked = [batch]
         for following in batches[index + 1 : index + 2]:
             if following[0].process != batch[0].process:
@@ -245,8 +245,8 @@ def _pause_verdict(rule: HalvingRule, segment: Segment, log: ToldLog) -> Iterato
     number, rung = segment.number, segment.paused_at
     assert rung is not None
     if rung < segment.first_rung or rule.value_at(log.values(number, segment.end), rung) is None:
-        yield f"trial {number} paused at rung {rung}, which its job (judged from rung {segment.first_rung}) "
-        "did not reach"
+        first = segment.first_rung
+        yield f"trial {number} paused at rung {rung}, which its job (judged from rung {first}) did not reach"
         return
     for judged in range(segment.first_rung, rung + 1):
         arrival = rule.arrival(number, judged, log)
