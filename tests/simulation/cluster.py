@@ -30,7 +30,7 @@ from simulation.scheduler import Host, Process, Scheduler, SimLock
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.submission import read_cancel_marker
 from tunepod.runtime import CHECKPOINT_DIR_ENV, files
-from tunepod.runtime.checkpoints import latest_checkpoint, save_checkpoint
+from tunepod.runtime.checkpoints import latest_checkpoint, read_whole_state, save_checkpoint
 from tunepod.runtime.files import write_bytes_atomic
 from tunepod.runtime.progress import RankProgress
 
@@ -145,6 +145,8 @@ class JobRun:
     wall_readings: dict[float, float] = field(default_factory=dict)
     """A moment of true time -> its host's wall clock then, as the runtime reads it once (its start,
     an advance, a stop signal) and keeps it: a later jump of that clock moves none of them."""
+    resumed_from: dict[str, object] | None = None
+    """What the checkpoint it resumed from says of itself (``checkpoint_state``); None without one."""
 
 
 @dataclass
@@ -259,6 +261,7 @@ class Cluster:
         latest = latest_checkpoint(paths.checkpoints)
         step = latest.step + program.stride if latest is not None else 0
         run.first_step, run.newest_saved = step, self.newest_saved(run.job_dir)
+        run.resumed_from = json.loads(read_whole_state(latest)) if latest is not None else None
         self._start_up(run)
         self._beat(run, paths, step=None)
         run.process.spawn("heartbeat", lambda: self._heartbeats(run, paths))
@@ -332,7 +335,7 @@ class Cluster:
             self._report(run, paths, step, self._metrics(params, step))
             if self.sim.choices.chance(self.program.same_step_reports):
                 self._report(run, paths, step, {"loss": round(1.0 - score(params, step), 6)})
-        save_checkpoint(paths.checkpoints, f"step {step}".encode(), step, keep=2)
+        save_checkpoint(paths.checkpoints, checkpoint_state(run, step, params), step, keep=2)
         if paths.checkpoints.parent == run.job_dir:
             self.saves.setdefault(run.job_dir, []).append(step)
         return step
@@ -446,6 +449,12 @@ class Cluster:
     def _wall(self, run: JobRun, moment: float) -> float:
         """The wall-clock reading the runtime took at ``moment`` (read now, at its first beat after)."""
         return run.wall_readings.setdefault(moment, moment + run.process.host.skew_s)
+
+
+def checkpoint_state(run: JobRun, step: int, params: dict[str, float]) -> bytes:
+    """A checkpoint that says where it was trained (its trial's job dir), at which step, with which
+    parameters: what a run resumes from can be told apart from a copy of another trial's."""
+    return json.dumps({"trial": run.job_dir.name, "step": step, "params": params}, sort_keys=True).encode()
 
 
 def score(params: dict[str, float], step: int) -> float:

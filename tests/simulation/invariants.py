@@ -8,6 +8,8 @@ Checked at the moment it happens (the backends, the stores and the scheduler cal
 - **fenced actions**: every job created or stopped, and every trial outcome told to Optuna, comes
   from the process that holds the trial's lease at that moment, inside its fence (the lease lock held,
   the lease file naming that process);
+- **a pruner prunes by its rule** (the threshold pruner): a stop asked as ``pruned`` comes only when
+  the trial's last value told to Optuna lies outside the pruner's bounds;
 - **no healthy job is cancelled**: a stop asked as ``timed_out`` comes after the job's run really ran
   that long; as ``hung``, after it really stopped progressing for the hang timeout, or once its first
   heartbeat came (or has not yet come) later than the start-up timeout after it started running; a
@@ -27,7 +29,10 @@ Checked at the moment it happens (the backends, the stores and the scheduler cal
   ended, and that trial PRUNED;
 - **a paused trial has no live job** (ASHA): a pause is recorded only once the trial's job has ended,
   and a promotion only written inside the trial's fence; no job is created for a trial recorded as
-  paused (a promotion is written before its job is created).
+  paused (a promotion is written before its job is created);
+- **ASHA decides by its rule** (its end of the study): a promotion for a slot that would idle comes
+  only once every trial was asked for; a paused trial is pruned only then, once a trial has
+  completed, and while none of the study's own work runs (a trial resumed for an idle slot is not).
 
 Checked once every fault has stopped and the study has settled:
 
@@ -64,6 +69,17 @@ Checked once every fault has stopped and the study has settled:
   next run of its job dir resumes from the newest checkpoint, no older than the newest saved when it
   was preempted; its trial does not end FAIL on it while ``max_restarts`` allows a restart, nor
   COMPLETE on its exit 0 ("every trial ends with its job's outcome");
+- **a trial fails only once its restarts are spent**: a trial whose last attempt failed by itself (its
+  program exited non-zero, its node failed, or it hung) ends FAIL only after ``1 + max_restarts +
+  promotions`` attempts (an ASHA promotion is an attempt that is no restart; a job lost with its node
+  before it started is an attempt too);
+- **ASHA decides by its rule**: every pause, every rung a job went on past, and every promotion by the
+  rule agrees with the referee's own successive-halving rule on the values Optuna held at some
+  moment the decision could have been made (``simulation.decisions`` says which moments, and why);
+- **a continuation resumes from its donor** (PBT): a continuation's first run resumes from a
+  checkpoint trained by the donor its lineage records (or by that donor's own donor, when the donor
+  started from that very step), at the recorded step, with the donor's parameters; each simulated
+  checkpoint says which trial trained it, at which step, with which parameters;
 - nothing is left running: no job, no lease held by a live process, no simulated thread that died (a
   run orphaned by its node's failure is the cluster's to kill, not tunepod's).
 
@@ -82,6 +98,7 @@ from typing import Any
 from optuna.trial import FrozenTrial, TrialState
 
 from simulation.cluster import HEARTBEAT_S, Cluster, JobRun, NodeFailure
+from simulation.decisions import HalvingRule, ToldLog, asha_verdicts
 from simulation.scheduler import Process, Scheduler, State
 from simulation.stores import MlflowTwin, OptunaDatabase
 from tunepod.errors import JobError
@@ -92,6 +109,7 @@ from tunepod.hpo.tuner import ATTR_LAST_STEP
 from tunepod.launch.lease import Lease, LeaseLost, LeaseRecord, _Heartbeat, read_lease
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.submission import read_cancel_marker, read_submission
+from tunepod.spec.models import PrunerSpec
 
 # A driver sees a state change at its next poll: a stop may come this much after the condition held.
 _POLL_SLACK_S = 1.0
@@ -130,6 +148,9 @@ class StudyFacts:
     def goals(self) -> tuple[str, ...]:
         return self.objectives or (self.metric,)
 
+    pruner: PrunerSpec | None = None
+    """The study's pruner (ASHA's rungs); the study maximizes its metric."""
+
 
 class Referee:
     """Collects violations; see the module docstring for what it checks and when."""
@@ -150,6 +171,26 @@ class Referee:
         self.violations: list[Violation] = []
         self._reused: set[Path] = set()
         """Step job dirs that held a result when a step began: no job is created there any more."""
+        pruner = facts.pruner
+        self.halving = HalvingRule.of(pruner) if pruner is not None and pruner.kind == "asha" else None
+        self.told_log = ToldLog()
+        """Every intermediate value as it reached Optuna (what ASHA's decisions are judged on)."""
+        self.asha_writes: dict[int, list[tuple[int, AshaState]]] = {}
+        """Per trial number, each ASHA state written, at its moment of ``told_log``."""
+        self._listen_to_reports()
+
+    def _listen_to_reports(self) -> None:
+        """Log each intermediate value as the database stores it, whoever tells it (as the
+        database's hooks call the referee for tells and ASHA states)."""
+        storage = self.database.storage
+        store = storage.set_trial_intermediate_value
+
+        def stored(trial_id: int, step: int, intermediate_value: float) -> None:
+            store(trial_id, step, intermediate_value)
+            number = storage.get_trial_number_from_id(trial_id)
+            self.told_log.add(self.sim.now, self.sim.process.name, number, step, intermediate_value)
+
+        storage.set_trial_intermediate_value = stored  # type: ignore[method-assign]
 
     def violated(self, invariant: str, detail: str) -> None:
         self.violations.append(Violation(self.sim.now, invariant, detail))
@@ -201,6 +242,8 @@ class Referee:
         self.cluster.stop_requested(job_dir, job_id)
         marker = read_cancel_marker(JobPaths(job_dir))
         reason = marker.reason if marker is not None else None
+        if reason == "pruned":
+            self._pruned_by_threshold(job_dir, job_id)
         runs = [run for run in self.cluster.live_runs(job_dir) if run.job_id == job_id]
         if reason in ("pruned", "paused", "exploited") or not runs:
             return
@@ -242,6 +285,23 @@ class Referee:
         idle = now - run.last_progress_at
         return run.hung or (facts.hang_timeout_s is not None and idle + _POLL_SLACK_S >= facts.hang_timeout_s)
 
+    def _pruned_by_threshold(self, job_dir: Path, job_id: str) -> None:
+        """The threshold pruner stops a trial only when the value it was last told lies outside
+        ``[lower, upper]`` (the stop carries out that decision: nothing is told in between)."""
+        pruner, trial = self.facts.pruner, self._trial_of(job_dir)
+        if pruner is None or pruner.kind != "threshold" or trial is None:
+            return
+        steps = [step for step in trial.intermediate_values if step >= pruner.warmup_steps]
+        last = trial.intermediate_values[max(steps)] if steps else None
+        below = last is not None and pruner.lower is not None and last < pruner.lower
+        above = last is not None and pruner.upper is not None and last > pruner.upper
+        if not (below or above):
+            self.violated(
+                "a pruner prunes by its rule",
+                f"job {job_id} of {job_dir.name} is stopped as pruned by the threshold pruner "
+                f"[{pruner.lower}, {pruner.upper}] at value {last}",
+            )
+
     def asha_state_written(self, trial_id: int, state: AshaState) -> None:
         frozen = self.database.storage.get_trial(trial_id)
         job_dir = self._job_dir(frozen)
@@ -252,10 +312,62 @@ class Referee:
                 "a paused trial has no live job",
                 f"trial {frozen.number} is recorded paused while {[run.job_id for run in live]} live",
             )
+        self.asha_writes.setdefault(frozen.number, []).append((self.told_log.seq, state))
+        if not state.paused and state.idle and not self._all_asked():
+            self.violated(
+                "ASHA decides by its rule",
+                f"trial {frozen.number} is promoted for an idle slot while trials are still to ask for",
+            )
 
     def told(self, trial_id: int, state: TrialState) -> None:
         frozen = self.database.storage.get_trial(trial_id)
         self._fenced(self._job_dir(frozen), f"tells trial {frozen.number} {state.name}")
+        asha = AshaState.of(frozen)
+        if state is TrialState.PRUNED and asha is not None and asha.paused:
+            self._pruned_paused(frozen)
+
+    def _pruned_paused(self, frozen: FrozenTrial) -> None:
+        """ASHA's end of the study: a paused trial ends PRUNED only once every trial was asked for,
+        one has completed (until then, a slot that would idle resumes the best paused trial) and none
+        of the study's own work runs (a trial resumed for an idle slot is not: ``AshaState.idle``)."""
+        trials = self._trials()
+        if not self._all_asked() or not any(t.state is TrialState.COMPLETE for t in trials):
+            states = dict(Counter(t.state.name for t in trials))
+            self.violated(
+                "ASHA decides by its rule",
+                f"paused trial {frozen.number} is pruned at the end of the study with trials {states}",
+            )
+        busy = self._running_since(frozen, trials)
+        if busy:
+            self.violated(
+                "ASHA decides by its rule",
+                f"paused trial {frozen.number} is pruned at the end of the study while trials {busy} run",
+            )
+
+    def _running_since(self, paused: FrozenTrial, trials: list[FrozenTrial]) -> list[int]:
+        """The trials of the study's own work that have run since ``paused`` was paused: the decision
+        to prune it, made after that, saw them. One never paused has run since it was asked (every
+        trial was asked before the decision); one promoted by the rule since its promotion (one that
+        another orchestrator promoted after the decision is passed). A trial no live thread drives is
+        passed too: an orchestrator leaves out the trials it gave up driving (their jobs run on, to be
+        re-attached to by a later run), and so prunes beside them."""
+        pauses = [at for at, state in self.asha_writes.get(paused.number, []) if state.paused]
+        running = []
+        for trial in trials:
+            state = AshaState.of(trial)
+            if trial.state is not TrialState.RUNNING or ATTR_JOB_DIR not in trial.user_attrs:
+                continue  # finished, or half asked (nothing runs)
+            if state is not None and (state.paused or state.idle):
+                continue
+            if not self._driven(trial.number):
+                continue
+            promoted = [at for at, written in self.asha_writes.get(trial.number, []) if not written.paused]
+            if not promoted or (pauses and promoted[-1] < pauses[-1]):
+                running.append(trial.number)
+        return running
+
+    def _all_asked(self) -> bool:
+        return len(self._trials()) >= self.facts.num_trials
 
     def step_job_dir(self, job_dir: Path) -> None:
         """A train or evaluate step begins with ``job_dir``: holding a result, it is reused, never run."""
@@ -339,8 +451,11 @@ class Referee:
                 self._told_steps(trial)
                 self._told_objectives(trial)
                 self._whole_lines_kept(trial)
+                self._restarts_spent(trial)
+            self._asha_decided(trial)
         self._node_failures_recovered(trials)
         self._preemptions_recovered(trials)
+        self._continued_from_donors(trials)
         self._no_lease_held_by_a_live_process()
         live = [run for run in self.cluster.runs if run.ended_at is None and run.orphaned_at is None]
         if live:
@@ -531,6 +646,102 @@ class Referee:
             return False
         return record.attempt - 1 < self.facts.max_restarts
 
+    def _restarts_spent(self, trial: FrozenTrial) -> None:
+        """A trial whose last attempt failed by itself (its program exited non-zero, its node failed, or
+        it hung) ends FAIL only after 1 + max_restarts + promotions attempts: each ASHA promotion is an
+        attempt that is no restart. The attempts are the submission record's count, not the submission
+        ids the runs carried: a job whose node was lost before it started is an attempt that never ran.
+        A trial whose last attempt never ran proves nothing, and is passed."""
+        if trial.state is not TrialState.FAIL:
+            return
+        job_dir = self._job_dir(trial)
+        runs = [run for run in self.cluster.runs if run.job_dir == job_dir]
+        record = read_submission(JobPaths(job_dir))
+        if not runs or record is None or record.submission_id != runs[-1].attempt_key:
+            return
+        if not self._failed_by_itself(runs[-1]):
+            return
+        asha = AshaState.of(trial)
+        promotions = asha.promotions if asha is not None else 0
+        attempts = record.attempt
+        wanted = 1 + self.facts.max_restarts + promotions
+        if attempts < wanted:
+            self.violated(
+                "a trial fails only once its restarts are spent",
+                f"trial {trial.number} ends FAIL after {attempts} attempt(s) of the {wanted} its "
+                f"max_restarts {self.facts.max_restarts} and {promotions} promotion(s) allow",
+            )
+
+    def _failed_by_itself(self, run: JobRun) -> bool:
+        """The run's job ended on a failure no stop of tunepod's explains (a stop as hung is restarted
+        like a failure). A run whose exit nobody could record (its local wrapper killed: the signals
+        that then end it are no stop the backend hears) is the job dir's to tell, and passed."""
+        reasons = {stop.reason for stop in self.cluster.stops if stop.job_id == run.job_id}
+        if reasons - {"hung"} or run.exit_unrecorded:
+            return False
+        node_failed = any(
+            failure.job_id == run.job_id and failure.outcome == "NODE_FAIL"
+            for failure in self.cluster.node_failures
+        )
+        return bool(reasons) or node_failed or run.exit_code not in (0, None)
+
+    def _asha_decided(self, trial: FrozenTrial) -> None:
+        """Each pause, promotion and go-on of ASHA agrees with the referee's own rule
+        (``simulation.decisions``)."""
+        if self.halving is None:
+            return
+        writes = self.asha_writes.get(trial.number, [])
+        for verdict in asha_verdicts(self.halving, trial, writes, self.told_log, self._job_ran):
+            self.violated("ASHA decides by its rule", verdict)
+
+    def _job_ran(self, number: int, at: float) -> bool:
+        """A run of trial ``number``'s job dir was live at simulated time ``at``."""
+        job_dir = self.facts.jobs_dir / f"trial-{number}"
+        return any(
+            run.job_dir == job_dir and run.started_at <= at and (run.ended_at is None or run.ended_at > at)
+            for run in self.cluster.runs
+        )
+
+    def _continued_from_donors(self, trials: list[FrozenTrial]) -> None:
+        """PBT: a continuation's first run resumes from its recorded donor's checkpoint at the recorded
+        step (what the checkpoint says of itself: the trial that trained it, the step, the parameters),
+        or from none where no checkpoint was copied (``from_step`` -1)."""
+        by_number = {trial.number: trial for trial in trials}
+        by_dir = {self._job_dir(trial).name: trial for trial in trials}
+        for trial in trials:
+            state = PbtState.of(trial)
+            first = self._first_program_run(self._job_dir(trial))
+            if state is None or first is None:
+                continue
+            origin = first.resumed_from
+            got = None if origin is None else (str(origin["trial"]), int(str(origin["step"])))
+            trained = by_dir.get(got[0]) if got is not None else None
+            params_differ = origin is not None and trained is not None and origin["params"] != trained.params
+            if got not in self._donor_checkpoints(by_number, state.parent, state.from_step) or params_differ:
+                self.violated(
+                    "a continuation resumes from its donor",
+                    f"trial {trial.number} continues from trial {state.parent}'s step {state.from_step}, "
+                    f"its job {first.job_id} resumed from {origin}",
+                )
+
+    def _first_program_run(self, job_dir: Path) -> JobRun | None:
+        """The job dir's first run whose program began (one killed before cannot have resumed)."""
+        return next((r for r in self.cluster.runs if r.job_dir == job_dir and r.first_step is not None), None)
+
+    def _donor_checkpoints(
+        self, by_number: dict[int, FrozenTrial], donor: int, step: int
+    ) -> set[tuple[str, int] | None]:
+        """The checkpoints that are ``donor``'s at ``step``: saved by its own jobs, or, for a
+        continuation that started from that very step, its own donor's it was seeded with."""
+        if step < 0:
+            return {None}
+        trial = by_number[donor]
+        found: set[tuple[str, int] | None] = {(self._job_dir(trial).name, step)}
+        state = PbtState.of(trial)
+        if state is not None and state.from_step == step:
+            found |= self._donor_checkpoints(by_number, state.parent, step)
+        return found
+
     def _mirrored(self, trial: FrozenTrial) -> None:
         key = f"{self.facts.study}/trial-{trial.number}"
         runs = self.mlflow.runs_with_key(key)
@@ -667,16 +878,21 @@ class Referee:
 
     # ------------------------------------------------------------------------------ helpers
 
-    def _trial_of(self, job_dir: Path) -> FrozenTrial | None:
+    def _driven(self, number: int) -> bool:
+        """A live orchestrator's thread drives trial ``number`` (the tuner names it ``trial-<n>``)."""
+        name = f"trial-{number}"
+        return any(t.name == name and t.process.alive and t.state is not State.DONE for t in self.sim.tasks)
+
+    def _trials(self) -> list[FrozenTrial]:
         storage = self.database.storage
         try:
             study_id = storage.get_study_id_from_name(self.facts.study)
         except KeyError:
-            return None
-        for trial in storage.get_all_trials(study_id, deepcopy=False):
-            if self._job_dir(trial) == job_dir:
-                return trial
-        return None
+            return []
+        return storage.get_all_trials(study_id, deepcopy=False)
+
+    def _trial_of(self, job_dir: Path) -> FrozenTrial | None:
+        return next((trial for trial in self._trials() if self._job_dir(trial) == job_dir), None)
 
     def _objective_seen(self, job_dir: Path) -> bool:
         paths = JobPaths(job_dir)

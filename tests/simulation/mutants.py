@@ -15,14 +15,15 @@ from pathlib import Path
 from typing import Any
 
 import optuna
-from optuna.trial import FrozenTrial
+from optuna.trial import FrozenTrial, TrialState
 
 from simulation.backends import KINDS
 from tunepod.errors import JobError
-from tunepod.hpo import population, tuner
+from tunepod.hpo import population, study, tuner
 from tunepod.hpo import study as hpo_study
-from tunepod.hpo.asha import ATTR_ASHA, AshaState
+from tunepod.hpo.asha import ATTR_ASHA, Asha, AshaState, is_paused
 from tunepod.launch import base, drive, lease
+from tunepod.launch.drive import DriveSettings
 from tunepod.launch.hyperpod_eks import launcher as eks_launcher
 from tunepod.launch.local import LocalLauncher, LocalStatus
 from tunepod.launch.paths import JobPaths
@@ -34,7 +35,9 @@ from tunepod.launch.submission import write_cancel_marker
 from tunepod.launch.watchdog import Stall, Watchdog
 from tunepod.locks import locked
 from tunepod.runtime import Result, files, metrics
+from tunepod.runtime.checkpoints import CheckpointInfo
 from tunepod.runtime.progress import RankProgress, read_progress
+from tunepod.spec.models import PrunerSpec
 from tunepod.steps import jobs, train
 from tunepod.steps.context import StepContext
 from tunepod.tracking.mirror import RunMirror
@@ -420,6 +423,78 @@ def _enqueued_unlocked() -> contextlib.AbstractContextManager[None]:
     return _patched(tuner.Tuner, "_enqueue_first_trials", enqueue_first_trials)
 
 
+def _promotions_eat_restarts() -> contextlib.AbstractContextManager[None]:
+    """A promoted trial's drive with only ``max_restarts``: its promotions, attempts that are no
+    restarts, spend the restarts a failure would have had."""
+
+    def drive_settings(self: tuner.Tuner, asha_state: AshaState | None) -> DriveSettings:
+        promotions = asha_state.promotions if asha_state else 0
+        return DriveSettings(
+            poll_s=self.settings.poll_s,
+            max_restarts=self.settings.train.max_restarts,
+            resume_attempt=asha_state.attempt if asha_state and promotions else None,
+        )
+
+    return _patched(tuner.Tuner, "_drive_settings", drive_settings)
+
+
+def _asha_keeps_one_too_many() -> contextlib.AbstractContextManager[None]:
+    """ASHA's rung keeping one trial more than its top ``1 / reduction_factor``."""
+
+    def kept(self: Asha, reached: int) -> int:
+        return max(1, reached // self.reduction_factor) + 1 if reached else 0
+
+    return _patched(Asha, "kept", kept)
+
+
+def _asha_prunes_while_busy() -> contextlib.AbstractContextManager[None]:
+    """ASHA's end of the study pruning the paused trials once a trial has completed, while the study's
+    own trials still run (and could still put a paused one in the top)."""
+
+    def end_of_study(self: tuner.Tuner, trials: list[FrozenTrial], capacity: int, *, busy: bool) -> list[int]:
+        assert self.asha is not None
+        if not any(t.state is TrialState.COMPLETE for t in trials):
+            paused = self.asha.by_merit(trials)
+            return [] if capacity <= 0 else self._promote(trials, paused, capacity, idle=True)
+        for trial in trials:
+            if is_paused(trial):
+                self._prune_paused(trial)
+        return []
+
+    return _patched(tuner.Tuner, "_end_of_study", end_of_study)
+
+
+def _pbt_copies_its_own() -> contextlib.AbstractContextManager[None]:
+    """PBT copying the exploited member's own newest checkpoint while it records the donor's."""
+
+    def copy_from_a_donor(
+        self: population.Population, exploited: FrozenTrial, donors: Any, trials: Any
+    ) -> tuple[FrozenTrial, CheckpointInfo | None]:
+        for member in donors:
+            head = self.pbt.head(member, trials)
+            copied = self._copy_newest(exploited, self.job_dir(exploited) / f"pbt-seed-from-{head.number}")
+            if copied is not None:
+                return head, copied
+        own = self._copy_newest(exploited, self.job_dir(exploited) / f"pbt-seed-from-{exploited.number}")
+        return exploited, own
+
+    return _patched(population.Population, "_copy_from_a_donor", copy_from_a_donor)
+
+
+def _threshold_bounds_swapped() -> contextlib.AbstractContextManager[None]:
+    """The threshold pruner built with its bounds swapped: it prunes the trials that rise above
+    ``lower`` instead of those that fall below it."""
+    make = study.make_pruner
+
+    def make_pruner(spec: PrunerSpec) -> optuna.pruners.BasePruner:
+        if spec.kind != "threshold":
+            return make(spec)
+        lower, upper = spec.upper, spec.lower
+        return optuna.pruners.ThresholdPruner(lower=lower, upper=upper, n_warmup_steps=spec.warmup_steps)
+
+    return _patched(study, "make_pruner", make_pruner)
+
+
 MUTANTS = [
     Mutant("leases-leak", "issue 28, 2: leases of trials a failed ask never started stay held", _leases_leak),
     Mutant(
@@ -602,6 +677,32 @@ MUTANTS = [
         "the spec's enqueued configurations are queued outside the study lock",
         _enqueued_unlocked,
         # First found by seed 14 (two orchestrators starting together).
+    ),
+    Mutant(
+        "promotions-eat-restarts",
+        "ASHA's promotions counted against max_restarts: a promoted trial fails with restarts unspent",
+        _promotions_eat_restarts,
+        # Found by 3 of the first 300 seeds (the first, 41) since ASHA's seeds crash more (1 before).
+    ),
+    Mutant(
+        "asha-keeps-one-too-many",
+        "ASHA's rungs keep one trial more than their top: trials go on, or are promoted, outside it",
+        _asha_keeps_one_too_many,
+    ),
+    Mutant(
+        "asha-prunes-while-busy",
+        "ASHA's end of the study prunes the paused trials while the study's own trials still run",
+        _asha_prunes_while_busy,
+    ),
+    Mutant(
+        "pbt-wrong-donor",
+        "PBT seeds a continuation with the exploited member's own checkpoint, recording the donor's",
+        _pbt_copies_its_own,
+    ),
+    Mutant(
+        "threshold-swapped",
+        "the threshold pruner built with lower and upper swapped: trials above the bound are pruned",
+        _threshold_bounds_swapped,
     ),
 ]
 

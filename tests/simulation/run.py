@@ -146,6 +146,7 @@ class _Run:
                 scenario.startup_timeout_s,
                 objectives=tuple(metric for metric, _ in scenario.objectives),
                 enqueue=tuple({"x": x} for x in scenario.enqueue),
+                pruner=self.settings.pruner,
             ),
         )
         self.database.on_told = self.referee.told

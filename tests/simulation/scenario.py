@@ -240,10 +240,17 @@ def scenario_of(seed: int, *, kinds: tuple[str, ...] = KINDS) -> Scenario:
 
 def _with_asha(scenario: Scenario) -> Scenario:
     """ASHA (pause and promote) in place of no pruner in some seeds, drawn apart so that every other
-    draw of a seed stays what it was before ASHA existed (the seeds each mutant is known by)."""
-    if scenario.pruner == "none" and random.Random(f"asha-{scenario.seed}").random() < 0.5:
+    draw of a seed stays what it was before ASHA existed (the seeds each mutant is known by). In half
+    of them jobs crash more often: a promoted trial's job that fails spends its restarts, and leaders
+    that fail before any trial completes leave ASHA's end of the study only paused trials to resume."""
+    draw = random.Random(f"asha-{scenario.seed}")
+    if scenario.pruner != "none" or draw.random() >= 0.5:
+        return scenario
+    if draw.random() < 0.5:
         return replace(scenario, pruner="asha")
-    return scenario
+    crash = max(scenario.jobs.crash, draw.uniform(0.05, 0.2))
+    num_trials = max(scenario.num_trials, draw.randint(4, 8))
+    return replace(scenario, pruner="asha", num_trials=num_trials, jobs=replace(scenario.jobs, crash=crash))
 
 
 def _with_pbt(scenario: Scenario) -> Scenario:
