@@ -190,7 +190,11 @@ def judged_windows(
         end = after[0][0].seq - 1 if after else segment.end
         if any(t.step + 1 >= rule.max_resource for group in looked for t in group):
             return []  # a look that saw the job's last step judges nothing
-        if running(segment.number, batch[-1].at):  # a pause of a job that has ended is no pause
+        # A pause of a job that has ended is no pause: the job must still run when the look decides,
+        # after its last value (an orchestrator stalled in the middle of telling them, the job may
+        # have finished meanwhile).
+        decided_at = looked[-1][-1].at
+        if running(segment.number, batch[-1].at) and running(segment.number, decided_at):
             windows.append((batch[0].seq, end))
     return windows
 

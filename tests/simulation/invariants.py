@@ -274,10 +274,21 @@ class Referee:
     def _hung(self, run: JobRun) -> bool:
         """Whether a stop as hung is right: the run's loop stopped advancing for the hang timeout (or it
         is hung for good), or its first heartbeat came (or has not come) past the start-up timeout
-        after it started running. The watchdog counts both from later (its first look, the last
-        advance it read), so a stop may come later, never earlier."""
+        after its job started running. The watchdog counts both from later (its first look, the last
+        advance it read), so a stop may come later, never earlier. The start-up is the job's: a run
+        the backend started again in place (HyperPod's operator restarting a pod, a requeue no driver
+        saw) is still the job running, and no heartbeat came in all that time."""
         facts, now = self.facts, self.sim.now
-        startup_s = (run.beating_at if run.beating_at is not None else now) - run.started_at
+        job_started = (
+            min(
+                other.started_at
+                for other in self.cluster.runs
+                if other.job_dir == run.job_dir and other.job_id == run.job_id and other.beating_at is None
+            )
+            if run.beating_at is None
+            else run.started_at
+        )
+        startup_s = (run.beating_at if run.beating_at is not None else now) - job_started
         if facts.startup_timeout_s is not None and startup_s + _POLL_SLACK_S >= facts.startup_timeout_s:
             return True
         if run.beating_at is None:
