@@ -93,7 +93,7 @@ def _line(verdict: Verdict, seeds: Seeds) -> str:
         return f"{verdict.name}: NOT FOUND in {verdict.seeds_run} seeds ({took})"
     if verdict.status == "timed_out":
         return (
-            f"{verdict.name}: NOT FOUND in {verdict.seeds_run} of {seeds.count} seeds "
+            f"{verdict.name}: NOT FOUND in at least {verdict.seeds_run} of {seeds.count} seeds "
             f"({took}: stopped at the time limit)"
         )
     return f"{verdict.name}: ERROR, the simulation did not run through ({took})"

@@ -44,7 +44,8 @@ class Verdict:
     status: Status
     seconds: float
     seeds_run: int
-    """Seeds that finished (for a found mutant: those reported up to the violating one)."""
+    """Seeds that finished (for a found mutant: those reported up to the violating one; for one stopped
+    at the time limit, at least this many: the simulation reports its progress every 250 seeds)."""
     seed: int | None = None
     """The violating seed that found it."""
     violation: str | None = None
