@@ -9,7 +9,7 @@ SPEC ?= examples/digits/pipeline.yaml
 TEST_WORKERS ?= 3
 
 .PHONY: venv demo test lint services bench bench-overhead bench-checkpoints bench-node-loss chaos simulate \
-	clean slurm-up slurm-down postgres-up postgres-down
+	mutate clean slurm-up slurm-down postgres-up postgres-down
 
 # torch==2.13.0 first, with pip: it is the CPU build (pip finds it on this kind of machine's disk); a
 # bare `torch` requirement could pull a multi-GB CUDA build. The rest with uv, which installs the same
@@ -98,6 +98,15 @@ chaos: venv
 SEEDS ?= 1000
 simulate: venv
 	PYTHONPATH=tests PYTHONHASHSEED=0 $(PY) -m simulation $(if $(SEED),--seed $(SEED),--seeds $(SEEDS)) $(SIMULATE_ARGS)
+
+# Mutation testing of the tuning loop's library code (tests/mutation): each mutant of its catalog, a
+# small bug written without reading the simulation, is put into a copy of tunepod/ and the simulation
+# runs on that copy, one mutant at a time, until its first violating seed (at most MUTATE_SEEDS).
+# Prints each verdict, the mutation score and the survivors; exit 1 on a survivor without a reason
+# written. Some of them: make mutate MUTANTS=drive-restart-off-by-one,base-marker-after-stop
+MUTATE_SEEDS ?= 1000
+mutate: venv
+	PYTHONPATH=tests PYTHONHASHSEED=0 $(PY) -m mutation --seeds $(MUTATE_SEEDS) $(if $(MUTANTS),--mutants $(MUTANTS)) $(MUTATE_ARGS)
 
 clean:
 	rm -rf .tunepod

@@ -1,6 +1,7 @@
 """``make simulate``: run the tuning loop's simulation over many seeds, or one seed with its trace.
 
     python -m simulation --seeds 1000 --jobs 2        # many seeds; exit 1 on a violation
+    python -m simulation --seeds 1000 --stop-at-first  # the same, ending at the first violating seed
     python -m simulation --seed 4242                   # one seed: its scenario, outcome and trace
     python -m simulation --mutants                     # each fixed defect put back: a seed must find it
     python -m simulation --seed 4242 --shrink          # the same, with the fewest faults that still break it
@@ -46,6 +47,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2, help="processes running seeds at once (default 2)")
     parser.add_argument("--seed", type=int, help="run this one seed and print its trace")
     parser.add_argument(
+        "--stop-at-first",
+        action="store_true",
+        help="with --seeds: stop at the first violating seed (mutation testing needs no more)",
+    )
+    parser.add_argument(
         "--shrink", action="store_true", help="with --seed: the fewest faults that still break it"
     )
     parser.add_argument("--mutant", help="run with this fixed defect put back (see simulation/mutants.py)")
@@ -64,7 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _hunt(args.first_seed, args.seeds, args.jobs)
         if args.seed is not None:
             return _one(args.seed, args.kinds, shrinking=args.shrink)
-        return _many(range(args.first_seed, args.first_seed + args.seeds), args.jobs, args.kinds)
+        seeds = range(args.first_seed, args.first_seed + args.seeds)
+        return _many(seeds, args.jobs, args.kinds, stop_at_first=args.stop_at_first)
 
 
 def _kinds(text: str) -> tuple[str, ...]:
@@ -100,7 +107,10 @@ def _one(seed: int, kinds: tuple[str, ...], *, shrinking: bool) -> int:
     return 0 if first.held and same else 1
 
 
-def _many(seeds: range, jobs: int, kinds: tuple[str, ...]) -> int:
+def _many(seeds: range, jobs: int, kinds: tuple[str, ...], *, stop_at_first: bool = False) -> int:
+    """Run ``seeds``; with ``stop_at_first``, only until the first seed that reports a violation (with
+    several processes, the first to report, not necessarily the lowest). Leaving the loop drops the
+    summaries' generator, which ends its worker pool and the seeds still running there."""
     started = time.monotonic()
     failed: list[Summary] = []
     done = 0
@@ -111,6 +121,8 @@ def _many(seeds: range, jobs: int, kinds: tuple[str, ...]) -> int:
         if summary.violations:
             failed.append(summary)
             print(f"seed {summary.seed}: {summary.violations[0]}", flush=True)
+            if stop_at_first:
+                break
         if done % 250 == 0:
             print(
                 f"... {done} seeds, {len(failed)} violating, {time.monotonic() - started:.0f} s", flush=True

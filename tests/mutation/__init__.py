@@ -1,0 +1,1 @@
+"""Mutation testing of the tuning loop's library code against its simulation (``make mutate``)."""
