@@ -44,7 +44,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="drive-preempt-save-counted-complete",
         path="tunepod/launch/drive.py",
-        find="return state is JobState.SUCCEEDED and self._watchdog.stop_requested_at() is None",
+        find="return state is JobState.SUCCEEDED and self._watchdog.stop_requested_at(handle.job_id) is None",
         replace="return state is JobState.SUCCEEDED",
         why="A job whose script heard a stop signal tunepod did not send (a preemption, a node drain, "
         "the warning before the time limit), saved and exited 0 counts as finished by itself: the "
@@ -130,8 +130,12 @@ MUTANTS: tuple[Mutant, ...] = (
         path="tunepod/launch/base.py",
         find="            if self.cancel_marker() is None:\n"
         "                write_cancel_marker(self.paths, self.job_id, reason)\n"
+        "            if self.status(max_age_s=0).job_state.is_terminal:\n"
+        "                return\n"
         "            self.launcher.stop(self)\n",
-        replace="            self.launcher.stop(self)\n"
+        replace="            if self.status(max_age_s=0).job_state.is_terminal:\n"
+        "                return\n"
+        "            self.launcher.stop(self)\n"
         "            if self.cancel_marker() is None:\n"
         "                write_cancel_marker(self.paths, self.job_id, reason)\n",
         why="The cancel marker is written after the stop is sent, not before: an orchestrator that dies "
@@ -191,8 +195,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="watchdog-silence-not-idle",
         path="tunepod/launch/watchdog.py",
-        find="idle = RankIdle(beat, max(0.0, beat.beat_at - beat.advanced_at) + silent, silent)",
-        replace="idle = RankIdle(beat, max(0.0, beat.beat_at - beat.advanced_at), silent)",
+        find="idle = RankIdle(beat, _idle_s(beat) + silent, silent)",
+        replace="idle = RankIdle(beat, _idle_s(beat), silent)",
         why="A rank's idleness is read from its last heartbeat alone: a rank that stops beating (frozen, "
         "killed on a node that stays up, cut off) never grows idle, so a job with such a rank is never "
         "stopped as hung and the trial waits until its time limit, or forever. Needs a stalled rank.",
