@@ -45,3 +45,20 @@ def test_the_simulation_finds_a_fixed_defect_put_back(name: str) -> None:
         seeds = (run_seed(seed, scenario=scenario_of(seed, kinds=put_back.kinds)) for seed in range(100))
         found = next((outcome for outcome in seeds if not outcome.held), None)
     assert found is not None, f"100 seeds did not notice the {name} defect: {put_back.defect}"
+
+
+# Seeds that found a defect of the library, each fixed: the seed holds now, and breaks an invariant
+# again with the defect put back (make simulate SEED=1087 SIMULATE_ARGS=--mutant=lease-handed-back).
+@pytest.mark.parametrize(
+    ("seed", "name"),
+    [
+        (1087, "lease-handed-back"),  # a promotion inside the fence of a trial still recording its pause
+        (604, "no-marker-for-an-ended-job"),  # a pause decided as its job died, lost in a crash
+    ],
+)
+def test_a_seed_that_found_a_defect_holds_and_finds_it_put_back(seed: int, name: str) -> None:
+    fixed = run_seed(seed)
+    assert fixed.held, describe(fixed)
+    with mutant(name).apply():
+        put_back = run_seed(seed)
+    assert not put_back.held, f"seed {seed} no longer notices the {name} defect: {mutant(name).defect}"
