@@ -12,6 +12,8 @@ from simulation.run import describe, run_seed
 from simulation.scenario import scenario_of
 
 SHORT_FORM_SEEDS = range(0, 100)
+# A report told again after its first answer was lost (``make simulate`` silences it as well).
+pytestmark = pytest.mark.filterwarnings("ignore:The reported value is ignored because:UserWarning")
 
 
 def test_seeds_hold_every_invariant() -> None:
