@@ -72,7 +72,7 @@ Checked once every fault has stopped and the study has settled:
 - **a trial fails only once its restarts are spent**: a trial whose last attempt failed by itself (its
   program exited non-zero, its node failed, or it hung) ends FAIL only after ``1 + max_restarts +
   promotions`` attempts (an ASHA promotion is an attempt that is no restart; a job lost with its node
-  before it started is an attempt too);
+  before it started is an attempt too), and no trial runs more attempts than that;
 - **ASHA decides by its rule**: every pause, every rung a job went on past, and every promotion by the
   rule agrees with the referee's own successive-halving rule on the values Optuna held at some
   moment the decision could have been made (``simulation.decisions`` says which moments, and why);
@@ -663,17 +663,25 @@ class Referee:
         it hung) ends FAIL only after 1 + max_restarts + promotions attempts: each ASHA promotion is an
         attempt that is no restart. The attempts are the submission record's count, not the submission
         ids the runs carried: a job whose node was lost before it started is an attempt that never ran.
-        A trial whose last attempt never ran proves nothing, and is passed."""
+        A trial whose last attempt never ran proves nothing, and is passed. Nor does any trial run more
+        attempts than that, whatever its end."""
+        job_dir = self._job_dir(trial)
+        record = read_submission(JobPaths(job_dir))
+        asha = AshaState.of(trial)
+        budget = 1 + self.facts.max_restarts + (asha.promotions if asha is not None else 0)
+        if record is not None and record.attempt > budget:
+            self.violated(
+                "a trial fails only once its restarts are spent",
+                f"trial {trial.number} ({trial.state.name}) ran {record.attempt} attempts of the {budget} "
+                f"its max_restarts {self.facts.max_restarts} and its promotions allow",
+            )
         if trial.state is not TrialState.FAIL:
             return
-        job_dir = self._job_dir(trial)
         runs = [run for run in self.cluster.runs if run.job_dir == job_dir]
-        record = read_submission(JobPaths(job_dir))
         if not runs or record is None or record.submission_id != runs[-1].attempt_key:
             return
         if not self._failed_by_itself(runs[-1]):
             return
-        asha = AshaState.of(trial)
         promotions = asha.promotions if asha is not None else 0
         attempts = record.attempt
         wanted = 1 + self.facts.max_restarts + promotions
