@@ -124,6 +124,12 @@ MUTANTS: tuple[Mutant, ...] = (
         "saved at a boundary's last step, the continuation is judged again at the boundary where its "
         "member was just exploited, still ranks in the bottom on the exploited trial's value there, "
         "and is exploited at its first report, again and again. Needs PBT with an exploit.",
+        escapes=(
+            "No invariant re-derives PBT's own decisions (which boundary judges a member, who is in the "
+            "bottom quantile), as the referee does ASHA's: a continuation exploited again at the boundary "
+            "it was copied at still ends counted once, resumed from its recorded donor. A PBT referee "
+            "would see it."
+        ),
     ),
     Mutant(
         name="base-marker-after-stop",
@@ -162,6 +168,12 @@ MUTANTS: tuple[Mutant, ...] = (
         "name: an intent of a restart whose sbatch never ran (a crash before it, or a failed sbatch) "
         "adopts the previous attempt's ended job, so the restart never runs and the budget is spent on "
         "it. Needs a crash or a lost sbatch reply at a restart on Slurm.",
+        escapes=(
+            "It needs an orchestrator killed (or an sbatch reply lost) between a restart's intent and its "
+            "sbatch on Slurm, while the previous attempt's job is still listed by name; crashes land in "
+            "that window too rarely (none in 1,000 seeds). A crash aimed at it, as crashes are aimed just "
+            "after Optuna writes, would make it visible."
+        ),
     ),
     Mutant(
         name="local-killed-wrapper-read-as-success",
@@ -181,6 +193,11 @@ MUTANTS: tuple[Mutant, ...] = (
         why="Any Uploading in a stopped job's transitions counts as training finished by itself, also "
         "the upload SageMaker does after tunepod's StopTrainingJob: a pruned, timed-out or hung job "
         "reads SUCCEEDED and its trial is told COMPLETE. Needs a stop of a running SageMaker job.",
+        escapes=(
+            "The simulated SageMaker takes a StopTrainingJob of a training job from Stopping to Stopped "
+            "with no upload after it, so no stopped job's transitions hold an Uploading after Stopping, "
+            "the only case this mutant changes."
+        ),
     ),
     Mutant(
         name="eks-one-pod-exit-speaks-for-all",
@@ -191,6 +208,10 @@ MUTANTS: tuple[Mutant, ...] = (
         "job whose other pod died with its node (recording nothing), then deleted by its TTL or by "
         "hand before the driver read its state, is COMPLETE instead of restarted. Needs a two-node EKS "
         "job, a lost node, and the object gone before the next poll.",
+        escapes=(
+            "The simulated HyperPod operator runs a job of several pods as one program with one exit: a "
+            "pod that dies with its node while another records exit 0 is never made."
+        ),
     ),
     Mutant(
         name="watchdog-silence-not-idle",
@@ -200,6 +221,12 @@ MUTANTS: tuple[Mutant, ...] = (
         why="A rank's idleness is read from its last heartbeat alone: a rank that stops beating (frozen, "
         "killed on a node that stays up, cut off) never grows idle, so a job with such a rank is never "
         "stopped as hung and the trial waits until its time limit, or forever. Needs a stalled rank.",
+        escapes=(
+            "No simulated rank stops beating while its job goes on running for a hang timeout: a hung "
+            "program beats on (stuck in a collective), a killed one ends its job, a stalled job process "
+            "stalls at most 30 s (below every drawn hang timeout); and no invariant says a hang is "
+            "stopped in time, only that no healthy job is."
+        ),
     ),
     Mutant(
         name="outbox-failed-sync-dropped",
