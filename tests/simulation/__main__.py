@@ -143,7 +143,9 @@ def _hunt(first_seed: int, max_seeds: int, jobs: int) -> int:
     survivors = []
     for candidate in MUTANTS:
         started = time.monotonic()
-        seeds = range(first_seed, first_seed + max_seeds)
+        seeds = list(range(first_seed, first_seed + max_seeds))
+        if candidate.found_by is not None:
+            seeds.insert(0, candidate.found_by)
         with candidate.apply():
             found = next((s for s in _summaries(seeds, jobs, candidate.kinds) if s.violations), None)
         took = time.monotonic() - started
@@ -158,7 +160,7 @@ def _hunt(first_seed: int, max_seeds: int, jobs: int) -> int:
     return 1 if survivors else 0
 
 
-def _summaries(seeds: range, jobs: int, kinds: tuple[str, ...]) -> Iterator[Summary]:
+def _summaries(seeds: Sequence[int], jobs: int, kinds: tuple[str, ...]) -> Iterator[Summary]:
     summarize = functools.partial(_summarize, kinds=kinds)
     if jobs <= 1:
         yield from map(summarize, seeds)

@@ -51,6 +51,9 @@ class Mutant:
     apply: Callable[[], contextlib.AbstractContextManager[None]]
     kinds: tuple[str, ...] = KINDS
     """The backends whose seeds can show it (a defect of one launcher: its seeds only)."""
+    found_by: int | None = None
+    """A seed known to find it, tried before the hunted range: a rare defect's seed (the one that
+    found it in the library) may lie beyond the first thousand."""
 
 
 @contextlib.contextmanager
@@ -629,12 +632,14 @@ MUTANTS = [
         "a lease handed back to its owner's second caller, its fence re-entered by a second thread: a "
         "promotion starts a job while the paused trial's driver still records the pause",
         _lease_handed_back,
+        found_by=1087,  # none of the first 1,000 seeds; the short form replays it
     ),
     Mutant(
         "no-marker-for-an-ended-job",
         "a stop decided on a job that had just ended leaves no cancel marker: after a crash a PBT exploit "
         "is read as a failure, the exploited trial restarted or told FAIL beside its continuation",
         _no_marker_for_an_ended_job,
+        found_by=604,
     ),
     Mutant(
         "torn-metrics-line",
