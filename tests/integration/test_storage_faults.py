@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from tmpfs import MiB, fill, mounted_tmpfs
 
 from tunepod.errors import DiskFullError
 from tunepod.hpo.study import make_storage
-from tunepod.runtime.checkpoints import load_latest_checkpoint, save_checkpoint
+from tunepod.runtime.checkpoints import copy_newest_checkpoint, load_latest_checkpoint, save_checkpoint
 from tunepod.runtime.metrics import append_report, read_reports
 
 REPO = Path(__file__).resolve().parents[2]
@@ -125,6 +126,17 @@ def test_a_checkpoint_that_does_not_fit_is_explained_and_the_last_step_still_loa
     save_checkpoint(checkpoints, b"second", 2, keep=3)
     loaded = load_latest_checkpoint(checkpoints)
     assert loaded is not None and (loaded.step, loaded.state) == (2, b"second")
+
+
+def test_a_donor_copy_that_does_not_fit_raises_and_leaves_nothing(tmp_path: Path, small_fs: Path) -> None:
+    """PBT's copy of a donor's step gives up a step its job pruned mid-copy and takes the next; a copy
+    that fails while the donor's files are all there (here a full disk) is no prune and must raise,
+    not be retried until it reads as "the donor has no checkpoint"."""
+    donor = tmp_path / "donor"
+    save_checkpoint(donor, b"\5" * (8 * MiB), 1, keep=1)
+    with pytest.raises(shutil.Error, match="No space left on device"):
+        copy_newest_checkpoint(donor, small_fs / "seed")
+    assert list((small_fs / "seed").iterdir()) == []  # the partial copy is gone
 
 
 def test_a_report_that_does_not_fit_is_cut_off_whole_and_explained(small_fs: Path) -> None:

@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -637,3 +638,59 @@ def test_the_newest_step_is_copied_whole_once_and_a_folder_without_one_gives_non
     assert again is not None and again.step == 4
     assert [p.name for p in seed.iterdir()] == ["step-000004"]  # nothing hidden left behind
     assert checkpoints.copy_newest_checkpoint(tmp_path / "empty", tmp_path / "nothing") is None
+
+
+def test_a_step_pruned_by_its_job_mid_copy_is_given_up_for_the_then_newest_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PBT copies a running donor's newest step while the donor's rank 0 goes on saving and pruning.
+    Here the prune lands, through the real save, between the copy listing the step's files and copying
+    the first one: ``copytree`` then fails on every file of the step (``shutil.Error``), which is the
+    step gone, not a broken copy; the copy takes the donor's newest step instead."""
+    donor, seed = tmp_path / "donor", tmp_path / "seed"
+    checkpoints.save_checkpoint(donor, {"step": 1}, 1, keep=1)
+    real_copytree = shutil.copytree
+    saved_mid_copy: list[int] = []
+
+    def copy_then_prune_once(source: Path, target: Path) -> object:
+        if not saved_mid_copy:
+            saved_mid_copy.append(2)
+            checkpoints.save_checkpoint(donor, {"step": 2}, 2, keep=1)  # prunes step 1, being copied
+        return shutil.copy2(source, target)
+
+    def copytree_racing_the_donor(source: Path, target: Path) -> object:
+        return real_copytree(source, target, copy_function=copy_then_prune_once)
+
+    monkeypatch.setattr(shutil, "copytree", copytree_racing_the_donor)
+    copied = checkpoints.copy_newest_checkpoint(donor, seed)
+    assert saved_mid_copy == [2]
+    assert copied is not None and copied.step == 2
+    assert checkpoints.load_latest_checkpoint(seed).state == {"step": 2}  # type: ignore[union-attr]
+    assert [p.name for p in seed.iterdir()] == ["step-000002"]  # the lost copy left nothing behind
+
+
+def test_copies_of_a_donor_that_saves_and_prunes_meanwhile_never_fail(tmp_path: Path) -> None:
+    """The same race for real: a thread saves a step after another through the real save (which keeps
+    one), while copies of the newest step run one after another. Each copy is a whole, verified step,
+    or None where three steps in a row were pruned under it; none raises."""
+    donor = tmp_path / "donor"
+    size = 1 << 20  # a copy of a MiB takes long enough for a save to prune the step under it
+    checkpoints.save_checkpoint(donor, b"\0" * size, 0, keep=1)
+    done = threading.Event()
+
+    def save_and_prune() -> None:
+        step = 1
+        while not done.is_set():
+            checkpoints.save_checkpoint(donor, bytes([step % 256]) * size, step, keep=1)
+            step += 1
+
+    saver = threading.Thread(target=save_and_prune)
+    saver.start()
+    try:
+        copies = [checkpoints.copy_newest_checkpoint(donor, tmp_path / f"seed-{n}") for n in range(60)]
+    finally:
+        done.set()
+        saver.join()
+    for copied in copies:
+        if copied is not None:
+            assert checkpoints.verified_checkpoint(copied.path.parent, copied.step) == copied

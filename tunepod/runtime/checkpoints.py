@@ -336,7 +336,9 @@ def copy_newest_checkpoint(source_dir: Path, into_dir: Path, attempts: int = 3) 
     intact step. ``into_dir`` keeps one step at a time: a copy there already is returned as it is.
 
     The source may be a running job's checkpoint folder, whose rank 0 goes on saving and pruning: a
-    step deleted while being copied is given up and the then newest one copied instead."""
+    step deleted while being copied is given up and the then newest one copied instead (``attempts``
+    steps in all). A copy that fails while the source's files are still there (a full disk,
+    permissions) raises ``shutil.Error``."""
     into_dir.mkdir(parents=True, exist_ok=True)
     existing = latest_checkpoint(into_dir)
     if existing is not None:
@@ -356,11 +358,28 @@ def copy_newest_checkpoint(source_dir: Path, into_dir: Path, attempts: int = 3) 
                         fsync_file(path)
                 fsync_dir(temp)
         except FileNotFoundError:
-            continue  # pruned by its job while being copied
+            continue  # pruned by its job before its files were listed
+        except shutil.Error as failed:
+            if not _lost_to_a_prune(failed):
+                raise
+            continue  # pruned by its job while its files were being copied
         copied = verified_checkpoint(into_dir, source.step)
         if copied is not None and copied.step == source.step:
             return copied
     return None
+
+
+def _lost_to_a_prune(failed: shutil.Error) -> bool:
+    """Whether every file ``shutil.copytree`` failed to copy is gone from the source: its job pruned
+    the step under the copy. ``copytree`` keeps only each cause's text, so the source is what tells: a
+    file still there failed for a reason of its own (a full disk, permissions), which a retry would
+    only repeat, and which must be seen."""
+    entries = failed.args[0] if failed.args else None
+    if not isinstance(entries, list) or not entries:
+        return False  # not copytree's list of failed files (a same-file error carries a sentence)
+    return all(
+        isinstance(entry, tuple) and len(entry) == 3 and not os.path.lexists(entry[0]) for entry in entries
+    )
 
 
 def _remove_hidden_folders(checkpoint_dir: Path) -> None:
