@@ -58,14 +58,57 @@ def test_a_members_curve_takes_the_newer_generation_where_both_reported() -> Non
 
 def test_the_bottom_quantile_copies_from_the_top_once_enough_members_are_there() -> None:
     members = [trial(n, {1: v}) for n, v in enumerate([0.9, 0.5, 0.7, 0.1])]
-    # Three of four there: floor(3 x 0.25) = 0, nobody is exploited yet.
-    assert PBT.donors_for(3, 2, members[1:]) == []
+    # Three ranked (the fourth failed short of the boundary, say): ceil(3 x 0.25) = 1 in each quantile.
+    assert PBT.donors_for(3, 2, members[1:]) == [2]
     # All four: the worst copies from the best.
     assert PBT.ranking(2, members) == [0, 2, 1, 3]
     assert PBT.donors_for(3, 2, members) == [0]
     assert PBT.donors_for(1, 2, members) == []
     half = Pbt(population=4, interval=2, quantile=0.5, maximize=False)
     assert half.donors_for(0, 2, members) == [3, 1]  # minimizing: the highest is the worst
+
+
+@pytest.mark.parametrize(
+    ("ranked", "quantile", "in_each"),
+    [
+        (1, 0.5, 0),  # nobody to copy from
+        (2, 0.25, 1),  # floor(2 x 0.25) = 0 never exploited: PBT ran as random search
+        (3, 0.25, 1),
+        (4, 0.25, 1),
+        (5, 0.25, 2),
+        (8, 0.25, 2),
+        (9, 0.25, 3),
+        (3, 0.5, 1),  # ceil(1.5) = 2 is past half: the middle member is in neither
+        (4, 0.5, 2),
+        (10, 0.01, 1),
+    ],
+)
+def test_each_quantile_holds_ceil_n_x_quantile_members_and_at_most_half(
+    ranked: int, quantile: float, in_each: int
+) -> None:
+    rule = Pbt(population=ranked, interval=2, quantile=quantile, maximize=True)
+    members = [trial(n, {1: 1.0 - n / 100}) for n in range(ranked)]  # member 0 is the best
+    exploited = [m for m in range(ranked) if rule.donors_for(m, 2, members)]
+    assert exploited == list(range(ranked - in_each, ranked))
+    assert all(rule.donors_for(m, 2, members) == list(range(in_each)) for m in exploited)
+
+
+def test_a_population_of_two_exploits_and_four_go_on_exploiting_after_one_failed() -> None:
+    pair = Pbt(population=2, interval=2, quantile=0.25, maximize=True)
+    assert BoundaryJudge.for_job(pair, trial(1, {})).judge(
+        2, lambda: [trial(0, {1: 0.9}), trial(1, {1: 0.2})]
+    ) == [0]
+    failed = trial(3, {0: 0.9})
+    failed.state = TrialState.FAIL  # three of four ranked at 2 units
+    others = [trial(0, {1: 0.9}), trial(1, {1: 0.5}), failed]
+    assert BoundaryJudge.for_job(PBT, trial(2, {})).judge(2, lambda: [*others, trial(2, {1: 0.1})]) == [0]
+
+
+@pytest.mark.parametrize("quantile", [0.0, -0.25, 0.51])
+def test_the_quantile_is_above_0_and_at_most_a_half(quantile: float) -> None:
+    with pytest.raises(ValidationError, match=r"pbt\.quantile"):
+        TuneSettings.model_validate(tune(pbt={"population": 4, "interval": 2, "quantile": quantile}))
+    assert TuneSettings.model_validate(tune(pbt={"population": 4, "interval": 2, "quantile": 0.5}))
 
 
 def test_a_job_is_judged_once_per_boundary_and_trials_are_read_only_when_it_reaches_one() -> None:

@@ -4,12 +4,14 @@ Networks", 2017), as lineages of Optuna trials.
 A study under PBT trains ``population`` *members* side by side. Each member is a lineage of Optuna
 trials, each trial with fixed parameters (as Optuna wants them): the member's first trial is asked from
 the sampler; at every ``interval`` units of training (a unit is a reported step + 1, as for the
-pruners) a member's running job is judged against the members that reached the same boundary. One in
-the bottom ``quantile`` is *exploited*: its job is stopped and its trial ends PRUNED, and a new trial
-of the same member continues from a copy of the latest checkpoint of a member in the top ``quantile``
-(the *donor*), with the donor's parameters *explored* (perturbed or resampled). Each new trial
-records where it came from in one user attribute (``PbtState``: member, generation, the donor's trial,
-the checkpoint step, the trial it continues), which becomes the MLflow run's lineage tags.
+pruners) a member's running job is judged against the members that reached the same boundary. Of the
+``n`` members ranked there, the top and the bottom *quantiles* are ``ceil(n x quantile)`` members each,
+at most ``n // 2`` and none when ``n < 2`` (as in Ray Tune's PBT). One in the bottom is *exploited*:
+its job is stopped and its trial ends PRUNED, and a new trial of the same member continues from a copy
+of the latest checkpoint of a member in the top (the *donor*), with the donor's parameters *explored*
+(perturbed or resampled). Each new trial records where it came from in one user attribute
+(``PbtState``: member, generation, the donor's trial, the checkpoint step, the trial it continues),
+which becomes the MLflow run's lineage tags.
 
 A boundary is decided once per job, as soon as every member has reached it (or has finished without
 reaching it): the member that gets there last decides on arrival, the others at their next report
@@ -143,10 +145,18 @@ class Pbt:
         """The members ``member`` may copy from at ``units`` (the top ``quantile``, best first) when it
         ranks in the bottom ``quantile`` of the ``n`` members there; empty while it may go on."""
         ranking = self.ranking(units, trials)
-        count = math.floor(len(ranking) * self.quantile)
+        count = self.quantile_size(len(ranking))
         if count == 0 or member not in ranking[-count:]:
             return []
         return ranking[:count]
+
+    def quantile_size(self, ranked: int) -> int:
+        """How many of ``ranked`` members are in the top, and as many in the bottom: ``ceil(n x
+        quantile)``, at most ``n // 2``, none below two (as Ray Tune's PBT). Rounded up, not down: down,
+        a population of 2 or 3 at the default 0.25, or 4 once a member failed, never exploited."""
+        if ranked < 2:
+            return 0
+        return min(math.ceil(ranked * self.quantile), ranked // 2)
 
     def head(self, member: int, trials: Sequence[FrozenTrial]) -> FrozenTrial:
         """The member's newest trial: the one that trains it now, or trained it last."""

@@ -798,9 +798,10 @@ class PerturbSpec(Strict):
 class PbtSpec(Strict):
     """Population-based training (``tunepod.hpo.pbt``): ``population`` members train side by side; at
     every ``interval`` units of training (a unit is a reported step + 1) a member in the bottom
-    ``quantile`` of those at that point stops, and goes on from a copy of the latest checkpoint of a
-    member in the top ``quantile``, with that member's parameters explored. Each continuation is a new
-    trial of the member (its MLflow run tags the lineage)."""
+    ``quantile`` of the ``n`` members at that point (``ceil(n x quantile)`` of them, at most ``n // 2``)
+    stops, and goes on from a copy of the latest checkpoint of a member in the top as many, with that
+    member's parameters explored. Each continuation is a new trial of the member (its MLflow run tags
+    the lineage)."""
 
     population: int = Field(..., ge=2, description="Members trained side by side; num_trials defaults to it.")
     interval: int = Field(..., ge=1, description="Units of training between a member's exploit decisions.")
@@ -808,7 +809,8 @@ class PbtSpec(Strict):
         0.25,
         gt=0,
         le=0.5,
-        description="Fraction of the members at a decision that copy from the top as many.",
+        description="Fraction of the n members at a decision that copy from the top as many: "
+        "ceil(n x quantile), at most n // 2 (a population of 2 or 3 exploits one member).",
     )
     max_resource: int | None = Field(
         None,
