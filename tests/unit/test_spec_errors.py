@@ -377,6 +377,43 @@ CASES = [
 ]
 
 
+# The valid fixture's search under PBT instead of a pruner: each case below edits its pbt block.
+SEARCH_WITH_A_PRUNER = (
+    "num_trials: 16\n      num_parallel: 2\n      sampler: tpe\n"
+    "      pruner: {kind: hyperband, min_resource: 2}"
+)
+SEARCH_UNDER_PBT = "num_parallel: 4\n      sampler: tpe\n      pbt: {population: 4, interval: 2, "
+
+
+def pbt_case(case_id: str, pbt: str, path: str, message: str, fix: str) -> Case:
+    """A case of the valid fixture's search under ``pbt: {population: 4, interval: 2, <pbt>}``."""
+    new = SEARCH_UNDER_PBT + pbt + "}"
+    return Case(
+        case_id, SEARCH_WITH_A_PRUNER, new, f"steps.search.with.{path}", message, fix, line_of="pbt: "
+    )
+
+
+PBT_CASES = [
+    pbt_case(
+        f"perturb factors {factors}",
+        f"perturb: {{factors: {factors}}}",
+        "pbt.perturb.factors",
+        f"pbt.perturb.factors {shown} holds a factor that is not a finite number",
+        "two positive finite factors, e.g. [0.8, 1.2]",
+    )
+    for factors, shown in [
+        ("[.nan, 1.2]", "[nan, 1.2]"),
+        ("[0.8, .inf]", "[0.8, inf]"),
+        ("[-.inf, 2]", "[-inf, 2.0]"),
+    ]
+]
+
+
+@pytest.mark.parametrize("case", PBT_CASES, ids=[case.id for case in PBT_CASES])
+def test_a_pbt_error_names_file_line_path_and_fix(tmp_path: Path, case: Case) -> None:
+    test_error_names_file_line_path_and_fix(tmp_path, case)
+
+
 def line_of(text: str, fragment: str) -> int:
     """1-based line of the first line of ``text`` that contains ``fragment``'s first line."""
     first = fragment.strip("\n").splitlines()[0]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 from collections.abc import Iterable
 from pathlib import PurePosixPath
@@ -788,6 +789,12 @@ class PerturbSpec(Strict):
     @field_validator("factors")
     @classmethod
     def _factors_move(cls, factors: tuple[float, float]) -> tuple[float, float]:
+        if not all(math.isfinite(f) for f in factors):
+            # YAML reads .nan and .inf as numbers; a parameter times either is no number of its range.
+            raise ValueError(
+                f"pbt.perturb.factors {list(factors)} holds a factor that is not a finite number, which "
+                "would fail the first trial it explores; fix: two positive finite factors, e.g. [0.8, 1.2]"
+            )
         if any(f <= 0 for f in factors) or factors[0] == factors[1] == 1:
             raise ValueError(
                 f"{list(factors)} would not move a parameter; fix: two positive factors, e.g. [0.8, 1.2]"
