@@ -13,7 +13,7 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution, Int
 from optuna.trial import FrozenTrial, TrialState, create_trial
 from pydantic import ValidationError
 
-from tunepod.hpo.pbt import ATTR_PBT, BoundaryJudge, Pbt, PbtState, generation_of, member_of
+from tunepod.hpo.pbt import ATTR_PBT, BoundaryJudge, Pbt, PbtState, _perturb, generation_of, member_of
 from tunepod.spec.models import TuneSettings
 
 PBT = Pbt(population=4, interval=2, quantile=0.25, maximize=True, max_resource=8)
@@ -184,6 +184,53 @@ def test_explore_perturbs_by_a_factor_on_the_grid_and_within_range() -> None:
         assert all(space[name]._contains(space[name].to_internal_repr(v)) for name, v in explored.items())
     # 1 x 1.2 rounds to 1: one grid step up instead; 1 x 0.8 would step below the range and stays.
     assert layers == {1, 2}
+
+
+def test_a_perturbation_moves_a_float_at_0_and_one_on_a_coarse_grid() -> None:
+    """No factor moves 0, and 0.1 x 0.8 or x 1.2 rounds back to 0.1 on a grid of 0.1: each moves the
+    least its factor should instead (a share of the range at 0, a grid step on a grid), unless it is
+    at the bound it is pushed toward."""
+    space = {
+        "dropout": FloatDistribution(0.0, 0.5, step=0.1),
+        "wd": FloatDistribution(0.0, 0.1),
+        "shift": FloatDistribution(-1.0, 1.0),
+        "layers": IntDistribution(1, 4),
+    }
+    params: dict[str, Any] = {"dropout": 0.1, "wd": 0.0, "shift": 0.0, "layers": 1}
+    rule = Pbt(population=4, interval=1, quantile=0.25, maximize=True, resample_probability=0.0)
+    seen: dict[str, set[float]] = {name: set() for name in space}
+    for seed in range(200):
+        explored = rule.explore(params, space, random.Random(seed))
+        assert all(space[name]._contains(space[name].to_internal_repr(v)) for name, v in explored.items())
+        for name, value in explored.items():
+            seen[name].add(round(value, 9))
+    # wd and layers stay only where x 0.8 pushes them into their low bound.
+    assert seen == {"dropout": {0.0, 0.2}, "wd": {0.0, 0.02}, "shift": {-0.4, 0.4}, "layers": {1, 2}}
+
+
+@pytest.mark.parametrize(
+    ("value", "distribution", "factor", "moved"),
+    [
+        (0.1, FloatDistribution(0.0, 0.5, step=0.1), 1.2, 0.2),
+        (0.1, FloatDistribution(0.0, 0.5, step=0.1), 0.8, 0.0),
+        (0.0, FloatDistribution(0.0, 0.5, step=0.1), 1.2, 0.1),
+        (0.0, FloatDistribution(0.0, 0.1), 1.5, 0.05),
+        (0.0, FloatDistribution(0.0, 0.1), 0.5, 0.0),  # at the bound it is pushed toward
+        (-0.1, FloatDistribution(-0.5, 0.5, step=0.1), 1.2, -0.2),  # x 1.2: away from 0
+        (-0.1, FloatDistribution(-0.5, 0.5, step=0.1), 0.8, 0.0),  # x 0.8: toward it
+        (0.5, FloatDistribution(0.0, 0.5, step=0.1), 1.2, 0.5),  # at the top: clipped
+        (3, IntDistribution(0, 10), 1.2, 4),  # 3.6 -> 4: the factor moved it
+        (0, IntDistribution(0, 10), 1.2, 1),
+        (1, IntDistribution(0, 10), 0.8, 0),
+        (-1, IntDistribution(-5, 5), 1.2, -2),
+        (64, IntDistribution(16, 128, step=16), 1.1, 80),  # 70.4 rounds back to 64: one step up
+        (0.3, FloatDistribution(0.0, 0.5, step=0.1), 1.0, 0.3),  # a factor of 1 keeps it
+    ],
+)
+def test_a_perturbation_moves_at_least_one_step_the_way_of_its_factor(
+    value: float, distribution: FloatDistribution | IntDistribution, factor: float, moved: float
+) -> None:
+    assert _perturb(value, distribution, factor, random.Random(0)) == pytest.approx(moved)
 
 
 def test_explore_resamples_from_the_space_at_the_resample_probability() -> None:

@@ -167,7 +167,8 @@ class Pbt:
     ) -> dict[str, Any]:
         """The donor's parameters, each of ``explored`` resampled from its distribution with
         ``resample_probability``, else perturbed: a number times one of ``factors`` (clipped to its
-        range, on its grid), a choice moved to a neighbouring one."""
+        range, on its grid; at least one grid step that way, a float at 0 by ``|factor - 1|`` of its
+        range), a choice moved to a neighbouring one."""
         explored = dict(params)
         for name, distribution in space.items():
             if name not in params or (self.explored is not None and name not in self.explored):
@@ -238,11 +239,23 @@ def _perturb(value: Any, distribution: BaseDistribution, factor: float, rng: ran
         return distribution.choices[min(max(moved, 0), len(distribution.choices) - 1)]
     assert isinstance(distribution, FloatDistribution | IntDistribution)
     perturbed = _on_grid(float(value) * factor, distribution)
-    if perturbed == value and isinstance(distribution, IntDistribution):
-        # Too small a number to move by a factor (1 x 1.2 rounds to 1): one grid step that way instead.
-        step = distribution.step if factor > 1 else -distribution.step
-        perturbed = _on_grid(float(value) + step, distribution)
+    # Compared on the grid: -0.1 and the grid's -0.09999999999999998 are the same point of it.
+    if perturbed == _on_grid(float(value), distribution) and factor != 1:
+        perturbed = _nudged(float(value), distribution, factor)
     return perturbed
+
+
+def _nudged(value: float, distribution: FloatDistribution | IntDistribution, factor: float) -> Any:
+    """``value`` moved the least a ``factor`` that could not move it should: a number too small for its
+    grid (1 x 1.2 rounds to 1, 0.1 x 1.2 to 0.1 on a grid of 0.1) one step that way; a float at 0
+    (which no factor moves) by ``|factor - 1|`` of its range, the share a factor moves a number of its
+    own size by, taken of the only scale the space gives. Clipped at the bound it is pushed toward."""
+    # The way the factor moves the number: away from 0 above 1, toward it below (at 0: up, or down).
+    direction = (1 if factor > 1 else -1) * (-1 if value < 0 else 1)
+    step = distribution.step
+    if step is None:
+        step = abs(factor - 1) * (distribution.high - distribution.low)
+    return _on_grid(value + direction * step, distribution)
 
 
 def _on_grid(value: float, distribution: FloatDistribution | IntDistribution) -> Any:

@@ -774,7 +774,8 @@ class PerturbSpec(Strict):
     factors: tuple[float, float] = Field(
         (0.8, 1.2),
         description="A number is multiplied by one of these, drawn at random (then clipped to its range "
-        "and put on its step grid); a choice moves to a neighbouring one.",
+        "and put on its step grid), moving at least one step of its grid that way (a float at 0 without "
+        "one: |factor - 1| of its range) unless at that bound; a choice moves to a neighbouring one.",
     )
     resample_probability: float = Field(
         0.25, ge=0, le=1, description="Chance that a parameter is drawn afresh from the space instead."
