@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import random
+import shutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,7 +97,8 @@ class Population:
 
     def seed_from_a_donor(self, exploited: FrozenTrial, donors: Sequence[int]) -> Seed:
         """A copy of the newest checkpoint of one of ``donors`` (members, tried in a seeded random
-        order) in ``exploited``'s job dir; with none to copy, of its own. Made outside the trial's
+        order) in ``exploited``'s job dir; with none to copy, of its own. A donor whose copy would leave
+        the continuation nothing to train is passed over (``leaves_training``). Made outside the trial's
         fence: copying a large checkpoint must not hold the lease lock (the heartbeat renews every
         lease of the process under those locks), and a second copy by a stale driver only finds the
         first (``copy_newest_checkpoint`` keeps one step per folder)."""
@@ -143,11 +145,22 @@ class Population:
     ) -> tuple[FrozenTrial, CheckpointInfo | None]:
         for member in donors:
             head = self.pbt.head(member, trials)
-            copied = self._copy_newest(head, self.job_dir(exploited) / f"pbt-seed-from-{head.number}")
-            if copied is not None:
+            if head.state is TrialState.COMPLETE:
+                continue  # its newest checkpoint is its last step: nothing left to train from it
+            into = self.job_dir(exploited) / f"pbt-seed-from-{head.number}"
+            copied = self._copy_newest(head, into)
+            if copied is not None and self.leaves_training(copied):
                 return head, copied
+            if copied is not None:
+                shutil.rmtree(into, ignore_errors=True)  # a whole checkpoint, of no use to anyone
         own = self._copy_newest(exploited, self.job_dir(exploited) / f"pbt-seed-from-{exploited.number}")
         return exploited, own
+
+    def leaves_training(self, copied: CheckpointInfo) -> bool:
+        """Whether a continuation from ``copied`` has units left to train: one that resumes at
+        ``max_resource`` ends COMPLETE at once with parameters it never trained with, and the sampler
+        would learn from a pairing that never happened."""
+        return self.pbt.max_resource is None or copied.step + 1 < self.pbt.max_resource
 
     def _copy_newest(self, trial: FrozenTrial, into: Path) -> CheckpointInfo | None:
         """A copy of ``trial``'s newest checkpoint; of its own seed while its first job has saved none."""

@@ -1,0 +1,87 @@
+"""What the tuner does for PBT over a real in-memory Optuna study and real checkpoint folders
+(``tunepod.hpo.population``): which donor's checkpoint an exploited member goes on from, and the check
+that a study holds no more first members than the population."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.distributions import FloatDistribution
+from optuna.trial import FrozenTrial, TrialState, create_trial
+
+from tunepod.hpo.pbt import Pbt
+from tunepod.hpo.population import Population
+from tunepod.hpo.trials import StudyTrials
+from tunepod.launch.paths import JobPaths
+from tunepod.runtime.checkpoints import save_checkpoint
+
+SPACE = {"x": FloatDistribution(0.0, 1.0)}
+
+
+def study_of(*members: tuple[TrialState, int]) -> optuna.Study:
+    """A study of first members, each in its state with one value per step up to its last."""
+    study = optuna.create_study(direction="maximize")
+    for number, (state, last_step) in enumerate(members):
+        values = {step: number / 10 + step / 100 for step in range(last_step + 1)}
+        value = values[last_step] if state is TrialState.COMPLETE else None
+        study.add_trial(
+            create_trial(
+                state=state, value=value, params={"x": 0.5}, distributions=SPACE, intermediate_values=values
+            )
+        )
+    return study
+
+
+def population_of(study: optuna.Study, jobs_dir: Path, max_resource: int | None) -> Population:
+    def job_dir(trial: FrozenTrial) -> Path:
+        return jobs_dir / f"trial-{trial.number}"
+
+    pbt = Pbt(population=4, interval=2, quantile=0.5, maximize=True, max_resource=max_resource)
+    trials = StudyTrials(study)
+    for trial in trials.all():  # each member saved its newest step, as its job does
+        last = max(trial.intermediate_values)
+        save_checkpoint(JobPaths(job_dir(trial)).checkpoints, {"step": last}, last, keep=2)
+    return Population(pbt, trials, jobs_dir, job_dir, dict(SPACE), seed=0)
+
+
+@pytest.mark.parametrize("max_resource", [8, None])
+def test_a_donor_that_finished_is_passed_over_for_one_that_trains_on(
+    tmp_path: Path, max_resource: int | None
+) -> None:
+    """Member 0 finished (COMPLETE at its last step), member 1 trains on: whatever the seeded order of
+    the donors, the exploited member 3 goes on from member 1's checkpoint, with steps left to train."""
+    study = study_of(
+        (TrialState.COMPLETE, 7), (TrialState.RUNNING, 4), (TrialState.RUNNING, 4), (TrialState.RUNNING, 3)
+    )
+    population = population_of(study, tmp_path, max_resource)
+    exploited = population.trials.frozen(3)
+    for donors in ([0, 1], [1, 0]):
+        seed = population.seed_from_a_donor(exploited, donors)
+        assert seed.donor.number == 1 and seed.copied is not None and seed.copied.step == 4
+    assert not (tmp_path / "trial-3" / "pbt-seed-from-0").exists()  # nothing copied from it
+
+
+def test_a_donor_at_max_resource_is_passed_over_and_with_none_left_the_member_goes_on_from_its_own(
+    tmp_path: Path,
+) -> None:
+    """Member 0 saved its last step (7, with max_resource 8) and is not told COMPLETE yet: a copy of it
+    leaves nothing to train, is removed, and with no other donor the member goes on from its own."""
+    study = study_of(
+        (TrialState.RUNNING, 7), (TrialState.RUNNING, 4), (TrialState.RUNNING, 4), (TrialState.RUNNING, 3)
+    )
+    population = population_of(study, tmp_path, max_resource=8)
+    seed = population.seed_from_a_donor(population.trials.frozen(3), [0])
+    assert seed.donor.number == 3 and seed.copied is not None and seed.copied.step == 3
+    assert seed.copied.path == tmp_path / "trial-3" / "pbt-seed-from-3" / "step-000003"
+    assert not (tmp_path / "trial-3" / "pbt-seed-from-0").exists()  # the useless copy is gone
+
+
+def test_a_donor_with_steps_left_is_copied(tmp_path: Path) -> None:
+    study = study_of(
+        (TrialState.RUNNING, 6), (TrialState.RUNNING, 4), (TrialState.RUNNING, 4), (TrialState.RUNNING, 3)
+    )
+    population = population_of(study, tmp_path, max_resource=8)
+    seed = population.seed_from_a_donor(population.trials.frozen(3), [0])
+    assert seed.donor.number == 0 and seed.copied is not None and seed.copied.step == 6
