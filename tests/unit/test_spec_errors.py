@@ -406,12 +406,60 @@ PBT_CASES = [
         ("[0.8, .inf]", "[0.8, inf]"),
         ("[-.inf, 2]", "[-inf, 2.0]"),
     ]
+] + [
+    pbt_case(
+        f"no decision before max_resource {max_resource}",
+        f"max_resource: {max_resource}",
+        "pbt",
+        f"pbt.interval 2 is not below pbt.max_resource {max_resource}: members are judged every interval",
+        "set interval below max_resource, max_resource to a member's full training",
+    )
+    for max_resource in (1, 2)
+]
+
+ASHA_CASES = [
+    Case(
+        f"asha without a rung ({options})",
+        "pruner: {kind: hyperband, min_resource: 2}",
+        f"pruner: {{kind: asha, {options}}}",
+        "steps.search.with.pruner",
+        f"pruner kind asha with {shown} has no rung",
+        "set min_resource below max_resource (or leave it out: max_resource // reduction_factor)",
+    )
+    for options, shown in [
+        ("min_resource: 4, max_resource: 4", "min_resource 4 and max_resource 4"),
+        ("max_resource: 1", "min_resource 1 and max_resource 1"),  # the default min_resource is 1 there
+        ("min_resource: 5, max_resource: 4", "min_resource 5 and max_resource 4"),
+    ]
 ]
 
 
 @pytest.mark.parametrize("case", PBT_CASES, ids=[case.id for case in PBT_CASES])
 def test_a_pbt_error_names_file_line_path_and_fix(tmp_path: Path, case: Case) -> None:
     test_error_names_file_line_path_and_fix(tmp_path, case)
+
+
+@pytest.mark.parametrize("case", ASHA_CASES, ids=[case.id for case in ASHA_CASES])
+def test_an_asha_error_names_file_line_path_and_fix(tmp_path: Path, case: Case) -> None:
+    test_error_names_file_line_path_and_fix(tmp_path, case)
+
+
+def test_a_quoted_population_is_read_as_the_number_it_holds(tmp_path: Path) -> None:
+    text = VALID.replace(
+        SEARCH_WITH_A_PRUNER, SEARCH_UNDER_PBT.replace("population: 4", "population: '4'") + "}"
+    )
+    spec = parse_spec(text, "pbt.yaml", base_dir=REPO)
+    search = spec.steps["search"].with_
+    assert search.pbt is not None and (search.pbt.population, search.num_trials) == (4, 4)
+
+
+@pytest.mark.parametrize("population", ["four", "'1'", "null"])
+def test_a_population_that_is_no_number_is_its_own_error_not_a_missing_num_trials(
+    tmp_path: Path, population: str
+) -> None:
+    text = VALID.replace(SEARCH_WITH_A_PRUNER, SEARCH_UNDER_PBT.replace("4,", f"{population},", 1) + "}")
+    _, error = load_broken(tmp_path, text)
+    assert [issue.path for issue in error.issues] == ["steps.search.with.pbt.population"]
 
 
 def line_of(text: str, fragment: str) -> int:

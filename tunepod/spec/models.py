@@ -20,6 +20,8 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    TypeAdapter,
+    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -760,6 +762,14 @@ class PrunerSpec(Strict):
             )
         if self.kind == "threshold" and self.lower is None and self.upper is None:
             raise ValueError("pruner kind threshold needs a bound; fix: set lower, upper or both")
+        if self.kind == "asha" and self.max_resource is not None and self.max_resource <= self.min_resource:
+            raise ValueError(
+                f"pruner kind asha with min_resource {self.min_resource} and max_resource "
+                f"{self.max_resource} has no rung (its rungs are at min_resource x reduction_factor^k units, "
+                "below max_resource), so it would never pause a trial; fix: set min_resource below "
+                "max_resource (or leave it out: max_resource // reduction_factor), and max_resource to a "
+                "full trial's units of training"
+            )
         if self.max_resource is not None and self.max_resource < self.min_resource:
             raise ValueError(
                 f"pruner.max_resource {self.max_resource} is below min_resource {self.min_resource}; "
@@ -828,6 +838,17 @@ class PbtSpec(Strict):
     )
     perturb: PerturbSpec = Field(default_factory=PerturbSpec)
 
+    @model_validator(mode="after")
+    def _decides_before_the_end(self) -> PbtSpec:
+        if self.max_resource is not None and self.interval >= self.max_resource:
+            raise ValueError(
+                f"pbt.interval {self.interval} is not below pbt.max_resource {self.max_resource}: members "
+                "are judged every interval units before max_resource, so none would ever be and PBT would "
+                "run as random search; fix: set interval below max_resource, max_resource to a member's full "
+                "training in units (its epochs), or leave max_resource out"
+            )
+        return self
+
 
 _CONSTRAINT = re.compile(r"^\s*(?P<metric>[A-Za-z_][\w./-]*)\s*(?P<op><=|>=)\s*(?P<bound>\S+)\s*$")
 
@@ -875,6 +896,10 @@ class WarmStart(Strict):
     study: str = Field(..., min_length=1, description="The earlier study's name.")
     storage: str | None = Field(None, description="Its storage; default: this study's storage.")
     top_k: int = Field(5, ge=1, description="How many of its best completed trials to run first.")
+
+
+_AN_INT = TypeAdapter(int)
+"""How a field typed ``int`` reads a value (``'4'`` and ``4.0`` as 4)."""
 
 
 def _num_trials_optional_under_pbt(schema: dict[str, Any]) -> None:
@@ -970,11 +995,16 @@ class TuneSettings(Strict):
     @model_validator(mode="before")
     @classmethod
     def _num_trials_from_population(cls, data: Any) -> Any:
-        """Under PBT each trial of ``num_trials`` is a member: it defaults to the population."""
+        """Under PBT each trial of ``num_trials`` is a member: it defaults to the population, read as
+        ``pbt.population`` reads it (``'4'`` too)."""
         if isinstance(data, dict) and "num_trials" not in data and isinstance(data.get("pbt"), dict):
-            population = data["pbt"].get("population")
-            if isinstance(population, int):
-                return {**data, "num_trials": population}
+            try:
+                population = _AN_INT.validate_python(data["pbt"].get("population"))
+            except ValidationError:
+                # pbt.population's own error says what is wrong with it; num_trials only follows from
+                # it, so it gets a stand-in that no check ever sees (the model fails on the population).
+                population = 1
+            return {**data, "num_trials": population}
         return data
 
     @model_validator(mode="after")
