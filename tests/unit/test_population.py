@@ -11,8 +11,9 @@ import pytest
 from optuna.distributions import FloatDistribution
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
-from tunepod.hpo.pbt import Pbt
-from tunepod.hpo.population import Population
+from tunepod.errors import TunepodError
+from tunepod.hpo.pbt import ATTR_PBT, Pbt, PbtState
+from tunepod.hpo.population import Population, check_members
 from tunepod.hpo.trials import StudyTrials
 from tunepod.launch.paths import JobPaths
 from tunepod.runtime.checkpoints import save_checkpoint
@@ -85,3 +86,37 @@ def test_a_donor_with_steps_left_is_copied(tmp_path: Path) -> None:
     population = population_of(study, tmp_path, max_resource=8)
     seed = population.seed_from_a_donor(population.trials.frozen(3), [0])
     assert seed.donor.number == 0 and seed.copied is not None and seed.copied.step == 6
+
+
+def test_a_study_with_more_first_members_than_the_population_is_refused_with_the_fix() -> None:
+    """A PBT spec pointed at a study run without PBT: its six trials would all count as members of a
+    population of four, none would be asked, and PBT would do nothing without a word."""
+    study = study_of(*[(TrialState.COMPLETE, 3)] * 6)
+    pbt = Pbt(population=4, interval=2, quantile=0.25, maximize=True)
+    with pytest.raises(TunepodError) as raised:
+        check_members(study.get_trials(), pbt, "digits")
+    message = str(raised.value)
+    assert "study digits holds 6 trials that continue no PBT member (trials 0, 1, 2, 3, 4, ...)" in message
+    assert "more than pbt.population 4" in message
+    assert "fix: give study.name a new name for this PBT study, or set pbt.population to 6 or more" in message
+    check_members(study.get_trials(), Pbt(population=6, interval=2, quantile=0.25, maximize=True), "digits")
+
+
+def test_a_pbt_study_passes_with_its_continuations_and_enqueued_trials() -> None:
+    """Continuations (they carry a lineage) and enqueued trials not yet asked (WAITING) are no first
+    members: a PBT study of four members passes however many generations it has."""
+    study = study_of(*[(TrialState.RUNNING, 3)] * 4)
+    for generation, member in enumerate([3, 2, 3], start=1):
+        lineage = PbtState(member, generation, parent=0, from_step=3, replaces=member, seed="")
+        study.add_trial(
+            create_trial(
+                state=TrialState.RUNNING,
+                params={"x": 0.5},
+                distributions=SPACE,
+                user_attrs={ATTR_PBT: lineage.to_attr()},
+            )
+        )
+    study.enqueue_trial({"x": 0.1})
+    pbt = Pbt(population=4, interval=2, quantile=0.25, maximize=True)
+    check_members(study.get_trials(), pbt, "digits")
+    assert len(study.get_trials()) == 8

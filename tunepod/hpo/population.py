@@ -25,6 +25,7 @@ from typing import Any
 from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
 
+from tunepod.errors import TunepodError
 from tunepod.hpo.pbt import ATTR_PBT, Pbt, PbtState, generation_of, member_of
 from tunepod.hpo.trials import ATTR_JOB_DIR, StudyTrials, set_aside_stale
 from tunepod.launch.paths import JobPaths
@@ -78,10 +79,8 @@ class Population:
     seed: int | None
 
     def room(self, trials: Sequence[FrozenTrial]) -> int:
-        """Members still to ask for: each member's first trial is the only one without a lineage (an
-        enqueued trial still WAITING is not asked yet)."""
-        asked = [t for t in trials if t.state is not TrialState.WAITING]
-        return self.pbt.population - sum(PbtState.of(t) is None for t in asked)
+        """Members still to ask for."""
+        return self.pbt.population - len(first_members(trials))
 
     def is_unstarted_continuation(self, trial: FrozenTrial) -> bool:
         return PbtState.of(trial) is not None and read_submission(JobPaths(self.job_dir(trial))) is None
@@ -188,6 +187,28 @@ class Population:
             if donors:
                 return donors
         return []
+
+
+def first_members(trials: Sequence[FrozenTrial]) -> list[FrozenTrial]:
+    """The first trial of each member: the only trials without a lineage (an enqueued trial still
+    WAITING is not asked yet)."""
+    return [t for t in trials if t.state is not TrialState.WAITING and PbtState.of(t) is None]
+
+
+def check_members(trials: Sequence[FrozenTrial], pbt: Pbt, study_name: str) -> None:
+    """Raise ``TunepodError`` when study ``study_name`` holds more first members than the population:
+    it was run without PBT (or with a larger population), its trials would all count as members, no
+    member would be asked, and PBT would do nothing without a word. Call it before the first ask."""
+    found = first_members(trials)
+    if len(found) <= pbt.population:
+        return
+    numbers = ", ".join(str(t.number) for t in found[:5]) + (", ..." if len(found) > 5 else "")
+    raise TunepodError(
+        f"study {study_name} holds {len(found)} trials that continue no PBT member (trials {numbers}), "
+        f"more than pbt.population {pbt.population}: it was run without pbt or with a larger "
+        "population, each of them would count as a member, and PBT would ask none and exploit nothing; "
+        f"fix: give study.name a new name for this PBT study, or set pbt.population to {len(found)} or more"
+    )
 
 
 def lineage(trials: Mapping[int, FrozenTrial], root: int) -> list[FrozenTrial]:
