@@ -45,8 +45,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from benchmarks.quality.workloads import SPECS, TPE_HYPERBAND, TUNE_STEP, Workload
 from benchmarks.quality.workloads import digits as quality_digits
 from tunepod.hpo.asha import ATTR_ASHA, AshaState, RungJudge
+from tunepod.hpo.policies.asha import make_asha
 from tunepod.hpo.study import distributions, make_pruner, reseed_for_next_trial
-from tunepod.hpo.tuner import make_asha
 from tunepod.spec.loader import load_spec
 from tunepod.spec.models import TuneSettings
 from tunepod.staging.builtin import write_digits

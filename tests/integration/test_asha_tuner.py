@@ -14,12 +14,13 @@ from pathlib import Path
 
 import optuna
 from mlflow import MlflowClient
-from test_tuner import assert_no_job_left, child_runs, make_tuner, settings, starts, stops
+from test_tuner import assert_no_job_left, child_runs, make_tuner, run_together, settings, starts, stops
 
 from tunepod.hpo.asha import AshaState
+from tunepod.hpo.tuner import ReportFeed
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.submission import read_cancel_marker, read_submission
-from tunepod.runtime import read_reports
+from tunepod.runtime import Report, read_reports
 
 EPOCHS = 9
 # One rung, at 3 units (step 2): a trial that gets past it trains to its end, step 8.
@@ -81,3 +82,59 @@ def test_a_paused_trial_is_promoted_and_resumes_from_its_checkpoint(tmp_path: Pa
         assert frozen[trial.number].state is optuna.trial.TrialState.PRUNED
     assert {float(t.params["x"]) for t in pruned} == set(XS) - {BEST, SECOND}
     assert_no_job_left(list(trials.values()), "local")
+
+
+def test_two_orchestrators_prune_the_paused_trials_one_would(tmp_path: Path) -> None:
+    """Two orchestrators on one study, with one's slots: ASHA still ends the trials it never promoted
+    PRUNED. Each orchestrator that follows the other's trials looks at the study every second, also
+    while its own just-paused trial's driver is still returning; such a trial once counted as the
+    study's own work in flight, and each idle slot then resumed another paused trial, until every
+    trial had trained to its end and ASHA saved nothing."""
+    tune = settings(
+        tmp_path,
+        train={"args": {"epochs": EPOCHS, "sleep_s": 0.2}, "resources": {"stop_grace_s": 60}},
+        num_trials=len(XS),
+        num_parallel=2,
+        pruner=ASHA,
+        space={"x": {"type": "categorical", "choices": sorted(set(XS))}},
+    )
+    first, second = make_tuner(tmp_path, tune), make_tuner(tmp_path, tune)
+    for x in XS:
+        first.study.enqueue_trial({"x": x})
+    run_together(first, second)
+
+    frozen = first.study.get_trials()
+    assert all(t.state.is_finished() for t in frozen), {t.number: t.state for t in frozen}
+    never_resumed = [
+        t.number
+        for t in frozen
+        if t.state is optuna.trial.TrialState.PRUNED and starts(first.ctx.jobs_dir / f"trial-{t.number}") == 1
+    ]
+    # Six trials at one rung keep two (and a leader while fewer than three were there): at least two
+    # are paused for good, as under one orchestrator.
+    assert len(never_resumed) >= 2, {t.number: (t.state, AshaState.of(t)) for t in frozen}
+
+
+def test_a_rung_past_step_1000_is_judged_on_the_value_optuna_holds_there(tmp_path: Path) -> None:
+    """Past step 1,000 Optuna is told every 10th step. A batch of reports that reaches a rung (2,997
+    units: step 2,996) with its last told step before it (2,990) does not judge the rung yet: the
+    trial has no value there, and would be paused as though outside the top, the only trial of its
+    study. The next told step (3,000) judges it, on its own value."""
+    tune = settings(
+        tmp_path,
+        num_trials=1,
+        num_parallel=1,
+        pruner={"kind": "asha", "min_resource": 37, "reduction_factor": 3, "max_resource": 9000},
+    )
+    tuner = make_tuner(tmp_path, tune)
+    number = tuner.study.ask().number
+    frozen = tuner.trials.frozen(number)
+    feed = ReportFeed(tuner, frozen, tuner._mirror(frozen, {}, {}))
+
+    def reports(steps: range) -> list[Report]:
+        return [Report(step, {"score": 1.0 / (step + 1)}, 0.0) for step in steps]
+
+    assert feed(reports(range(2985))) is None  # every rung below 2,997 units: alone, in the top
+    assert feed(reports(range(2985, 3000))) is None, "judged at rung 2,997 before Optuna held a value there"
+    assert feed(reports(range(3000, 3001))) is None
+    assert 3000 in tuner.trials.frozen(number).intermediate_values

@@ -67,8 +67,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="tuner-cap-per-orchestrator",
         path="tunepod/hpo/tuner.py",
-        find="in_flight = (mine | {t.number for t in running if not is_paused(t)}) - set(self._abandoned)",
-        replace="in_flight = mine - set(self._abandoned)",
+        find="        return {t.number for t in running} - set(self._abandoned)\n",
+        replace="        return mine - set(self._abandoned)\n",
         why="num_parallel counts only the trials this orchestrator drives: a second orchestrator on the "
         "study, or a restarted one re-attaching to running trials it has not started driving yet, asks "
         "for a full num_parallel more, so more trials run at once than the study allows.",
@@ -76,10 +76,10 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="tuner-timeout-recorded-pruned",
         path="tunepod/hpo/tuner.py",
-        find="        elif driven.outcome is Outcome.PRUNED:\n"
-        "            self.trials.tell(number, TrialState.PRUNED)",
-        replace="        elif driven.outcome in (Outcome.PRUNED, Outcome.TIMED_OUT):\n"
-        "            self.trials.tell(number, TrialState.PRUNED)",
+        find="        else:\n            self._fail(number, driven.message)\n",
+        replace="        elif driven.outcome is Outcome.TIMED_OUT:\n"
+        "            self.trials.tell(number, TrialState.PRUNED)\n"
+        "        else:\n            self._fail(number, driven.message)\n",
         why="A trial stopped at its run-time limit (resources.timeout_min) is told PRUNED, as if the "
         "pruner had stopped it, instead of FAIL with its runbook: the recorded outcome and the MLflow "
         "run's status are wrong. Needs a job that runs past its time limit.",

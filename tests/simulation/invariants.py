@@ -90,6 +90,7 @@ job went on without it, or an exit 0 nobody heard), a trial may end COMPLETE or 
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -177,6 +178,8 @@ class Referee:
         """Every intermediate value as it reached Optuna (what ASHA's decisions are judged on)."""
         self.asha_writes: dict[int, list[tuple[int, AshaState]]] = {}
         """Per trial number, each ASHA state written, at its moment of ``told_log``."""
+        self._trial_ended_at = -math.inf
+        """When a trial was last told finished or paused (simulated seconds)."""
         self._listen_to_reports()
 
     def _listen_to_reports(self) -> None:
@@ -324,13 +327,22 @@ class Referee:
                 f"trial {frozen.number} is recorded paused while {[run.job_id for run in live]} live",
             )
         self.asha_writes.setdefault(frozen.number, []).append((self.told_log.seq, state))
+        if state.paused:
+            self._trial_ended_at = self.sim.now
         if not state.paused and state.idle and not self._all_asked():
             self.violated(
                 "ASHA decides by its rule",
                 f"trial {frozen.number} is promoted for an idle slot while trials are still to ask for",
             )
+        if not state.paused and state.idle and not self._idle_slots_may_resume(frozen.number):
+            self.violated(
+                "ASHA decides by its rule",
+                f"trial {frozen.number} is promoted for an idle slot while a trial has completed and "
+                "nothing of the study's own work runs (the paused trials were to end PRUNED)",
+            )
 
     def told(self, trial_id: int, state: TrialState) -> None:
+        self._trial_ended_at = self.sim.now
         frozen = self.database.storage.get_trial(trial_id)
         self._fenced(self._job_dir(frozen), f"tells trial {frozen.number} {state.name}")
         asha = AshaState.of(frozen)
@@ -376,6 +388,19 @@ class Referee:
             if not promoted or (pauses and promoted[-1] < pauses[-1]):
                 running.append(trial.number)
         return running
+
+    def _idle_slots_may_resume(self, number: int) -> bool:
+        """ASHA resumes a paused trial for a slot that would idle only before any trial completed, or
+        while some of the study's own work runs: a trial RUNNING, not paused, and not itself resumed
+        for an idle slot (whichever orchestrator drives it). Decided on the study as it stood when
+        the study lock was taken: a trial that ended or paused since may have been that work."""
+        since = self.sim.locks.held_since(self.facts.jobs_dir / ".study.lock")
+        if since is not None and self._trial_ended_at >= since:
+            return True
+        trials = [t for t in self._trials() if t.number != number]
+        if not any(t.state is TrialState.COMPLETE for t in trials):
+            return True
+        return any(t.state is TrialState.RUNNING and not _paused_or_idle(t) for t in trials)
 
     def _all_asked(self) -> bool:
         return len(self._trials()) >= self.facts.num_trials
@@ -1033,3 +1058,8 @@ def _first_step(trial: FrozenTrial) -> int:
     continuation the step of its donor's checkpoint."""
     state = PbtState.of(trial)
     return state.from_step if state is not None and state.from_step >= 0 else 0
+
+
+def _paused_or_idle(trial: FrozenTrial) -> bool:
+    state = AshaState.of(trial)
+    return state is not None and (state.paused or state.idle)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +22,10 @@ from tunepod.errors import JobError
 from tunepod.hpo import population, study, tuner
 from tunepod.hpo import study as hpo_study
 from tunepod.hpo.asha import ATTR_ASHA, Asha, AshaState, is_paused
+from tunepod.hpo.policies import asha as asha_policy
+from tunepod.hpo.policies.contract import Attempts, Plan, SlotView, Told
+from tunepod.hpo.trials import StudyTrials
 from tunepod.launch import base, drive, lease
-from tunepod.launch.drive import DriveSettings
 from tunepod.launch.hyperpod_eks import launcher as eks_launcher
 from tunepod.launch.local import LocalLauncher, LocalStatus
 from tunepod.launch.paths import JobPaths
@@ -71,10 +73,10 @@ def _leases_leak() -> contextlib.AbstractContextManager[None]:
 
 
 def _half_asked_trained() -> contextlib.AbstractContextManager[None]:
-    def never(trial: FrozenTrial) -> bool:
+    def never(self: tuner.Tuner, trial: FrozenTrial) -> bool:
         return False
 
-    return _patched(tuner, "_half_asked", never)
+    return _patched(tuner.Tuner, "_half_asked", never)
 
 
 def _unfenced() -> contextlib.AbstractContextManager[None]:
@@ -199,16 +201,16 @@ def _gone_intent_sent_again() -> contextlib.AbstractContextManager[None]:
 def _pause_recorded_at_the_decision() -> contextlib.AbstractContextManager[None]:
     """ASHA recording a pause as it decides it (from the report feed, outside the fence), before the
     job has stopped: a paused trial with a live job, which a restarted orchestrator would promote."""
-    decide = tuner.ReportFeed._asha_says
+    decide = asha_policy._PauseAtRungs.judge
 
-    def record_at_once(self: tuner.ReportFeed, asha: Any) -> Any:
-        reason = decide(self, asha)
-        if reason == "paused" and self.paused_rung is not None:
+    def record_at_once(self: asha_policy._PauseAtRungs, told: Told) -> str | None:
+        reason = decide(self, told)
+        if reason == asha_policy.PAUSED and self.paused_rung is not None:
             state = AshaState(self.paused_rung, True, attempt=1)
-            self._tuner.trials.set_attr(self._number, ATTR_ASHA, state.to_attr())
+            StudyTrials(told.live().study).set_attr(told.number, ATTR_ASHA, state.to_attr())
         return reason
 
-    return _patched(tuner.ReportFeed, "_asha_says", record_at_once)
+    return _patched(asha_policy._PauseAtRungs, "judge", record_at_once)
 
 
 def _continued_without_looking() -> contextlib.AbstractContextManager[None]:
@@ -430,15 +432,12 @@ def _promotions_eat_restarts() -> contextlib.AbstractContextManager[None]:
     """A promoted trial's drive with only ``max_restarts``: its promotions, attempts that are no
     restarts, spend the restarts a failure would have had."""
 
-    def drive_settings(self: tuner.Tuner, asha_state: AshaState | None) -> DriveSettings:
-        promotions = asha_state.promotions if asha_state else 0
-        return DriveSettings(
-            poll_s=self.settings.poll_s,
-            max_restarts=self.settings.train.max_restarts,
-            resume_attempt=asha_state.attempt if asha_state and promotions else None,
-        )
+    attempts = asha_policy.AshaPolicy.attempts
 
-    return _patched(tuner.Tuner, "_drive_settings", drive_settings)
+    def no_extra_attempts(self: asha_policy.AshaPolicy, trial: FrozenTrial) -> Attempts:
+        return replace(attempts(self, trial), extra=0)
+
+    return _patched(asha_policy.AshaPolicy, "attempts", no_extra_attempts)
 
 
 def _asha_keeps_one_too_many() -> contextlib.AbstractContextManager[None]:
@@ -454,17 +453,47 @@ def _asha_prunes_while_busy() -> contextlib.AbstractContextManager[None]:
     """ASHA's end of the study pruning the paused trials once a trial has completed, while the study's
     own trials still run (and could still put a paused one in the top)."""
 
-    def end_of_study(self: tuner.Tuner, trials: list[FrozenTrial], capacity: int, *, busy: bool) -> list[int]:
-        assert self.asha is not None
-        if not any(t.state is TrialState.COMPLETE for t in trials):
-            paused = self.asha.by_merit(trials)
-            return [] if capacity <= 0 else self._promote(trials, paused, capacity, idle=True)
-        for trial in trials:
-            if is_paused(trial):
-                self._prune_paused(trial)
-        return []
+    plan = asha_policy.AshaPolicy.plan
 
-    return _patched(tuner.Tuner, "_end_of_study", end_of_study)
+    def end_once_one_completed(self: asha_policy.AshaPolicy, view: SlotView) -> Plan:
+        planned = plan(self, view)
+        if view.room - planned.ask > 0 or not any(t.state is TrialState.COMPLETE for t in view.trials):
+            return planned
+        by_rule = tuple(n for n in planned.resume if n in self.asha.promotable(view.trials))
+        paused = tuple(t.number for t in view.trials if is_paused(t) and t.number not in by_rule)
+        return Plan(resume=by_rule, ask=planned.ask, end=paused)
+
+    return _patched(asha_policy.AshaPolicy, "plan", end_once_one_completed)
+
+
+def _parked_counted_in_flight() -> contextlib.AbstractContextManager[None]:
+    def with_mine(self: tuner.Tuner, running: list[FrozenTrial], mine: set[int]) -> set[int]:
+        return (mine | {t.number for t in running}) - set(self._abandoned)
+
+    return _patched(tuner.Tuner, "_in_flight", with_mine)
+
+
+def _asha_judges_untold_rung() -> contextlib.AbstractContextManager[None]:
+    call = tuner.ReportFeed.__call__
+
+    def judged_on_the_last_report(self: tuner.ReportFeed, reports: list[Any]) -> Any:
+        real = self.judge
+        if real is None or not reports:
+            return call(self, reports)
+        newest = max(r.step for r in reports)
+
+        class OnTheLastReport:
+            def judge(self, told: Told) -> str | None:
+                assert real is not None
+                return real.judge(replace(told, step=max(told.step, newest)))
+
+        self.judge = OnTheLastReport()
+        try:
+            return call(self, reports)
+        finally:
+            self.judge = real
+
+    return _patched(tuner.ReportFeed, "__call__", judged_on_the_last_report)
 
 
 def _pbt_copies_its_own() -> contextlib.AbstractContextManager[None]:
@@ -698,6 +727,21 @@ MUTANTS = [
         "asha-prunes-while-busy",
         "ASHA's end of the study prunes the paused trials while the study's own trials still run",
         _asha_prunes_while_busy,
+    ),
+    Mutant(
+        "parked-counted-in-flight",
+        "an orchestrator counts its own trials in flight until their drivers return, parked ones too: "
+        "one that looks at the study while the other drives takes a just-paused trial for the study's "
+        "own work, and slots that would idle resume every paused trial",
+        _parked_counted_in_flight,
+        found_by=81,
+    ),
+    Mutant(
+        "asha-judges-untold-rung",
+        "ASHA judges a job at the newest step reported rather than the newest told: past step 1,000 a "
+        "rung is judged before Optuna holds the trial's value there, and the trial is paused as though "
+        "outside the top",
+        _asha_judges_untold_rung,
     ),
     Mutant(
         "pbt-wrong-donor",

@@ -353,6 +353,7 @@ class FileLocks:
     def __init__(self, sim: Scheduler) -> None:
         self.sim = sim
         self._holders: dict[str, Task] = {}
+        self._since: dict[str, float] = {}
         self._waiters: dict[str, deque[Task]] = {}
 
     @contextlib.contextmanager
@@ -372,6 +373,7 @@ class FileLocks:
             self._waiters.setdefault(key, deque()).append(me)
             sim.block(None, f"flock {path.name}")
         self._holders[key] = me
+        self._since[key] = sim.now
         try:
             yield True
         finally:
@@ -381,6 +383,10 @@ class FileLocks:
     def held_by(self, path: Path) -> Process | None:
         holder = self._holders.get(str(path))
         return holder.process if holder is not None else None
+
+    def held_since(self, path: Path) -> float | None:
+        """When the holder of ``path``'s lock took it; None while nobody holds it."""
+        return self._since.get(str(path)) if str(path) in self._holders else None
 
     def release_all_of(self, process: Process) -> None:
         for key in [key for key, task in self._holders.items() if task.process is process]:

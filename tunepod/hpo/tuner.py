@@ -32,11 +32,10 @@ from optuna.trial import FrozenTrial, TrialState
 
 from tunepod import watch, world
 from tunepod.errors import JobError, TunepodError
-from tunepod.hpo.asha import ATTR_ASHA, Asha, AshaState, RungJudge, is_paused
 from tunepod.hpo.endings import ending_line, ending_of, why_ended
 from tunepod.hpo.num_parallel import resolve_num_parallel
-from tunepod.hpo.pbt import ATTR_PBT, BoundaryJudge, PbtState
-from tunepod.hpo.population import ATTR_CONTINUED_IN, Population, Seed, lineage_tags, make_pbt
+from tunepod.hpo.policies import PolicyContext, make_policy
+from tunepod.hpo.policies.contract import Ending, JobJudge, Plan, SlotView, Told
 from tunepod.hpo.study import (
     distributions,
     enqueue_first_trials,
@@ -140,8 +139,17 @@ class Tuner:
         self.trials = StudyTrials(self.study)
         self.leases = Leases(private_job_dirs=ctx.launcher.private_job_dirs)
         self._distributions = distributions(ctx.settings.space)
-        self.asha = make_asha(ctx.settings)
-        self.population = self._population(ctx)
+        self.policy = make_policy(
+            PolicyContext(
+                settings=ctx.settings,
+                trials=self.trials,
+                jobs_dir=ctx.jobs_dir,
+                job_dir=self._job_dir,
+                distributions=self._distributions,
+                job_writes_job_dir=ctx.launcher.job_writes_job_dir,
+                launcher=ctx.launcher.kind,
+            )
+        )
         self._metrics = default_metrics().trial_observer(
             pipeline=ctx.pipeline, study=ctx.settings.study.name, step=ctx.step
         )
@@ -154,20 +162,6 @@ class Tuner:
     def step(self) -> str:
         """The pipeline step this study runs in."""
         return self.ctx.step
-
-    def _population(self, ctx: TuneContext) -> Population | None:
-        pbt = make_pbt(ctx.settings)
-        if pbt is None:
-            return None
-        if not ctx.launcher.job_writes_job_dir:
-            raise TunepodError(
-                f"study {ctx.settings.study.name}: pbt copies checkpoints between members' job dirs, and the "
-                f"{ctx.launcher.kind} launcher's jobs write theirs where this machine cannot read them; fix: "
-                "mount FSx read-write on the launcher (fsx with access_mode rw), or remove pbt"
-            )
-        return Population(
-            pbt, self.trials, ctx.jobs_dir, self._job_dir, self._distributions, ctx.settings.seed
-        )
 
     # ------------------------------------------------------------------------------------ the loop
 
@@ -226,46 +220,48 @@ class Tuner:
                 log.info("study %s: %s", self.settings.study.name, line)
 
     def _schedule(self, mine: set[int]) -> tuple[list[int], list[int], int]:
-        """Under the study lock: claim unfinished trials nobody drives, then promote paused trials
-        (ASHA) and ask new ones while the study has fewer than ``num_parallel`` trials in flight.
-        Returns (trials to start driving, trials others drive, trials still to ask for).
+        """Under the study lock: claim unfinished trials nobody drives, then fill the free slots as
+        the search policy plans (resume parked trials, ask new ones, end parked ones). Returns
+        (trials to start driving, trials others drive, trials still to ask for).
 
         The cap is the study's, shared by every orchestrator on it: in flight is every trial RUNNING
-        in Optuna and not paused, whoever drives it (this orchestrator, another live one, or nobody
+        in Optuna and not parked, whoever drives it (this orchestrator, another live one, or nobody
         yet). A trial nobody drives (its orchestrator died) is claimed whatever the cap: its job runs
         already, and counts against the cap either way."""
         self.ctx.jobs_dir.mkdir(parents=True, exist_ok=True)
         with locked(self.ctx.jobs_dir / ".study.lock"):
-            trials = self.trials.all()
+            every = self.trials.all()
             # Half-asked trials are not running anything: the next asks finish asking them.
-            running = [t for t in trials if t.state is TrialState.RUNNING and not _half_asked(t)]
+            trials = [t for t in every if not self._half_asked(t)]
+            running = [t for t in trials if t.state is TrialState.RUNNING and not self.policy.is_parked(t)]
             claimed, following = self._claim(running, mine)
             self._announce_claims(claimed, trials)
             self._announce_following(following)
-            room = self.settings.num_trials - sum(t.state in FINISHED for t in trials) - len(running)
-            if self.population is not None:
-                # Continuations are not asked for: exploits make them. A half-asked member is still to
-                # ask for: the ask finishes it, as without PBT.
-                room = self.population.room([t for t in trials if not _half_asked(t)])
-            # Trials this orchestrator gave up driving count no more here (their jobs may still run):
-            # it ends with an error once the rest are done, and would otherwise wait for them forever.
-            in_flight = (mine | {t.number for t in running if not is_paused(t)}) - set(self._abandoned)
+            room = self.policy.room(trials)
+            in_flight = self._in_flight(running, mine)
             capacity = self.settings.max_parallel - len(in_flight)
-            promoted = self._promote(trials, self.asha.promotable(trials), capacity) if self.asha else []
-            capacity -= len(promoted)
-            asked = [self._ask(len(trials) + i) for i in range(max(0, min(room, capacity)))]
-            capacity -= len(asked)
-            if self.asha and room - len(asked) <= 0:
-                busy = bool(promoted or asked or _own_work(trials, in_flight))
-                promoted += self._end_of_study(trials, capacity, busy=busy)
-        return claimed + promoted + asked, following, room - len(asked)
+            plan = self.policy.plan(SlotView(trials, frozenset(in_flight), capacity, room))
+            asked = [self._ask(len(every) + i) for i in range(plan.ask)]
+            resumed = self._resume(trials, plan, capacity - len(asked))
+            for number in plan.end:
+                self._end_parked(number)
+        return claimed + resumed + asked, following, room - len(asked)
+
+    def _in_flight(self, running: list[FrozenTrial], mine: set[int]) -> set[int]:
+        """The trials whose jobs take a slot: those running and not parked, whoever drives them.
+        Not those this orchestrator gave up driving (their jobs may still run): it ends with an error
+        once the rest are done, and would otherwise wait for them forever. Nor its own (``mine``)
+        that ended or were parked while their drivers are still returning: their jobs have ended
+        (counted, a parked one made the study look busy to a policy that resumes parked trials while
+        it is, and two orchestrators, each looking while the other drives, resumed every one)."""
+        return {t.number for t in running} - set(self._abandoned)
 
     def _claim(self, running: list[FrozenTrial], mine: set[int]) -> tuple[list[int], list[int]]:
         """Of the running trials this orchestrator does not drive: those whose lease it could take
         (nobody drives them: claimed, to drive), and those another live orchestrator holds (followed)."""
         claimed, following = [], []
         for trial in running:
-            if trial.number in mine or trial.number in self._abandoned or is_paused(trial):
+            if trial.number in mine or trial.number in self._abandoned:
                 continue
             lease = self.leases.acquire(self._job_dir(trial))
             if lease is None:
@@ -275,67 +271,41 @@ class Tuner:
             claimed.append(trial.number)
         return claimed, following
 
-    def _end_of_study(self, trials: list[FrozenTrial], capacity: int, *, busy: bool) -> list[int]:
-        """Nothing left to ask: while other trials still run (``busy``: not only ones resumed this way,
-        by any orchestrator, which would keep each other going until every trial had trained to the
-        end), a slot that would idle resumes the best paused trial instead (the highest rung first),
-        marked as resumed for an idle slot (``AshaState.idle``). Once nothing runs,
-        the best paused trial is trained on until one trial has completed (at the top rungs too few
-        trials may ever meet for the rule to promote anyone), and then the paused trials the rule
-        never promoted end PRUNED at the rung they reached. Returns the trials promoted."""
-        assert self.asha is not None
-        completed = any(t.state is TrialState.COMPLETE for t in trials)
-        if busy or not completed:
-            if capacity <= 0:
-                return []
-            return self._promote(trials, self.asha.by_merit(trials), capacity, idle=True)
-        for trial in trials:
-            if is_paused(trial):
-                self._prune_paused(trial)
-        return []
-
-    def _promote(
-        self, trials: list[FrozenTrial], candidates: list[int], capacity: int, *, idle: bool = False
-    ) -> list[int]:
-        """Resume up to ``capacity`` of ``candidates`` (paused trials, in order): each one's pause
-        state says promoted (``idle``: for a slot that would idle), written inside its lease's fence,
-        before its new job is submitted."""
+    def _resume(self, trials: list[FrozenTrial], plan: Plan, capacity: int) -> list[int]:
+        """Resume up to ``capacity`` of the plan's parked trials, in order: each one's resumption is
+        recorded by the policy inside its lease's fence, before its new job is submitted."""
         by_number = {t.number: t for t in trials}
-        promoted: list[int] = []
-        for number in candidates:
-            if len(promoted) >= capacity:
-                break
+        resumed: list[int] = []
+        for number in plan.resume[: max(capacity, 0)]:
             lease = self.leases.acquire(self._job_dir(by_number[number]))
             if lease is None:
-                continue  # another orchestrator is promoting or pruning it
-            state = AshaState.of(self.trials.frozen(number))
-            if state is None or not state.paused:
-                lease.release()  # promoted meanwhile, by one that has let go already
-                continue
+                continue  # another orchestrator is resuming or ending it
             with lease.fenced():
-                self.trials.set_attr(number, ATTR_ASHA, state.promoted(idle=idle).to_attr())
-            why = " for a slot that would idle" if idle else ""
-            log.info(
-                "trial %d: promoted from rung %d%s, resuming from its checkpoint", number, state.rung, why
-            )
+                line = self.policy.resume(number)
+            if line is None:
+                lease.release()  # resumed meanwhile, by one that has let go already
+                continue
+            log.info("%s", line)
             self._hold(number, lease)
-            promoted.append(number)
-        return promoted
+            resumed.append(number)
+        return resumed
 
-    def _prune_paused(self, trial: FrozenTrial) -> None:
-        """End a paused trial that was never promoted: PRUNED, its MLflow run closed as KILLED."""
+    def _end_parked(self, number: int) -> None:
+        """End a parked trial the policy gives up on: PRUNED, its MLflow run closed as KILLED."""
+        trial = self.trials.frozen(number)
         lease = self.leases.acquire(self._job_dir(trial))
         if lease is None:
-            return  # another orchestrator holds it: it prunes or promotes it
+            return  # another orchestrator holds it: it ends or resumes it
         try:
             with lease.fenced():
-                if not is_paused(self.trials.frozen(trial.number)):
+                trial = self.trials.frozen(number)
+                if not self.policy.is_parked(trial):
                     return
                 params = {**self.settings.train.args, **trial.params}
                 mirror = self._mirror(trial, params, {})
-                log.info("trial %d: paused and never promoted; pruned at the end of the study", trial.number)
-                self.trials.tell(trial.number, TrialState.PRUNED)
-                self._close(trial.number, mirror)
+                log.info("trial %d: parked and never resumed; pruned at the end of the study", number)
+                self.trials.tell(number, TrialState.PRUNED)
+                self._close(number, mirror)
         finally:
             lease.release()
 
@@ -356,7 +326,7 @@ class Tuner:
         """A trial with every parameter of the space: one that an interrupted ask left half asked (a
         storage error after Optuna created it, a crash before its job dir was recorded), else a new
         one. So a retried ask never leaves a trial behind, to be trained later with defaults."""
-        half_asked = next((t for t in self.trials.all() if _half_asked(t)), None)
+        half_asked = next((t for t in self.trials.all() if self._half_asked(t)), None)
         if half_asked is None:
             return int(self.study.ask(self._distributions).number)
         log.warning(
@@ -389,13 +359,11 @@ class Tuner:
         )
 
     def _announce_claims(self, claimed: list[int], trials: list[FrozenTrial]) -> None:
-        population = self.population
         by_number = {t.number: t for t in trials}
-        fresh = [n for n in claimed if population and population.is_unstarted_continuation(by_number[n])]
+        # Made whole by the policy (a continuation) and never started: nothing to re-attach to.
+        fresh = [n for n in claimed if self.policy.owns(by_number[n]) and not self._started(by_number[n])]
         if fresh:
-            log.info(
-                "study %s: starting trials %s, continuing exploited members", self.settings.study.name, fresh
-            )
+            log.info("study %s: starting trials %s", self.settings.study.name, fresh)
         unfinished = [n for n in claimed if n not in fresh]
         if unfinished:
             log.warning(
@@ -420,13 +388,11 @@ class Tuner:
         links = links or TrialLinks()
         try:
             frozen = self.trials.frozen(number)
-            if frozen.state in FINISHED or is_paused(frozen):
+            if frozen.state in FINISHED or self.policy.is_parked(frozen):
                 return self._record(frozen)
-            asha_state = AshaState.of(frozen)
             params = {**self.settings.train.args, **frozen.params}
             mirror = self._mirror(frozen, params, links.tags)
-            if self.population is not None:
-                self.population.seed_job_dir(frozen)
+            self.policy.before_job(frozen)
             try:
                 layout = job_layout(self.settings.train.parallelism, self.settings.train.resources, params)
             except ValueError as exc:
@@ -440,24 +406,36 @@ class Tuner:
             driver = JobDriver(
                 self.ctx.launcher,
                 job,
-                self._drive_settings(asha_state),
+                self._drive_settings(frozen),
                 what=f"Trial {number} of study {self.settings.study.name}",
                 on_reports=feed,
                 observe=self._observer(number, mirror),
                 leases=self.leases,
             )
             driven = driver.run(lease)
-            seed = self._seed_for(number, feed) if driven.outcome is Outcome.EXPLOITED else None
-            with lease.fenced():
-                if driven.outcome is Outcome.PAUSED:
-                    self._pause(number, feed, asha_state)
-                elif driven.outcome is Outcome.EXPLOITED:
-                    self._exploit(number, feed, seed, mirror)
-                else:
+            if driven.outcome is Outcome.STOPPED:
+                self._stopped(number, feed, driven, lease, mirror)
+            else:
+                with lease.fenced():
                     self._conclude(number, driven, mirror, feed)
             return self._ended(number)
         finally:
             lease.release()
+
+    def _stopped(
+        self, number: int, feed: ReportFeed, driven: DriveResult, lease: Lease, mirror: RunMirror
+    ) -> None:
+        """A job the policy stopped has ended: the policy prepares its stop outside the fence (a
+        checkpoint copy may be long), then records it inside, where the trial ends PRUNED (Optuna told,
+        its MLflow run closed) or stays parked."""
+        assert driven.reason is not None, "a stopped job has its reason"
+        record = self.policy.stopped(self.trials.frozen(number), feed.judge, driven.reason)
+        with lease.fenced():
+            feed.tell_last_step()
+            if record() is Ending.PRUNED:
+                self._constrained(number, driven, feed)
+                self.trials.tell(number, TrialState.PRUNED)
+                self._close(number, mirror)
 
     def _ended(self, number: int) -> TrialRecord:
         """The record of trial ``number``, which this orchestrator just ended (or paused)."""
@@ -469,8 +447,9 @@ class Tuner:
     def _study_start(self) -> watch.StudyStart:
         """The study as a watcher sees it open: what earlier runs ended, and the best of it."""
         primary = self.settings.study.primary
-        ended = [t for t in self.trials.all() if t.state in FINISHED or is_paused(t)]
-        endings = Counter[str](ending_of(t, "PAUSED" if is_paused(t) else OUTCOME[t.state]) for t in ended)
+        parked = self.policy.is_parked
+        ended = [t for t in self.trials.all() if t.state in FINISHED or parked(t)]
+        endings = Counter[str](ending_of(t, "PAUSED" if parked(t) else OUTCOME[t.state]) for t in ended)
         done = [(t.number, t.values[0]) for t in ended if t.state is TrialState.COMPLETE and t.values]
         sign = -1.0 if primary.direction == "maximize" else 1.0
         best = min(done, key=lambda trial: sign * trial[1], default=None)
@@ -484,55 +463,13 @@ class Tuner:
             best=best,
         )
 
-    def _drive_settings(self, asha_state: AshaState | None) -> DriveSettings:
-        """A promoted trial resumes the attempt it was paused in, and its promotions are attempts that
-        do not count against ``max_restarts``."""
-        promotions = asha_state.promotions if asha_state else 0
+    def _drive_settings(self, frozen: FrozenTrial) -> DriveSettings:
+        attempts = self.policy.attempts(frozen)
         return DriveSettings(
             poll_s=self.settings.poll_s,
-            max_restarts=self.settings.train.max_restarts + promotions,
-            resume_attempt=asha_state.attempt if asha_state and promotions else None,
+            max_restarts=self.settings.train.max_restarts + attempts.extra,
+            resume_attempt=attempts.resume_attempt,
         )
-
-    def _pause(self, number: int, feed: ReportFeed, asha_state: AshaState | None) -> None:
-        """Record that trial ``number``'s job stopped, paused (inside the lease's fence): the trial
-        stays RUNNING in Optuna, with its reports, and no job, until it is promoted or pruned."""
-        assert self.asha is not None, "only ASHA pauses trials"
-        feed.tell_last_step()
-        frozen = self.trials.frozen(number)
-        rung = feed.paused_rung
-        if rung is None:  # decided by an orchestrator that crashed before recording it
-            rung = self.asha.pause_rung(frozen, asha_state, self.trials.all())
-        if rung is None:
-            rung = self.asha.highest_rung(frozen) or 0
-        record = read_submission(JobPaths(self._job_dir(frozen)))
-        attempt = record.attempt if record is not None else 1
-        self.trials.set_attr(number, ATTR_ASHA, AshaState.pause(asha_state, rung, attempt).to_attr())
-        log.info("trial %d paused at rung %d (%d units)", number, rung, self.asha.rungs[rung])
-
-    def _seed_for(self, number: int, feed: ReportFeed) -> Seed | None:
-        """Outside the fence: the donor's checkpoint copy an exploited trial's member goes on from;
-        None when a continuation exists already (made before a crash)."""
-        assert self.population is not None, "only PBT exploits trials"
-        if self.population.continuation_of(number) is not None:
-            return None
-        frozen = self.trials.frozen(number)
-        donors = feed.donors or self.population.donors_after_crash(frozen)
-        return self.population.seed_from_a_donor(frozen, donors)
-
-    def _exploit(self, number: int, feed: ReportFeed, seed: Seed | None, mirror: RunMirror) -> None:
-        """Record that PBT stopped trial ``number``'s job (inside the lease's fence): its member goes on
-        in a new trial from ``seed`` (created once), then the trial ends PRUNED."""
-        assert self.population is not None, "only PBT exploits trials"
-        feed.tell_last_step()
-        frozen = self.trials.frozen(number)
-        continuation = self.population.continuation_of(number)
-        if continuation is None:
-            assert seed is not None, "a seed is made whenever no continuation exists"
-            continuation = self.population.continue_member(frozen, seed)
-        self.trials.set_attr(number, ATTR_CONTINUED_IN, continuation)
-        self.trials.tell(number, TrialState.PRUNED)
-        self._close(number, mirror)
 
     def _lease(self, number: int) -> Lease:
         with self._lock:
@@ -577,7 +514,7 @@ class Tuner:
                 tags.STEP: self.ctx.step,
                 tags.STATE: "RUNNING",
                 tags.LAUNCHER: self.ctx.launcher.kind,
-                **(lineage_tags(frozen) if self.population else {}),
+                **self.policy.tags(frozen),
                 **extra_tags,
             },
             params=params,
@@ -612,12 +549,7 @@ class Tuner:
     def _conclude(self, number: int, driven: DriveResult, mirror: RunMirror, feed: ReportFeed) -> None:
         """Tell Optuna the outcome (the truth), then hand the final record to the outbox."""
         feed.tell_last_step()
-        constrained = {c.metric: feed.objective(driven, c.metric) for c in self.settings.parsed_constraints}
-        if driven.outcome in (Outcome.COMPLETED, Outcome.PRUNED) and None not in constrained.values():
-            violations = {
-                str(c): c.violation(constrained[c.metric] or 0.0) for c in self.settings.parsed_constraints
-            }
-            self.trials.set_constraints(number, violations)  # before the tell: samplers read them then
+        constrained = self._constrained(number, driven, feed) if driven.outcome is Outcome.COMPLETED else {}
         if driven.outcome is Outcome.COMPLETED:
             values = {goal.metric: feed.objective(driven, goal.metric) for goal in self.settings.study.goals}
             missing = [metric for metric, value in (values | constrained).items() if value is None]
@@ -635,11 +567,20 @@ class Tuner:
                     f"it with ctx.report(step, {listed}) or ctx.finish({listed}) in "
                     f"{self.settings.train.entrypoint}",
                 )
-        elif driven.outcome is Outcome.PRUNED:
-            self.trials.tell(number, TrialState.PRUNED)
         else:
             self._fail(number, driven.message)
         self._close(number, mirror)
+
+    def _constrained(self, number: int, driven: DriveResult, feed: ReportFeed) -> dict[str, float | None]:
+        """The constrained metrics' values; their violations recorded on the trial when all are known,
+        before it is told (samplers read them then)."""
+        constrained = {c.metric: feed.objective(driven, c.metric) for c in self.settings.parsed_constraints}
+        if None not in constrained.values():
+            violations = {
+                str(c): c.violation(constrained[c.metric] or 0.0) for c in self.settings.parsed_constraints
+            }
+            self.trials.set_constraints(number, violations)
+        return constrained
 
     def _prune_unfit_layout(self, number: int, mirror: RunMirror, why: str) -> None:
         """Prune, without a job, a trial whose sampled layout does not fit its resources.
@@ -671,19 +612,13 @@ class Tuner:
         """The MLflow record of a finished trial, from Optuna and its job dir alone (so a later run can
         write it again after a crash)."""
         final = self._final_record(frozen)
-        if self.population is not None:
-            final = replace(final, tags={**final.tags, **lineage_tags(frozen)})
-        asha_state = AshaState.of(frozen)
-        if asha_state is None:
-            return final
-        asha_tags = {tags.PROMOTIONS: str(asha_state.promotions), tags.PAUSED_AT_RUNG: str(asha_state.rung)}
-        return replace(final, tags={**final.tags, **asha_tags})
+        return replace(final, tags={**final.tags, **self.policy.tags(frozen)})
 
     def _final_record(self, frozen: FrozenTrial) -> Final:
         state = OUTCOME[frozen.state]
         status = RUN_STATUS[frozen.state]
         paths = JobPaths(self._job_dir(frozen))
-        last_step = _last_step(frozen)
+        last_step = self._last_step(frozen)
         if frozen.state is TrialState.FAIL:
             error = frozen.user_attrs.get(ATTR_ERROR)
             return Final(tags={tags.STATE: state}, status="FAILED", error=str(error) if error else None)
@@ -736,8 +671,26 @@ class Tuner:
 
     # ------------------------------------------------------------------------------------ reading
 
-    def _running(self) -> list[FrozenTrial]:
-        return [t for t in self.trials.all() if t.state is TrialState.RUNNING]
+    def _half_asked(self, trial: FrozenTrial) -> bool:
+        """A trial Optuna created for an ask that never finished: every finished ask records its job
+        dir (under the study lock, so nobody sees an ask in progress). One the policy made whole (a
+        continuation) never is."""
+        return (
+            trial.state is TrialState.RUNNING
+            and ATTR_JOB_DIR not in trial.user_attrs
+            and not self.policy.owns(trial)
+        )
+
+    def _started(self, trial: FrozenTrial) -> bool:
+        """A job was ever submitted for ``trial``."""
+        return read_submission(JobPaths(self._job_dir(trial))) is not None
+
+    def _last_step(self, frozen: FrozenTrial) -> int | None:
+        """The trial's last reported step; one that reported none ends where it started."""
+        step = frozen.user_attrs.get(ATTR_LAST_STEP)
+        if step is None:
+            step = self.policy.first_step(frozen)
+        return max(frozen.intermediate_values, default=int(step) if step is not None else None)
 
     def _job_dir(self, frozen: FrozenTrial) -> Path:
         return Path(frozen.user_attrs.get(ATTR_JOB_DIR, self.ctx.jobs_dir / f"trial-{frozen.number}"))
@@ -748,7 +701,9 @@ class Tuner:
         metrics = [goal.metric for goal in self.settings.study.goals]
         mirrored = read_mirror_state(job_dir)
         submission = read_submission(JobPaths(job_dir)) if job_dir.exists() else None
-        outcome: TrialOutcome = "PAUSED" if is_paused(frozen) else OUTCOME.get(frozen.state, "FAIL")
+        outcome: TrialOutcome = (
+            "PAUSED" if self.policy.is_parked(frozen) else OUTCOME.get(frozen.state, "FAIL")
+        )
         error = frozen.user_attrs.get(ATTR_ERROR)
         return TrialRecord(
             number=frozen.number,
@@ -756,7 +711,7 @@ class Tuner:
             params={**self.settings.train.args, **frozen.params},
             value=frozen.values[0] if completed else None,
             values=dict(zip(metrics, frozen.values, strict=True)) if completed else {},
-            last_step=_last_step(frozen),
+            last_step=self._last_step(frozen),
             run_id=mirrored.run_id or frozen.user_attrs.get(ATTR_RUN_ID),
             job_id=(submission.job_id if submission else None) or frozen.user_attrs.get(ATTR_JOB_ID),
             job_dir=str(job_dir),
@@ -804,15 +759,8 @@ class ReportFeed:
         self._told = max(frozen.intermediate_values, default=-1)
         self._untold: Report | None = None
         self._live: optuna.trial.Trial | None = None
-        self._prunes = tuner.settings.pruner.kind not in ("none", "asha")
-        asha = tuner.asha
-        self._rungs = None if asha is None else RungJudge.for_job(asha, frozen.number, AshaState.of(frozen))
-        population = tuner.population
-        self._boundaries = None if population is None else BoundaryJudge.for_job(population.pbt, frozen)
-        self.donors: list[int] = []
-        """The members PBT chose to copy from, once it decided to exploit the trial's job."""
-        self.paused_rung: int | None = None
-        """The rung ASHA paused the trial's job at, once it did."""
+        self.judge: JobJudge | None = tuner.policy.judge(frozen)
+        """The search policy's judge of this job (None: it never stops one)."""
         # The objectives' and the constraints' metrics: their last reports are the trial's values.
         constrained = [c.metric for c in tuner.settings.parsed_constraints]
         self._metrics = list(dict.fromkeys([goal.metric for goal in self._study.goals] + constrained))
@@ -836,27 +784,11 @@ class ReportFeed:
                 told = True
             elif self._untold is None or report.step >= self._untold.step:
                 self._untold = report
-        if told and self._rungs is not None:
-            return self._asha_says(self._rungs)
-        if told and self._boundaries is not None:
-            return self._pbt_says(self._boundaries)
-        return "pruned" if told and self._prunes and retried(self._trial().should_prune) else None
-
-    def _asha_says(self, judge: RungJudge) -> CancelReason | None:
-        """Pause the job at a rung it has just reached outside the top. Each rung is judged once per
-        feed; a restarted orchestrator's new feed judges the rungs the job's reports reached again,
-        from the one after its last promotion."""
-        units = (self.last_step or 0) + 1
-        rung = judge.judge(units, self._tuner.trials.all)
-        if rung is None:
+        if not told or self.judge is None:
             return None
-        self.paused_rung = rung
-        return "paused"
-
-    def _pbt_says(self, judge: BoundaryJudge) -> CancelReason | None:
-        """Exploit the job at a boundary it has just reached in the bottom of the population."""
-        self.donors = judge.judge((self.last_step or 0) + 1, self._tuner.trials.all)
-        return "exploited" if self.donors else None
+        # On the newest step Optuna holds, not the newest reported: past step 1,000 Optuna is told
+        # only some steps, and a decision must read what every orchestrator on the study can read.
+        return self.judge.judge(Told(self._number, self._told, self._trial, self._tuner.trials.all))
 
     def tell_last_step(self) -> None:
         """Tell Optuna the newest value it was not told, so that the trial's intermediate values end at
@@ -889,20 +821,6 @@ class ReportFeed:
         if metric == self._study.primary.metric and frozen.intermediate_values:
             return float(frozen.intermediate_values[max(frozen.intermediate_values)])
         return None
-
-
-def make_asha(settings: TuneSettings) -> Asha | None:
-    """The study's ASHA rule, when its pruner is ``asha``."""
-    pruner = settings.pruner
-    if pruner.kind != "asha":
-        return None
-    assert pruner.max_resource is not None, "validated: asha needs max_resource"
-    return Asha(
-        min_resource=pruner.min_resource,
-        reduction_factor=pruner.reduction_factor,
-        max_resource=pruner.max_resource,
-        maximize=settings.study.primary.direction == "maximize",
-    )
 
 
 def trial_job_spec(
@@ -950,28 +868,6 @@ def _on_a_thread(tuner: Tuner, number: int) -> Future[TrialRecord]:
     return future
 
 
-def _own_work(trials: list[FrozenTrial], in_flight: set[int]) -> bool:
-    """Whether a trial in flight is the study's own work: any but one an idle slot resumed (ASHA)."""
-    by_number = {t.number: t for t in trials}
-    return any(not _resumed_for_idle_slot(by_number[number]) for number in in_flight)
-
-
-def _resumed_for_idle_slot(trial: FrozenTrial) -> bool:
-    state = AshaState.of(trial)
-    return state is not None and state.idle and not state.paused
-
-
-def _half_asked(trial: FrozenTrial) -> bool:
-    """A trial Optuna created for an ask that never finished: every finished ask records its job
-    dir (under the study lock, so nobody sees an ask in progress). A PBT continuation is created
-    whole, with its parameters, and is never one (its job dir is the default one)."""
-    return (
-        trial.state is TrialState.RUNNING
-        and ATTR_JOB_DIR not in trial.user_attrs
-        and ATTR_PBT not in trial.user_attrs
-    )
-
-
 def _announce_run(number: int, mirror: RunMirror, links: TrialLinks) -> None:
     """Tell ``links`` the trial's MLflow run, if it exists by now (MLflow may be away: then the UI
     goes without the link, and the trial without waiting)."""
@@ -982,15 +878,6 @@ def _announce_run(number: int, mirror: RunMirror, links: TrialLinks) -> None:
         links.on_run(run_id)
     except Exception as exc:  # a UI link is never worth a trial
         log.warning("trial %d: could not link its MLflow run %s: %s", number, run_id, exc)
-
-
-def _last_step(frozen: FrozenTrial) -> int | None:
-    """The trial's last reported step; a PBT continuation that reported none ends where it started."""
-    step = frozen.user_attrs.get(ATTR_LAST_STEP)
-    lineage = PbtState.of(frozen)
-    if step is None and lineage is not None and lineage.from_step >= 0:
-        step = lineage.from_step
-    return max(frozen.intermediate_values, default=int(step) if step is not None else None)
 
 
 def next_step_to_tell(told: int) -> int:

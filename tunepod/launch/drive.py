@@ -38,7 +38,15 @@ from tunepod.errors import StopUnfinished, TransientError
 from tunepod.launch.base import JobHandle, JobSpec, JobState, Launcher
 from tunepod.launch.lease import Lease, LeaseLost, Leases
 from tunepod.launch.paths import JobPaths
-from tunepod.launch.submission import CancelMarker, CancelReason, read_cancel_marker, read_submission
+from tunepod.launch.submission import (
+    HUNG,
+    LAUNCH_REASONS,
+    TIMED_OUT,
+    CancelMarker,
+    CancelReason,
+    read_cancel_marker,
+    read_submission,
+)
 from tunepod.launch.watchdog import Stall, Watchdog
 from tunepod.runtime import Report, ReportTail, Result, read_result
 
@@ -70,11 +78,9 @@ TORCHRUN_SUMMARY = re.compile(
 class Outcome(StrEnum):
     COMPLETED = "COMPLETED"
     """A result file exists (or the job exited 0 without one: see ``DriveResult.result``)."""
-    PRUNED = "PRUNED"
-    PAUSED = "PAUSED"
-    """Stopped after its checkpoint, to be resumed later (``DriveSettings.resume_attempt``)."""
-    EXPLOITED = "EXPLOITED"
-    """Stopped by population-based training: the member goes on from another's checkpoint."""
+    STOPPED = "STOPPED"
+    """Stopped by its owner's decision (``DriveResult.reason``: a search policy's word), after its
+    checkpoint; a stopped job may be resumed later (``DriveSettings.resume_attempt``)."""
     TIMED_OUT = "TIMED_OUT"
     FAILED = "FAILED"
 
@@ -84,8 +90,8 @@ class DriveSettings:
     poll_s: float
     max_restarts: int = 0
     resume_attempt: int | None = None
-    """The attempt whose job was paused and is to be resumed: once it is found ended, paused, a new
-    attempt starts from its checkpoints (a promotion). Any other paused job settles as PAUSED."""
+    """The attempt whose job was stopped by its owner and is to be resumed: once it is found ended,
+    stopped, a new attempt starts from its checkpoints. Any other stopped job settles as STOPPED."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,8 @@ class DriveResult:
     handle: JobHandle | None
     message: str = ""
     """For FAILED and TIMED_OUT: a runbook (job id, state, log tail, where the logs are)."""
+    reason: CancelReason | None = None
+    """For STOPPED: why its owner stopped it."""
 
 
 class JobDriver:
@@ -200,19 +208,17 @@ class JobDriver:
         marker = self._marker(handle)
         reason = marker.reason if marker is not None else stopping
         kind = self.launcher.kind
-        if reason == "pruned":
-            return DriveResult(Outcome.PRUNED, None, handle)
-        if reason == "paused":
-            return None if self._resuming(handle) else DriveResult(Outcome.PAUSED, None, handle)
-        if reason == "exploited":
-            return DriveResult(Outcome.EXPLOITED, None, handle)
-        if reason == "hung":
+        if reason is not None and reason not in LAUNCH_REASONS:
+            return (
+                None if self._resuming(handle) else DriveResult(Outcome.STOPPED, None, handle, reason=reason)
+            )
+        if reason == HUNG:
             if self._may_restart(handle, "hung"):
                 return None
             stall = self._stall
             hung = f"{self.what} hung: {stall.describe() if stall else 'it stopped progressing'}"
             return DriveResult(Outcome.FAILED, None, handle, failure_message(hung, handle, state, kind=kind))
-        if reason == "timed_out":
+        if reason == TIMED_OUT:
             limit = self.job.resources.timeout_min
             what = f"{self.what} (timed out after {limit} min)" if limit else f"{self.what} (timed out)"
             return DriveResult(
@@ -272,13 +278,13 @@ class JobDriver:
     def _overdue_now(self, handle: JobHandle) -> CancelReason | None:
         now = world.time()
         if self._watchdog.timed_out(handle.job_id, now):
-            return "timed_out"
+            return TIMED_OUT
         stall = self._watchdog.stall(handle.job_id, now)
         if stall is None:
             return None
         self._stall = stall
         logger.warning("%s: job %s is hung, stopping it: %s", self.what, handle.job_id, stall.describe())
-        return "hung"
+        return HUNG
 
     # ------------------------------------------------------------------------------------ helpers
 
@@ -351,12 +357,12 @@ class JobDriver:
         return None if self._on_reports is None else self._on_reports(reports)
 
     def _resuming(self, handle: JobHandle) -> bool:
-        """The paused job ``handle`` is the attempt this driver was told to resume."""
+        """The stopped job ``handle`` is the attempt this driver was told to resume."""
         record = read_submission(self.paths)
         resume = self.settings.resume_attempt
         if resume is None or record is None or record.attempt != resume:
             return False
-        logger.info("%s: resuming from its checkpoints (job %s was paused)", self.what, handle.job_id)
+        logger.info("%s: resuming from its checkpoints (job %s was stopped)", self.what, handle.job_id)
         return True
 
     def _marker(self, handle: JobHandle) -> CancelMarker | None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -34,9 +34,17 @@ PRIVATE_DIR_MODE = 0o700
 STOP_GRACE_DETAIL = "stop_grace_s"
 """The key of ``Submission.details`` that holds the job's ``resources.stop_grace_s``."""
 
-CancelReason = Literal["pruned", "paused", "exploited", "timed_out", "hung", "cancelled"]
-"""Why tunepod stopped a job: a pruned trial, a paused one (resumed later from its checkpoint), a job
-past its time limit, a hung one, anything else."""
+CancelReason = str
+"""Why tunepod stopped a job: one of the launch layer's own (``TIMED_OUT``, ``HUNG``, ``CANCELLED``),
+or a word its owner chose (a search policy's: "pruned", "paused", ...), handed back to the owner as
+the job's ``Outcome.STOPPED``."""
+TIMED_OUT: CancelReason = "timed_out"
+"""Past its time limit."""
+HUNG: CancelReason = "hung"
+"""Its ranks stopped beating or progressing."""
+CANCELLED: CancelReason = "cancelled"
+"""Anything else: a person, a flow cancelled."""
+LAUNCH_REASONS = frozenset({TIMED_OUT, HUNG, CANCELLED})
 
 
 def now_iso() -> str:

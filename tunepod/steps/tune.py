@@ -6,6 +6,7 @@ import logging
 from collections.abc import Mapping
 
 from tunepod.hpo.plots import Skipped, study_plots
+from tunepod.hpo.policies.asha import make_asha
 from tunepod.hpo.tuner import TrialSubmitter, TuneContext, Tuner, require_completed
 from tunepod.outputs import Dataset, Goal, StepOutput, TrialSet
 from tunepod.spec.models import TuneSettings
@@ -80,7 +81,7 @@ def record_plots(run: StepContext, name: str, tuned: Tuner) -> None:
     study = tuned.settings.study
     goals = [Goal(metric=g.metric, direction=g.direction) for g in study.goals]
     try:
-        made = study_plots(tuned.trials.all(), goals, tuned.asha, study.name)
+        made = study_plots(tuned.trials.all(), goals, make_asha(tuned.settings), study.name)
     except Exception as exc:  # the storage's errors, past its retries: no plot is worth the step
         why = f"{type(exc).__name__}: {redacted(str(exc), study.storage)[:500]}"
         log.warning("step %s: no plots of study %s: %s", name, study.name, why)
