@@ -220,12 +220,14 @@ def test_an_exploit_of_a_job_that_had_already_died_is_carried_out_after_a_crash(
         what="trial 0",
         on_reports=killed_then_exploited,
     )
-    assert first.run().outcome.name == "EXPLOITED"
+    stopped = first.run()
+    assert (stopped.outcome.name, stopped.reason) == ("STOPPED", "exploited")
     marker = read_cancel_marker(paths)
     assert marker is not None and marker.reason == "exploited"
 
     after_the_crash = JobDriver(launcher, job, DriveSettings(poll_s=0.2, max_restarts=2), what="trial 0")
-    assert after_the_crash.run().outcome.name == "EXPLOITED"
+    carried_out = after_the_crash.run()
+    assert (carried_out.outcome.name, carried_out.reason) == ("STOPPED", "exploited")
     record = read_submission(paths)
     assert record is not None and record.attempt == 1, "the exploited trial's job was started again"
 

@@ -667,8 +667,9 @@ MUTANTS = [
         "no-marker-for-an-ended-job",
         "a stop decided on a job that had just ended leaves no cancel marker: after a crash a PBT exploit "
         "is read as a failure, the exploited trial restarted or told FAIL beside its continuation",
+        # Found by seed 604 before the search-policy contract changed the loop's interleavings; no
+        # seed of the first 1,000 finds it since. test_loop_findings.py's real SIGKILL still does.
         _no_marker_for_an_ended_job,
-        found_by=604,
     ),
     Mutant(
         "torn-metrics-line",
@@ -734,7 +735,6 @@ MUTANTS = [
         "one that looks at the study while the other drives takes a just-paused trial for the study's "
         "own work, and slots that would idle resume every paused trial",
         _parked_counted_in_flight,
-        found_by=81,
     ),
     Mutant(
         "asha-judges-untold-rung",
