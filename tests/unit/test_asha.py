@@ -3,14 +3,24 @@ who is promoted, and the pause state kept in a trial's user attribute."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from dataclasses import replace
 
 import optuna
 import pytest
 from optuna.distributions import FloatDistribution
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
-from tunepod.hpo.asha import ATTR_ASHA, Asha, AshaState, PausedAsPruned, RungJudge, is_paused
+from tunepod.hpo.asha import (
+    ATTR_ASHA,
+    Asha,
+    AshaState,
+    PausedAsPruned,
+    RungJudge,
+    forecast_final,
+    is_paused,
+)
 from tunepod.hpo.study import make_sampler
 from tunepod.spec.models import PrunerSpec, TuneSettings
 
@@ -211,3 +221,29 @@ def settings_with(pruner: str) -> TuneSettings:
             "num_trials": 4,
         }
     )
+
+
+def test_a_forecast_follows_a_curve_in_log_units_and_never_gains_more_than_so_far() -> None:
+    straight = [(units, 0.1 * math.log(units)) for units in (1, 2, 4, 8)]
+    # Along the line in log units: 0.1 x log(16) at 16 units (within what it gained so far).
+    assert forecast_final(straight, 16, maximize=True) == pytest.approx(0.1 * math.log(16))
+    # Followed to 1,024 units the line would gain 0.35 more; capped at the 0.21 gained so far.
+    assert forecast_final(straight, 1024, maximize=True) == pytest.approx(2 * 0.1 * math.log(8))
+    worsening = [(1, 0.5), (2, 0.4), (3, 0.3)]
+    assert forecast_final(worsening, 27, maximize=True) == 0.3  # stays where it is
+    assert forecast_final(worsening, 27, maximize=False) < 0.3  # a loss going down goes on down
+    assert forecast_final([(3, 0.7)], 27, maximize=True) == 0.7  # one point forecasts itself
+
+
+def test_ranked_by_forecast_a_steady_learner_passes_one_that_flattened() -> None:
+    """At the rung of 9 units, the flat trial reports more (0.60 against 0.55), but the steady one's
+    curve forecasts more at 27: ranked by value the flat one leads, by forecast the steady one."""
+    flat = {step: 0.60 - 0.2 * 0.5**step for step in range(9)}
+    steady = {step: 0.15 + 0.18 * math.log(step + 1) for step in range(9)}
+    trials = [trial(0, flat), trial(1, steady)]
+    by_value = Asha(min_resource=1, reduction_factor=3, max_resource=27, maximize=True)
+    by_forecast = replace(by_value, rank_by="forecast")
+    rung = by_value.rungs.index(9)
+    assert by_value.ranking(rung, trials) == [0, 1]
+    assert by_forecast.ranking(rung, trials) == [1, 0]
+    assert by_forecast.value_at(trials[1], rung) == by_value.value_at(trials[1], rung)  # plots unchanged

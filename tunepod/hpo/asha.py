@@ -28,11 +28,13 @@ import json
 import math
 from collections.abc import Callable, Container, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Literal
 
 import optuna
 from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
+
+RankBy = Literal["value", "forecast"]
 
 ATTR_ASHA = "tunepod_asha"
 """The trial's pause state (``AshaState`` as JSON); absent until its first pause."""
@@ -96,6 +98,9 @@ class Asha:
     reduction_factor: int
     max_resource: int
     maximize: bool
+    rank_by: RankBy = "value"
+    """What trials are ranked by at a rung: the value each reported there, or the value its learning
+    curve up to there forecasts at ``max_resource`` (``forecast_final``)."""
 
     @property
     def rungs(self) -> tuple[int, ...]:
@@ -127,9 +132,20 @@ class Asha:
         promoted from, else the first."""
         return 0 if state is None else state.rung + 1
 
+    def merit_at(self, trial: FrozenTrial, rung: int) -> float | None:
+        """What ``trial`` is ranked by at ``rung``: its value there, or the final value its curve up to
+        there forecasts. None if it has not reached the rung (yet)."""
+        value = self.value_at(trial, rung)
+        if value is None or self.rank_by == "value":
+            return value
+        first_step = self.rungs[rung] - 1
+        at = min(step for step in trial.intermediate_values if step >= first_step)
+        curve = [(step + 1, v) for step, v in sorted(trial.intermediate_values.items()) if step <= at]
+        return forecast_final(curve, self.max_resource, maximize=self.maximize)
+
     def ranking(self, rung: int, trials: Sequence[FrozenTrial]) -> list[int]:
         """Numbers of the trials that reached ``rung``, best first (ties: the older trial first)."""
-        valued = [(value, t.number) for t in trials if (value := self.value_at(t, rung)) is not None]
+        valued = [(value, t.number) for t in trials if (value := self.merit_at(t, rung)) is not None]
         valued.sort(key=lambda pair: (-pair[0] if self.maximize else pair[0], pair[1]))
         return [number for _, number in valued]
 
@@ -177,6 +193,40 @@ class Asha:
             paused = {t.number for t in trials if is_paused(t) and _state(t).rung == rung}
             chosen += [number for number in self.ranking(rung, trials) if number in paused]
         return chosen
+
+
+FORECAST_POINTS = 5
+"""The newest points of a curve its forecast is fitted to: its recent slope, not its early climb."""
+
+
+def forecast_final(curve: Sequence[tuple[int, float]], horizon: int, *, maximize: bool) -> float:
+    """The value a learning curve, ``(units, value)`` points in order, forecasts at ``horizon`` units.
+
+    A line through the newest ``FORECAST_POINTS`` points against log(units), followed from the newest
+    point to log(``horizon``): learning curves flatten as training goes on, and are close to straight
+    in log units over a stretch. Two guards keep it from trusting a few noisy points: a curve that
+    is not improving is forecast to stay where it is, and no curve gains more in its remaining
+    training than it did in its training so far (a line in log units overshoots a saturating curve).
+    A single point forecasts itself, which makes ranking by forecast ASHA's own ranking."""
+    finite = [(units, value) for units, value in curve if math.isfinite(value)]
+    if not finite:
+        return math.nan
+    newest_units, newest = finite[-1]
+    recent = finite[-FORECAST_POINTS:]
+    if len(recent) < 2 or horizon <= newest_units:
+        return newest
+    xs = [math.log(units) for units, _ in recent]
+    ys = [value for _, value in recent]
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    if spread == 0:
+        return newest
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / spread
+    gain = slope * (math.log(horizon) - math.log(newest_units))
+    if (gain > 0) != maximize or gain == 0:
+        return newest
+    gained_so_far = abs(newest - finite[0][1])
+    return newest + math.copysign(min(abs(gain), gained_so_far), gain)
 
 
 @dataclass

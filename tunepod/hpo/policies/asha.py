@@ -51,6 +51,7 @@ def make_asha(settings: TuneSettings) -> Asha | None:
         reduction_factor=pruner.reduction_factor,
         max_resource=pruner.max_resource,
         maximize=settings.study.primary.direction == "maximize",
+        rank_by=pruner.rank_by,
     )
 
 
