@@ -742,6 +742,7 @@ MUTANTS = [
         "rung is judged before Optuna holds the trial's value there, and the trial is paused as though "
         "outside the top",
         _asha_judges_untold_rung,
+        found_by=605,
     ),
     Mutant(
         "pbt-wrong-donor",

@@ -40,7 +40,7 @@ import optuna
 
 from simulation.backends import Machine
 from simulation.choices import Choices
-from simulation.cluster import Cluster
+from simulation.cluster import Cluster, Program
 from simulation.invariants import Referee, StudyFacts, Violation
 from simulation.scenario import Scenario, TimedFault, scenario_of
 from simulation.scheduler import Entropy, Host, Process, Scheduler, SimulationError, SimWorld, Task
@@ -417,6 +417,14 @@ class _Run:
         self.referee.violated("no thread dies", f"{task} died: {type(exc).__name__}: {exc}")
 
 
+def _rung_at_a_sleeps_end(program: Program) -> int:
+    """The units of the first sleep-ending report past step 1,000 (the last sleep's if none is):
+    where Optuna, told only some steps there, may last have been told a step before it."""
+    sleeps = range(1, program.sleeps)
+    ends = [k * program.sleep_steps - program.stride for k in sleeps]
+    return next((end for end in ends if end >= 1000), ends[-1]) + 1
+
+
 def _settings(scenario: Scenario) -> TuneSettings:
     program = scenario.program
     pruner: dict[str, object] = {"kind": scenario.pruner}
@@ -424,7 +432,10 @@ def _settings(scenario: Scenario) -> TuneSettings:
         pruner["lower"] = 0.2
     if scenario.pruner == "median":
         pruner["warmup_steps"] = 1
-    if scenario.pruner == "asha":  # rungs at 1, 2 and 4 sleeps' steps, below a whole run
+    if scenario.pruner == "asha" and scenario.rungs_mid_sleep:
+        pruner |= {"min_resource": _rung_at_a_sleeps_end(program), "reduction_factor": 3}
+        pruner["max_resource"] = program.steps
+    elif scenario.pruner == "asha":  # rungs at 1, 2 and 4 sleeps' steps, below a whole run
         pruner |= {"min_resource": program.sleep_steps, "reduction_factor": 2, "max_resource": program.steps}
     pbt = None
     if scenario.pruner == "pbt":  # a decision at every sleep below a whole run, the bottom half exploited

@@ -102,6 +102,10 @@ class Scenario:
     sampler: str = "random"
     """The study's sampler kind."""
 
+    rungs_mid_sleep: bool = False
+    """ASHA's rungs placed inside a sleep's reports rather than at its start (a long program's: a
+    batch of reports crosses a rung while Optuna was last told a step before it)."""
+
     lost_pause_answers: float = 0.0
     """The chance the answer of a write of a trial's ASHA state (a pause, a promotion) is lost after it
     committed: its writer retries while the orchestrator's other threads already see the new state."""
@@ -160,6 +164,8 @@ class Scenario:
             lines.append(
                 f"an orchestrator crashes at any yield point with probability {self.crash_per_step:.4f}"
             )
+        if self.rungs_mid_sleep:
+            lines.append("ASHA's rungs lie inside a sleep's reports")
         if self.lost_pause_answers:
             lines.append(
                 f"an ASHA state write's answer is lost with probability {self.lost_pause_answers:.3f}"
@@ -235,7 +241,8 @@ def scenario_of(seed: int, *, kinds: tuple[str, ...] = KINDS) -> Scenario:
     scenario = _with_node_failures(_with_crashes_after_writes(_with_pbt(_with_asha(scenario))))
     scenario = _with_lost_pause_answers(scenario)
     scenario = _with_time(_with_steps(_with_preemptions(_with_slow_starts(scenario))))
-    return _with_sampler(_with_enqueue(_with_objectives(_with_torn_appends(_with_long_program(scenario)))))
+    scenario = _with_enqueue(_with_objectives(_with_torn_appends(_with_long_program(scenario))))
+    return _with_rungs_mid_sleep(_with_sampler(scenario))
 
 
 def _with_asha(scenario: Scenario) -> Scenario:
@@ -347,6 +354,18 @@ def _with_long_program(scenario: Scenario) -> Scenario:
         reports_per_sleep=-(-points // program.steps),
     )
     return replace(scenario, program=long)
+
+
+def _with_rungs_mid_sleep(scenario: Scenario) -> Scenario:
+    """ASHA's seeds with a long program of three sleeps or more, in half of them: the first rung at
+    the last report of a sleep (the second), drawn apart (as ASHA's). Where a rung starts a sleep, as
+    elsewhere, the batch's first report reaches it and is told; at a batch's end, past step 1,000, the
+    batch may reach it with Optuna last told a step before it."""
+    if scenario.pruner != "asha" or scenario.program.stride == 1 or scenario.program.sleeps < 3:
+        return scenario
+    if random.Random(f"rungs-mid-sleep-{scenario.seed}").random() >= 0.5:
+        return scenario
+    return replace(scenario, rungs_mid_sleep=True)
 
 
 def _with_torn_appends(scenario: Scenario) -> Scenario:

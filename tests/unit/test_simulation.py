@@ -45,6 +45,7 @@ FOUND_BY = {
     "pbt-wrong-donor": 12,
     "asha-keeps-one-too-many": 10,
     "torn-metrics-line": 0,
+    "asha-judges-untold-rung": 605,
 }
 
 
