@@ -35,15 +35,18 @@ def study_of(*members: tuple[TrialState, int]) -> optuna.Study:
     return study
 
 
-def population_of(study: optuna.Study, jobs_dir: Path, max_resource: int | None) -> Population:
+def population_of(
+    study: optuna.Study, jobs_dir: Path, max_resource: int | None, *, kept: int = 1
+) -> Population:
     def job_dir(trial: FrozenTrial) -> Path:
         return jobs_dir / f"trial-{trial.number}"
 
     pbt = Pbt(population=4, interval=2, quantile=0.5, maximize=True, max_resource=max_resource)
     trials = StudyTrials(study)
-    for trial in trials.all():  # each member saved its newest step, as its job does
+    for trial in trials.all():  # each member saved its newest steps, as its job does
         last = max(trial.intermediate_values)
-        save_checkpoint(JobPaths(job_dir(trial)).checkpoints, {"step": last}, last, keep=2)
+        for step in range(max(0, last - kept + 1), last + 1):
+            save_checkpoint(JobPaths(job_dir(trial)).checkpoints, {"step": step}, step, keep=kept)
     return Population(pbt, trials, jobs_dir, job_dir, dict(SPACE), seed=0)
 
 
@@ -51,8 +54,9 @@ def population_of(study: optuna.Study, jobs_dir: Path, max_resource: int | None)
 def test_a_donor_that_finished_is_passed_over_for_one_that_trains_on(
     tmp_path: Path, max_resource: int | None
 ) -> None:
-    """Member 0 finished (COMPLETE at its last step), member 1 trains on: whatever the seeded order of
-    the donors, the exploited member 3 goes on from member 1's checkpoint, with steps left to train."""
+    """Member 0 finished (COMPLETE at its last step, the only one it kept), member 1 trains on:
+    whatever the seeded order of the donors, the exploited member 3 goes on from member 1's
+    checkpoint, with steps left to train."""
     study = study_of(
         (TrialState.COMPLETE, 7), (TrialState.RUNNING, 4), (TrialState.RUNNING, 4), (TrialState.RUNNING, 3)
     )
@@ -67,8 +71,9 @@ def test_a_donor_that_finished_is_passed_over_for_one_that_trains_on(
 def test_a_donor_at_max_resource_is_passed_over_and_with_none_left_the_member_goes_on_from_its_own(
     tmp_path: Path,
 ) -> None:
-    """Member 0 saved its last step (7, with max_resource 8) and is not told COMPLETE yet: a copy of it
-    leaves nothing to train, is removed, and with no other donor the member goes on from its own."""
+    """Member 0 saved its last step (7, with max_resource 8), the only one it kept, and is not told
+    COMPLETE yet: a copy of it would leave nothing to train, none is made, and with no other donor the
+    member goes on from its own."""
     study = study_of(
         (TrialState.RUNNING, 7), (TrialState.RUNNING, 4), (TrialState.RUNNING, 4), (TrialState.RUNNING, 3)
     )
@@ -76,7 +81,22 @@ def test_a_donor_at_max_resource_is_passed_over_and_with_none_left_the_member_go
     seed = population.seed_from_a_donor(population.trials.frozen(3), [0])
     assert seed.donor.number == 3 and seed.copied is not None and seed.copied.step == 3
     assert seed.copied.path == tmp_path / "trial-3" / "pbt-seed-from-3" / "step-000003"
-    assert not (tmp_path / "trial-3" / "pbt-seed-from-0").exists()  # the useless copy is gone
+    assert not (tmp_path / "trial-3" / "pbt-seed-from-0").exists()  # no useless copy
+
+
+@pytest.mark.parametrize("max_resource", [8, None])
+def test_a_finished_donor_that_kept_an_earlier_step_is_copied_from_it(
+    tmp_path: Path, max_resource: int | None
+) -> None:
+    """Member 0 finished and kept its last two steps (6 and 7): the exploited member goes on from step
+    6, which leaves a step to train, rather than from its own checkpoint (a population whose best
+    member ran ahead and finished still exploits)."""
+    study = study_of(
+        (TrialState.COMPLETE, 7), (TrialState.RUNNING, 4), (TrialState.RUNNING, 4), (TrialState.RUNNING, 3)
+    )
+    population = population_of(study, tmp_path, max_resource, kept=2)
+    seed = population.seed_from_a_donor(population.trials.frozen(3), [0])
+    assert seed.donor.number == 0 and seed.copied is not None and seed.copied.step == 6
 
 
 def test_a_donor_with_steps_left_is_copied(tmp_path: Path) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import random
-import shutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,8 +95,9 @@ class Population:
 
     def seed_from_a_donor(self, exploited: FrozenTrial, donors: Sequence[int]) -> Seed:
         """A copy of the newest checkpoint of one of ``donors`` (members, tried in a seeded random
-        order) in ``exploited``'s job dir; with none to copy, of its own. A donor whose copy would leave
-        the continuation nothing to train is passed over (``leaves_training``). Made outside the trial's
+        order) in ``exploited``'s job dir; with none to copy, of its own. Of a donor at the end of its
+        run, its newest checkpoint that leaves training to do (``_end_of``); a donor with none is
+        passed over. Made outside the trial's
         fence: copying a large checkpoint must not hold the lease lock (the heartbeat renews every
         lease of the process under those locks), and a second copy by a stale driver only finds the
         first (``copy_newest_checkpoint`` keeps one step per folder)."""
@@ -144,29 +144,31 @@ class Population:
     ) -> tuple[FrozenTrial, CheckpointInfo | None]:
         for member in donors:
             head = self.pbt.head(member, trials)
-            if head.state is TrialState.COMPLETE:
-                continue  # its newest checkpoint is its last step: nothing left to train from it
-            into = self.job_dir(exploited) / f"pbt-seed-from-{head.number}"
-            copied = self._copy_newest(head, into)
-            if copied is not None and self.leaves_training(copied):
-                return head, copied
+            copied = self._copy_newest(head, self.job_dir(exploited) / f"pbt-seed-from-{head.number}")
             if copied is not None:
-                shutil.rmtree(into, ignore_errors=True)  # a whole checkpoint, of no use to anyone
+                return head, copied
         own = self._copy_newest(exploited, self.job_dir(exploited) / f"pbt-seed-from-{exploited.number}")
         return exploited, own
 
-    def leaves_training(self, copied: CheckpointInfo) -> bool:
-        """Whether a continuation from ``copied`` has units left to train: one that resumes at
-        ``max_resource`` ends COMPLETE at once with parameters it never trained with, and the sampler
-        would learn from a pairing that never happened."""
-        return self.pbt.max_resource is None or copied.step + 1 < self.pbt.max_resource
+    def _end_of(self, trial: FrozenTrial) -> int | None:
+        """The step a continuation from ``trial`` must start below to have training left: a checkpoint
+        at a run's end makes a continuation that ends COMPLETE at once, with parameters it never
+        trained with, and the sampler would learn from a pairing that never happened. The run's end
+        is ``max_resource``, or, without it, the last step of a trial that completed."""
+        if self.pbt.max_resource is not None:
+            return self.pbt.max_resource - 1
+        if trial.state is TrialState.COMPLETE and trial.intermediate_values:
+            return max(trial.intermediate_values)
+        return None
 
     def _copy_newest(self, trial: FrozenTrial, into: Path) -> CheckpointInfo | None:
-        """A copy of ``trial``'s newest checkpoint; of its own seed while its first job has saved none."""
-        copied = copy_newest_checkpoint(JobPaths(self.job_dir(trial)).checkpoints, into)
+        """A copy of ``trial``'s newest checkpoint that leaves training to do (``_end_of``); of its own
+        seed while its first job has saved none."""
+        end = self._end_of(trial)
+        copied = copy_newest_checkpoint(JobPaths(self.job_dir(trial)).checkpoints, into, before=end)
         state = PbtState.of(trial)
         if copied is None and state is not None and state.seed:
-            copied = copy_newest_checkpoint(Path(state.seed).parent, into)
+            copied = copy_newest_checkpoint(Path(state.seed).parent, into, before=end)
         return copied
 
     def continuation_of(self, number: int) -> int | None:

@@ -330,24 +330,27 @@ def prune_checkpoints(checkpoint_dir: Path, keep: int) -> None:
             valid_seen += 1
 
 
-def copy_newest_checkpoint(source_dir: Path, into_dir: Path, attempts: int = 3) -> CheckpointInfo | None:
-    """Copy the newest intact step of ``source_dir`` into ``into_dir`` (as the same ``step-N``, through
-    a hidden folder renamed into place) and return the copy, verified; None when the source has no
-    intact step. ``into_dir`` keeps one step at a time: a copy there already is returned as it is.
+def copy_newest_checkpoint(
+    source_dir: Path, into_dir: Path, attempts: int = 3, *, before: int | None = None
+) -> CheckpointInfo | None:
+    """Copy the newest intact step of ``source_dir`` (below step ``before``, when given) into
+    ``into_dir`` (as the same ``step-N``, through a hidden folder renamed into place) and return the
+    copy, verified; None when the source has no such step. ``into_dir`` keeps one step at a time: a
+    copy there already is returned as it is.
 
     The source may be a running job's checkpoint folder, whose rank 0 goes on saving and pruning: a
     step deleted while being copied is given up and the then newest one copied instead (``attempts``
     steps in all). A copy that fails while the source's files are still there (a full disk,
     permissions) raises ``shutil.Error``."""
-    into_dir.mkdir(parents=True, exist_ok=True)
-    existing = latest_checkpoint(into_dir)
+    existing = latest_checkpoint(into_dir) if into_dir.exists() else None
     if existing is not None:
         return existing
-    _remove_hidden_folders(into_dir)
     for _ in range(attempts):
-        source = latest_checkpoint(source_dir)
+        source = next((c for c in valid_checkpoints(source_dir) if before is None or c.step < before), None)
         if source is None:
             return None
+        into_dir.mkdir(parents=True, exist_ok=True)
+        _remove_hidden_folders(into_dir)
         final = into_dir / step_folder_name(source.step)
         temp = into_dir / f"{_TEMP_PREFIX}{source.step}-{secrets.token_hex(4)}"
         try:
