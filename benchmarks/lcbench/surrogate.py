@@ -161,10 +161,12 @@ class Lcbench:
             if param.integer:
                 values[:, index] = np.round(values[:, index])
         by_name = dict(zip(names, values.T, strict=True))
-        epochs = np.asarray(epochs, dtype=np.float64)
-        rows = len(configs) * len(epochs)
+        fidelity = np.asarray(epochs, dtype=np.float64)
+        rows = len(configs) * len(fidelity)
         columns = [
-            np.tile(epochs, len(configs)) if name == FIDELITY_PARAM else np.repeat(by_name[name], len(epochs))
+            np.tile(fidelity, len(configs))
+            if name == FIDELITY_PARAM
+            else np.repeat(by_name[name], len(fidelity))
             for name in CONTINUOUS_INPUTS
         ]
         return np.stack(columns, axis=1).astype(np.float32).reshape(rows, len(CONTINUOUS_INPUTS))
