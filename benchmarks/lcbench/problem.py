@@ -83,7 +83,9 @@ class Problem:
     def curves(self, configs: Sequence[Config]) -> list[Curve]:
         """Each config's curve, in one surrogate call."""
         curves = self.surrogate.curves(self.instance, configs)
-        return [Curve(curves.val_accuracy[i], curves.time[i]) for i in range(len(configs))]
+        # float64: the simulator adds many epoch times, and float32 sums drift by tens of microseconds.
+        accuracy, time_s = curves.val_accuracy.astype(np.float64), curves.time.astype(np.float64)
+        return [Curve(accuracy[i], time_s[i]) for i in range(len(configs))]
 
     def curve(self, config: Config) -> Curve:
         (curve,) = self.curves([config])
