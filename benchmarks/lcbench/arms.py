@@ -63,9 +63,9 @@ ARMS: dict[str, Arm] = {
     "syne-tune-asha-cqr": peers.syne_tune_asha_cqr,
     "smac-multi-fidelity": peers.smac_multi_fidelity,
 }
-# Run only when named (--arms): their model fits take minutes of CPU per run here (CQR refits its
-# gradient-boosted quantile regressors at every suggestion: ~4-11 min; SMAC's random forest: ~1-2.5
-# min), against seconds for the others, so they would turn a run of minutes into hours.
+# Run only when named (--arms): their model fits take minutes per run here (one run of 3945 at load ~7:
+# CQR, which refits gradient-boosted quantile regressors at every suggestion, 11 min; SMAC's random
+# forest 2.5 min), against seconds for the others, so they would turn a run of minutes into hours.
 SLOW_ARMS = ("syne-tune-asha-cqr", "smac-multi-fidelity")
 # The modules each arm imports; `pip install 'tunepod[bench]'` brings them all.
 REQUIRES: dict[str, tuple[str, ...]] = {

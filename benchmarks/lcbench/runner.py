@@ -13,9 +13,17 @@ from benchmarks.lcbench.arms import ARMS
 from benchmarks.lcbench.metrics import RunSummary, summarize
 from benchmarks.lcbench.problem import Budget, make_problem
 
-# Tuners' CPU seconds per run here (3945, seed 0, the default budget, a quiet moment): the slow ones
-# are started first so that the pool does not end waiting on one of them.
-EXPECTED_CPU_S = {"smac-hyperband": 9.0, "optuna-tpe-hyperband": 5.0, "syne-tune-bohb": 5.0}
+# Median CPU seconds per run of each arm (the development run of 2026-12-06; BOHB up to 88 s): the
+# slow ones are started first so that the pool does not end waiting on one of them.
+EXPECTED_CPU_S = {
+    "syne-tune-bohb": 11.0,
+    "smac-hyperband": 5.7,
+    "optuna-tpe-hyperband": 4.1,
+    "syne-tune-asha": 2.1,
+    "ray-asha": 1.3,
+    "dehb": 0.7,
+    "random": 0.1,
+}
 
 
 @dataclass(frozen=True)
@@ -55,7 +63,7 @@ def run_all(
 ) -> list[RunSummary]:
     """Every task, ``jobs`` at a time; ``on_done(summary, done, total)`` after each. Results in the
     tasks' order."""
-    order = sorted(range(len(tasks)), key=lambda i: -EXPECTED_CPU_S.get(tasks[i].arm, 1.0))
+    order = sorted(range(len(tasks)), key=lambda i: -EXPECTED_CPU_S.get(tasks[i].arm, 60.0))
     results: dict[int, RunSummary] = {}
     if jobs <= 1:
         for index in order:
