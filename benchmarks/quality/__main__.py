@@ -1,6 +1,7 @@
 """Tuning quality: wall time until a study first reaches a target, TPE + Hyperband against random search.
 
     .venv/bin/python -m benchmarks.quality                  # short form: digits, 1 seed per arm
+    .venv/bin/python -m benchmarks.quality --workload lcbench --instances 3945,7593 --seeds 2   # LCBench
     .venv/bin/python -m benchmarks.quality --long           # 7 seeds, epochs of 1 s, + tiny LLM, + Ray ASHA
     .venv/bin/python -m benchmarks.quality --ray            # the short form plus Ray Tune's ASHA
     .venv/bin/python -m benchmarks.quality --driver cli     # through `tunepod run` (Prefect) instead
@@ -47,6 +48,7 @@ from benchmarks.quality.workloads import (
 )
 
 GOAL_RATIO = 0.5
+WORKLOADS = ("digits", "lcbench")
 # tunepod seeds the sampler of trial n with seed + n (tunepod.hpo.study.reseed_for_next_trial), so the
 # studies of seeds s and s + 1 would draw the same parameters, shifted by one trial. Seeds this far
 # apart share none within a budget of fewer trials.
@@ -67,6 +69,13 @@ console = Console(highlight=False, soft_wrap=True, width=160)
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.quality", description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default="digits",
+        help="digits: the real studies below (digits; the tiny LLM with --llm), the default; lcbench: the "
+        "LCBench surrogate in simulated time, whose options are python -m benchmarks.lcbench --help's",
+    )
     parser.add_argument("--long", action="store_true", help="7 seeds, epochs of 1 s, tiny LLM, Ray ASHA")
     parser.add_argument("--seeds", type=int, help="seeds per arm (short 1, long 7)")
     parser.add_argument("--trials", type=int, help="digits trials per study (40)")
@@ -296,7 +305,21 @@ def stop_on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)
 
 
+def lcbench_argv(argv: Sequence[str]) -> list[str] | None:
+    """The arguments for benchmarks.lcbench when ``--workload lcbench`` is among ``argv``, else None. The
+    LCBench benchmark has options of its own, so its arguments are handed over whole."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--workload", choices=WORKLOADS, default="digits")
+    known, rest = parser.parse_known_args(argv)
+    return rest if known.workload == "lcbench" else None
+
+
 def main(argv: Sequence[str]) -> int:
+    lcbench = lcbench_argv(argv)
+    if lcbench is not None:
+        from benchmarks.lcbench.__main__ import main as lcbench_main  # onnxruntime only when asked for
+
+        return lcbench_main(lcbench)
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, stop_on_sigterm)
     load = os.getloadavg()[0]
