@@ -151,7 +151,7 @@ class Process:
     def spawn(self, name: str, target: Callable[[], object]) -> Task:
         task = Task(self.sim, self, name, target)
         self.tasks.append(task)
-        self.sim.tasks.append(task)
+        self.sim.add(task)
         return task
 
     def runs(self, now: float) -> bool:
@@ -178,6 +178,9 @@ class Scheduler:
         self.now = start_time
         self.main = greenlet.getcurrent()
         self.tasks: list[Task] = []
+        self._live: list[Task] = []
+        """``tasks`` of live processes, in the same order: the only ones that may run again (a run
+        ends with hundreds of killed jobs' threads, which every step would otherwise look at)."""
         self.current: Task | None = None
         self.steps = 0
         self.locks = FileLocks(self)
@@ -196,20 +199,28 @@ class Scheduler:
         self.trace.event(self.now, "process", f"{name} started (pid {process.pid} on {host.name})")
         return process
 
+    def add(self, task: Task) -> None:
+        self.tasks.append(task)
+        if task.process.alive:
+            self._live.append(task)
+
+    def _ended(self, process: Process) -> None:
+        process.alive = False
+        self._live = [task for task in self._live if task.process is not process]
+        self.locks.release_all_of(process)
+
     def crash(self, process: Process, why: str) -> None:
         """SIGKILL: its threads never run again; its file locks are freed."""
         if not process.alive:
             return
-        process.alive = False
-        self.locks.release_all_of(process)
+        self._ended(process)
         self.trace.event(self.now, "fault", f"{process.name} killed ({why})")
 
     def exit(self, process: Process, why: str) -> None:
         """The process ends by itself (its main thread returned, its program exited)."""
         if not process.alive:
             return
-        process.alive = False
-        self.locks.release_all_of(process)
+        self._ended(process)
         self.trace.event(self.now, "process", f"{process.name} exits ({why})")
 
     def stall(self, process: Process, seconds: float, why: str = "") -> None:
@@ -285,7 +296,7 @@ class Scheduler:
     def step(self) -> bool:
         """Run one thread up to its next yield point; False once no thread will ever run again."""
         runnable = [
-            task for task in self.tasks if task.state is State.RUNNABLE and task.process.runs(self.now)
+            task for task in self._live if task.state is State.RUNNABLE and task.process.runs(self.now)
         ]
         if not runnable:
             return self._advance_time()
@@ -298,25 +309,25 @@ class Scheduler:
         self.steps += 1
         if task.state is State.DONE:
             self.tasks.remove(task)
+            if task.process.alive:
+                self._live.remove(task)
         elif self.after_step is not None:
             self.after_step(task)
         return True
 
     def _advance_time(self) -> bool:
         wakes = [
-            task.wake_at
-            for task in self.tasks
-            if task.state is State.BLOCKED and task.wake_at is not None and task.process.alive
+            task.wake_at for task in self._live if task.state is State.BLOCKED and task.wake_at is not None
         ]
         wakes += [
             task.process.stalled_until
-            for task in self.tasks
-            if task.state is State.RUNNABLE and task.process.alive and task.process.stalled_until > self.now
+            for task in self._live
+            if task.state is State.RUNNABLE and task.process.stalled_until > self.now
         ]
         if not wakes:
             return False
         self.now = max(self.now, min(wakes))
-        for task in self.tasks:
+        for task in self._live:
             if task.state is State.BLOCKED and task.wake_at is not None and task.wake_at <= self.now:
                 task.state, task.wake_at = State.RUNNABLE, None
         return True
@@ -337,6 +348,7 @@ class Scheduler:
         undead = [task for task in self.tasks if not task.glet.dead]
         _GRAVEYARD.extend(task.glet for task in undead)
         self.tasks.clear()
+        self._live.clear()
         if undead:
             raise SimulationError(f"threads that would not unwind at teardown: {undead}")
 
