@@ -16,6 +16,13 @@ other threads run on. Each host has a wall clock that may be skewed and may jump
 never jump. A crashed process's threads are never run again and its file locks are freed, as the
 kernel frees a SIGKILLed process's ``flock``s; a stalled process is not run until its stall ends
 (wherever its threads stopped, a lock held or not), while time goes on for everyone else.
+
+*Lazy polls* (``Scheduler.lazy_polls``, for a quality run without faults): a poll's wait
+(``poll_wait``: a driver idling between two looks at its job, the tuner's loop between two plans)
+names what its next look reads (a job dir, the study); until one of those changes (``changed``) its
+timeout is put off, and once one does it wakes at the first tick of its period after the change,
+as it would have, every look between having found nothing new (what those looks did besides:
+``simulation.quality``).
 """
 
 from __future__ import annotations
@@ -44,6 +51,11 @@ Span = tuple[float, float]
 """How long one kind of call takes: the fastest and the slowest, in seconds."""
 
 _INSTANT: Span = (0.0, 0.0)
+TRIALS_CHANGED = "the study's trials"
+"""What the tuner's loop reads between two plans, for a lazy poll: a trial created, or its state,
+parameters or attributes written (``Scheduler.changed`` on each such write). Not a reported value: a
+plan reads those only to rank parked trials for free slots, and a slot frees as its driver returns,
+which wakes the loop at once."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +125,8 @@ class Task:
         self.woken = False
         self.waiting_for = ""
         self.error: BaseException | None = None
+        self.polling: _Poll | None = None
+        """The lazy poll this thread waits in, if it does."""
         self.glet = greenlet(lambda: self._main(target), parent=sim.main)
 
     def _main(self, target: Callable[[], object]) -> None:
@@ -189,6 +203,9 @@ class Scheduler:
         """Called after each step with the thread that ran: a fault (a crash, a stall, a clock jump)
         may strike its process there, where its thread stopped, whatever locks it holds."""
         self.tearing_down = False
+        self.lazy_polls = False
+        """Whether a poll's timeout waits for a change of what it reads (see the module docstring)."""
+        self._pollers: dict[Task, None] = {}
         self._pids = 100
 
     # ------------------------------------------------------------------------------ the machine room
@@ -287,6 +304,32 @@ class Scheduler:
         else:
             self.block(self.now + seconds, f"sleep({seconds:g})")
 
+    def poll_wait(self, seconds: float, reads: Collection[str], what: str) -> bool:
+        """A poll's wait: until ``wake`` (True) or ``seconds`` have passed (False). With lazy polls,
+        its timeout comes at the first tick of ``seconds`` after a change of what it ``reads``."""
+        if not self.lazy_polls:
+            return self.block(self.now + seconds, what)
+        task = self.task
+        task.polling = _Poll(self.now, seconds, frozenset(reads))
+        self._pollers[task] = None
+        try:
+            return self.block(None, what)
+        finally:
+            task.polling = None
+            del self._pollers[task]
+
+    def changed(self, what: str) -> None:
+        """What polls read as ``what`` changed: each lazy poll of it wakes at its next tick."""
+        for task in self._pollers:
+            poll = task.polling
+            if (
+                poll is not None
+                and task.state is State.BLOCKED
+                and task.wake_at is None
+                and what in poll.reads
+            ):
+                task.wake_at = poll.tick_after(self.now)
+
     def wake(self, task: Task) -> None:
         if task.state is State.BLOCKED:
             task.state, task.wake_at, task.woken = State.RUNNABLE, None, True
@@ -351,6 +394,21 @@ class Scheduler:
         self._live.clear()
         if undead:
             raise SimulationError(f"threads that would not unwind at teardown: {undead}")
+
+
+@dataclass(frozen=True)
+class _Poll:
+    since: float
+    period: float
+    reads: frozenset[str]
+
+    def tick_after(self, moment: float) -> float:
+        """The first tick at or after ``moment`` (and after ``since``), summed tick by tick as a
+        loop of waits would reach it."""
+        tick = self.since + self.period
+        while tick < moment:
+            tick += self.period
+        return tick
 
 
 # Greenlets that refused to unwind: kept referenced, so the garbage collector never resumes them.
@@ -539,6 +597,17 @@ class SimEvent:
             self._waiters.remove(me)
         return self._set
 
+    def poll_wait(self, seconds: float, reads: Collection[str]) -> bool:
+        """``wait(seconds)`` as a poll's wait (``Scheduler.poll_wait``)."""
+        if self._set:
+            return True
+        me = self.sim.task
+        self._waiters.append(me)
+        self.sim.poll_wait(max(0.0, seconds), reads, "event")
+        if me in self._waiters:
+            self._waiters.remove(me)
+        return self._set
+
 
 # ---------------------------------------------------------------------------------- the world
 
@@ -559,10 +628,13 @@ class Entropy:
 class SimWorld:
     """``tunepod.world.World`` over the scheduler: what the real code sees while a seed runs."""
 
-    def __init__(self, sim: Scheduler, entropy: Entropy) -> None:
+    def __init__(self, sim: Scheduler, entropy: Entropy, *, clock_yields: bool = True) -> None:
         self.sim = sim
         self.entropy = entropy
         self.torn_down = False
+        self.clock_yields = clock_yields
+        """Whether reading a clock is a yield point (where another thread may run, or a fault strike,
+        between two readings). Without faults, the interleavings it adds only cost time."""
 
     def _check(self) -> None:
         if self.torn_down:
@@ -570,12 +642,14 @@ class SimWorld:
 
     def time(self) -> float:
         self._check()
-        self.sim.pause("time()")
+        if self.clock_yields:
+            self.sim.pause("time()")
         return self.sim.now + self.sim.process.host.skew_s
 
     def monotonic(self) -> float:
         self._check()
-        self.sim.pause("monotonic()")
+        if self.clock_yields:
+            self.sim.pause("monotonic()")
         return self.sim.now + 1000.0 * self.sim.process.pid
 
     def sleep(self, seconds: float) -> None:
@@ -613,7 +687,10 @@ class SimWorld:
         for future in futures:
             future.add_done_callback(wake)
         try:
-            self.sim.block(None if timeout is None else self.sim.now + timeout, "futures")
+            if timeout is None:
+                self.sim.block(None, "futures")
+            else:  # the tuner's loop between two plans
+                self.sim.poll_wait(timeout, (TRIALS_CHANGED,), "futures")
         finally:
             waiting[0] = False
         return [future for future in futures if future.done()]

@@ -58,6 +58,9 @@ class LocalSettings:
     torchrun: bool
     """Jobs of two processes (torchrun and its worker) rather than one (the bare interpreter)."""
     kind: str = "local"
+    strikes: bool = True
+    """Whether a thread of the machine draws its faults each second. A quality run's machine has no
+    faults, and its study spans hours of simulated time: no thread wakes for nothing there."""
 
     def describe(self) -> str:
         layout = "torchrun agent + worker" if self.torchrun else "one process"
@@ -136,8 +139,9 @@ class SimProcesses:
         self.host: Host = machine.orchestrator_host
         self.table: dict[int, OsProcess] = {}
         self._next_pid = _FIRST_PID
-        chaos = self.sim.start_process("oom-killer", Host("kernel", "boot-kernel", "pid:[kernel]"))
-        chaos.spawn("kill", self._faults)
+        if settings.strikes:
+            chaos = self.sim.start_process("oom-killer", Host("kernel", "boot-kernel", "pid:[kernel]"))
+            chaos.spawn("kill", self._faults)
 
     # ------------------------------------------------------------------------------ the table
 
@@ -194,7 +198,8 @@ class SimProcesses:
         if process is None or process.start_ticks != start_ticks or not process.alive:
             self.sim.sleep(seconds)
         else:
-            process.exited.wait(seconds)
+            # A driver idling between two looks at its job, which read the job's dir.
+            process.exited.poll_wait(seconds, (str(process.job_dir),))
 
     def reap(self) -> None:
         me = self.sim.process
