@@ -19,7 +19,8 @@ it no longer counts as its job's live run, though its processes may train on unt
 
 A quality run (``simulation.quality``) gives the cluster a ``CurveModel`` instead: each step then
 lasts and reports what the curve says for the trial's parameters, after a start-up and before an
-exit that take the curve's time, and every report is handed to ``on_report`` as it is appended.
+exit (or after a stop signal) that take the curve's time, and every report is handed to
+``on_report`` as it is appended.
 """
 
 from __future__ import annotations
@@ -64,6 +65,11 @@ class CurveModel(Protocol):
     @property
     def exit_s(self) -> float:
         """A full trial's last report to its process's exit."""
+        ...
+
+    @property
+    def stop_s(self) -> float:
+        """A stopped job's signal (SIGTERM) to its process's exit; it trains no more meanwhile."""
         ...
 
     def value(self, params: Mapping[str, Any], step: int) -> float:

@@ -11,25 +11,26 @@ that is the tuner's, so it is measured on the tuner itself, never on a copy. The
 of ``num_parallel`` slots. Only the training is a model: each trial's job trains the steps of a
 ``CurveModel`` for its parameters, each step taking the curve's time, reporting and checkpointing
 every step (a paused or stopped job resumes after its last report: no step is trained twice), after
-the curve's start-up and before its exit.
+the curve's start-up and before its exit (or, stopped, between its stop signal and its exit).
 
 The world is quiet and quick: no fault, one orchestrator, no clock skew. A call to Optuna, MLflow or
 the machine's kernel takes no time (``scheduler.Latency``'s defaults): a study on a local database
 answers in milliseconds, against training steps of seconds, and what a job costs around its
-training is the curve's ``startup_s`` and ``exit_s``, measured on real jobs. The tuner's polls,
-leases and outbox run as they ship (``poll_s`` is the spec's): a decision lands at the first poll
-after the report that prompts it. The lifecycle simulation's referee watches the jobs as they are
-created and stopped, and a violation fails the run.
+training is the curve's ``startup_s``, ``exit_s`` and ``stop_s``, measured on real jobs. The tuner's
+polls, leases and outbox run as they ship (``poll_s`` is the spec's): a decision lands at the first
+poll after the report that prompts it. The lifecycle simulation's referee watches the jobs as they
+are created and stopped, and a violation fails the run.
 
 Left out, behind switches the lifecycle simulation keeps on: the machine's fault thread, the jobs'
-heartbeats between steps, yield points at clock readings, and the polls that could see nothing new
+heartbeats between steps, yield points at clock readings, and the looks that could see nothing new
 (*lazy polls*, ``scheduler``): a driver's look at its job is skipped until its job reports or ends,
-and the tuner's loop's until a trial is created or written. What they would have done is lost: a
-look also refreshes the launcher's status cache that every driver shares, so a stopped job's end
-is seen up to the launcher's cancel poll (50 ms here) later. A run-time limit needs every look
-(``every_poll``, taken whenever the spec sets ``resources.timeout_min``), and a step longer than
-``train.hang_timeout_s`` (or a start-up longer than ``train.startup_timeout_s``) is refused without
-it: the real tuner would stop that job as hung.
+and the tuner's loop's until a trial is created or written. One thing a skipped look did is lost: it
+refreshed the launcher's status cache, which every driver shares, so a stopped job's end may be seen
+up to the launcher's cancel poll (50 ms here) later. With the drivers' ties broken alike and that
+poll shortened, lazy and every-look traces agree for no pruner, median, Hyperband, ASHA and PBT.
+A run-time limit needs every look (``every_poll``, taken whenever the spec sets
+``resources.timeout_min``), and a step longer than ``train.hang_timeout_s`` (or a start-up longer
+than ``train.startup_timeout_s``) is refused without it: the real tuner would stop that job as hung.
 
 The run stops once the tuner returns (the study is done), or once the budget is spent:
 ``budget_steps`` steps trained by all jobs together, or ``budget_s`` simulated seconds; reports past
@@ -167,6 +168,10 @@ class _WithinLimits:
     @property
     def exit_s(self) -> float:
         return self.curve.exit_s
+
+    @property
+    def stop_s(self) -> float:
+        return self.curve.stop_s
 
     def value(self, params: Mapping[str, Any], step: int) -> float:
         return self.curve.value(params, step)

@@ -26,6 +26,7 @@ class Rising:
     num_steps: int = NUM_STEPS
     startup_s: float = 2.0
     exit_s: float = 0.5
+    stop_s: float = 0.3
 
     def value(self, params: Mapping[str, Any], step: int) -> float:
         return float(params["x"]) * (1.0 - 0.5 ** (step + 1))

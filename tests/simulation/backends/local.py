@@ -256,10 +256,28 @@ class SimProcesses:
         if signum is SIGKILL:
             self._die(process, 128 + SIGKILL, "SIGKILL")
         elif process.role == "worker":
-            self._die(process, 128 + SIGTERM, "SIGTERM")
+            self._terminate(process)
         elif process.role == "agent" and process.child is not None:
             self._deliver(process.child, signum)  # torchrun passes it on, and exits after its worker
         # the wrapper traps SIGTERM (``trap :``) and records its command's exit
+
+    def _terminate(self, worker: OsProcess) -> None:
+        """SIGTERM: the worker dies of it (143), at once, or after a quality run's curve's ``stop_s``
+        (the script saving, the interpreter tearing down) with its training over meanwhile."""
+        curve = self.cluster.curve
+        if curve is None or curve.stop_s <= 0:
+            self._die(worker, 128 + SIGTERM, "SIGTERM")
+            return
+        if worker.run is not None:
+            self.cluster.kill(worker.run, "SIGTERM")
+            worker.run.exit_code = 128 + SIGTERM
+        worker.exiting = True
+        teardown = self.sim.start_process(f"teardown {worker.pid}", self.host)
+        teardown.spawn("exit", lambda: self._exit_after(worker, 128 + SIGTERM, curve.stop_s))
+
+    def _exit_after(self, process: OsProcess, code: int, seconds: float) -> None:
+        self.sim.sleep(seconds)
+        self._exit(process, code)
 
     def _die(self, process: OsProcess, code: int, how: str) -> None:
         if process.role in ("wrapper", "agent"):
