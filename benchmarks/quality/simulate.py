@@ -1,40 +1,44 @@
-"""The digits quality study replayed in one process, in simulated time: which tuning settings to measure.
+"""The digits quality study run on the real Tuner in simulated time: which tuning settings to measure.
 
     .venv/bin/python -m benchmarks.quality.simulate                      # the benchmark's two arms
     .venv/bin/python -m benchmarks.quality.simulate --seeds 20 --arms \\
-        "random/none,tpe/hyperband:1:auto,tpe/hyperband:2:6,tpe:4/none"
+        "random/none,tpe/hyperband:1:auto,tpe/hyperband:2:6,tpe:4/none,tpe/asha:2:6"
 
 A real study of the benchmark takes minutes; its outcome is mostly which parameters the sampler draws
-and which trials the pruner stops, and those depend on the learning curves alone. This trains each
-drawn configuration in-process with the digits trainer's code and settings (examples/digits/train.py:
-one process, batch 64, seed 0, the staged splits) and replays the study on a clock: a trial's report
-of epoch k comes ``start_s + (k + 1) * epoch_s`` after its start, a full trial frees its slot
-``exit_s`` after its last report, a pruned one ``kill_s`` after the report that pruned it, and the
-next trial starts in the freed slot (measured here on 2026-12-02: start 2.5 s to the first epoch's
-end, exit 1.0 s, kill 0.9 s, epochs of the sleep plus ~0.05 s). The study is the benchmark's spec
-(specs/quality-digits.yaml) with the arm's overrides: its space, and the sampler and pruner tunepod
-builds from it, reseeded before each ask as the tuner does. The learning curve is the one piece
-written twice: the trainer is a script, so its model and loop are repeated here. It says nothing
-about the orchestrator's own time; the benchmark measures that.
+and which trials the pruner stops, pauses or resumes, and those depend on the learning curves and on
+the tuner alone. This trains each drawn configuration in-process with the digits trainer's code and
+settings (examples/digits/train.py: one process, batch 64, seed 0, the staged splits) and runs the
+study on the real Tuner in simulated time (``run_quality_study``: its sampler, pruner, ASHA or PBT
+policy, its polls, over the real local launcher): a trial's job starts ``start_s`` before its first
+epoch, each epoch takes ``epoch_s`` and reports, a full trial exits ``exit_s`` after its last report
+and a stopped one ``kill_s`` after its stop signal (measured here on 2026-12-02: start 2.5 s to the
+first epoch's end, exit 1.0 s, kill 0.9 s from the report that stopped it, of which the tuner's poll
+is simulated; epochs of the sleep plus ~0.05 s). The study is the benchmark's spec
+(specs/quality-digits.yaml) with the arm's overrides, named as the benchmark names its tpe+hyperband
+study of the seed (Hyperband puts a trial in a bracket by a hash of the study's name). The learning
+curve is the one piece written twice: the trainer is a script, so its model and loop are repeated
+here. It says nothing about the orchestrator's own time; the benchmark measures that.
 
 An arm is ``sampler[:n_startup_trials]/pruner[:min_resource[:max_resource]]``: sampler ``random`` or
 ``tpe`` (or any sampler kind the spec takes), pruner ``none``, ``hyperband`` (``max_resource`` a
-number or ``auto``), ``successive_halving`` or ``median`` (the number is its ``warmup_steps``). It
-prints, per arm, the median time to target over seeds and its ratio to the first arm's; a study that
-never reaches the target counts with its whole budget's time (``>``)."""
+number or ``auto``), ``successive_halving``, ``asha`` or ``median`` (the number is its
+``warmup_steps``). It prints, per arm, the median time to target over seeds and its ratio to the
+first arm's, and per seed the time, the trials asked and those stopped early (pruned, or paused and
+never resumed) by then; a study that never reaches the target counts with its whole budget's time
+(``>``)."""
 
 from __future__ import annotations
 
 import argparse
 import functools
-import heapq
 import json
 import statistics
 import sys
 import tempfile
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import optuna
@@ -44,9 +48,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from benchmarks.quality.workloads import SPECS, TPE_HYPERBAND, TUNE_STEP, Workload
 from benchmarks.quality.workloads import digits as quality_digits
-from tunepod.hpo.asha import ATTR_ASHA, AshaState, RungJudge
-from tunepod.hpo.policies.asha import make_asha
-from tunepod.hpo.study import distributions, make_pruner, reseed_for_next_trial
+from benchmarks.simulated_tuner import run_quality_study
 from tunepod.spec.loader import load_spec
 from tunepod.spec.models import TuneSettings
 from tunepod.staging.builtin import write_digits
@@ -68,7 +70,7 @@ class Arm:
 
     text: str
 
-    def settings(self, seed: int) -> TuneSettings:
+    def settings(self, seed: int, workload: Workload) -> TuneSettings:
         sampler_text, _, pruner_text = self.text.partition("/")
         sampler, *startup = sampler_text.split(":")
         pruner, *resources = (pruner_text or "none").split(":")
@@ -85,6 +87,9 @@ class Arm:
             f"{tune}.sampler={json.dumps(sampler_options)}",
             f"{tune}.pruner={json.dumps(pruner_options)}",
             f"{tune}.seed={seed}",
+            f"{tune}.study.name={workload.study_name(TPE_HYPERBAND, seed)}",
+            f"{tune}.num_trials={workload.trials}",
+            *(f"{tune}.train.args.{key}={value}" for key, value in workload.train_args.items()),
         ]
         settings = load_spec(SPECS / "quality-digits.yaml", overrides).steps[TUNE_STEP].with_
         assert isinstance(settings, TuneSettings)
@@ -142,173 +147,48 @@ class Digits:
         return tuple(accuracies)
 
 
-@dataclass(order=True)
-class _Event:
-    time_s: float
-    order: int
-    trial: optuna.trial.Trial | None = field(compare=False)  # None: a slot frees
-    step: int = field(compare=False, default=0)
-    value: float = field(compare=False, default=0.0)
-    job: int = field(compare=False, default=0)
-    """Which of its trial's jobs reports it (ASHA starts a paused trial again on a new job)."""
+@dataclass(frozen=True)
+class DigitsCurve:
+    """The digits trainer's curves on the benchmark's clock, as the quality run's ``CurveModel``."""
+
+    digits: Digits
+    clock: Clock
+    num_steps: int
+    """Epochs of a full trial (reports at steps 0..epochs-1)."""
+
+    @property
+    def startup_s(self) -> float:
+        return self.clock.start_s
+
+    @property
+    def exit_s(self) -> float:
+        return self.clock.exit_s
+
+    @property
+    def stop_s(self) -> float:
+        return self.clock.kill_s
+
+    def value(self, params: Mapping[str, Any], step: int) -> float:
+        curve = self.digits.curve(params["lr"], params["hidden"], params["optimizer"], self.num_steps)
+        return curve[step]
+
+    def step_s(self, params: Mapping[str, Any], step: int) -> float:
+        return self.clock.epoch_s
 
 
-def simulate(arm: Arm, seed: int, digits: Digits, clock: Clock, workload: Workload) -> Outcome:
-    settings = arm.settings(seed)
-    space = distributions(settings.space)
-    epochs = workload.max_step + 1  # reports at steps 0..epochs-1
-    # Named as the benchmark names its tpe+hyperband study of this seed: Hyperband puts a trial in a
-    # bracket by a hash of the study's name and the trial's number (Optuna's default name is random).
-    study = optuna.create_study(
-        study_name=workload.study_name(TPE_HYPERBAND, seed),
-        direction=settings.study.primary.direction,
-        pruner=make_pruner(settings.pruner),
+def simulate(arm: Arm, seed: int, curve: DigitsCurve, workload: Workload) -> Outcome:
+    """The arm's study of ``seed`` on the real tuner, up to the first report that reaches the target."""
+    goal = workload.goal
+    trace = run_quality_study(
+        arm.settings(seed, workload),
+        curve,
+        seed=seed,
+        num_parallel=workload.parallel,
+        stop=lambda report: goal.reached_by(report.value),
     )
-    events: list[_Event] = []
-    counter = iter(range(1 << 62))
-    started = pruned = 0
-
-    def start(now: float) -> None:
-        nonlocal started
-        reseed_for_next_trial(study, settings, len(study.trials))  # as the tuner, before each ask
-        trial = study.ask(space)
-        params = trial.params
-        curve = digits.curve(params["lr"], params["hidden"], params["optimizer"], epochs)
-        started += 1
-        for step, value in enumerate(curve):
-            due = now + clock.start_s + (step + 1) * clock.epoch_s
-            heapq.heappush(events, _Event(due, next(counter), trial, step, value))
-
-    def free_slot(at: float) -> None:
-        heapq.heappush(events, _Event(at, next(counter), None))
-
-    for _ in range(workload.parallel):
-        start(0.0)
-    finished: set[int] = set()
-    now = 0.0
-    while events:
-        event = heapq.heappop(events)
-        now = event.time_s
-        if event.trial is None:
-            if started < workload.trials:
-                start(now)
-            continue
-        trial = event.trial
-        if trial.number in finished:
-            continue  # a report after its trial was pruned: the job is gone
-        if workload.goal.reached_by(event.value):
-            return Outcome(now, True, started, pruned)
-        trial.report(event.value, event.step)
-        if event.step == epochs - 1:
-            study.tell(trial, event.value)
-            finished.add(trial.number)
-            free_slot(now + clock.exit_s)
-        elif trial.should_prune():
-            study.tell(trial, state=optuna.trial.TrialState.PRUNED)
-            finished.add(trial.number)
-            pruned += 1
-            free_slot(now + clock.kill_s)
-    return Outcome(now, False, started, pruned)
-
-
-def simulate_asha(arm: Arm, seed: int, digits: Digits, clock: Clock, workload: Workload) -> Outcome:
-    """The study under tunepod's ASHA (``tunepod.hpo.asha``, its real rule over the study's real
-    trials): a paused trial frees its slot ``kill_s`` after the report that paused it, having saved
-    that epoch; a promoted one starts again (``start_s`` to its next epoch's end, as a new job) from
-    the epoch after. Slots are filled as the tuner fills them: promotions first, then new trials, then,
-    with nothing left to ask, a slot that would idle while the study's own trials run resumes the best
-    paused trial, and once nothing runs the best paused trial is trained on until one has completed.
-    (A real pause lands up to an epoch later, when the script next checks ``ctx.should_stop()``.)"""
-    settings = arm.settings(seed)
-    asha = make_asha(settings)
-    assert asha is not None, f"{arm.text} is not an ASHA arm"
-    space = distributions(settings.space)
-    epochs = workload.max_step + 1
-    study = optuna.create_study(
-        study_name=workload.study_name(TPE_HYPERBAND, seed), direction=settings.study.primary.direction
-    )
-    live: dict[int, optuna.trial.Trial] = {}
-    generation: dict[int, int] = {}  # a trial's current job: reports of an earlier one are stale
-    judges: dict[int, RungJudge] = {}  # each running job's rungs still to decide
-    events: list[_Event] = []
-    counter = iter(range(1 << 62))
-    running: set[int] = set()
-    idle_promoted: set[int] = set()
-    started = paused = 0
-    idle_slots = workload.parallel
-
-    def run(trial: optuna.trial.Trial, now: float, first_step: int) -> None:
-        params = trial.params
-        curve = digits.curve(params["lr"], params["hidden"], params["optimizer"], epochs)
-        generation[trial.number] = generation.get(trial.number, 0) + 1
-        running.add(trial.number)
-        judges[trial.number] = RungJudge.for_job(asha, trial.number, AshaState.of(study.trials[trial.number]))
-        job = generation[trial.number]
-        for step in range(first_step, epochs):
-            due = now + clock.start_s + (step - first_step + 1) * clock.epoch_s
-            heapq.heappush(events, _Event(due, next(counter), trial, step, curve[step], job))
-
-    def promote(number: int, now: float) -> None:
-        frozen = study.trials[number]
-        state = AshaState.of(frozen)
-        assert state is not None
-        live[number].set_user_attr(ATTR_ASHA, state.promoted().to_attr())
-        run(live[number], now, max(frozen.intermediate_values) + 1)
-
-    def fill(now: float) -> None:
-        nonlocal idle_slots, started
-        while idle_slots > 0:
-            trials = study.trials
-            candidates = asha.promotable(trials)
-            if candidates:
-                idle_promoted.discard(candidates[0])
-                promote(candidates[0], now)
-            elif started < workload.trials:
-                reseed_for_next_trial(study, settings, len(trials))
-                trial = study.ask(space)
-                live[trial.number] = trial
-                started += 1
-                run(trial, now, 0)
-            else:
-                busy = bool(running - idle_promoted)
-                completed = any(t.state is optuna.trial.TrialState.COMPLETE for t in trials)
-                merit = asha.by_merit(trials) if busy or not completed else []
-                if not merit:
-                    return
-                if busy:
-                    idle_promoted.add(merit[0])
-                promote(merit[0], now)
-            idle_slots -= 1
-
-    fill(0.0)
-    now = 0.0
-    while events:
-        event = heapq.heappop(events)
-        now = event.time_s
-        trial = event.trial
-        if trial is None:
-            idle_slots += 1
-            fill(now)
-            continue
-        if event.job != generation[trial.number] or trial.number not in running:
-            continue  # a report of a job that was stopped
-        if workload.goal.reached_by(event.value):
-            return Outcome(now, True, started, paused)
-        trial.report(event.value, event.step)
-        if event.step == epochs - 1:
-            study.tell(trial, event.value)
-            running.discard(trial.number)
-            heapq.heappush(events, _Event(now + clock.exit_s, next(counter), None))
-            continue
-        rung = judges[trial.number].judge(event.step + 1, lambda: study.trials)
-        if rung is not None:
-            state = AshaState.of(study.trials[trial.number])
-            promotions = state.promotions if state else 0
-            trial.set_user_attr(ATTR_ASHA, AshaState(rung, True, 1, promotions).to_attr())
-            running.discard(trial.number)
-            paused += 1
-            heapq.heappush(events, _Event(now + clock.kill_s, next(counter), None))
-    return Outcome(now, False, started, paused)
+    hit = trace.first_reaching(goal.reached_by)
+    time_s = hit.at_s if hit is not None else trace.simulated_s
+    return Outcome(time_s, hit is not None, len(trace.outcomes), trace.count("PRUNED", "PAUSED", "EXPLOITED"))
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -323,7 +203,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--start-s", type=float, default=2.5, help="a trial's start to its first epoch's end")
     parser.add_argument("--epoch-s", type=float, default=0.55, help="one more epoch")
     parser.add_argument("--exit-s", type=float, default=1.0, help="a full trial's last report to its exit")
-    parser.add_argument("--kill-s", type=float, default=0.9, help="a pruned trial's last report to its exit")
+    parser.add_argument(
+        "--kill-s",
+        type=float,
+        default=0.65,
+        help="a stopped trial's stop signal to its exit (the measured 0.9 s from the report that stopped "
+        "it, less the tuner's mean poll delay, which is simulated: poll_s 0.5 / 2)",
+    )
     return parser.parse_args(argv)
 
 
@@ -331,14 +217,13 @@ def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     torch.set_num_threads(1)
-    digits = Digits()
     clock = Clock(args.start_s, args.epoch_s, args.exit_s, args.kill_s)
+    curve = DigitsCurve(Digits(), clock, args.epochs)
     workload = quality_digits(args.trials, args.parallel, args.epochs, args.epoch_s, args.target)
     medians: dict[str, float] = {}
     for text in args.arms.split(","):
-        run = simulate_asha if "/asha" in text else simulate
         outcomes = [
-            run(Arm(text), args.first_seed + index * SEED_STRIDE, digits, clock, workload)
+            simulate(Arm(text), args.first_seed + index * SEED_STRIDE, curve, workload)
             for index in range(args.seeds)
         ]
         medians[text] = statistics.median(o.time_s for o in outcomes)

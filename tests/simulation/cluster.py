@@ -16,6 +16,11 @@ whose request, whether it is hung, the requests to stop it with the reason its j
 checkpoint a run saved, every report appended whole or torn, and the node failures that struck runs.
 A run its backend gave up on (its node stopped answering: the job went on without it) is *orphaned*:
 it no longer counts as its job's live run, though its processes may train on until they are killed.
+
+A quality run (``simulation.quality``) gives the cluster a ``CurveModel`` instead: each step then
+lasts and reports what the curve says for the trial's parameters, after a start-up and before an
+exit (or after a stop signal) that take the curve's time, and every report is handed to
+``on_report`` as it is appended.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import json
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 from simulation.scheduler import Host, Process, Scheduler, SimLock
 from tunepod.launch.paths import JobPaths
@@ -37,6 +43,42 @@ from tunepod.runtime.progress import RankProgress
 HEARTBEAT_S = 10.0
 ExitHook = Callable[["JobRun"], None]
 """Called when a run's program exits by itself: the backend records the outcome."""
+ReportHook = Callable[["JobRun", int, Mapping[str, float]], None]
+"""Called with each report (its run, step and metrics) as the program appends it."""
+
+
+class CurveModel(Protocol):
+    """What a trial trains, as a function of its parameters (the job's ``TUNEPOD_PARAMS``: the
+    spec's ``train.args`` and the trial's sampled values): the objective at each step, how long each
+    step takes, and the costs around them. A full trial reports steps ``0..num_steps - 1``."""
+
+    @property
+    def num_steps(self) -> int:
+        """Steps of a full trial."""
+        ...
+
+    @property
+    def startup_s(self) -> float:
+        """A job's start to its first step's start (the interpreter, imports, data, the model)."""
+        ...
+
+    @property
+    def exit_s(self) -> float:
+        """A full trial's last report to its process's exit."""
+        ...
+
+    @property
+    def stop_s(self) -> float:
+        """A stopped job's signal (SIGTERM) to its process's exit; it trains no more meanwhile."""
+        ...
+
+    def value(self, params: Mapping[str, Any], step: int) -> float:
+        """The objective reported at ``step``."""
+        ...
+
+    def step_s(self, params: Mapping[str, Any], step: int) -> float:
+        """How long training ``step`` takes (up to its report)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -180,6 +222,12 @@ class Cluster:
     program: Program
     faults: JobFaults
     faults_on: bool = True
+    curve: CurveModel | None = None
+    """What every trial trains in a quality run; None: ``program``'s own objectives and step time."""
+    on_report: ReportHook | None = None
+    heartbeats: bool = True
+    """Whether a running program beats every ``HEARTBEAT_S`` besides at each step. Only a hang
+    detection within a step needs them, which a quality run (no faults) does without."""
     runs: list[JobRun] = field(default_factory=list)
     stops: list[StopRequest] = field(default_factory=list)
     created: dict[Path, int] = field(default_factory=dict)
@@ -264,9 +312,10 @@ class Cluster:
         run.resumed_from = json.loads(read_whole_state(latest)) if latest is not None else None
         self._start_up(run)
         self._beat(run, paths, step=None)
-        run.process.spawn("heartbeat", lambda: self._heartbeats(run, paths))
+        if self.heartbeats:
+            run.process.spawn("heartbeat", lambda: self._heartbeats(run, paths))
         while step < program.steps:
-            sim.sleep(program.step_s)
+            sim.sleep(self._step_s(params, step))
             if self.faults_on and sim.choices.chance(self.faults.crash):
                 if sim.choices.chance(program.torn_appends):
                     self._tear(run, paths, step, params)
@@ -286,6 +335,8 @@ class Cluster:
         if program.writes_result:
             self._finish(run, paths, params, step - program.stride)
         self._beat(run, paths, step=step - program.stride, finished=True)
+        if self.curve is not None and self.curve.exit_s > 0:
+            sim.sleep(self.curve.exit_s)
         self._exit(run, 0, on_exit, "finished")
 
     def _start_up(self, run: JobRun) -> None:
@@ -298,6 +349,8 @@ class Cluster:
             delay = sim.choices.uniform(0.0, faults.slow_start_s)
             sim.trace.event(sim.now, "job", f"job {run.job_id} takes {delay:.0f}s to start up")
             sim.sleep(delay)
+        if self.curve is not None and self.curve.startup_s > 0:
+            sim.sleep(self.curve.startup_s)
         run.beating_at = run.last_progress_at = sim.now
 
     def _preempted(self, run: JobRun, paths: JobPaths) -> bool:
@@ -341,7 +394,13 @@ class Cluster:
         return step
 
     def _metrics(self, params: dict[str, float], step: int) -> dict[str, float]:
+        if self.curve is not None:
+            value = self.curve.value(params, step)
+            return {name: value for name in self.program.metrics}
         return {name: OBJECTIVES[name](params, step) for name in self.program.metrics}
+
+    def _step_s(self, params: dict[str, float], step: int) -> float:
+        return self.program.step_s if self.curve is None else self.curve.step_s(params, step)
 
     def _finish(self, run: JobRun, paths: JobPaths, params: dict[str, float], step: int) -> None:
         # The final evaluation (what ``ctx.finish`` is given) differs from the last report: a trial's
@@ -374,6 +433,9 @@ class Cluster:
             record.setdefault(run.job_dir, []).extend(points)
         if run.orphaned_at is not None:
             self.late_reports.setdefault(run.job_dir, []).extend(points)
+        if self.on_report is not None:
+            self.on_report(run, step, metrics)
+        self.sim.changed(str(run.job_dir))  # what its driver's next look reads
 
     def _line(self, step: int, metrics: dict[str, float]) -> str:
         return json.dumps(

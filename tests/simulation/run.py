@@ -50,6 +50,7 @@ from simulation.trace import Trace
 from tunepod import world
 from tunepod.errors import is_transient
 from tunepod.hpo.tuner import TuneContext, Tuner
+from tunepod.launch.base import Launcher
 from tunepod.outputs import Dataset
 from tunepod.spec.models import TuneSettings
 from tunepod.tracking.outbox import TrackingOutbox
@@ -104,13 +105,13 @@ def _fresh_root(seed: int) -> Path:
     """The seed's folder, the same path at each run of the seed in this process: the steps' job dirs
     are keyed by what their jobs read (an evaluation, its checkpoint's path), and their names are in
     the trace, which a replay compares."""
-    root = Path(_scratch() or tempfile.gettempdir()) / f"tunepod-sim-{os.getpid()}-{seed}"
+    root = Path(scratch() or tempfile.gettempdir()) / f"tunepod-sim-{os.getpid()}-{seed}"
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     return root
 
 
-def _scratch() -> str | None:
+def scratch() -> str | None:
     """A memory-backed folder where there is one: a seed writes hundreds of small durable files."""
     shm = Path("/dev/shm")
     return str(shm) if shm.is_dir() else None
@@ -176,7 +177,7 @@ class _Run:
         with (
             world.installed(self.world),
             _sim_files(self.sim, self._disk_full),
-            _logs_into(self.trace, self.sim, self.root),
+            logs_into(self.trace, self.sim, self.root),
         ):
             try:
                 self._loop()
@@ -315,25 +316,12 @@ class _Run:
     def _context(self) -> TuneContext:
         scenario = self.scenario
         launcher = self.backend.launcher()
-        return TuneContext(
-            step="search",
-            settings=self.settings,
-            launcher=launcher,
-            dataset=Dataset(
-                source="sim",
-                path=str(self.root / "data"),
-                num_files=0,
-                num_bytes=0,
-                copied_files=0,
-                copied_bytes=0,
-            ),
-            jobs_dir=self.jobs_dir,
-            tracker=SimTracker(self.sim, self.mlflow, scenario.mlflow, self.switch),
-            outbox=TrackingOutbox(threads=1, max_backoff_s=10.0),
-            parent_run_id=self.parent_run_id,
-            pipeline="sim",
-            flush_timeout_s=60.0,
-            storage=SimStorage(
+        return tune_context(
+            self.settings,
+            launcher,
+            self.root,
+            SimTracker(self.sim, self.mlflow, scenario.mlflow, self.switch),
+            SimStorage(
                 self.sim,
                 self.database,
                 write_faults=scenario.optuna_writes,
@@ -342,6 +330,7 @@ class _Run:
                 crash_after_write=scenario.crash_after_write,
                 lost_pause_answers=scenario.lost_pause_answers,
             ),
+            self.parent_run_id,
         )
 
     def _operate(self) -> None:
@@ -415,6 +404,38 @@ class _Run:
 
     def _thread_died(self, task: object, exc: BaseException) -> None:
         self.referee.violated("no thread dies", f"{task} died: {type(exc).__name__}: {exc}")
+
+
+def tune_context(
+    settings: TuneSettings,
+    launcher: Launcher,
+    root: Path,
+    tracker: SimTracker,
+    storage: SimStorage,
+    parent_run_id: str,
+) -> TuneContext:
+    """What ``tunepod run`` gives a tune step: ``settings``' study on ``launcher``, its trials' job
+    dirs under ``root``, tracked and stored in the simulated MLflow and Optuna."""
+    return TuneContext(
+        step="search",
+        settings=settings,
+        launcher=launcher,
+        dataset=Dataset(
+            source="sim",
+            path=str(root / "data"),
+            num_files=0,
+            num_bytes=0,
+            copied_files=0,
+            copied_bytes=0,
+        ),
+        jobs_dir=root / "jobs" / settings.study.name,
+        tracker=tracker,
+        outbox=TrackingOutbox(threads=1, max_backoff_s=10.0),
+        parent_run_id=parent_run_id,
+        pipeline="sim",
+        flush_timeout_s=60.0,
+        storage=storage,
+    )
 
 
 def _rung_at_a_sleeps_end(program: Program) -> int:
@@ -524,7 +545,7 @@ class _TraceHandler(logging.Handler):
 
 
 @contextmanager
-def _logs_into(trace: Trace, sim: Scheduler, root: Path) -> Iterator[None]:
+def logs_into(trace: Trace, sim: Scheduler, root: Path) -> Iterator[None]:
     logger = logging.getLogger("tunepod")
     handler = _TraceHandler(trace, sim, root)
     before = (logger.propagate, logger.level)

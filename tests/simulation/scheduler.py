@@ -16,6 +16,13 @@ other threads run on. Each host has a wall clock that may be skewed and may jump
 never jump. A crashed process's threads are never run again and its file locks are freed, as the
 kernel frees a SIGKILLed process's ``flock``s; a stalled process is not run until its stall ends
 (wherever its threads stopped, a lock held or not), while time goes on for everyone else.
+
+*Lazy polls* (``Scheduler.lazy_polls``, for a quality run without faults): a poll's wait
+(``poll_wait``: a driver idling between two looks at its job, the tuner's loop between two plans)
+names what its next look reads (a job dir, the study); until one of those changes (``changed``) its
+timeout is put off, and once one does it wakes at the first tick of its period after the change,
+as it would have, every look between having found nothing new (what those looks did besides:
+``simulation.quality``).
 """
 
 from __future__ import annotations
@@ -44,6 +51,11 @@ Span = tuple[float, float]
 """How long one kind of call takes: the fastest and the slowest, in seconds."""
 
 _INSTANT: Span = (0.0, 0.0)
+TRIALS_CHANGED = "the study's trials"
+"""What the tuner's loop reads between two plans, for a lazy poll: a trial created, or its state,
+parameters or attributes written (``Scheduler.changed`` on each such write). Not a reported value: a
+plan reads those only to rank parked trials for free slots, and a slot frees as its driver returns,
+which wakes the loop at once."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +125,8 @@ class Task:
         self.woken = False
         self.waiting_for = ""
         self.error: BaseException | None = None
+        self.polling: _Poll | None = None
+        """The lazy poll this thread waits in, if it does."""
         self.glet = greenlet(lambda: self._main(target), parent=sim.main)
 
     def _main(self, target: Callable[[], object]) -> None:
@@ -151,7 +165,7 @@ class Process:
     def spawn(self, name: str, target: Callable[[], object]) -> Task:
         task = Task(self.sim, self, name, target)
         self.tasks.append(task)
-        self.sim.tasks.append(task)
+        self.sim.add(task)
         return task
 
     def runs(self, now: float) -> bool:
@@ -178,6 +192,9 @@ class Scheduler:
         self.now = start_time
         self.main = greenlet.getcurrent()
         self.tasks: list[Task] = []
+        self._live: list[Task] = []
+        """``tasks`` of live processes, in the same order: the only ones that may run again (a run
+        ends with hundreds of killed jobs' threads, which every step would otherwise look at)."""
         self.current: Task | None = None
         self.steps = 0
         self.locks = FileLocks(self)
@@ -186,6 +203,9 @@ class Scheduler:
         """Called after each step with the thread that ran: a fault (a crash, a stall, a clock jump)
         may strike its process there, where its thread stopped, whatever locks it holds."""
         self.tearing_down = False
+        self.lazy_polls = False
+        """Whether a poll's timeout waits for a change of what it reads (see the module docstring)."""
+        self._pollers: dict[Task, None] = {}
         self._pids = 100
 
     # ------------------------------------------------------------------------------ the machine room
@@ -196,20 +216,28 @@ class Scheduler:
         self.trace.event(self.now, "process", f"{name} started (pid {process.pid} on {host.name})")
         return process
 
+    def add(self, task: Task) -> None:
+        self.tasks.append(task)
+        if task.process.alive:
+            self._live.append(task)
+
+    def _ended(self, process: Process) -> None:
+        process.alive = False
+        self._live = [task for task in self._live if task.process is not process]
+        self.locks.release_all_of(process)
+
     def crash(self, process: Process, why: str) -> None:
         """SIGKILL: its threads never run again; its file locks are freed."""
         if not process.alive:
             return
-        process.alive = False
-        self.locks.release_all_of(process)
+        self._ended(process)
         self.trace.event(self.now, "fault", f"{process.name} killed ({why})")
 
     def exit(self, process: Process, why: str) -> None:
         """The process ends by itself (its main thread returned, its program exited)."""
         if not process.alive:
             return
-        process.alive = False
-        self.locks.release_all_of(process)
+        self._ended(process)
         self.trace.event(self.now, "process", f"{process.name} exits ({why})")
 
     def stall(self, process: Process, seconds: float, why: str = "") -> None:
@@ -276,6 +304,32 @@ class Scheduler:
         else:
             self.block(self.now + seconds, f"sleep({seconds:g})")
 
+    def poll_wait(self, seconds: float, reads: Collection[str], what: str) -> bool:
+        """A poll's wait: until ``wake`` (True) or ``seconds`` have passed (False). With lazy polls,
+        its timeout comes at the first tick of ``seconds`` after a change of what it ``reads``."""
+        if not self.lazy_polls:
+            return self.block(self.now + seconds, what)
+        task = self.task
+        task.polling = _Poll(self.now, seconds, frozenset(reads))
+        self._pollers[task] = None
+        try:
+            return self.block(None, what)
+        finally:
+            task.polling = None
+            del self._pollers[task]
+
+    def changed(self, what: str) -> None:
+        """What polls read as ``what`` changed: each lazy poll of it wakes at its next tick."""
+        for task in self._pollers:
+            poll = task.polling
+            if (
+                poll is not None
+                and task.state is State.BLOCKED
+                and task.wake_at is None
+                and what in poll.reads
+            ):
+                task.wake_at = poll.tick_after(self.now)
+
     def wake(self, task: Task) -> None:
         if task.state is State.BLOCKED:
             task.state, task.wake_at, task.woken = State.RUNNABLE, None, True
@@ -285,7 +339,7 @@ class Scheduler:
     def step(self) -> bool:
         """Run one thread up to its next yield point; False once no thread will ever run again."""
         runnable = [
-            task for task in self.tasks if task.state is State.RUNNABLE and task.process.runs(self.now)
+            task for task in self._live if task.state is State.RUNNABLE and task.process.runs(self.now)
         ]
         if not runnable:
             return self._advance_time()
@@ -298,25 +352,25 @@ class Scheduler:
         self.steps += 1
         if task.state is State.DONE:
             self.tasks.remove(task)
+            if task.process.alive:
+                self._live.remove(task)
         elif self.after_step is not None:
             self.after_step(task)
         return True
 
     def _advance_time(self) -> bool:
         wakes = [
-            task.wake_at
-            for task in self.tasks
-            if task.state is State.BLOCKED and task.wake_at is not None and task.process.alive
+            task.wake_at for task in self._live if task.state is State.BLOCKED and task.wake_at is not None
         ]
         wakes += [
             task.process.stalled_until
-            for task in self.tasks
-            if task.state is State.RUNNABLE and task.process.alive and task.process.stalled_until > self.now
+            for task in self._live
+            if task.state is State.RUNNABLE and task.process.stalled_until > self.now
         ]
         if not wakes:
             return False
         self.now = max(self.now, min(wakes))
-        for task in self.tasks:
+        for task in self._live:
             if task.state is State.BLOCKED and task.wake_at is not None and task.wake_at <= self.now:
                 task.state, task.wake_at = State.RUNNABLE, None
         return True
@@ -337,8 +391,24 @@ class Scheduler:
         undead = [task for task in self.tasks if not task.glet.dead]
         _GRAVEYARD.extend(task.glet for task in undead)
         self.tasks.clear()
+        self._live.clear()
         if undead:
             raise SimulationError(f"threads that would not unwind at teardown: {undead}")
+
+
+@dataclass(frozen=True)
+class _Poll:
+    since: float
+    period: float
+    reads: frozenset[str]
+
+    def tick_after(self, moment: float) -> float:
+        """The first tick at or after ``moment`` (and after ``since``), summed tick by tick as a
+        loop of waits would reach it."""
+        tick = self.since + self.period
+        while tick < moment:
+            tick += self.period
+        return tick
 
 
 # Greenlets that refused to unwind: kept referenced, so the garbage collector never resumes them.
@@ -527,6 +597,17 @@ class SimEvent:
             self._waiters.remove(me)
         return self._set
 
+    def poll_wait(self, seconds: float, reads: Collection[str]) -> bool:
+        """``wait(seconds)`` as a poll's wait (``Scheduler.poll_wait``)."""
+        if self._set:
+            return True
+        me = self.sim.task
+        self._waiters.append(me)
+        self.sim.poll_wait(max(0.0, seconds), reads, "event")
+        if me in self._waiters:
+            self._waiters.remove(me)
+        return self._set
+
 
 # ---------------------------------------------------------------------------------- the world
 
@@ -547,10 +628,13 @@ class Entropy:
 class SimWorld:
     """``tunepod.world.World`` over the scheduler: what the real code sees while a seed runs."""
 
-    def __init__(self, sim: Scheduler, entropy: Entropy) -> None:
+    def __init__(self, sim: Scheduler, entropy: Entropy, *, clock_yields: bool = True) -> None:
         self.sim = sim
         self.entropy = entropy
         self.torn_down = False
+        self.clock_yields = clock_yields
+        """Whether reading a clock is a yield point (where another thread may run, or a fault strike,
+        between two readings). Without faults, the interleavings it adds only cost time."""
 
     def _check(self) -> None:
         if self.torn_down:
@@ -558,12 +642,14 @@ class SimWorld:
 
     def time(self) -> float:
         self._check()
-        self.sim.pause("time()")
+        if self.clock_yields:
+            self.sim.pause("time()")
         return self.sim.now + self.sim.process.host.skew_s
 
     def monotonic(self) -> float:
         self._check()
-        self.sim.pause("monotonic()")
+        if self.clock_yields:
+            self.sim.pause("monotonic()")
         return self.sim.now + 1000.0 * self.sim.process.pid
 
     def sleep(self, seconds: float) -> None:
@@ -601,7 +687,10 @@ class SimWorld:
         for future in futures:
             future.add_done_callback(wake)
         try:
-            self.sim.block(None if timeout is None else self.sim.now + timeout, "futures")
+            if timeout is None:
+                self.sim.block(None, "futures")
+            else:  # the tuner's loop between two plans
+                self.sim.poll_wait(timeout, (TRIALS_CHANGED,), "futures")
         finally:
             waiting[0] = False
         return [future for future in futures if future.done()]

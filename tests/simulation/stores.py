@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 from optuna.storages import BaseStorage, InMemoryStorage
 from optuna.trial import TrialState
 
-from simulation.scheduler import Scheduler, Span
+from simulation.scheduler import TRIALS_CHANGED, Scheduler, Span
 from tunepod.hpo.asha import ATTR_ASHA, AshaState
 from tunepod.runtime import Report
 from tunepod.tracking.mlflow_tracker import MetricPoint, RunStatus
@@ -150,6 +150,7 @@ class SimStorage(BaseStorage):
         answer of a write of a trial's ASHA state (a pause, a promotion) is lost more often
         (``lost_pause_answers``): its writer retries while the other threads see the state it wrote."""
         result = self._call(name, self.write_faults, *args, **kwargs)
+        self.sim.changed(TRIALS_CHANGED)
         if self.switch.on and self.sim.choices.chance(self.crash_after_write):
             # Dead before its caller hears the answer: its thread never runs again past this pause.
             self.sim.crash(self.sim.process, f"SIGKILL just after optuna {name} committed")

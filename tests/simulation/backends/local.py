@@ -58,6 +58,9 @@ class LocalSettings:
     torchrun: bool
     """Jobs of two processes (torchrun and its worker) rather than one (the bare interpreter)."""
     kind: str = "local"
+    strikes: bool = True
+    """Whether a thread of the machine draws its faults each second. A quality run's machine has no
+    faults, and its study spans hours of simulated time: no thread wakes for nothing there."""
 
     def describe(self) -> str:
         layout = "torchrun agent + worker" if self.torchrun else "one process"
@@ -136,8 +139,9 @@ class SimProcesses:
         self.host: Host = machine.orchestrator_host
         self.table: dict[int, OsProcess] = {}
         self._next_pid = _FIRST_PID
-        chaos = self.sim.start_process("oom-killer", Host("kernel", "boot-kernel", "pid:[kernel]"))
-        chaos.spawn("kill", self._faults)
+        if settings.strikes:
+            chaos = self.sim.start_process("oom-killer", Host("kernel", "boot-kernel", "pid:[kernel]"))
+            chaos.spawn("kill", self._faults)
 
     # ------------------------------------------------------------------------------ the table
 
@@ -194,7 +198,8 @@ class SimProcesses:
         if process is None or process.start_ticks != start_ticks or not process.alive:
             self.sim.sleep(seconds)
         else:
-            process.exited.wait(seconds)
+            # A driver idling between two looks at its job, which read the job's dir.
+            process.exited.poll_wait(seconds, (str(process.job_dir),))
 
     def reap(self) -> None:
         me = self.sim.process
@@ -251,10 +256,28 @@ class SimProcesses:
         if signum is SIGKILL:
             self._die(process, 128 + SIGKILL, "SIGKILL")
         elif process.role == "worker":
-            self._die(process, 128 + SIGTERM, "SIGTERM")
+            self._terminate(process)
         elif process.role == "agent" and process.child is not None:
             self._deliver(process.child, signum)  # torchrun passes it on, and exits after its worker
         # the wrapper traps SIGTERM (``trap :``) and records its command's exit
+
+    def _terminate(self, worker: OsProcess) -> None:
+        """SIGTERM: the worker dies of it (143), at once, or after a quality run's curve's ``stop_s``
+        (the script saving, the interpreter tearing down) with its training over meanwhile."""
+        curve = self.cluster.curve
+        if curve is None or curve.stop_s <= 0:
+            self._die(worker, 128 + SIGTERM, "SIGTERM")
+            return
+        if worker.run is not None:
+            self.cluster.kill(worker.run, "SIGTERM")
+            worker.run.exit_code = 128 + SIGTERM
+        worker.exiting = True
+        teardown = self.sim.start_process(f"teardown {worker.pid}", self.host)
+        teardown.spawn("exit", lambda: self._exit_after(worker, 128 + SIGTERM, curve.stop_s))
+
+    def _exit_after(self, process: OsProcess, code: int, seconds: float) -> None:
+        self.sim.sleep(seconds)
+        self._exit(process, code)
 
     def _die(self, process: OsProcess, code: int, how: str) -> None:
         if process.role in ("wrapper", "agent"):
