@@ -20,7 +20,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from benchmarks.lcbench.arms import ARMS, BASELINE, REQUIRES, SLOW_ARMS
+from benchmarks.lcbench.arms import ARMS, BASELINE, OPT_IN_ARMS, REQUIRES
 from benchmarks.lcbench.metrics import RunSummary, overall, per_instance
 from benchmarks.lcbench.problem import Budget
 from benchmarks.lcbench.reference import load_references
@@ -50,7 +50,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--arms",
         type=lambda text: text.split(","),
-        help=f"comma-separated, of {', '.join(ARMS)} (default: all but the slow {', '.join(SLOW_ARMS)}; "
+        help=f"comma-separated, of {', '.join(ARMS)} (default: all but the opt-in {', '.join(OPT_IN_ARMS)}; "
         f"{BASELINE} is always run)",
     )
     parser.add_argument(
@@ -82,7 +82,7 @@ def choose_arms(parser: argparse.ArgumentParser, asked: list[str] | None) -> lis
     unknown = sorted(set(asked or []) - set(ARMS))
     if unknown:
         parser.error(f"unknown arms {unknown}; valid: {', '.join(ARMS)}")
-    default = [arm for arm in ARMS if arm not in SLOW_ARMS]
+    default = [arm for arm in ARMS if arm not in OPT_IN_ARMS]
     arms = [BASELINE, *[arm for arm in (asked or default) if arm != BASELINE]]
     missing = {arm: absent for arm in arms if (absent := missing_modules(arm))}
     if missing and asked:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from benchmarks.lcbench import baselines, peers
+from benchmarks.lcbench import baselines, peers, tunepod_arms
 from benchmarks.lcbench.problem import Budget, Problem, Recorder, Reference, Trace, make_problem
 from benchmarks.lcbench.simulator import Job, Scheduler, simulate
 
@@ -60,6 +60,8 @@ ARMS: dict[str, Arm] = {
     "smac-hyperband": peers.smac_hyperband,
     "dehb": peers.dehb,
     "ray-asha": peers.ray_asha,
+    "tunepod-asha": tunepod_arms.asha,
+    "tunepod-asha-forecast": tunepod_arms.asha_forecast,
     "syne-tune-asha-cqr": peers.syne_tune_asha_cqr,
     "smac-multi-fidelity": peers.smac_multi_fidelity,
 }
@@ -67,6 +69,10 @@ ARMS: dict[str, Arm] = {
 # CQR, which refits gradient-boosted quantile regressors at every suggestion, 11 min; SMAC's random
 # forest 2.5 min), against seconds for the others, so they would turn a run of minutes into hours.
 SLOW_ARMS = ("syne-tune-asha-cqr", "smac-multi-fidelity")
+# Named with --arms: what the development instances are to decide between (the first rung's place,
+# the sampler alone).
+ARMS |= {"tunepod-asha-epoch-1": tunepod_arms.asha_from_epoch_1, "tunepod-tpe": tunepod_arms.tpe}
+OPT_IN_ARMS = (*SLOW_ARMS, "tunepod-asha-epoch-1", "tunepod-tpe")
 # The modules each arm imports; `pip install 'tunepod[bench]'` brings them all.
 REQUIRES: dict[str, tuple[str, ...]] = {
     "optuna-tpe-hyperband": ("optuna",),
