@@ -81,9 +81,6 @@ class Population:
         """Members still to ask for."""
         return self.pbt.population - len(first_members(trials))
 
-    def is_unstarted_continuation(self, trial: FrozenTrial) -> bool:
-        return PbtState.of(trial) is not None and read_submission(JobPaths(self.job_dir(trial))) is None
-
     def seed_job_dir(self, trial: FrozenTrial) -> None:
         """Before a continuation's first job: the donor's checkpoint copy becomes its checkpoint."""
         state = PbtState.of(trial)
