@@ -20,7 +20,8 @@ from simulation.quality import (  # noqa: E402 (found only once tests/ is on the
     JobSpan,
     QualityTrace,
     TraceReport,
+    outcome_of,
     run_quality_study,
 )
 
-__all__ = ["CurveModel", "JobSpan", "QualityTrace", "TraceReport", "run_quality_study"]
+__all__ = ["CurveModel", "JobSpan", "QualityTrace", "TraceReport", "outcome_of", "run_quality_study"]

@@ -60,8 +60,8 @@ ARMS: dict[str, Arm] = {
     "smac-hyperband": peers.smac_hyperband,
     "dehb": peers.dehb,
     "ray-asha": peers.ray_asha,
-    "tunepod-asha": tunepod_arms.asha,
-    "tunepod-asha-forecast": tunepod_arms.asha_forecast,
+    "tunepod-asha": tunepod_arms.arm("tunepod-asha"),
+    "tunepod-asha-forecast": tunepod_arms.arm("tunepod-asha-forecast"),
     "syne-tune-asha-cqr": peers.syne_tune_asha_cqr,
     "smac-multi-fidelity": peers.smac_multi_fidelity,
 }
@@ -71,7 +71,7 @@ ARMS: dict[str, Arm] = {
 SLOW_ARMS = ("syne-tune-asha-cqr", "smac-multi-fidelity")
 # Named with --arms: what the development instances are to decide between (the first rung's place,
 # the sampler alone).
-ARMS |= {"tunepod-asha-epoch-1": tunepod_arms.asha_from_epoch_1, "tunepod-tpe": tunepod_arms.tpe}
+ARMS |= {name: tunepod_arms.arm(name) for name in ("tunepod-asha-epoch-1", "tunepod-tpe")}
 OPT_IN_ARMS = (*SLOW_ARMS, "tunepod-asha-epoch-1", "tunepod-tpe")
 # The modules each arm imports; `pip install 'tunepod[bench]'` brings them all.
 REQUIRES: dict[str, tuple[str, ...]] = {

@@ -11,7 +11,7 @@ What differs between the arms is only the spec's sampler and policy, which is wh
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,25 +63,36 @@ def _key(params: Mapping[str, Any]) -> tuple[tuple[str, float], ...]:
     return tuple(sorted((name, float(value)) for name, value in params.items()))
 
 
-def settings(
-    problem: Problem, budget: Budget, seed: int, sampler: str, pruner: dict[str, Any]
-) -> TuneSettings:
+def tune_step(
+    problem: Problem,
+    num_parallel: int,
+    seed: int,
+    sampler: str,
+    pruner: dict[str, Any],
+    train: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The spec's tune step (its ``with``) for this arm on ``problem``: what the simulated study runs,
+    and what ``agreement`` runs through `tunepod run` with ``train`` (the real training job)."""
     space = {
         p.name: {"type": "int" if p.integer else "float", "low": p.low, "high": p.high, "log": p.log}
         for p in problem.space
     }
-    return TuneSettings.model_validate(
-        {
-            "train": {"entrypoint": "train.py"},
-            "study": {"name": f"lcbench-{problem.instance}", "metric": METRIC, "direction": "maximize"},
-            "space": space,
-            "num_trials": MAX_TRIALS,
-            "num_parallel": budget.n_workers,
-            "sampler": sampler,
-            "pruner": pruner,
-            "seed": seed,
-        }
-    )
+    return {
+        "train": train or {"entrypoint": "train.py"},
+        "study": {"name": f"lcbench-{problem.instance}", "metric": METRIC, "direction": "maximize"},
+        "space": space,
+        "num_trials": MAX_TRIALS,
+        "num_parallel": num_parallel,
+        "sampler": sampler,
+        "pruner": pruner,
+        "seed": seed,
+    }
+
+
+def settings(
+    problem: Problem, budget: Budget, seed: int, sampler: str, pruner: dict[str, Any]
+) -> TuneSettings:
+    return TuneSettings.model_validate(tune_step(problem, budget.n_workers, seed, sampler, pruner))
 
 
 def study(problem: Problem, seed: int, budget: Budget, sampler: str, pruner: dict[str, Any]) -> Trace:
@@ -101,23 +112,29 @@ def study(problem: Problem, seed: int, budget: Budget, sampler: str, pruner: dic
     return recorder.trace(end_s, num_trials=len(run.outcomes), num_jobs=len(run.jobs))
 
 
-def asha(problem: Problem, seed: int, budget: Budget) -> Trace:
-    """The recommended setting: TPE, ASHA with its default rungs (the first at a third of a trial)."""
-    return study(problem, seed, budget, "tpe", {"kind": "asha", "max_resource": problem.max_epochs})
+def _asha(problem: Problem, **options: Any) -> dict[str, Any]:
+    return {"kind": "asha", "max_resource": problem.max_epochs, **options}
 
 
-def asha_forecast(problem: Problem, seed: int, budget: Budget) -> Trace:
-    """TPE, ASHA ranking at each rung by the final value each trial's curve forecasts."""
-    pruner = {"kind": "asha", "max_resource": problem.max_epochs, "rank_by": "forecast"}
-    return study(problem, seed, budget, "tpe", pruner)
+POLICIES: dict[str, Callable[[Problem], tuple[str, dict[str, Any]]]] = {
+    # The recommended setting: TPE, ASHA with its default rungs (the first at a third of a trial).
+    "tunepod-asha": lambda problem: ("tpe", _asha(problem)),
+    # TPE, ASHA ranking at each rung by the final value each trial's curve forecasts.
+    "tunepod-asha-forecast": lambda problem: ("tpe", _asha(problem, rank_by="forecast")),
+    # TPE, ASHA with the peers' rungs: the first at epoch 1, a factor of 3.
+    "tunepod-asha-epoch-1": lambda problem: ("tpe", _asha(problem, min_resource=1)),
+    # TPE, every trial trained to its end: what the policies add over the sampler alone.
+    "tunepod-tpe": lambda problem: ("tpe", {"kind": "none"}),
+}
+"""Each arm's sampler and pruner spec, by the arm's name in ``arms.ARMS``."""
 
 
-def asha_from_epoch_1(problem: Problem, seed: int, budget: Budget) -> Trace:
-    """TPE, ASHA with the peers' rungs: the first at epoch 1, a factor of 3."""
-    pruner = {"kind": "asha", "max_resource": problem.max_epochs, "min_resource": 1}
-    return study(problem, seed, budget, "tpe", pruner)
+def arm(name: str) -> Callable[[Problem, int, Budget], Trace]:
+    """The arm ``name`` of ``POLICIES``: its study on a problem, for a seed and budget."""
 
+    def run(problem: Problem, seed: int, budget: Budget) -> Trace:
+        sampler, pruner = POLICIES[name](problem)
+        return study(problem, seed, budget, sampler, pruner)
 
-def tpe(problem: Problem, seed: int, budget: Budget) -> Trace:
-    """TPE, every trial trained to its end: what the policies add over the sampler alone."""
-    return study(problem, seed, budget, "tpe", {"kind": "none"})
+    run.__name__ = run.__qualname__ = name.replace("-", "_")
+    return run

@@ -64,7 +64,7 @@ from tunepod.hpo.endings import ending_of
 from tunepod.hpo.tuner import OUTCOME, Tuner
 from tunepod.spec.models import TrainJob, TuneSettings
 
-__all__ = ["CurveModel", "JobSpan", "QualityTrace", "TraceReport", "run_quality_study"]
+__all__ = ["CurveModel", "JobSpan", "QualityTrace", "TraceReport", "outcome_of", "run_quality_study"]
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,9 @@ class QualityTrace:
     jobs: tuple[JobSpan, ...]
     outcomes: Mapping[int, str]
     """Trial number -> COMPLETE, PRUNED, EXPLOITED (PBT), PAUSED (ASHA), FAIL, or RUNNING (the run
-    stopped while it trained)."""
+    stopped while it trained): ``outcome_of`` its trial."""
+    params: Mapping[int, Mapping[str, Any]]
+    """Trial number -> the parameters it was asked with."""
     simulated_s: float
     """Seconds from the study's start to its end, or to where the budget or ``stop`` ended it."""
     ended_by: str
@@ -324,15 +326,17 @@ class _QualityRun:
         )
         storage = self.database.storage
         trials = storage.get_all_trials(storage.get_study_id_from_name(self.settings.study.name))
-        outcomes = {trial.number: _outcome(trial) for trial in trials}
+        outcomes = {trial.number: outcome_of(trial) for trial in trials}
+        params = {trial.number: dict(trial.params) for trial in trials}
         tally = self.tally
-        return QualityTrace(tuple(tally.reports), jobs, outcomes, tally.ended_at_s, tally.ended_by)
+        return QualityTrace(tuple(tally.reports), jobs, outcomes, params, tally.ended_at_s, tally.ended_by)
 
     def _thread_died(self, task: Task, exc: BaseException) -> None:
         self.died = exc
 
 
-def _outcome(trial: FrozenTrial) -> str:
+def outcome_of(trial: FrozenTrial) -> str:
+    """How a trial stands, in the words of ``QualityTrace.outcomes`` (a real study's trial too)."""
     if is_paused(trial):
         return "PAUSED"
     if trial.state not in OUTCOME:
