@@ -132,12 +132,23 @@ def write_plot(path: Path, rows: Sequence[ArmOnInstance], arms: Sequence[ArmOver
 
 def write_json(
     path: Path,
-    runs: Sequence[RunSummary],
+    runs: Sequence[RunSummary | dict[str, Any]],
     rows: Sequence[ArmOnInstance],
     arms: Sequence[ArmOverall],
     budget: Budget,
 ) -> None:
     """Every run's regrets and incumbent curve (on the grid), and the aggregates."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(json_document(runs, rows, arms, budget), indent=1) + "\n")
+
+
+def json_document(
+    runs: Sequence[RunSummary | dict[str, Any]],
+    rows: Sequence[ArmOnInstance],
+    arms: Sequence[ArmOverall],
+    budget: Budget,
+) -> dict[str, Any]:
+    """What ``write_json`` writes; runs read back from such a file are taken as they are."""
 
     def plain(value: object) -> object:
         if isinstance(value, np.ndarray):
@@ -147,9 +158,11 @@ def write_json(
         return value
 
     def record(item: Any, drop: tuple[str, ...] = ()) -> dict[str, object]:
+        if isinstance(item, dict):
+            return item
         return {k: plain(v) for k, v in asdict(item).items() if k not in drop}
 
-    document = {
+    return {
         "budget": asdict(budget),
         "fractions": list(FRACTIONS),
         "grid_points": GRID_POINTS,
@@ -157,5 +170,3 @@ def write_json(
         "per_instance": [record(row) for row in rows],
         "overall": [record(arm) for arm in arms],
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(document, indent=1) + "\n")

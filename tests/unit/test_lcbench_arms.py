@@ -14,6 +14,7 @@ import pytest
 
 from benchmarks.lcbench.__main__ import main as lcbench_main
 from benchmarks.lcbench.arms import ARMS, BASELINE, REQUIRES, SLOW_ARMS
+from benchmarks.lcbench.merge import main as merge_main
 from benchmarks.lcbench.problem import Budget, Problem, make_problem
 from benchmarks.quality.__main__ import lcbench_argv
 
@@ -66,3 +67,44 @@ def test_the_command_writes_its_numbers(tmp_path: Path) -> None:
     assert [(run["arm"], run["seed"]) for run in document["runs"]] == [(BASELINE, 0), (BASELINE, 1000)]
     (row,) = document["per_instance"]
     assert row["fraction_to_random"] <= 1.0
+
+
+def test_runs_of_other_arms_and_instances_merge_into_one_table(tmp_path: Path) -> None:
+    """Runs of instances apart and of arms apart, on random search's seeds, pool into one table; an
+    arm missing an instance, or a file whose random rows differ (other seeds), is refused."""
+
+    def run(name: str, instances: str, arms: str, *more: str) -> str:
+        out = tmp_path / f"{name}.json"
+        argv = [
+            "--instances",
+            instances,
+            "--arms",
+            arms,
+            "--seeds",
+            "2",
+            "--budget-trials",
+            "2",
+            "--jobs",
+            "1",
+        ]
+        assert lcbench_main([*argv, *more, "--json", str(out)]) == 0
+        return str(out)
+
+    part_1, part_2 = run("1", "3945", "optuna-tpe-hyperband"), run("2", "7593", "optuna-tpe-hyperband")
+    random_again = run("random", "3945", BASELINE)
+    merged = tmp_path / "merged.json"
+    assert merge_main([part_1, part_2, random_again, "--json", str(merged)]) == 0
+    document = json.loads(merged.read_text())
+    pairs = sorted((row["arm"], row["instance"]) for row in document["per_instance"])
+    assert pairs == [
+        ("optuna-tpe-hyperband", "3945"),
+        ("optuna-tpe-hyperband", "7593"),
+        *[(BASELINE, i) for i in ("3945", "7593")],
+    ]
+    assert len(document["runs"]) == 8  # random's runs on 3945 counted once
+    assert [arm["instances"] for arm in document["overall"]] == [2, 2]
+
+    with pytest.raises(SystemExit):  # optuna has no row on 7593: its mean rank would not compare
+        merge_main([part_1, run("random-7593", "7593", BASELINE)])
+    with pytest.raises(SystemExit, match="ran other seeds"):
+        merge_main([part_1, run("other-seeds", "3945", BASELINE, "--first-seed", "7")])
