@@ -2,7 +2,8 @@
 
 The tuning loop (tuner, job drivers, leases, launchers' bookkeeping, the tracking outbox and mirrors)
 reads the clocks, sleeps, starts threads, waits on locks, conditions and events, takes file locks,
-draws random ids and asks whether a process is alive only through the ``World`` installed here.
+draws random ids, asks whether a process is alive and copies each file of a checkpoint copied from
+another job's folder only through the ``World`` installed here.
 ``RealWorld`` is the standard library and the kernel; the deterministic simulation
 (``tests/simulation``) installs a world of its own for one seed at a time, under which the seed fixes
 every interleaving of the real code, every fault and every reading of a clock.
@@ -19,6 +20,7 @@ import errno
 import fcntl
 import os
 import secrets
+import shutil
 import socket
 import threading
 import time as _time
@@ -148,6 +150,12 @@ class World(Protocol):
         and is not there any more); False when it runs or when that cannot be told from here."""
         ...
 
+    def copy_file(self, source: str, target: str) -> object:
+        """``shutil.copy2``: one file of a folder copied while its owner may change it (PBT's copy of a
+        running donor's checkpoint step, ``shutil.copytree(..., copy_function=world.copy_file)``);
+        between two files, the donor's job may save a step and prune the one being copied."""
+        ...
+
 
 class RealWorld:
     """The standard library and the kernel."""
@@ -215,6 +223,9 @@ class RealWorld:
             return False
         ticks = _start_ticks(process.pid, alive_only=True)
         return ticks is None or ticks != process.start_ticks
+
+    def copy_file(self, source: str, target: str) -> object:
+        return shutil.copy2(source, target)
 
 
 def _flock(fd: int, path: Path, *, blocking: bool) -> bool:
@@ -354,6 +365,10 @@ def is_gone(process: ProcessId) -> bool:
     return _installed.world.is_gone(process)
 
 
+def copy_file(source: str, target: str) -> object:
+    return _installed.world.copy_file(source, target)
+
+
 __all__ = [
     "Condition",
     "Event",
@@ -362,6 +377,7 @@ __all__ = [
     "RealWorld",
     "World",
     "condition",
+    "copy_file",
     "current",
     "event",
     "file_lock",

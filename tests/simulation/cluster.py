@@ -118,6 +118,9 @@ class Program:
     beats: thousands of steps in a few simulated events (faults strike once per sleep)."""
     metrics: tuple[str, ...] = ("score",)
     """The metrics every report holds (and the result file): the study's objectives."""
+    keep: int = 2
+    """The checkpoints a run keeps (``save_checkpoint``'s ``keep``): each save prunes the older ones,
+    a PBT donor's too while an exploited member copies its newest step."""
     torn_appends: float = 0.0
     """The chance one report's append is slow (a busy shared filesystem): its line is written in two
     parts with a pause between, so a reader meets it half written, and a kill in the pause leaves a
@@ -388,7 +391,7 @@ class Cluster:
             self._report(run, paths, step, self._metrics(params, step))
             if self.sim.choices.chance(self.program.same_step_reports):
                 self._report(run, paths, step, {"loss": round(1.0 - score(params, step), 6)})
-        save_checkpoint(paths.checkpoints, checkpoint_state(run, step, params), step, keep=2)
+        save_checkpoint(paths.checkpoints, checkpoint_state(run, step, params), step, keep=self.program.keep)
         if paths.checkpoints.parent == run.job_dir:
             self.saves.setdefault(run.job_dir, []).append(step)
         return step

@@ -36,7 +36,7 @@ from tunepod.launch.slurm import states as slurm_states
 from tunepod.launch.submission import write_cancel_marker
 from tunepod.launch.watchdog import Stall, Watchdog
 from tunepod.locks import locked
-from tunepod.runtime import Result, files, metrics
+from tunepod.runtime import Result, checkpoints, files, metrics
 from tunepod.runtime.checkpoints import CheckpointInfo
 from tunepod.runtime.progress import RankProgress, read_progress
 from tunepod.spec.models import PrunerSpec
@@ -513,6 +513,13 @@ def _pbt_copies_its_own() -> contextlib.AbstractContextManager[None]:
     return _patched(population.Population, "_copy_from_a_donor", copy_from_a_donor)
 
 
+def _pruned_step_fails_the_copy() -> contextlib.AbstractContextManager[None]:
+    """PBT's copy of a donor's step retried only where the step was gone before its files were listed
+    (``FileNotFoundError``): a ``shutil.Error`` of files the donor's job pruned under the copy is
+    raised, as a failure of the copy's own."""
+    return _patched(checkpoints, "_lost_to_a_prune", lambda failed: False)
+
+
 def _threshold_bounds_swapped() -> contextlib.AbstractContextManager[None]:
     """The threshold pruner built with its bounds swapped: it prunes the trials that rise above
     ``lower`` instead of those that fall below it."""
@@ -735,6 +742,9 @@ MUTANTS = [
         "one that looks at the study while the other drives takes a just-paused trial for the study's "
         "own work, and slots that would idle resume every paused trial",
         _parked_counted_in_flight,
+        # First found by seed 821 (Slurm, ASHA: a paused trial promoted for an idle slot after a
+        # trial completed), none of 0-820 does; 1144, 1209 and 1420 find it too.
+        found_by=821,
     ),
     Mutant(
         "asha-judges-untold-rung",
@@ -748,6 +758,14 @@ MUTANTS = [
         "pbt-wrong-donor",
         "PBT seeds a continuation with the exploited member's own checkpoint, recording the donor's",
         _pbt_copies_its_own,
+    ),
+    Mutant(
+        "copy-fails-on-a-pruned-step",
+        "PBT: a donor step its job pruned while it was copied fails the copy (only a step gone before "
+        "the copy is retried)",
+        _pruned_step_fails_the_copy,
+        # First found by seed 76 (slow copies: the donor's job prunes step 0 under the copy); 13 of
+        # the 43 seeds of the first 1,000 that draw slow copies find it.
     ),
     Mutant(
         "threshold-swapped",

@@ -25,6 +25,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -49,9 +50,12 @@ from simulation.stores import FaultSwitch, MlflowTwin, OptunaDatabase, SimStorag
 from simulation.trace import Trace
 from tunepod import world
 from tunepod.errors import is_transient
+from tunepod.hpo import population
 from tunepod.hpo.tuner import TuneContext, Tuner
 from tunepod.launch.base import Launcher
 from tunepod.outputs import Dataset
+from tunepod.runtime import checkpoints
+from tunepod.runtime.checkpoints import CheckpointInfo
 from tunepod.spec.models import TuneSettings
 from tunepod.tracking.outbox import TrackingOutbox
 
@@ -177,6 +181,7 @@ class _Run:
         with (
             world.installed(self.world),
             _sim_files(self.sim, self._disk_full),
+            _copies_refereed(self.referee),
             logs_into(self.trace, self.sim, self.root),
         ):
             try:
@@ -291,7 +296,8 @@ class _Run:
                     )
                     world.sleep(5.0)
                     continue
-                self.trace.event(self.sim.now, "process", f"{process.name}: tunepod run fails: {exc!r}"[:400])
+                failed = without_random_names(f"{process.name}: tunepod run fails: {exc!r}")
+                self.trace.event(self.sim.now, "process", failed[:400])
                 break
             else:
                 # While faults strike, MLflow may be left behind, to be caught up by the next run (as
@@ -528,6 +534,29 @@ def _sim_files(sim: Scheduler, full: Callable[[], bool]) -> Iterator[None]:
         yield
 
 
+@contextmanager
+def _copies_refereed(referee: Referee) -> Iterator[None]:
+    """Every checkpoint copy PBT makes (``copy_newest_checkpoint`` as ``tunepod.hpo.population``
+    calls it) that raises ``shutil.Error`` is shown to the referee as it raises
+    (``Referee.copy_failed``), before its caller reaches a yield point. Only on the simulation's own
+    OS thread, as ``_sim_files``."""
+    real = checkpoints.copy_newest_checkpoint
+    simulation_thread = threading.get_ident()
+
+    def copy(
+        source_dir: Path, into_dir: Path, attempts: int = 3, *, before: int | None = None
+    ) -> CheckpointInfo | None:
+        try:
+            return real(source_dir, into_dir, attempts, before=before)
+        except shutil.Error as failed:
+            if threading.get_ident() == simulation_thread:
+                referee.copy_failed(failed)
+            raise
+
+    with mock.patch.object(population, "copy_newest_checkpoint", copy):
+        yield
+
+
 class _TraceHandler(logging.Handler):
     """The orchestrators' warnings and errors, into the trace; the seed's folder named ``<root>`` so
     that two runs of a seed tell the same story."""
@@ -541,7 +570,18 @@ class _TraceHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         who = self.sim.current.process.name if self.sim.current is not None else "-"
         text = f"{who}: {record.levelname} {record.getMessage()}".replace(self.root, "<root>")
-        self.trace.event(self.sim.now, "log", text[:600])
+        self.trace.event(self.sim.now, "log", without_random_names(text)[:600])
+
+
+_HIDDEN_STEP_FOLDER = re.compile(r"(\.(?:tmp|trash)-step-\S*?-)[0-9a-f]{8}")
+"""A checkpoint save's or copy's hidden folder, whose name ends in random hex (``tunepod.runtime``
+draws it from ``secrets``, not from the world: a job's runtime has none)."""
+
+
+def without_random_names(text: str) -> str:
+    """``text`` with the random part of each hidden checkpoint folder's name as ``<random>``, so that
+    two runs of a seed tell the same story where an error names one (a copy that failed)."""
+    return _HIDDEN_STEP_FOLDER.sub(r"\1<random>", text)
 
 
 @contextmanager

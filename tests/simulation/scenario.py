@@ -10,8 +10,8 @@ at any yield point* strike an orchestrator where its thread stopped, a lock or a
 not: a SIGKILL, a stall (short, or past the lease TTL), its host's clock jumping; and a job's training
 process may stall there too. After ``fault_phase_s`` every fault stops, and the study must then end
 (liveness) within ``settle_s``. Draws added later (ASHA, PBT, crashes after writes, node failures,
-start-ups, preemptions, the train and evaluate steps, time) come from random sources of their own, so
-a seed's earlier draws stay as they were.
+start-ups, preemptions, the train and evaluate steps, time, PBT's slow checkpoint copies) come from
+random sources of their own, so a seed's earlier draws stay as they were.
 
 Time passes: each seed draws a *latency profile* (``scheduler.Latency``), how long each kind of call
 takes (Optuna, MLflow, a backend's API, a local syscall, a record written, a job's process starting):
@@ -136,7 +136,8 @@ class Scenario:
             f"{program.reports_per_sleep} report(s) in each sleep of {program.step_s:.0f}s, metrics "
             f"{', '.join(program.metrics)}, "
             f"{'a result file' if program.writes_result else 'exit 0 without a result file'}, "
-            f"same-step reports {program.same_step_reports}, slow (tearable) appends {program.torn_appends}"
+            f"same-step reports {program.same_step_reports}, slow (tearable) appends {program.torn_appends}, "
+            f"keeps {program.keep} checkpoint(s)"
         )
 
     def _describe_study(self) -> str:
@@ -242,7 +243,7 @@ def scenario_of(seed: int, *, kinds: tuple[str, ...] = KINDS) -> Scenario:
     scenario = _with_lost_pause_answers(scenario)
     scenario = _with_time(_with_steps(_with_preemptions(_with_slow_starts(scenario))))
     scenario = _with_enqueue(_with_objectives(_with_torn_appends(_with_long_program(scenario))))
-    return _with_rungs_mid_sleep(_with_sampler(scenario))
+    return _with_slow_copies(_with_rungs_mid_sleep(_with_sampler(scenario)))
 
 
 def _with_asha(scenario: Scenario) -> Scenario:
@@ -354,6 +355,23 @@ def _with_long_program(scenario: Scenario) -> Scenario:
         reports_per_sleep=-(-points // program.steps),
     )
     return replace(scenario, program=long)
+
+
+def _with_slow_copies(scenario: Scenario) -> Scenario:
+    """PBT's seeds, in half of them: each file of a copied checkpoint step takes a while (up to one
+    or two of the program's sleeps, as a large state does), and jobs keep one or two checkpoints,
+    drawn apart (as ASHA's). An exploited member then copies a donor's newest step while the donor's
+    job trains on, saves and prunes, so the step may be pruned under the copy, between two of its
+    files. Elsewhere a copy is instant and no yield point, as it was before."""
+    if scenario.pruner != "pbt":
+        return scenario
+    draw = random.Random(f"slow-copies-{scenario.seed}")
+    if draw.random() >= 0.5:
+        return scenario
+    slowest = scenario.program.step_s * draw.uniform(0.3, 2.0)
+    latency = replace(scenario.latency, copy=(slowest / 10, slowest))
+    program = replace(scenario.program, keep=draw.choice([1, 2]))
+    return replace(scenario, latency=latency, program=program)
 
 
 def _with_rungs_mid_sleep(scenario: Scenario) -> Scenario:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import math
+import shutil
 from collections import deque
 from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import Future
@@ -76,9 +77,13 @@ class Latency:
     """A record written atomically (a temporary file, its fsync, a rename)."""
     process_start: Span = _INSTANT
     """From a job's process created to its program's first line (exec, imports, the runtime's setup)."""
+    copy: Span = _INSTANT
+    """One file of a checkpoint step copied from another job's folder (PBT's copy of a donor's step, a
+    large state): drawn apart, in PBT's seeds only (``scenario._with_slow_copies``)."""
 
     def describe(self) -> str:
         spans = [(kind.name, getattr(self, kind.name)) for kind in fields(self)]
+        spans = [(name, span) for name, span in spans if name != "copy" or span != _INSTANT]
         return "latency: " + ", ".join(f"{name} {_ms(low)}-{_ms(high)}" for name, (low, high) in spans)
 
 
@@ -721,3 +726,14 @@ class SimWorld:
         if not me.shares_pids_with(process):
             return False
         return not any(task.process.alive and task.process.identity == process for task in self.sim.tasks)
+
+    def copy_file(self, source: str, target: str) -> object:
+        """The file is copied at once (once open, it copies whole, pruned or not, as on Linux), then
+        its transfer takes a drawn time (``Latency.copy``): a yield point where the donor's job may
+        save and prune the step being copied, whose next files then fail to open. Where copies are
+        instant (every seed but some of PBT's), it is no yield point, as before the seam."""
+        self._check()
+        copied = shutil.copy2(source, target)
+        if self.sim.latency.copy[1] > 0:
+            self.sim.takes("a checkpoint file copied", self.sim.latency.copy)
+        return copied

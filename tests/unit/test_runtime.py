@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from tunepod import runtime
+from tunepod import runtime, world
 from tunepod.runtime import checkpoints
 from tunepod.runtime.contract import read_contract
 from tunepod.tracking.mirror import ModelPlan, intact_model
@@ -640,29 +640,25 @@ def test_the_newest_step_is_copied_whole_once_and_a_folder_without_one_gives_non
     assert checkpoints.copy_newest_checkpoint(tmp_path / "empty", tmp_path / "nothing") is None
 
 
-def test_a_step_pruned_by_its_job_mid_copy_is_given_up_for_the_then_newest_one(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_step_pruned_by_its_job_mid_copy_is_given_up_for_the_then_newest_one(tmp_path: Path) -> None:
     """PBT copies a running donor's newest step while the donor's rank 0 goes on saving and pruning.
     Here the prune lands, through the real save, between the copy listing the step's files and copying
-    the first one: ``copytree`` then fails on every file of the step (``shutil.Error``), which is the
+    the first one (each file is copied through ``world.copy_file``, the seam where the simulation lets
+    a donor run): ``copytree`` then fails on every file of the step (``shutil.Error``), which is the
     step gone, not a broken copy; the copy takes the donor's newest step instead."""
     donor, seed = tmp_path / "donor", tmp_path / "seed"
     checkpoints.save_checkpoint(donor, {"step": 1}, 1, keep=1)
-    real_copytree = shutil.copytree
     saved_mid_copy: list[int] = []
 
-    def copy_then_prune_once(source: Path, target: Path) -> object:
-        if not saved_mid_copy:
-            saved_mid_copy.append(2)
-            checkpoints.save_checkpoint(donor, {"step": 2}, 2, keep=1)  # prunes step 1, being copied
-        return shutil.copy2(source, target)
+    class DonorSavesMidCopy(world.RealWorld):
+        def copy_file(self, source: str, target: str) -> object:
+            if not saved_mid_copy:
+                saved_mid_copy.append(2)
+                checkpoints.save_checkpoint(donor, {"step": 2}, 2, keep=1)  # prunes step 1, being copied
+            return super().copy_file(source, target)
 
-    def copytree_racing_the_donor(source: Path, target: Path) -> object:
-        return real_copytree(source, target, copy_function=copy_then_prune_once)
-
-    monkeypatch.setattr(shutil, "copytree", copytree_racing_the_donor)
-    copied = checkpoints.copy_newest_checkpoint(donor, seed)
+    with world.installed(DonorSavesMidCopy()):
+        copied = checkpoints.copy_newest_checkpoint(donor, seed)
     assert saved_mid_copy == [2]
     assert copied is not None and copied.step == 2
     assert checkpoints.load_latest_checkpoint(seed).state == {"step": 2}  # type: ignore[union-attr]

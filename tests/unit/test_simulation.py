@@ -28,7 +28,7 @@ def test_a_seed_replays_its_run_event_for_event() -> None:
 
 
 # Defects put back, each with a seed that finds it (one run each): the tuner, the watchdog, three
-# launchers (Slurm's under node failures), ASHA, a train step's lease, and every kind of defect that
+# launchers (Slurm's under node failures), ASHA, PBT, a train step's lease, and every kind of defect that
 # escaped before calls took time and decisions were judged. When the simulation's draws change, a
 # seed may no longer find its mutant: make simulate SIMULATE_ARGS=--mutants prints a seed for each.
 FOUND_BY = {
@@ -43,9 +43,11 @@ FOUND_BY = {
     "outbox-drops-readded": 44,
     "promotions-eat-restarts": 77,
     "pbt-wrong-donor": 12,
+    "copy-fails-on-a-pruned-step": 76,
     "asha-keeps-one-too-many": 10,
     "torn-metrics-line": 0,
     "asha-judges-untold-rung": 605,
+    "parked-counted-in-flight": 821,
 }
 
 

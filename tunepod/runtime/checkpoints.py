@@ -342,6 +342,9 @@ def copy_newest_checkpoint(
     step deleted while being copied is given up and the then newest one copied instead (``attempts``
     steps in all). A copy that fails while the source's files are still there (a full disk,
     permissions) raises ``shutil.Error``."""
+    # Here, not at the top: only the orchestrator copies, and a training job need not import it.
+    from tunepod import world
+
     existing = latest_checkpoint(into_dir) if into_dir.exists() else None
     if existing is not None:
         return existing
@@ -355,7 +358,8 @@ def copy_newest_checkpoint(
         temp = into_dir / f"{_TEMP_PREFIX}{source.step}-{secrets.token_hex(4)}"
         try:
             with _committed_as(temp, final):
-                shutil.copytree(source.path, temp)
+                # Each file through the world: a simulated donor saves and prunes between two.
+                shutil.copytree(source.path, temp, copy_function=world.copy_file)
                 for path in temp.rglob("*"):
                     if path.is_file():
                         fsync_file(path)
