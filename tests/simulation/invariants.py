@@ -23,14 +23,13 @@ Checked at the moment it happens (the backends, the stores and the scheduler cal
 - **a step's outcome is its job's** (train and evaluate steps): a step that returns a result has a
   run of its job that wrote it; a step that fails with a ``JobError`` (not a lost lease) has no run
   that finished, and did not fail on a preemption ``max_restarts`` still allowed to restart;
-- **a donor's prune fails no copy** (PBT): a checkpoint copy never raises while files it failed on
-  are gone from its source. A step its donor's job pruned under the copy (a save between two of its
-  files) is a step gone, not a broken copy: the copy must take the donor's then newest step instead
-  (raised, it fails the exploited trial's driver and the tune step, and the member waits RUNNING
-  without its continuation until a later run). Checked as the copy raises. A copy that fails
-  with its source intact is not this invariant's: a second driver of the trial (a stale one beside
-  its lease's new holder) copying into the same folder clears the first one's hidden copy, and that
-  copy then fails (seeds 207 and 507 of the slow copies show it);
+- **a checkpoint copy fails only on a full disk** (PBT): a copy never raises while files it failed
+  on are gone from its source (a step its donor's job pruned under the copy, a save between two of
+  its files, is a step gone, not a broken copy: the copy must take the donor's then newest step
+  instead), nor while another copy into the same folder runs (two drivers of one trial, a stale one
+  beside its lease's new holder, each clear the folder's hidden copies first). Raised, either fails
+  the exploited trial's driver and the tune step, and the member waits RUNNING without its
+  continuation until a later run. Checked as the copy raises;
 - **a rerun of a completed step starts no job**: no job is created in a step's job dir that held a
   result when a step began with it (the rerun reuses the result);
 - **an exploited trial goes on once** (PBT, checked at the end): one continuation per trial an exploit
@@ -448,18 +447,28 @@ class Referee:
             )
 
     def copy_failed(self, failed: shutil.Error) -> None:
-        """A checkpoint copy (``copy_newest_checkpoint``) raised ``failed``: see "a donor's prune
-        fails no copy" in the module docstring. Called as it raises, before any yield point, so
-        that what is gone from the source is what was gone when the copy failed."""
+        """A checkpoint copy (``copy_newest_checkpoint``) raised ``failed``: see "a checkpoint copy
+        fails only on a full disk" in the module docstring. Called as it raises, before any yield
+        point, so that what is gone from the source is what was gone when the copy failed."""
         entries = failed.args[0] if failed.args and isinstance(failed.args[0], list) else []
         pruned = [str(entry[0]) for entry in entries if not os.path.lexists(entry[0])]
+        unexplained = [
+            entry for entry in entries if os.path.lexists(entry[0]) and "No space left" not in entry[2]
+        ]
         if pruned:
             # The sources only: the copy's hidden folder has a random name, which a replay would not share.
             gone = [path.replace(str(self.facts.jobs_dir), "<jobs>") for path in pruned]
             self.violated(
-                "a donor's prune fails no copy",
+                "a checkpoint copy fails only on a full disk",
                 f"a copy raised on {len(entries)} file(s), of which its source's job had pruned "
                 f"{len(gone)} under it: {', '.join(gone)}"[:400],
+            )
+        elif unexplained or not entries:
+            # The cause without its paths: the copy's hidden folder has a random name.
+            why = str(unexplained[0][2]).split(":")[0] if unexplained else type(failed).__name__
+            self.violated(
+                "a checkpoint copy fails only on a full disk",
+                f"a copy raised with its source intact, on no full disk ({len(unexplained)} file(s)): {why}",
             )
 
     def driver_returned(self, process: Process, call: str) -> None:

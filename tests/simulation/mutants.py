@@ -520,6 +520,12 @@ def _pruned_step_fails_the_copy() -> contextlib.AbstractContextManager[None]:
     return _patched(checkpoints, "_lost_to_a_prune", lambda failed: False)
 
 
+def _copies_into_one_folder_at_once() -> contextlib.AbstractContextManager[None]:
+    """Copies into one folder no longer take turns: a second driver of the trial clears the first
+    one's copy in progress."""
+    return _patched(checkpoints, "_copying_into", lambda into_dir: contextlib.nullcontext(True))
+
+
 def _threshold_bounds_swapped() -> contextlib.AbstractContextManager[None]:
     """The threshold pruner built with its bounds swapped: it prunes the trials that rise above
     ``lower`` instead of those that fall below it."""
@@ -766,6 +772,13 @@ MUTANTS = [
         _pruned_step_fails_the_copy,
         # First found by seed 76 (slow copies: the donor's job prunes step 0 under the copy); 13 of
         # the 43 seeds of the first 1,000 that draw slow copies find it.
+    ),
+    Mutant(
+        "copies-at-once",
+        "two drivers of one trial copy a donor's step into one folder at once: each clears the other's "
+        "copy in progress, which fails with its source intact",
+        _copies_into_one_folder_at_once,
+        # Found by seeds 207 and 507 (slow copies) as a defect of the library, fixed since.
     ),
     Mutant(
         "threshold-swapped",

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -690,3 +691,38 @@ def test_copies_of_a_donor_that_saves_and_prunes_meanwhile_never_fail(tmp_path: 
     for copied in copies:
         if copied is not None:
             assert checkpoints.verified_checkpoint(copied.path.parent, copied.step) == copied
+
+
+def test_two_copies_into_one_folder_at_once_both_return_one_whole_step(tmp_path: Path) -> None:
+    """Two drivers of one trial (a stale one beside its lease's new holder) seed one continuation
+    folder at once. Each copy clears the folder's hidden leftovers first, so without taking turns the
+    second deleted the first's copy in progress, which then failed with its source intact. Real
+    threads, each file's copy slowed so that the two overlap."""
+    donor, seed = tmp_path / "donor", tmp_path / "seed"
+    checkpoints.save_checkpoint(donor, b"\0" * 1024, 3, keep=1)
+    first_copying = threading.Event()
+
+    class SlowCopies(world.RealWorld):
+        def copy_file(self, source: str, target: str) -> object:
+            first_copying.set()
+            time.sleep(0.3)
+            return super().copy_file(source, target)
+
+    results: list[object] = []
+
+    def copy() -> None:
+        try:
+            with world.installed(SlowCopies()):  # a world is installed per thread
+                results.append(checkpoints.copy_newest_checkpoint(donor, seed))
+        except Exception as failed:  # the failure is what the test reports
+            results.append(failed)
+
+    first = threading.Thread(target=copy)
+    first.start()
+    assert first_copying.wait(10)
+    second = threading.Thread(target=copy)
+    second.start()
+    first.join()
+    second.join()
+    assert all(isinstance(r, checkpoints.CheckpointInfo) and r.step == 3 for r in results), results
+    assert [p.name for p in seed.iterdir()] == ["step-000003"]

@@ -65,6 +65,7 @@ def test_the_simulation_finds_a_fixed_defect_put_back(name: str) -> None:
     ("seed", "name"),
     [
         (1087, "lease-handed-back"),  # a promotion inside the fence of a trial still recording its pause
+        (207, "copies-at-once"),  # a stale driver's copy into a continuation's folder, beside the holder's
     ],
 )
 def test_a_seed_that_found_a_defect_holds_and_finds_it_put_back(seed: int, name: str) -> None:

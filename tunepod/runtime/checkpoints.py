@@ -50,7 +50,7 @@ import shutil
 import sys
 import time
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -345,35 +345,56 @@ def copy_newest_checkpoint(
     # Here, not at the top: only the orchestrator copies, and a training job need not import it.
     from tunepod import world
 
-    existing = latest_checkpoint(into_dir) if into_dir.exists() else None
-    if existing is not None:
-        return existing
-    for _ in range(attempts):
-        source = next((c for c in valid_checkpoints(source_dir) if before is None or c.step < before), None)
-        if source is None:
-            return None
-        into_dir.mkdir(parents=True, exist_ok=True)
-        _remove_hidden_folders(into_dir)
-        final = into_dir / step_folder_name(source.step)
-        temp = into_dir / f"{_TEMP_PREFIX}{source.step}-{secrets.token_hex(4)}"
-        try:
-            with _committed_as(temp, final):
-                # Each file through the world: a simulated donor saves and prunes between two.
-                shutil.copytree(source.path, temp, copy_function=world.copy_file)
-                for path in temp.rglob("*"):
-                    if path.is_file():
-                        fsync_file(path)
-                fsync_dir(temp)
-        except FileNotFoundError:
-            continue  # pruned by its job before its files were listed
-        except shutil.Error as failed:
-            if not _lost_to_a_prune(failed):
-                raise
-            continue  # pruned by its job while its files were being copied
-        copied = verified_checkpoint(into_dir, source.step)
-        if copied is not None and copied.step == source.step:
-            return copied
-    return None
+    with _copying_into(into_dir):
+        existing = latest_checkpoint(into_dir) if into_dir.exists() else None
+        if existing is not None:
+            return existing
+        for _ in range(attempts):
+            source = next(
+                (c for c in valid_checkpoints(source_dir) if before is None or c.step < before), None
+            )
+            if source is None:
+                return None
+            copied = _copy_step(source, into_dir, world.copy_file)
+            if copied is not None:
+                return copied
+        return None
+
+
+def _copying_into(into_dir: Path) -> contextlib.AbstractContextManager[bool]:
+    """Held while copying into ``into_dir``. Two drivers of one trial (a stale one beside its lease's
+    new holder) may copy into one folder at once, and each clears the hidden folders there first: one
+    copy at a time, and the second returns the first's. The lock lies beside the folder, which keeps
+    nothing but its step."""
+    from tunepod import world
+
+    return world.file_lock(into_dir.with_name(f".{into_dir.name}.copy-lock"))
+
+
+def _copy_step(
+    source: CheckpointInfo, into_dir: Path, copy_file: Callable[[str, str], object]
+) -> CheckpointInfo | None:
+    """``source`` copied whole into ``into_dir`` and verified; None when its job pruned it under the copy."""
+    into_dir.mkdir(parents=True, exist_ok=True)
+    _remove_hidden_folders(into_dir)
+    final = into_dir / step_folder_name(source.step)
+    temp = into_dir / f"{_TEMP_PREFIX}{source.step}-{secrets.token_hex(4)}"
+    try:
+        with _committed_as(temp, final):
+            # Each file through the world: a simulated donor saves and prunes between two.
+            shutil.copytree(source.path, temp, copy_function=copy_file)
+            for path in temp.rglob("*"):
+                if path.is_file():
+                    fsync_file(path)
+            fsync_dir(temp)
+    except FileNotFoundError:
+        return None  # pruned by its job before its files were listed
+    except shutil.Error as failed:
+        if not _lost_to_a_prune(failed):
+            raise
+        return None  # pruned by its job while its files were being copied
+    copied = verified_checkpoint(into_dir, source.step)
+    return copied if copied is not None and copied.step == source.step else None
 
 
 def _lost_to_a_prune(failed: shutil.Error) -> bool:
