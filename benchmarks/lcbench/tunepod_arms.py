@@ -117,12 +117,14 @@ def _asha(problem: Problem, **options: Any) -> dict[str, Any]:
 
 
 POLICIES: dict[str, Callable[[Problem], tuple[str, dict[str, Any]]]] = {
-    # The recommended setting: TPE, ASHA with its default rungs (the first at a third of a trial).
-    "tunepod-asha": lambda problem: ("tpe", _asha(problem)),
-    # TPE, ASHA ranking at each rung by the final value each trial's curve forecasts.
+    # TPE, ASHA with its default rungs (the first at a third of a trial), ranking at each rung by the
+    # value there: the recommended setting until the development instances chose forecasts.
+    "tunepod-asha": lambda problem: ("tpe", _asha(problem, rank_by="value")),
+    # The recommended setting: as above, ranking at each rung (and the paused trials for promotion)
+    # by the final value each trial's curve up to the rung forecasts.
     "tunepod-asha-forecast": lambda problem: ("tpe", _asha(problem, rank_by="forecast")),
     # TPE, ASHA with the peers' rungs: the first at epoch 1, a factor of 3.
-    "tunepod-asha-epoch-1": lambda problem: ("tpe", _asha(problem, min_resource=1)),
+    "tunepod-asha-epoch-1": lambda problem: ("tpe", _asha(problem, min_resource=1, rank_by="value")),
     # TPE, every trial trained to its end: what the policies add over the sampler alone.
     "tunepod-tpe": lambda problem: ("tpe", {"kind": "none"}),
 }
