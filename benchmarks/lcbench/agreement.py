@@ -55,7 +55,7 @@ class Study:
     """What the two runs are to agree on: one arm's study of one instance, one trial at a time."""
 
     instance: str
-    arm: str = "tunepod-asha"
+    arm: str = "tunepod-asha-forecast"
     trials: int = 8
     epochs: int = 12
     seed: int = 0
@@ -215,7 +215,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--instances", default="3945,7593", help="comma-separated LCBench instances (3945,7593)"
     )
-    parser.add_argument("--arm", default="tunepod-asha", choices=sorted(POLICIES), help="the arm's policy")
+    parser.add_argument(
+        "--arm", default="tunepod-asha-forecast", choices=sorted(POLICIES), help="the arm's policy"
+    )
     parser.add_argument("--trials", type=int, default=8, help="trials per study (8)")
     parser.add_argument("--epochs", type=int, default=12, help="epochs per trial, at most 52 (12)")
     parser.add_argument("--seed", type=int, default=0, help="the study's seed (0)")

@@ -108,6 +108,7 @@ def write_plot(path: Path, rows: Sequence[ArmOnInstance], arms: Sequence[ArmOver
     lines = math.ceil(len(panels) / columns)
     figure, axes = plt.subplots(lines, columns, figsize=(5 * columns, 3.6 * lines), squeeze=False)
     x = (np.arange(GRID_POINTS) + 1) / GRID_POINTS
+    style = _line_styles([arm.arm for arm in arms], plt.get_cmap("tab20").colors)
     for ax, panel in zip(axes.flat, panels, strict=False):
         curves = (
             [(arm.arm, arm.grid_regret) for arm in arms]
@@ -115,7 +116,7 @@ def write_plot(path: Path, rows: Sequence[ArmOnInstance], arms: Sequence[ArmOver
             else [(row.arm, row.grid_regret) for row in rows if row.instance == panel]
         )
         for name, regret in curves:
-            ax.plot(x, np.maximum(regret, REGRET_FLOOR), label=name)
+            ax.plot(x, np.maximum(regret, REGRET_FLOOR), label=name, **style[name])
         ax.set_yscale("log")
         ax.set_title("median over instances" if panel == "all" else f"instance {panel}")
         ax.set_xlabel("budget used (epochs / total)")
@@ -128,6 +129,16 @@ def write_plot(path: Path, rows: Sequence[ArmOnInstance], arms: Sequence[ArmOver
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
     plt.close(figure)
+
+
+def _line_styles(arms: Sequence[str], colors: Sequence[Any]) -> dict[str, dict[str, Any]]:
+    """One colour per arm (tab20's dark shades first, then its light ones: up to 20 arms apart), and
+    tunepod's arms drawn thicker."""
+    shades = [*colors[::2], *colors[1::2]]
+    return {
+        arm: {"color": shades[i % len(shades)], "linewidth": 2.0 if arm.startswith("tunepod") else 1.0}
+        for i, arm in enumerate(arms)
+    }
 
 
 def write_json(

@@ -27,7 +27,7 @@ def test_a_study_through_tunepod_run_asks_and_decides_as_its_simulation(
 ) -> None:
     from prefect.settings import PREFECT_API_URL
 
-    study = Study("3945", arm="tunepod-asha", trials=6, epochs=12, seed=0, time_scale=0.1)
+    study = Study("3945", arm="tunepod-asha-forecast", trials=6, epochs=12, seed=0, time_scale=0.1)
     result = agree(study, tmp_path, env={"PREFECT_API_URL": str(PREFECT_API_URL.value())})
 
     assert not result.differences, "\n".join(result.differences)

@@ -749,11 +749,11 @@ class PrunerSpec(Strict):
     upper: float | None = Field(None, description="threshold: prune a trial whose value rises above.")
     p_threshold: float = Field(0.1, gt=0, lt=1, description="wilcoxon: prune below this p-value.")
     rank_by: Literal["value", "forecast"] = Field(
-        "value",
-        description="asha: what trials are ranked by at a rung: the value each reported there, or the "
+        "forecast",
+        description="asha: what trials are ranked by at a rung (and paused trials for promotion): the "
         "value its learning curve up to there forecasts at max_resource (a line in log units through "
         "its newest points, never gaining more than it gained so far), which a paused trial can be "
-        "resumed on where a killed one could not.",
+        "resumed on where a killed one could not; or the value each reported there (value).",
     )
 
     @model_validator(mode="after")
