@@ -282,8 +282,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="checkpoints-copy-returns-source",
         path="tunepod/runtime/checkpoints.py",
-        find="        if copied is not None and copied.step == source.step:\n            return copied",
-        replace="        if copied is not None and copied.step == source.step:\n            return source",
+        find="    return copied if copied is not None and copied.step == source.step else None",
+        replace="    return source if copied is not None and copied.step == source.step else None",
         why="The copy of a donor's newest checkpoint returns the donor's folder instead of the copy: a "
         "PBT continuation's seed then names the donor's live checkpoint folder, which its job goes on "
         "saving into and pruning, so the continuation starts from a later step than its lineage "

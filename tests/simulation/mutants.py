@@ -520,6 +520,12 @@ def _pruned_step_fails_the_copy() -> contextlib.AbstractContextManager[None]:
     return _patched(checkpoints, "_lost_to_a_prune", lambda failed: False)
 
 
+def _parked_ended_beside_an_abandoned_trial() -> contextlib.AbstractContextManager[None]:
+    """The policy's end of the study carried out while a trial this orchestrator gave up driving
+    still runs."""
+    return _patched(tuner.Tuner, "_may_end_parked", lambda self: True)
+
+
 def _copies_into_one_folder_at_once() -> contextlib.AbstractContextManager[None]:
     """Copies into one folder no longer take turns: a second driver of the trial clears the first
     one's copy in progress."""
@@ -772,6 +778,13 @@ MUTANTS = [
         _pruned_step_fails_the_copy,
         # First found by seed 76 (slow copies: the donor's job prunes step 0 under the copy); 13 of
         # the 43 seeds of the first 1,000 that draw slow copies find it.
+    ),
+    Mutant(
+        "parked-ended-beside-abandoned",
+        "ASHA's paused trials pruned at the end of the study while a trial whose driver failed still "
+        "runs, before the run that re-attaches to it has its reports",
+        _parked_ended_beside_an_abandoned_trial,
+        found_by=1161,  # none of the first 1,000 seeds
     ),
     Mutant(
         "copies-at-once",

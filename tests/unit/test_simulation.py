@@ -66,6 +66,7 @@ def test_the_simulation_finds_a_fixed_defect_put_back(name: str) -> None:
     [
         (1087, "lease-handed-back"),  # a promotion inside the fence of a trial still recording its pause
         (207, "copies-at-once"),  # a stale driver's copy into a continuation's folder, beside the holder's
+        (1161, "parked-ended-beside-abandoned"),  # a driver failed on a full disk, its trial's job ran on
     ],
 )
 def test_a_seed_that_found_a_defect_holds_and_finds_it_put_back(seed: int, name: str) -> None:

@@ -243,7 +243,7 @@ class Tuner:
             plan = self.policy.plan(SlotView(trials, frozenset(in_flight), capacity, room))
             asked = [self._ask(len(every) + i) for i in range(plan.ask)]
             resumed = self._resume(trials, plan, capacity - len(asked))
-            for number in plan.end:
+            for number in plan.end if self._may_end_parked() else ():
                 self._end_parked(number)
         return claimed + resumed + asked, following, room - len(asked)
 
@@ -289,6 +289,12 @@ class Tuner:
             self._hold(number, lease)
             resumed.append(number)
         return resumed
+
+    def _may_end_parked(self) -> bool:
+        """Whether the policy's end of the study may be carried out: not while a trial this
+        orchestrator gave up driving still runs, since it may still report. The run that re-attaches
+        to it ends the parked trials, knowing its reports."""
+        return not self._abandoned
 
     def _end_parked(self, number: int) -> None:
         """End a parked trial the policy gives up on: PRUNED, its MLflow run closed as KILLED."""
