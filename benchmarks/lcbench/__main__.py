@@ -24,7 +24,7 @@ from benchmarks.lcbench.arms import ARMS, BASELINE, OPT_IN_ARMS, REQUIRES
 from benchmarks.lcbench.metrics import RunSummary, overall, per_instance
 from benchmarks.lcbench.problem import Budget
 from benchmarks.lcbench.reference import load_references
-from benchmarks.lcbench.report import markdown_table, print_report, write_json, write_plot
+from benchmarks.lcbench.report import emit
 from benchmarks.lcbench.runner import Task, run_all
 from benchmarks.lcbench.surrogate import NUM_EPOCHS
 
@@ -127,15 +127,18 @@ def main(argv: Sequence[str]) -> int:
         return 1
     rows = per_instance(runs, BASELINE)
     arms = overall(rows)
-    print_report(console, rows, arms, BASELINE, len(seeds), budget)
-    if args.markdown:
-        console.print(markdown_table(arms, BASELINE))
-    if args.plot:
-        write_plot(args.plot, rows, arms)
-        console.print(f"plot: {args.plot}")
-    if args.json:
-        write_json(args.json, runs, rows, arms, budget)
-        console.print(f"numbers: {args.json}")
+    emit(
+        console,
+        runs,
+        rows,
+        arms,
+        budget,
+        baseline=BASELINE,
+        seeds=len(seeds),
+        markdown=args.markdown,
+        plot=args.plot,
+        json_file=args.json,
+    )
     cpu = sum(run.cpu_s for run in runs)
     console.print(f"{time.time() - started:.0f} s in all ({cpu:.0f} CPU s in the runs)")
     return 0

@@ -26,7 +26,7 @@ from benchmarks.lcbench.__main__ import DEV_INSTANCES
 from benchmarks.lcbench.arms import BASELINE
 from benchmarks.lcbench.metrics import ArmOnInstance, overall
 from benchmarks.lcbench.problem import Budget
-from benchmarks.lcbench.report import markdown_table, print_report, write_json, write_plot
+from benchmarks.lcbench.report import emit
 
 console = Console(highlight=False, soft_wrap=True, width=170)
 
@@ -110,17 +110,20 @@ def main(argv: Sequence[str]) -> int:
     order = _instance_order(rows)
     rows.sort(key=lambda row: order.index(row.instance))  # stable: each instance's arms in their order
     arms = overall(rows)
+    kept_runs = [run for run in runs if keep[args.instances](run["instance"])]
     seeds = max(row.seeds for row in rows)
-    print_report(console, rows, arms, BASELINE, seeds, budget)
-    if args.markdown:
-        console.print(markdown_table(arms, BASELINE))
-    if args.plot:
-        write_plot(args.plot, rows, arms)
-        console.print(f"plot: {args.plot}")
-    if args.json:
-        kept_runs = [run for run in runs if keep[args.instances](run["instance"])]
-        write_json(args.json, kept_runs, rows, arms, budget)
-        console.print(f"numbers: {args.json}")
+    emit(
+        console,
+        kept_runs,
+        rows,
+        arms,
+        budget,
+        baseline=BASELINE,
+        seeds=seeds,
+        markdown=args.markdown,
+        plot=args.plot,
+        json_file=args.json,
+    )
     return 0
 
 

@@ -95,6 +95,31 @@ def print_report(
     console.print(overall_table(arms, baseline, seeds))
 
 
+def emit(
+    console: Console,
+    runs: Sequence[RunSummary | dict[str, Any]],
+    rows: Sequence[ArmOnInstance],
+    arms: Sequence[ArmOverall],
+    budget: Budget,
+    *,
+    baseline: str,
+    seeds: int,
+    markdown: bool,
+    plot: Path | None,
+    json_file: Path | None,
+) -> None:
+    """The report on the console, then the Markdown table, the plot and the JSON where asked for."""
+    print_report(console, rows, arms, baseline, seeds, budget)
+    if markdown:
+        console.print(markdown_table(arms, baseline))
+    if plot:
+        write_plot(plot, rows, arms)
+        console.print(f"plot: {plot}")
+    if json_file:
+        write_json(json_file, runs, rows, arms, budget)
+        console.print(f"numbers: {json_file}")
+
+
 def write_plot(path: Path, rows: Sequence[ArmOnInstance], arms: Sequence[ArmOverall]) -> None:
     """Median regret over the budget: one panel per instance and one for the median over instances."""
     import matplotlib

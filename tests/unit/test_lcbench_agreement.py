@@ -80,28 +80,24 @@ def test_the_training_script_refuses_bad_params_naming_them(
 
 
 def test_the_training_script_reports_each_epoch_of_the_surrogates_curve_and_resumes(tmp_path: Path) -> None:
-    first = train(tmp_path, epochs=2, time_scale=0)
+    from benchmarks.lcbench.problem import shared_surrogate
+
+    config = {
+        "batch_size": 64,
+        "learning_rate": 0.01,
+        "momentum": 0.9,
+        "weight_decay": 0.001,
+        "num_layers": 2,
+        "max_units": 128,
+        "max_dropout": 0.2,
+    }
+    first = train(tmp_path, epochs=2, time_scale=0, **config)
     assert first.returncode == 0, first.stderr
-    again = train(tmp_path, epochs=4, time_scale=0)
+    again = train(tmp_path, epochs=4, time_scale=0, **config)
     assert again.returncode == 0, again.stderr
     assert "at epoch 2" in again.stdout
     lines = (tmp_path / ".tunepod/local/metrics.jsonl").read_text().splitlines()
     reports = [json.loads(line) for line in lines]
     assert [r["step"] for r in reports] == [0, 1, 2, 3]
-    from benchmarks.lcbench.problem import shared_surrogate
-
-    surrogate = shared_surrogate()
-    defaults = {
-        p.name: {
-            "batch_size": 91,
-            "learning_rate": 0.0031622777,
-            "momentum": 0.545,
-            "weight_decay": 0.050005,
-            "num_layers": 3,
-            "max_units": 256,
-            "max_dropout": 0.5,
-        }[p.name]
-        for p in surrogate.space
-    }
-    curve = surrogate.curve("3945", defaults).val_accuracy[0]
+    curve = shared_surrogate().curve("3945", config).val_accuracy[0]
     assert [r["metrics"]["val_accuracy"] for r in reports] == pytest.approx(curve[:4].tolist())
