@@ -849,6 +849,7 @@ def trial_job_spec(
         tracking_uri=tracking_uri,
         run_id=run_id,
         parallelism=layout,
+        checkpoint_tiers=None if settings.train.checkpoints is None else settings.train.checkpoints.tiers(),
     )
     return JobSpec(
         name=f"{settings.study.name}-trial-{number}",

@@ -20,9 +20,12 @@ def contract_env(
     tracking_uri: str | None = None,
     run_id: str | None = None,
     parallelism: runtime.Parallelism | None = None,
+    checkpoint_tiers: runtime.CheckpointTiers | None = None,
 ) -> dict[str, str]:
     """Environment variables for one job. ``checkpoint_dir`` defaults to the job's own folder;
-    ``parallelism`` unset leaves the job plain data parallel (``TUNEPOD_PARALLELISM`` absent)."""
+    ``parallelism`` unset leaves the job plain data parallel (``TUNEPOD_PARALLELISM`` absent);
+    ``checkpoint_tiers`` unset sends every save to the shared folder (``TUNEPOD_CHECKPOINT_TIERS``
+    absent)."""
     env = {
         runtime.PARAMS_ENV: json.dumps(dict(params), sort_keys=True),
         runtime.DATA_DIR_ENV: str(data_dir),
@@ -37,4 +40,6 @@ def contract_env(
         env[runtime.MLFLOW_RUN_ID_ENV] = run_id
     if parallelism is not None:
         env[runtime.PARALLELISM_ENV] = parallelism.to_json()
+    if checkpoint_tiers is not None:
+        env[runtime.CHECKPOINT_TIERS_ENV] = checkpoint_tiers.to_json()
     return env

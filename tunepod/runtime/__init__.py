@@ -28,6 +28,7 @@ from tunepod.runtime.checkpoints import Checkpoint, CheckpointInfo, latest_check
 from tunepod.runtime.context import TrainingContext, init
 from tunepod.runtime.contract import (
     CHECKPOINT_DIR_ENV,
+    CHECKPOINT_TIERS_ENV,
     DATA_DIR_ENV,
     DEFAULT_KEEP_CHECKPOINTS,
     KEEP_CHECKPOINTS_ENV,
@@ -45,9 +46,11 @@ from tunepod.runtime.contract import (
 from tunepod.runtime.metrics import Report, ReportTail, Result, read_reports, read_result
 from tunepod.runtime.parallel import Parallelism, device_mesh
 from tunepod.runtime.progress import RankProgress, StepTelemetry, read_progress
+from tunepod.runtime.tiers import CheckpointTiers
 
 __all__ = [
     "CHECKPOINT_DIR_ENV",
+    "CHECKPOINT_TIERS_ENV",
     "DATA_DIR_ENV",
     "DEFAULT_KEEP_CHECKPOINTS",
     "KEEP_CHECKPOINTS_ENV",
@@ -63,6 +66,7 @@ __all__ = [
     "WORLD_SIZE_ENV",
     "Checkpoint",
     "CheckpointInfo",
+    "CheckpointTiers",
     "Parallelism",
     "RankProgress",
     "Report",

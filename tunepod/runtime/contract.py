@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tunepod.runtime.parallel import Parallelism, read_parallelism
+from tunepod.runtime.tiers import CheckpointTiers, read_checkpoint_tiers
 
 # Set by the orchestrator for every job.
 PARAMS_ENV = "TUNEPOD_PARAMS"
@@ -35,6 +36,8 @@ METRICS_FILE_ENV = "TUNEPOD_METRICS_FILE"
 TRIAL_ENV = "TUNEPOD_TRIAL"
 KEEP_CHECKPOINTS_ENV = "TUNEPOD_KEEP_CHECKPOINTS"
 PARALLELISM_ENV = "TUNEPOD_PARALLELISM"  # JSON of tunepod.runtime.parallel.Parallelism; unset: data only
+# JSON of tunepod.runtime.tiers.CheckpointTiers; unset: every save goes to the shared folder.
+CHECKPOINT_TIERS_ENV = "TUNEPOD_CHECKPOINT_TIERS"
 MLFLOW_TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
 MLFLOW_RUN_ID_ENV = "MLFLOW_RUN_ID"
 
@@ -83,6 +86,9 @@ class Contract:
     ``world_size``; plain data parallelism when unset."""
     mlflow_tracking_uri: str | None
     mlflow_run_id: str | None
+    checkpoint_tiers: CheckpointTiers | None = None
+    """How often saves go to node memory and to the shared folder (``TUNEPOD_CHECKPOINT_TIERS``);
+    ``None``: every save goes to the shared folder."""
 
 
 def read_contract(
@@ -113,6 +119,7 @@ def read_contract(
         parallelism=read_parallelism(env, PARALLELISM_ENV, world_size),
         mlflow_tracking_uri=env.get(MLFLOW_TRACKING_URI_ENV) or None,
         mlflow_run_id=env.get(MLFLOW_RUN_ID_ENV) or None,
+        checkpoint_tiers=read_checkpoint_tiers(env, CHECKPOINT_TIERS_ENV),
     )
 
 

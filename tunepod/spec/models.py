@@ -27,6 +27,7 @@ from pydantic import (
     model_validator,
 )
 
+from tunepod.runtime.tiers import DEFAULT_MEMORY_DIR, CheckpointTiers
 from tunepod.spec.parallelism import ParallelismSpec, check_space, job_layout
 from tunepod.spec.resources import Resources
 from tunepod.stores import browsable, is_postgres, redacted, secret_values
@@ -418,6 +419,58 @@ LauncherSpec = Annotated[
 # ---------------------------------------------------------------------------------------------- jobs
 
 
+class CheckpointTiersSpec(Strict):
+    """Checkpoint tiers: frequent saves to each node's memory, replicated to peer nodes' memory, and
+    rarer ones to the shared file system. A lost node then costs the steps since the last memory save,
+    not since the last shared one. Only shared steps are seen by the orchestrator (MLflow, PBT, ASHA
+    resumes, evaluation); the job flushes its newest memory step there at ctx.finish()."""
+
+    memory_every_steps: int = Field(
+        ...,
+        ge=1,
+        description="At least every this many steps, ctx.save_checkpoint goes to node memory (saves in "
+        "between do nothing).",
+    )
+    shared_every_steps: int = Field(
+        ...,
+        ge=1,
+        description="At least every this many steps a save also goes to the shared file system (the "
+        "checkpoint folder, as without tiers); so does the first save after ctx.should_stop() said stop. "
+        "At least memory_every_steps.",
+    )
+    memory_replicas: int = Field(
+        1,
+        ge=0,
+        description="Copies of each memory save in other nodes' memory (the same local rank on the next "
+        "nodes); 0 keeps it on its own node only. A one-node job has no peer and keeps none.",
+    )
+    memory_dir: str = Field(
+        DEFAULT_MEMORY_DIR,
+        description="Absolute path of a memory-backed folder on every node (a tmpfs such as /dev/shm); "
+        "the job writes under <memory_dir>/tunepod/ and removes its folder at ctx.finish().",
+    )
+
+    @model_validator(mode="after")
+    def _check_tiers(self) -> CheckpointTiersSpec:
+        if self.shared_every_steps < self.memory_every_steps:
+            raise ValueError(
+                f"checkpoints.shared_every_steps {self.shared_every_steps} is below memory_every_steps "
+                f"{self.memory_every_steps}: every save that goes to the shared file system also goes to "
+                f"memory, so the shared tier is the rarer one; fix: set shared_every_steps to at least "
+                f"{self.memory_every_steps}, or memory_every_steps to at most {self.shared_every_steps}"
+            )
+        if not PurePosixPath(self.memory_dir).is_absolute():
+            raise ValueError(
+                f"checkpoints.memory_dir {self.memory_dir!r} is not an absolute path: each node resolves "
+                "it on its own, from wherever the job starts; fix: give an absolute path such as /dev/shm"
+            )
+        return self
+
+    def tiers(self) -> CheckpointTiers:
+        """What the job reads back from ``TUNEPOD_CHECKPOINT_TIERS``."""
+        return CheckpointTiers(**self.model_dump())
+
+
 class TrainJob(Strict):
     """The training command a trial runs: a Python entrypoint started under torchrun."""
 
@@ -430,6 +483,12 @@ class TrainJob(Strict):
         None,
         description="data x tensor x pipeline layout of the job's processes and its sharding, checked "
         "against resources; unset: data parallelism over every process.",
+    )
+    checkpoints: CheckpointTiersSpec | None = Field(
+        None,
+        description="Checkpoint tiers: saves to node memory every memory_every_steps, replicated to peer "
+        "nodes, and to the shared file system every shared_every_steps. Unset: every "
+        "ctx.save_checkpoint goes to the shared file system.",
     )
     max_restarts: int = Field(
         1,

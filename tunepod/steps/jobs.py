@@ -21,7 +21,7 @@ from tunepod.launch.lease import Leases
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.submission import make_job_dir
 from tunepod.launch.watchdog import Limits
-from tunepod.runtime import Parallelism, Report, Result
+from tunepod.runtime import CheckpointTiers, Parallelism, Report, Result
 from tunepod.spec.models import TrainJob
 from tunepod.spec.parallelism import job_layout, script_params
 from tunepod.spec.resources import Resources
@@ -94,6 +94,7 @@ def _driver(ctx: StepContext, job: StepJob, mirror: RunMirror, leases: Leases) -
         tracking_uri=ctx.tracker.tracking_uri,
         run_id=mirror.wait_for_run(RUN_ID_WAIT_S),
         parallelism=_layout(job),
+        checkpoint_tiers=_tiers(job),
     )
     spec = JobSpec(
         name=job.name,
@@ -130,6 +131,13 @@ def _layout(job: StepJob) -> Parallelism | None:
         return job_layout(job.train.parallelism, job.resources, job.params)
     except ValueError as exc:
         raise JobError(f"{job.what}: its parallelism layout does not fit its resources: {exc}") from None
+
+
+def _tiers(job: StepJob) -> CheckpointTiers | None:
+    """A training job's checkpoint tiers; other jobs (evaluations, preloads) save nothing."""
+    if job.train is None or job.train.checkpoints is None:
+        return None
+    return job.train.checkpoints.tiers()
 
 
 def prepared(ctx: StepContext, job_dir: Path) -> Path:
