@@ -187,6 +187,33 @@ def discard_sharded_save(checkpoint_dir: Path, step: int) -> None:
     shutil.rmtree(sharded_temp_folder(checkpoint_dir, step), ignore_errors=True)
 
 
+def commit_copied_step(checkpoint_dir: Path, source: Path, step: int, keep: int, names: list[str]) -> Path:
+    """Rank 0: copy the files ``names`` of a whole-state step written elsewhere in this format (the
+    memory tier's ``step-N``) into ``checkpoint_dir`` as ``step-N`` atomically, keep the newest
+    ``keep`` steps; return the folder. On failure the earlier steps stay as they were."""
+    final = checkpoint_dir / step_folder_name(checked_step(step))
+    with disk_full_explained(final, disk_full_fix(keep)):
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        _remove_hidden_folders(checkpoint_dir)
+        temp = checkpoint_dir / f"{_TEMP_PREFIX}{step:06d}-{os.getpid()}-{secrets.token_hex(4)}"
+        temp.mkdir()
+        with _committed_as(temp, final):
+            for name in names:
+                shutil.copyfile(source / name, temp / name)
+                fsync_file(temp / name)
+            fsync_dir(temp)
+    prune_checkpoints(checkpoint_dir, keep)
+    return final
+
+
+def write_step_files(folder: Path, state: Any, step: int) -> str:
+    """Write ``state`` as ``state.pt`` and ``metadata.json`` (last) into ``folder``, a step in this
+    format anywhere (the memory tier writes its steps so); return the state's format. Raises
+    ``CheckpointStateError`` as a save does."""
+    _write_step_folder(folder, state, step)
+    return str(json.loads((folder / METADATA_FILE).read_text(encoding="utf-8"))["format"])
+
+
 def _write_metadata(folder: Path, metadata: dict[str, Any]) -> None:
     # Written last and fsynced: its presence is what makes the step count.
     metadata_path = folder / METADATA_FILE

@@ -18,10 +18,12 @@ from tunepod.runtime.contract import Contract, Source, read_contract
 from tunepod.runtime.parallel import Parallelism, device_mesh
 from tunepod.runtime.progress import Heartbeat, heartbeat_interval_s, progress_dir, progress_log_s
 from tunepod.runtime.stopping import StopRequest
+from tunepod.runtime.tiers import CheckpointTiers
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from tunepod.runtime.memory_tier import MemoryTier, RestoredFrom
     from tunepod.runtime.sharded import ShardedCheckpointer
 
 
@@ -32,7 +34,11 @@ class TrainingContext:
     """
 
     def __init__(
-        self, contract: Contract, heartbeat: Heartbeat | None = None, stop: StopRequest | None = None
+        self,
+        contract: Contract,
+        heartbeat: Heartbeat | None = None,
+        stop: StopRequest | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.source: Source = contract.source
         self.params: dict[str, Any] = dict(contract.params)
@@ -51,7 +57,15 @@ class TrainingContext:
         self._last_reported_step: int | None = None
         self._heartbeat = heartbeat
         self._stop = stop or StopRequest()
+        self.checkpoint_tiers: CheckpointTiers | None = contract.checkpoint_tiers
+        self.restored_from: RestoredFrom | None = None
+        """Where ``load_latest_checkpoint`` found the step, with checkpoint tiers: ``own memory``,
+        ``peer memory (<address>)`` or ``shared file system``; ``None`` before, without tiers, or on a
+        fresh start."""
         self._sharded: ShardedCheckpointer | None = None
+        self._memory: MemoryTier | None = None
+        self._stop_agreed = False
+        self._env = dict(env) if env is not None else {}
 
     @property
     def is_main(self) -> bool:
@@ -122,7 +136,9 @@ class TrainingContext:
         changes what SIGTERM does from killing at once to setting this flag, until the grace period
         (``resources.stop_grace_s``) runs out and SIGKILL follows.
         """
-        return _any_rank(self._stop.requested(), self.world_size)
+        stop = _any_rank(self._stop.requested(), self.world_size)
+        self._stop_agreed = self._stop_agreed or stop
+        return stop
 
     def save_checkpoint(
         self, state: Any, step: int, *, sharded: bool = False, async_save: bool | str = False
@@ -138,8 +154,30 @@ class TrainingContext:
         ``async_save=True`` (or ``"process"``: DCP's writer process per rank instead of a thread)
         copies the state to CPU memory and returns while it is written; the next save,
         ``wait_for_checkpoint`` or ``finish`` waits for it and commits it. See ``sharded``.
+
+        With checkpoint tiers (``checkpoint_tiers``; call it on every rank, a collective): the save
+        goes to the shared folder as above when ``shared_every_steps`` passed since the last shared
+        save or ``should_stop()`` said stop, and to node memory when ``memory_every_steps`` passed
+        since the last memory save (a shared save goes there too); otherwise it does nothing and
+        returns ``None``. A memory save copies the state to CPU buffers and returns; it is written,
+        copied to ``memory_replicas`` peer nodes and pruned in the background (see
+        ``tunepod.runtime.memory_tier``). Returns the shared step folder when the save went there,
+        else the memory one (on the ranks that wrote).
         """
         self.heartbeat(step)
+        if self.checkpoint_tiers is not None:
+            return self._save_tiered(state, step, sharded, async_save)
+        return self._save_shared(state, step, sharded, async_save)
+
+    def _save_tiered(self, state: Any, step: int, sharded: bool, async_save: bool | str) -> Path | None:
+        memory = self._memory_tier()
+        targets = memory.targets(step, self._stop_agreed)
+        shared = self._save_shared(state, step, sharded, async_save) if targets.shared else None
+        in_memory = memory.save(state, step, sharded) if targets.memory else None
+        memory.saved(step, targets)
+        return shared or in_memory
+
+    def _save_shared(self, state: Any, step: int, sharded: bool, async_save: bool | str) -> Path | None:
         if sharded:
             from tunepod.runtime.sharded import async_mode_of
 
@@ -152,8 +190,11 @@ class TrainingContext:
         return checkpoints.save_checkpoint(self.checkpoint_dir, state, step, self.keep_checkpoints)
 
     def wait_for_checkpoint(self) -> Path | None:
-        """Every rank: wait for the async sharded save in flight and commit it; return its folder, or
-        ``None`` when none is in flight. Call it before leaving without ``finish`` (after a stop)."""
+        """Every rank: wait for the async sharded save in flight and commit it, and for the memory
+        save in flight; return the sharded save's folder, or ``None`` when none is in flight. Call it
+        before leaving without ``finish`` (after a stop)."""
+        if self._memory is not None:
+            self._memory.wait()
         if self._sharded is None:
             return None
         return self._sharded.wait()
@@ -166,13 +207,37 @@ class TrainingContext:
         ranks than at the save); each rank reads only its part, and the returned ``state`` is
         ``into``. A non-sharded step still comes back whole in ``state``, ``into`` untouched.
         Without ``into`` a sharded step comes back whole in this process, each tensor on the CPU.
+
+        With checkpoint tiers (every rank, a collective): the newest step complete in some live
+        node's memory, or the shared folder's newest valid step when that is newer; each rank reads
+        its files from its own node, else from a peer's, checksums verified. ``restored_from`` says
+        which, and rank 0 logs it.
         """
-        if into is None:
+        if self.checkpoint_tiers is not None:
+            self.wait_for_checkpoint()
+            loaded, self.restored_from = self._memory_tier().restore(into, self._sharded_checkpointer)
+        elif into is None:
             loaded = checkpoints.load_latest_checkpoint(self.checkpoint_dir)
         else:
             loaded = self._sharded_checkpointer().load_latest(into)
         self.heartbeat(None if loaded is None else loaded.step)
         return loaded
+
+    def _memory_tier(self) -> MemoryTier:
+        if self._memory is None:
+            from tunepod.runtime.memory_tier import MemoryTier  # imports torch
+
+            assert self.checkpoint_tiers is not None
+            self._memory = MemoryTier(
+                self.checkpoint_tiers,
+                self.checkpoint_dir,
+                self.keep_checkpoints,
+                self.rank,
+                self.world_size,
+                {**self._env, "LOCAL_RANK": str(self.local_rank)},
+            )
+        self._memory.set_up()
+        return self._memory
 
     def _sharded_checkpointer(self) -> ShardedCheckpointer:
         if self._sharded is None:
@@ -187,9 +252,13 @@ class TrainingContext:
         Its ``step`` is the last step this process reported or, for a job resumed after its last
         report, the last step in the metrics file; ``None`` if nothing was ever reported. An async
         sharded save in flight is waited for and committed first (on every rank: call it on each).
-        Refuses the values ``report`` refuses, names included.
+        Refuses the values ``report`` refuses, names included. With checkpoint tiers (every rank, a
+        collective): the newest memory step is copied to the shared folder when it is newer than the
+        newest shared step, and the job's memory folders are removed.
         """
         self.wait_for_checkpoint()
+        if self._memory is not None:
+            self._memory.finish()
         if self._heartbeat is not None:
             self._heartbeat.finish()
         if not self.is_main:
@@ -220,7 +289,7 @@ def init(
         interval_s, log_every_s = heartbeat_interval_s(env), progress_log_s(env)
         heartbeat = Heartbeat(folder, contract.rank, interval_s, log_every_s).start()
     stop = StopRequest(heartbeat.stop_requested if heartbeat is not None else None).install()
-    return TrainingContext(contract, heartbeat, stop)
+    return TrainingContext(contract, heartbeat, stop, env)
 
 
 def _any_rank(flag: bool, world_size: int) -> bool:

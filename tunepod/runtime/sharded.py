@@ -191,14 +191,7 @@ class ShardedCheckpointer:
         time: measured at up to half of an async save's stall). Shared memory for the process mode,
         whose writer process then reads the buffers without another copy; pinned with CUDA."""
         if async_mode not in self._stagers:
-            cuda = torch.cuda.is_available()
-            options = StagingOptions(
-                use_pinned_memory=cuda,
-                use_shared_memory=async_mode == "process",
-                use_async_staging=False,  # the training loop may change the state once save returns
-                use_non_blocking_copy=cuda,
-            )
-            self._stagers[async_mode] = DefaultStager(options)
+            self._stagers[async_mode] = reusable_stager(shared_memory=async_mode == "process")
         return self._stagers[async_mode]
 
     def load_latest(self, into: dict[str, Any]) -> Checkpoint | None:
@@ -212,24 +205,34 @@ class ShardedCheckpointer:
         step = self._broadcast_step(None if info is None else info.step)
         if step is None:
             return None
+        return self.load_step(into, step, info)
+
+    def load_step(
+        self, into: dict[str, Any], step: int, info: checkpoints.CheckpointInfo | None = None
+    ) -> Checkpoint:
+        """Load shared step ``step``, which every rank agreed on, as ``load_latest`` does."""
         folder = self.checkpoint_dir / checkpoints.step_folder_name(step)
         info = info or checkpoints.saved_checkpoint(folder)
         if info is None:
             raise RuntimeError(f"rank 0 picked {folder}, which this rank cannot read; is the folder shared?")
         if info.format != checkpoints.DCP_FORMAT:
             return Checkpoint(step=step, state=checkpoints.read_whole_state(info), path=folder)
+        self.load_into(into, SafeReader(folder))
+        return Checkpoint(step=step, state=into, path=folder)
+
+    def load_into(self, into: dict[str, Any], reader: FileSystemReader) -> None:
+        """Every rank: DCP-load into ``into`` through ``reader`` (a ``SafeReader``)."""
         # Checked here too, so a forged .metadata raises UnsafeCheckpointError itself, not wrapped
         # in DCP's CheckpointException (a BaseException that skips `except Exception`).
-        _SafeReader(folder).read_metadata()
+        reader.read_metadata()
         distributed = self._distributed()
         dcp_load(
             into,
-            storage_reader=_SafeReader(folder),
+            storage_reader=reader,
             planner=_SafeLoadPlanner(),
             process_group=self._checkpoint_group() if distributed else None,
             no_dist=not distributed,
         )
-        return Checkpoint(step=step, state=into, path=folder)
 
     def _distributed(self) -> bool:
         return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -276,11 +279,26 @@ class ShardedCheckpointer:
         return None if value < 0 else value
 
 
-def read_whole_state(folder: Path) -> dict[str, Any]:
+def reusable_stager(shared_memory: bool = False) -> DefaultStager:
+    """A stager that copies a state to CPU memory on the calling thread, into the buffers of its last
+    copy when the state's tensors are the same (a model's parameters, an optimizer's moments); pinned
+    with CUDA. ``shared_memory`` for a writer process that reads the buffers without another copy."""
+    cuda = torch.cuda.is_available()
+    options = StagingOptions(
+        use_pinned_memory=cuda,
+        use_shared_memory=shared_memory,
+        use_async_staging=False,  # the training loop may change the state once save returns
+        use_non_blocking_copy=cuda,
+    )
+    return DefaultStager(options)
+
+
+def read_whole_state(folder: Path, reader: FileSystemReader | None = None) -> dict[str, Any]:
     """The whole state of sharded step ``folder`` in this process alone, each tensor whole and on the
     CPU (a DTensor comes back as a plain tensor): for an evaluation or export that has no model built
     yet (its config is in the state). Needs memory for all of it; a resume loads ``into`` instead."""
-    metadata = _SafeReader(folder).read_metadata()
+    reader = reader or SafeReader(folder)
+    metadata = reader.read_metadata()
     flat: dict[str, Any] = {
         fqn: torch.empty(item.size, dtype=item.properties.dtype)
         if isinstance(item, TensorStorageMetadata)
@@ -289,7 +307,7 @@ def read_whole_state(folder: Path) -> dict[str, Any]:
     }
     with warnings.catch_warnings():  # no_dist is the point here, not a fallback worth a warning
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp_load(flat, storage_reader=_SafeReader(folder), planner=_SafeLoadPlanner(), no_dist=True)
+        dcp_load(flat, storage_reader=reader, planner=_SafeLoadPlanner(), no_dist=True)
     return _nested(flat, metadata.planner_data or {})
 
 
@@ -362,7 +380,7 @@ def _disk_full(exc: BaseException, checkpoint_dir: Path, step: int, keep: int) -
     return None
 
 
-class _SafeReader(FileSystemReader):
+class SafeReader(FileSystemReader):
     """DCP's file reader with a ``.metadata`` unpickler that allows only DCP's own metadata types."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
