@@ -54,7 +54,13 @@ class PeerServer:
     def __init__(
         self, job: Path, host: str, token: str, on_manifest: Callable[[], None] | None = None
     ) -> None:
-        handler = type("Handler", (_Handler,), {"job": job, "token": token, "on_manifest": on_manifest})
+        # A staticmethod, or the class attribute would bind the handler as its first argument.
+        hooks = {
+            "job": job,
+            "token": token,
+            "on_manifest": staticmethod(on_manifest) if on_manifest else None,
+        }
+        handler = type("Handler", (_Handler,), hooks)
         self._server = ThreadingHTTPServer((host, 0), handler)
         self._server.daemon_threads = True
         self.address = f"{host}:{self._server.server_address[1]}"
@@ -104,9 +110,9 @@ class _Handler(BaseHTTPRequestHandler):
         except PeerError as exc:
             self._reply(400, str(exc))
             return
-        self._reply(204, "")
         if path.name.startswith("manifest-") and self.on_manifest is not None:
-            self.on_manifest()
+            self.on_manifest()  # before the reply: the pusher's next step finds the old ones pruned
+        self._reply(204, "")
 
     def do_DELETE(self) -> None:
         path = self._checked_path()
