@@ -19,7 +19,10 @@ Each method writes under its own folder of ``TUNEPOD_CHECKPOINT_DIR``. Methods:
 ``torch.save`` (rank 0, the path as a plain script writes it, the file of two saves back removed),
 ``torch.save+fsync`` (the same, fsynced), ``tunepod`` (``ctx.save_checkpoint(state, step)``),
 ``tunepod-sharded`` (``sharded=True``), ``tunepod-async`` (``async_save=True``),
-``tunepod-async-process`` (``async_save="process"``), and ``none`` (no save: the steps' own time).
+``tunepod-async-process`` (``async_save="process"``), ``tunepod-memory`` and ``tunepod-memory-sharded``
+(the memory tier, whole-state and ``sharded=True``: checkpoint tiers that send every save to node memory
+and, after the first save, none to the shared folder; see ``Jobs.memory_environ``), and ``none`` (no
+save: the steps' own time). The memory tier's folders are under the ``memory_dir`` parameter.
 """
 
 import time
@@ -41,7 +44,10 @@ IMPORTED = time.time()
 
 PLAIN = ("torch.save", "torch.save+fsync")
 ASYNC = {"tunepod-async": True, "tunepod-async-process": "process"}
+MEMORY = ("tunepod-memory", "tunepod-memory-sharded")
 SHARDED = ("tunepod-sharded", *ASYNC)
+#: The memory tier's shared_every_steps: after the first save (which goes to both tiers), memory only.
+NEVER = 10**9
 READY = "ready"
 LIMIT_S = 900.0  # a job the benchmark lost track of stops on its own
 
@@ -108,10 +114,25 @@ class Jobs:
     def context(self, method: str, folder: Path) -> Any:
         """One tunepod context per method, each with its own checkpoint folder."""
         if method not in self.contexts:
-            self.contexts[method] = runtime.init(
-                environ={**os.environ, runtime.CHECKPOINT_DIR_ENV: str(folder)}
-            )
+            environ = {**os.environ, runtime.CHECKPOINT_DIR_ENV: str(folder)}
+            if method in MEMORY:
+                environ |= self.memory_environ()
+            self.contexts[method] = runtime.init(environ=environ)
         return self.contexts[method]
+
+    def memory_environ(self) -> dict[str, str]:
+        """Checkpoint tiers that send every save to memory (the first to the shared folder too), with
+        each rank standing in for a node of its own (its own memory folder, node id and local rank
+        0), so that every memory save is also copied to the other rank's "node" over HTTP, as in a
+        job of two nodes of one process each: the background work a memory save really causes."""
+        memory_dir = Path(self.ctx.params["memory_dir"]) / f"node-{self.rank}"
+        tiers = runtime.CheckpointTiers(1, NEVER, memory_replicas=1, memory_dir=str(memory_dir))
+        return {
+            runtime.CHECKPOINT_TIERS_ENV: tiers.to_json(),
+            "GROUP_RANK": str(self.rank),
+            "LOCAL_RANK": "0",
+            "LOCAL_WORLD_SIZE": "1",
+        }
 
     def save(self, method: str, folder: Path, step: int) -> None:
         if method == "none":
@@ -121,8 +142,10 @@ class Jobs:
                 self.save_plain(folder, step, fsync=method == "torch.save+fsync")
             return
         ctx = self.context(method, folder)
-        if method == "tunepod":
+        if method in ("tunepod", "tunepod-memory"):
             ctx.save_checkpoint(self.plain_state(step), step)
+        elif method == "tunepod-memory-sharded":
+            ctx.save_checkpoint(self.dcp_state(step), step, sharded=True)
         else:
             ctx.save_checkpoint(self.dcp_state(step), step, sharded=True, async_save=ASYNC.get(method, False))
 
