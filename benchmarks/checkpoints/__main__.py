@@ -49,6 +49,7 @@ MEMORY_METHODS = ("tunepod-memory", "tunepod-memory-sharded")
 STALL_ROWS = {  # method -> (side, what)
     "torch.save": ("baseline", "torch.save, rank 0 (no fsync)"),
     "torch.save+fsync": ("baseline", "torch.save + fsync, rank 0"),
+    "copy": ("floor", "bare copy into kept buffers, rank 0"),
     "tunepod": ("tunepod", "save_checkpoint: rank 0, sync"),
     "tunepod-sharded": ("tunepod", "sharded, sync"),
     "tunepod-async": ("tunepod", "sharded, async (thread)"),
@@ -224,6 +225,7 @@ def print_memory_tier(stalls: list[dict[str, Any]]) -> dict[str, Any]:
             "torch.save+fsync": whole["stall_s"] / rows[FSYNC_SAVE]["stall_s"],
             "sharded async (thread)": whole["stall_s"] / rows["tunepod-async"]["stall_s"],
             "sharded memory save": sharded["ratio"],
+            "bare copy (floor)": rows["copy"]["ratio"],
         }
         found[f"{size:g}"] = against
         console.print(
@@ -232,7 +234,8 @@ def print_memory_tier(stalls: list[dict[str, Any]]) -> dict[str, Any]:
             f"{rows[BASELINE_SAVE]['stall_s'] * 1000:.1f} ms; / torch.save + fsync "
             f"{against['torch.save+fsync']:.2f}; / the async sharded save (thread) "
             f"{against['sharded async (thread)']:.2f}; sharded memory save / torch.save "
-            f"{sharded['ratio']:.2f})"
+            f"{sharded['ratio']:.2f}; the floor, a bare copy of the state, / torch.save "
+            f"{rows['copy']['ratio']:.2f})"
         )
     if not found:
         return {}

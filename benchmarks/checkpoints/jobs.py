@@ -34,7 +34,7 @@ POLL_S = 0.02
 RESUME_METHODS = ("torch.save", "tunepod", "tunepod-sharded")
 STALL_METHODS = (
     "none", "torch.save", "torch.save+fsync", "tunepod", "tunepod-sharded", "tunepod-async",
-    "tunepod-async-process", "tunepod-memory", "tunepod-memory-sharded",
+    "tunepod-async-process", "tunepod-memory", "tunepod-memory-sharded", "copy",
 )  # fmt: skip
 #: Where the memory tier's folders go: node memory, as checkpoints.memory_dir's default.
 SHM = Path("/dev/shm")

@@ -21,8 +21,10 @@ Each method writes under its own folder of ``TUNEPOD_CHECKPOINT_DIR``. Methods:
 ``tunepod-sharded`` (``sharded=True``), ``tunepod-async`` (``async_save=True``),
 ``tunepod-async-process`` (``async_save="process"``), ``tunepod-memory`` and ``tunepod-memory-sharded``
 (the memory tier, whole-state and ``sharded=True``: checkpoint tiers that send every save to node memory
-and, after the first save, none to the shared folder; see ``Jobs.memory_environ``), and ``none`` (no
-save: the steps' own time). The memory tier's folders are under the ``memory_dir`` parameter.
+and, after the first save, none to the shared folder; see ``Jobs.memory_environ``), ``copy`` (rank 0
+copies the state's tensors into buffers kept from its first call and does nothing else: the floor of
+any save that returns once the state is copied), and ``none`` (no save: the steps' own time). The
+memory tier's folders are under the ``memory_dir`` parameter.
 """
 
 import time
@@ -104,6 +106,7 @@ class Jobs:
         self.model, self.optimizer = model, optimizer
         self.contexts: dict[str, Any] = {}
         self.written: dict[str, list[Path]] = {}
+        self.copies: list[torch.Tensor] = []
 
     def step(self) -> None:
         inputs = torch.randn(self.batch, self.width)
@@ -137,6 +140,10 @@ class Jobs:
     def save(self, method: str, folder: Path, step: int) -> None:
         if method == "none":
             return
+        if method == "copy":
+            if self.rank == 0:
+                self.copy_state()
+            return
         if method in PLAIN:
             if self.rank == 0:
                 self.save_plain(folder, step, fsync=method == "torch.save+fsync")
@@ -162,6 +169,17 @@ class Jobs:
         written.append(path)
         if len(written) > 2:
             written.pop(0).unlink(missing_ok=True)
+
+    def copy_state(self) -> int:
+        """The floor: the state's tensors copied into buffers allocated at the first call, in one
+        ``torch._foreach_copy_`` on this thread (no structure rebuilt, nothing else); its bytes."""
+        sources = [*self.model.state_dict().values()]
+        moments = [v for s in self.optimizer.state.values() for v in s.values()]
+        sources += [v for v in moments if isinstance(v, torch.Tensor)]
+        if not self.copies:
+            self.copies = [torch.empty_like(t) for t in sources]
+        torch._foreach_copy_(self.copies, sources)
+        return sum(t.numel() * t.element_size() for t in sources)
 
     def plain_state(self, step: int) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": step}
@@ -239,6 +257,7 @@ def stall(jobs: Jobs, params: dict[str, Any], root: Path) -> None:
             dist.barrier()
             drains[method].append(time.perf_counter() - started)
     sizes = {m: folder_bytes(root / m) for m in methods}
+    sizes["copy"] = jobs.copy_state() if "copy" in methods else 0
     if jobs.rank == 0:
         result = {"steps": steps, "calls": calls, "first": first, "drains": drains, "bytes": sizes}
         (root / "stall.json").write_text(json.dumps(result))

@@ -60,9 +60,10 @@ def test_every_table_prints_both_sides_with_finite_ratios(tmp_path: Path) -> Non
     (stall_job,) = figures["stall"]
     assert stall_job["size_mb"] == 4
     stall = stall_job["rows"]
-    assert {row["side"] for row in stall.values()} == {"baseline", "tunepod"}
-    assert set(stall) == {"torch.save", "torch.save+fsync", "tunepod", "tunepod-sharded", "tunepod-async",
-                          "tunepod-async-process", "tunepod-memory", "tunepod-memory-sharded"}  # fmt: skip
+    assert {row["side"] for row in stall.values()} == {"baseline", "floor", "tunepod"}
+    assert set(stall) == {"torch.save", "torch.save+fsync", "copy", "tunepod", "tunepod-sharded",
+                          "tunepod-async", "tunepod-async-process", "tunepod-memory",
+                          "tunepod-memory-sharded"}  # fmt: skip
     assert all(math.isfinite(row["ratio"]) and row["bytes"] > 0 for row in stall.values()), stall
     memory = figures["memory_tier"]["ratios"]["4"]
     assert all(math.isfinite(ratio) and ratio > 0 for ratio in memory.values()), memory
