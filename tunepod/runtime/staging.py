@@ -10,9 +10,8 @@ a device-to-host copy into pinned memory (with CUDA).
 and refilled by the next ones (one per source storage, for as long as that storage lives: a model's
 parameters, an optimizer's moments), so a save touches no fresh pages; the state's containers are
 rebuilt around the buffers (dicts keep their type and attributes, such as a ``state_dict``'s
-``_metadata``); the bytes are copied storage by storage, a CPU state's split over ``num_threads``
-threads (torch releases the GIL in ``copy_``) when the process has CPUs to spare, a GPU state's
-non-blocking into pinned buffers on the current stream, then waited for. Views keep their offsets and
+``_metadata``); the bytes are copied storage by storage, split over ``num_threads`` threads (torch
+releases the GIL in ``copy_``) when the process has CPUs to spare. Views keep their offsets and
 tensors that share a storage share its copy, as with ``torch.save``. A state with anything else in
 it (a tensor subclass such as a DTensor, a sparse or quantized tensor, an object that is not a
 container or a plain value) is staged by DCP's ``DefaultStager`` instead, which knows those.
@@ -162,24 +161,23 @@ class ReusableStager:
     # ---------------------------------------------------------------------------------------- copy
 
     def _copy(self, copies: list[_Pair]) -> None:
-        """Copy every source storage into its buffer: CPU sources in up to ``num_threads`` threads
-        of about equal bytes; device sources on this thread, non-blocking into pinned buffers on
-        the current stream (so after the kernels that wrote them), waited for before returning."""
-        on_device = any(source.device.type != "cpu" for _, source in copies)
+        """Copy every source storage into its buffer, in up to ``num_threads`` threads of about
+        equal bytes; with CUDA, non-blocking device-to-host copies waited for before returning."""
         total = sum(source.nbytes() for _, source in copies)
-        threads = 1 if on_device else min(self.num_threads, max(1, total // MIN_BYTES_PER_THREAD))
+        threads = min(self.num_threads, max(1, total // MIN_BYTES_PER_THREAD))
+        non_blocking = self.cuda and any(source.device.type == "cuda" for _, source in copies)
         if threads == 1:
             for buffer, source in copies:
-                buffer.copy_(source, non_blocking=on_device and self.cuda)
+                buffer.copy_(source, non_blocking=non_blocking)
         else:
             chunks = _byte_chunks(copies, threads)
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.num_threads - 1, thread_name_prefix="tunepod-stage")
-            started = [self._pool.submit(_copy_chunk, chunk) for chunk in chunks[1:]]
-            _copy_chunk(chunks[0])
+            started = [self._pool.submit(_copy_chunk, chunk, non_blocking) for chunk in chunks[1:]]
+            _copy_chunk(chunks[0], non_blocking)
             for future in started:
                 future.result()
-        if on_device and self.cuda:
+        if non_blocking:
             torch.cuda.synchronize()  # the training loop may change the state once save returns
 
     def _dcp_stager(self) -> DefaultStager:
@@ -224,6 +222,6 @@ def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
-def _copy_chunk(pieces: list[_Piece]) -> None:
+def _copy_chunk(pieces: list[_Piece], non_blocking: bool) -> None:
     for destination, source in pieces:
-        destination.copy_(source)
+        destination.copy_(source, non_blocking=non_blocking)
