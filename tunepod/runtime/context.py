@@ -242,11 +242,8 @@ class TrainingContext:
     def _sharded_checkpointer(self) -> ShardedCheckpointer:
         if self._sharded is None:
             from tunepod.runtime.sharded import ShardedCheckpointer  # imports torch
-            from tunepod.runtime.staging import copy_threads
 
-            self._sharded = ShardedCheckpointer(
-                self.checkpoint_dir, self.keep_checkpoints, self.world_size, copy_threads(self._env)
-            )
+            self._sharded = ShardedCheckpointer(self.checkpoint_dir, self.keep_checkpoints, self.world_size)
         return self._sharded
 
     def finish(self, **values: float) -> None:

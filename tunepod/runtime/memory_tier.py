@@ -6,10 +6,10 @@ method is a collective: call it on every rank alike (the first one sets the tier
 its own, an HTTP server per rank serving its node's job folder, the attempt's nonce and token from
 rank 0, and every rank's node and address).
 
-A save copies the state to reusable CPU buffers on the training thread (``staging``) and returns;
-a background thread writes it into this node's step folder, then the writer's manifest, then pushes
-the files and the manifest to the same local rank on the next ``memory_replicas`` nodes, and (local
-rank 0) prunes the node's older steps. One save in flight: the next save, ``wait`` and ``finish`` wait for it.
+A save copies the state to reusable CPU buffers on the training thread and returns; a background
+thread writes it into this node's step folder, then the writer's manifest, then pushes the files and
+the manifest to the same local rank on the next ``memory_replicas`` nodes, and (local rank 0) prunes
+the node's older steps. One save in flight: the next save, ``wait`` and ``finish`` wait for it.
 Whole-state saves are written by rank 0 in the shared step format (``state.pt``, ``metadata.json``);
 sharded ones by every rank with DCP into its node's step folder (rank 0 adds DCP's ``.metadata``).
 
@@ -62,8 +62,7 @@ from tunepod.runtime.memory_store import (
     write_manifest,
 )
 from tunepod.runtime.peer_http import PeerError, PeerServer, delete_manifest, fetch_file, push_file
-from tunepod.runtime.sharded import SafeReader, ShardedCheckpointer, refuse_unloadable_values
-from tunepod.runtime.staging import ReusableStager, copy_threads
+from tunepod.runtime.sharded import SafeReader, ShardedCheckpointer, refuse_unloadable_values, reusable_stager
 from tunepod.runtime.tiers import CheckpointTiers, SaveTargets, TierSchedule
 
 T = TypeVar("T")
@@ -122,7 +121,7 @@ class MemoryTier:
         self._server: PeerServer | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tunepod-memory-save")
         self._pending: Future[None] | None = None
-        self._stager = ReusableStager(copy_threads(env))
+        self._stager = reusable_stager()
         self._last_sharded = False
         self._own_files: dict[str, FileEntry] = {}
         """The files this rank wrote for its last memory save."""
@@ -387,7 +386,6 @@ class MemoryTier:
             self._server.close()
             self._server = None
         self._executor.shutdown(wait=True)
-        self._stager.close()
         self._ready = False
 
     # ------------------------------------------------------------------------------------------ set up

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse, async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -49,7 +50,6 @@ from torch.distributed.checkpoint.stateful import Stateful
 from tunepod.runtime import checkpoints
 from tunepod.runtime.checkpoints import Checkpoint, UnsafeCheckpointError
 from tunepod.runtime.files import disk_full_error
-from tunepod.runtime.staging import ReusableStager
 
 T = TypeVar("T")
 ASYNC_MODES = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}
@@ -93,16 +93,14 @@ class ShardedCheckpointer:
     """Saves and loads sharded steps under ``checkpoint_dir``; one per process, used from the thread
     that runs the training loop. Every method is a collective: call it on every rank alike."""
 
-    def __init__(self, checkpoint_dir: Path, keep: int, world_size: int = 1, copy_threads: int = 1) -> None:
+    def __init__(self, checkpoint_dir: Path, keep: int, world_size: int = 1) -> None:
         self.checkpoint_dir = checkpoint_dir
         self.keep = keep
         self.world_size = world_size
         """The job's number of processes (its contract's ``WORLD_SIZE``)."""
-        self.copy_threads = copy_threads
-        """Threads an async save copies the state to CPU memory with (``staging.copy_threads``)."""
         self._group: dist.ProcessGroup | None = None
         self._pending: _PendingSave | None = None
-        self._stagers: dict[str, ReusableStager] = {}
+        self._stagers: dict[str, DefaultStager] = {}
 
     def save(self, state: dict[str, Any], step: int, async_mode: str | None) -> Path:
         """Write ``state`` as step ``step`` (async: in the background, committed later); return the
@@ -187,15 +185,13 @@ class ShardedCheckpointer:
 
         return commit
 
-    def _stager(self, async_mode: str) -> ReusableStager:
+    def _stager(self, async_mode: str) -> DefaultStager:
         """The copy-to-CPU stager of ``async_mode``, kept across saves so each save refills the CPU
         buffers of the last instead of allocating new ones (DCP's default makes a new copy each
         time: measured at up to half of an async save's stall). Shared memory for the process mode,
         whose writer process then reads the buffers without another copy; pinned with CUDA."""
         if async_mode not in self._stagers:
-            self._stagers[async_mode] = ReusableStager(
-                self.copy_threads, shared_memory=async_mode == "process"
-            )
+            self._stagers[async_mode] = reusable_stager(shared_memory=async_mode == "process")
         return self._stagers[async_mode]
 
     def load_latest(self, into: dict[str, Any]) -> Checkpoint | None:
@@ -281,6 +277,20 @@ class ShardedCheckpointer:
         dist.broadcast(picked, src=0, group=self._checkpoint_group())
         value = int(picked.item())
         return None if value < 0 else value
+
+
+def reusable_stager(shared_memory: bool = False) -> DefaultStager:
+    """A stager that copies a state to CPU memory on the calling thread, into the buffers of its last
+    copy when the state's tensors are the same (a model's parameters, an optimizer's moments); pinned
+    with CUDA. ``shared_memory`` for a writer process that reads the buffers without another copy."""
+    cuda = torch.cuda.is_available()
+    options = StagingOptions(
+        use_pinned_memory=cuda,
+        use_shared_memory=shared_memory,
+        use_async_staging=False,  # the training loop may change the state once save returns
+        use_non_blocking_copy=cuda,
+    )
+    return DefaultStager(options)
 
 
 def read_whole_state(folder: Path, reader: FileSystemReader | None = None) -> dict[str, Any]:
