@@ -2,7 +2,8 @@
 dd and cp, side by side in one run, as ratios (``make bench-checkpoints``).
 
 1. Training stall per checkpoint: a 2-rank DDP job under torchrun saves every ``--interval`` steps
-   by each method; the stall is the save call's wall time until every rank can train again.
+   by each method, the memory tier's among them; the stall is the save call's wall time until every
+   rank can train again. One job per state size.
 2. Kill -> first step after resume: the job is SIGKILLed after a committed checkpoint and started
    again; from the kill to the first training step, split into phases, per state size.
 3. Write throughput: MB/s of tunepod's writers against dd and cp of the same bytes.
@@ -39,15 +40,22 @@ from benchmarks.checkpoints.jobs import JobsReport, ResumeFigures, StallFigures
 console = Console(highlight=False, soft_wrap=True, width=max(170, Console().width))
 #: The issue's goal: an async save stalls training at most this fraction of a synchronous torch.save.
 STALL_GOAL = 0.3
+#: Issue 45's goal: a memory-tier save stalls training at most this fraction of a synchronous torch.save.
+MEMORY_GOAL = 0.1
 BASELINE_SAVE = "torch.save"
+FSYNC_SAVE = "torch.save+fsync"
 ASYNC_METHODS = ("tunepod-async", "tunepod-async-process")
+MEMORY_METHODS = ("tunepod-memory", "tunepod-memory-sharded")
 STALL_ROWS = {  # method -> (side, what)
     "torch.save": ("baseline", "torch.save, rank 0 (no fsync)"),
     "torch.save+fsync": ("baseline", "torch.save + fsync, rank 0"),
+    "copy": ("floor", "bare copy into kept buffers, rank 0"),
     "tunepod": ("tunepod", "save_checkpoint: rank 0, sync"),
     "tunepod-sharded": ("tunepod", "sharded, sync"),
     "tunepod-async": ("tunepod", "sharded, async (thread)"),
     "tunepod-async-process": ("tunepod", "sharded, async (process)"),
+    "tunepod-memory": ("tunepod", "memory tier, whole-state (rank 0)"),
+    "tunepod-memory-sharded": ("tunepod", "memory tier, sharded"),
 }
 RESUME_ROWS = {
     "torch.save": ("baseline", "torch.load of a torch.save file"),
@@ -55,8 +63,8 @@ RESUME_ROWS = {
     "tunepod-sharded": ("tunepod", "sharded: load_latest_checkpoint(into=)"),
 }
 PHASES = ("process start", "imports", "rendezvous", "model build", "checkpoint load", "first step")
-SHORT = {"stall_mb": 64.0, "resume_mb": [64.0, 256.0], "throughput_mb": 256.0}
-LONG = {"stall_mb": 1024.0, "resume_mb": [256.0, 1024.0, 2048.0], "throughput_mb": 1024.0}
+SHORT = {"stall_mb": [64.0, 256.0], "resume_mb": [64.0, 256.0], "throughput_mb": 256.0}
+LONG = {"stall_mb": [1024.0], "resume_mb": [256.0, 1024.0, 2048.0], "throughput_mb": 1024.0}
 
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:
@@ -67,7 +75,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--dir", type=Path, help="where checkpoints are written (FSx for Lustre: a folder on it)"
     )
-    parser.add_argument("--stall-mb", type=float, help="state size of the stall job (table 1)")
+    parser.add_argument("--stall-mb", type=float, nargs="+", help="state sizes of the stall jobs (table 1)")
     parser.add_argument("--resume-mb", type=float, nargs="+", help="state sizes of the resumes (table 2)")
     parser.add_argument("--throughput-mb", type=float, help="bytes written per writer (table 3)")
     parser.add_argument("--interval", type=int, default=5, help="training steps between two saves")
@@ -115,7 +123,7 @@ def main(argv: Sequence[str]) -> int:
     if args.tables & {"stall", "resume"}:
         report = jobs.run_jobs(
             folder,
-            args.stall_mb,
+            args.stall_mb if "stall" in args.tables else [],
             args.resume_mb if "resume" in args.tables else [],
             interval=args.interval,
             saves=args.saves,
@@ -128,7 +136,8 @@ def main(argv: Sequence[str]) -> int:
         )
         failures += report.failures
         if "stall" in args.tables:
-            figures["stall"] = print_stall(report, args)
+            figures["stall"] = [print_stall(report, size, args) for size in args.stall_mb]
+            figures["memory_tier"] = print_memory_tier(figures["stall"])
         if "resume" in args.tables:
             figures["resume"] = print_resume(report, args.launcher)
     if "throughput" in args.tables:
@@ -154,19 +163,19 @@ def main(argv: Sequence[str]) -> int:
 # ---------------------------------------------------------------------------------------------- tables
 
 
-def print_stall(report: JobsReport, args: argparse.Namespace) -> dict[str, Any]:
-    """Table 1; returns its figures."""
-    by_method = {f.method: f for f in report.stall}
+def print_stall(report: JobsReport, size_mb: float, args: argparse.Namespace) -> dict[str, Any]:
+    """Table 1 of the stall job of ``size_mb``; returns its figures."""
+    by_method = {f.method: f for f in report.stall if f.size_mb == size_mb}
     if BASELINE_SAVE not in by_method:
-        console.print("[red]table 1: the stall job failed, nothing to show")
-        return {}
+        console.print(f"[red]table 1: the stall job of {size_mb:g} MB failed, nothing to show")
+        return {"size_mb": size_mb}
     step_s = median(by_method["none"].steps)
     barrier_s = median(by_method["none"].calls)
     baseline_stall = median(by_method[BASELINE_SAVE].calls)
     baseline_cost = cost_per_save(by_method[BASELINE_SAVE], step_s, args.interval)
-    size_mb = by_method[BASELINE_SAVE].bytes / 1e6
+    state_mb = by_method[BASELINE_SAVE].bytes / 1e6
     table = Table(
-        title=f"1. Training stall per checkpoint: state {size_mb:.0f} MB, 2 ranks (gloo), a save every "
+        title=f"1. Training stall per checkpoint: state {state_mb:.0f} MB, 2 ranks (gloo), a save every "
         f"{args.interval} steps of {step_s * 1000:.0f} ms; median of {args.saves * args.rounds} saves"
     )
     columns = ("side", "save", "stall s (median)", "min-max", "first save s", "steps slower",
@@ -198,8 +207,43 @@ def print_stall(report: JobsReport, args: argparse.Namespace) -> dict[str, Any]:
     verdict = "[green]met" if met else "[red]NOT met"
     shown = ", ".join(f"{STALL_ROWS[m][1]} {r:.2f}x" for m, r in ratios.items())
     console.print(f"goal: async stall <= {STALL_GOAL}x torch.save's: {shown}: {verdict}")
-    return {"step_s": step_s, "barrier_s": barrier_s, "rows": rows, "goal": STALL_GOAL, "goal_met": met,
-            "raw": [asdict(f) for f in report.stall]}  # fmt: skip
+    return {"size_mb": size_mb, "state_mb": state_mb, "step_s": step_s, "barrier_s": barrier_s,
+            "rows": rows, "goal": STALL_GOAL, "goal_met": met,
+            "raw": [asdict(f) for f in by_method.values()]}  # fmt: skip
+
+
+def print_memory_tier(stalls: list[dict[str, Any]]) -> dict[str, Any]:
+    """The memory tier's line per state size, and issue 45's goal; returns their figures."""
+    found: dict[str, Any] = {}
+    for figures in stalls:
+        if "rows" not in figures:
+            continue
+        rows, size = figures["rows"], figures["size_mb"]
+        whole, sharded = rows["tunepod-memory"], rows["tunepod-memory-sharded"]
+        against = {
+            "torch.save": whole["ratio"],
+            "torch.save+fsync": whole["stall_s"] / rows[FSYNC_SAVE]["stall_s"],
+            "sharded async (thread)": whole["stall_s"] / rows["tunepod-async"]["stall_s"],
+            "sharded memory save": sharded["ratio"],
+            "bare copy (floor)": rows["copy"]["ratio"],
+        }
+        found[f"{size:g}"] = against
+        console.print(
+            f"memory-tier stall ratio: {whole['ratio']:.2f} at {size:g} MB (whole-state memory save, "
+            f"{whole['stall_s'] * 1000:.1f} ms, / torch.save without fsync, "
+            f"{rows[BASELINE_SAVE]['stall_s'] * 1000:.1f} ms; / torch.save + fsync "
+            f"{against['torch.save+fsync']:.2f}; / the async sharded save (thread) "
+            f"{against['sharded async (thread)']:.2f}; sharded memory save / torch.save "
+            f"{sharded['ratio']:.2f}; the floor, a bare copy of the state, / torch.save "
+            f"{rows['copy']['ratio']:.2f})"
+        )
+    if not found:
+        return {}
+    met = all(r["torch.save"] <= MEMORY_GOAL for r in found.values())
+    shown = ", ".join(f"{size} MB {r['torch.save']:.2f}x" for size, r in found.items())
+    verdict = "[green]met" if met else "[red]NOT met"
+    console.print(f"goal: memory-tier stall <= {MEMORY_GOAL}x torch.save's (whole-state): {shown}: {verdict}")
+    return {"ratios": found, "goal": MEMORY_GOAL, "goal_met": met}
 
 
 def cost_per_save(found: StallFigures, step_s: float, interval: int) -> float:

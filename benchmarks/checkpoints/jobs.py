@@ -7,6 +7,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -33,8 +34,10 @@ POLL_S = 0.02
 RESUME_METHODS = ("torch.save", "tunepod", "tunepod-sharded")
 STALL_METHODS = (
     "none", "torch.save", "torch.save+fsync", "tunepod", "tunepod-sharded", "tunepod-async",
-    "tunepod-async-process",
+    "tunepod-async-process", "tunepod-memory", "tunepod-memory-sharded", "copy",
 )  # fmt: skip
+#: Where the memory tier's folders go: node memory, as checkpoints.memory_dir's default.
+SHM = Path("/dev/shm")
 
 
 class SideFailed(Exception):
@@ -57,6 +60,9 @@ class Job:
     process: subprocess.Popen[bytes]
     launched: float
     log: Path
+    memory_dir: Path
+    """The memory tier's folders of the job (its ranks' stand-in nodes'), removed by ``kill``: a
+    killed job leaves them behind, as a lost node's memory would be."""
 
     def wait_for(self, path: Path, timeout_s: float) -> dict[str, Any]:
         """The JSON at ``path`` once the job has written it; ``SideFailed`` if the job exits first or
@@ -87,6 +93,7 @@ class Job:
         deadline = time.monotonic() + 30
         while carrying(MARKER_ENV, self.marker) and time.monotonic() < deadline:
             time.sleep(POLL_S)
+        shutil.rmtree(self.memory_dir, ignore_errors=True)
         return killed_at
 
 
@@ -94,6 +101,8 @@ def launch(name: str, folder: Path, params: dict[str, Any], launcher: str) -> Jo
     """Start the trainer with the training contract's variables, as a tunepod launcher sets them."""
     folder.mkdir(parents=True, exist_ok=True)
     marker = f"{name}-{uuid.uuid4().hex[:8]}"
+    memory_dir = SHM / f"tunepod-bench-{marker}" if SHM.is_dir() else folder / "memory"
+    params = params | {"memory_dir": str(memory_dir)}
     env = {
         **os.environ,
         runtime.PARAMS_ENV: json.dumps(params, sort_keys=True),
@@ -125,7 +134,7 @@ def launch(name: str, folder: Path, params: dict[str, Any], launcher: str) -> Jo
             )  # fmt: skip
         else:
             process = direct_ranks(env, out)
-    return Job(name, folder, marker, process, launched, log)
+    return Job(name, folder, marker, process, launched, log, memory_dir)
 
 
 def direct_ranks(env: dict[str, str], out: Any) -> subprocess.Popen[bytes]:
@@ -170,8 +179,9 @@ def tail(log: Path, lines: int = 25) -> str:
 
 @dataclass(frozen=True)
 class StallFigures:
-    """One method's stalls and steps, seconds."""
+    """One method's stalls and steps at one state size, seconds."""
 
+    size_mb: float
     method: str
     calls: list[float]
     first: float
@@ -208,7 +218,6 @@ class ResumeFigures:
 @dataclass
 class JobsReport:
     stall: list[StallFigures] = field(default_factory=list)
-    stall_mb: float = 0.0
     resumes: list[ResumeFigures] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
 
@@ -220,7 +229,7 @@ def trainer_params(megabytes: float, batch: int) -> dict[str, Any]:
 
 def run_jobs(
     folder: Path,
-    stall_mb: float,
+    stall_mbs: Sequence[float],
     resume_mbs: Sequence[float],
     *,
     interval: int,
@@ -232,45 +241,79 @@ def run_jobs(
     launcher: str,
     timeout_s: float,
 ) -> JobsReport:
-    """The stall job (whose checkpoints the first resume of ``stall_mb`` starts from, when it is one
-    of ``resume_mbs``), then for each size a job that saves and is killed, and the chain of resumes:
-    each resume job is killed after its first step, which is the kill the next one is timed from."""
-    report = JobsReport(stall_mb=stall_mb)
-    stall_job = None
-    try:
-        params = trainer_params(stall_mb, batch) | {"phase": "stall", "methods": list(STALL_METHODS)}
+    """For each size of ``stall_mbs`` the stall job, whose checkpoints the first resume chain of its
+    size starts from when it is one of ``resume_mbs`` (then at once, so that no two jobs train at
+    the same time), then the other resume chains: for each size a job that saves and is killed, and
+    the chain of resumes, each resume job killed after its first step, which is the kill the next
+    one is timed from."""
+    report = JobsReport()
+    chained: set[float] = set()
+    for size in stall_mbs:
+        params = trainer_params(size, batch) | {"phase": "stall", "methods": list(STALL_METHODS)}
         params |= {"interval": interval, "saves": saves, "rounds": rounds}
-        stall_job = launch("stall", folder / f"size-{stall_mb:g}", params, launcher)
-        stall_job.wait_for(stall_job.folder / "checkpoints" / "ready.json", timeout_s)
-        stall = json.loads((stall_job.folder / "checkpoints" / "stall.json").read_text())
-        report.stall = [
-            StallFigures(
-                m,
-                stall["calls"][m],
-                stall["first"][m],
-                stall["steps"][m],
-                stall["drains"][m],
-                stall["bytes"][m],
-            )
-            for m in STALL_METHODS
-        ]
-    except SideFailed as exc:
-        report.failures.append(f"stall: {exc}")
-        if stall_job is not None:
-            stall_job.kill()
-        stall_job = None
+        job = stall_job(folder, size, params, launcher, timeout_s, report)
+        if job is None:
+            continue
+        if size in resume_mbs and resume_repeats > 0 and size not in chained:
+            chained.add(size)
+            resume_into(report, folder, size, batch, launcher, timeout_s, job, resume_methods, 0)
+        else:
+            job.kill()
     for repeat in range(resume_repeats):
         for size in resume_mbs:
-            reuse = stall_job if repeat == 0 and size == stall_mb else None
-            try:
-                report.resumes += resume_chain(
-                    folder, size, batch, launcher, timeout_s, reuse, rotate(resume_methods, repeat), repeat
-                )
-            except SideFailed as exc:
-                report.failures.append(f"resume {size:g} MB: {exc}")
-    if stall_job is not None and stall_job.process.poll() is None:
-        stall_job.kill()
+            if repeat == 0 and size in chained:
+                continue
+            resume_into(report, folder, size, batch, launcher, timeout_s, None, resume_methods, repeat)
     return report
+
+
+def stall_job(
+    folder: Path, size: float, params: dict[str, Any], launcher: str, timeout_s: float, report: JobsReport
+) -> Job | None:
+    """Run the stall job of ``size`` to its ready marker and add its figures to ``report``; the job,
+    still running, or ``None`` (killed, its failure in ``report``)."""
+    job = launch("stall", folder / f"size-{size:g}", params, launcher)
+    try:
+        job.wait_for(job.folder / "checkpoints" / "ready.json", timeout_s)
+    except SideFailed as exc:
+        report.failures.append(f"stall {size:g} MB: {exc}")
+        job.kill()
+        return None
+    stall = json.loads((job.folder / "checkpoints" / "stall.json").read_text())
+    report.stall += [
+        StallFigures(
+            size,
+            m,
+            stall["calls"][m],
+            stall["first"][m],
+            stall["steps"][m],
+            stall["drains"][m],
+            stall["bytes"][m],
+        )
+        for m in STALL_METHODS
+    ]
+    return job
+
+
+def resume_into(
+    report: JobsReport,
+    folder: Path,
+    size: float,
+    batch: int,
+    launcher: str,
+    timeout_s: float,
+    running: Job | None,
+    methods: Sequence[str],
+    repeat: int,
+) -> None:
+    """One resume chain of ``size`` (from ``running``, else a fresh job), its figures or its failure
+    added to ``report``."""
+    try:
+        report.resumes += resume_chain(
+            folder, size, batch, launcher, timeout_s, running, rotate(methods, repeat), repeat
+        )
+    except SideFailed as exc:
+        report.failures.append(f"resume {size:g} MB: {exc}")
 
 
 def rotate(methods: Sequence[str], by: int) -> list[str]:
@@ -292,12 +335,14 @@ def resume_chain(
     method, kill that after its first step, resume by the next, and so on."""
     base = trainer_params(size, batch)
     size_folder = folder / f"size-{size:g}"
+    prepare = running is None
     if running is None:
         params = base | {"phase": "prepare", "resume_methods": list(RESUME_METHODS)}
         running = launch(f"prepare-{repeat}", size_folder, params, launcher)
-        running.wait_for(size_folder / "checkpoints" / "ready.json", timeout_s)
     found = []
     try:
+        if prepare:  # inside the try: a prepare job that fails is killed too
+            running.wait_for(size_folder / "checkpoints" / "ready.json", timeout_s)
         for method in methods:
             resumed_file = size_folder / "checkpoints" / "resumed.json"
             resumed_file.unlink(missing_ok=True)

@@ -19,7 +19,12 @@ Each method writes under its own folder of ``TUNEPOD_CHECKPOINT_DIR``. Methods:
 ``torch.save`` (rank 0, the path as a plain script writes it, the file of two saves back removed),
 ``torch.save+fsync`` (the same, fsynced), ``tunepod`` (``ctx.save_checkpoint(state, step)``),
 ``tunepod-sharded`` (``sharded=True``), ``tunepod-async`` (``async_save=True``),
-``tunepod-async-process`` (``async_save="process"``), and ``none`` (no save: the steps' own time).
+``tunepod-async-process`` (``async_save="process"``), ``tunepod-memory`` and ``tunepod-memory-sharded``
+(the memory tier, whole-state and ``sharded=True``: checkpoint tiers that send every save to node memory
+and, after the first save, none to the shared folder; see ``Jobs.memory_environ``), ``copy`` (rank 0
+copies the state's tensors into buffers kept from its first call and does nothing else: the floor of
+any save that returns once the state is copied), and ``none`` (no save: the steps' own time). The
+memory tier's folders are under the ``memory_dir`` parameter.
 """
 
 import time
@@ -41,7 +46,10 @@ IMPORTED = time.time()
 
 PLAIN = ("torch.save", "torch.save+fsync")
 ASYNC = {"tunepod-async": True, "tunepod-async-process": "process"}
+MEMORY = ("tunepod-memory", "tunepod-memory-sharded")
 SHARDED = ("tunepod-sharded", *ASYNC)
+#: The memory tier's shared_every_steps: after the first save (which goes to both tiers), memory only.
+NEVER = 10**9
 READY = "ready"
 LIMIT_S = 900.0  # a job the benchmark lost track of stops on its own
 
@@ -98,6 +106,7 @@ class Jobs:
         self.model, self.optimizer = model, optimizer
         self.contexts: dict[str, Any] = {}
         self.written: dict[str, list[Path]] = {}
+        self.copies: list[torch.Tensor] = []
 
     def step(self) -> None:
         inputs = torch.randn(self.batch, self.width)
@@ -108,21 +117,42 @@ class Jobs:
     def context(self, method: str, folder: Path) -> Any:
         """One tunepod context per method, each with its own checkpoint folder."""
         if method not in self.contexts:
-            self.contexts[method] = runtime.init(
-                environ={**os.environ, runtime.CHECKPOINT_DIR_ENV: str(folder)}
-            )
+            environ = {**os.environ, runtime.CHECKPOINT_DIR_ENV: str(folder)}
+            if method in MEMORY:
+                environ |= self.memory_environ()
+            self.contexts[method] = runtime.init(environ=environ)
         return self.contexts[method]
+
+    def memory_environ(self) -> dict[str, str]:
+        """Checkpoint tiers that send every save to memory (the first to the shared folder too), with
+        each rank standing in for a node of its own (its own memory folder, node id and local rank
+        0), so that every memory save is also copied to the other rank's "node" over HTTP, as in a
+        job of two nodes of one process each: the background work a memory save really causes."""
+        memory_dir = Path(self.ctx.params["memory_dir"]) / f"node-{self.rank}"
+        tiers = runtime.CheckpointTiers(1, NEVER, memory_replicas=1, memory_dir=str(memory_dir))
+        return {
+            runtime.CHECKPOINT_TIERS_ENV: tiers.to_json(),
+            "GROUP_RANK": str(self.rank),
+            "LOCAL_RANK": "0",
+            "LOCAL_WORLD_SIZE": "1",
+        }
 
     def save(self, method: str, folder: Path, step: int) -> None:
         if method == "none":
+            return
+        if method == "copy":
+            if self.rank == 0:
+                self.copy_state()
             return
         if method in PLAIN:
             if self.rank == 0:
                 self.save_plain(folder, step, fsync=method == "torch.save+fsync")
             return
         ctx = self.context(method, folder)
-        if method == "tunepod":
+        if method in ("tunepod", "tunepod-memory"):
             ctx.save_checkpoint(self.plain_state(step), step)
+        elif method == "tunepod-memory-sharded":
+            ctx.save_checkpoint(self.dcp_state(step), step, sharded=True)
         else:
             ctx.save_checkpoint(self.dcp_state(step), step, sharded=True, async_save=ASYNC.get(method, False))
 
@@ -139,6 +169,17 @@ class Jobs:
         written.append(path)
         if len(written) > 2:
             written.pop(0).unlink(missing_ok=True)
+
+    def copy_state(self) -> int:
+        """The floor: the state's tensors copied into buffers allocated at the first call, in one
+        ``torch._foreach_copy_`` on this thread (no structure rebuilt, nothing else); its bytes."""
+        sources = [*self.model.state_dict().values()]
+        moments = [v for s in self.optimizer.state.values() for v in s.values()]
+        sources += [v for v in moments if isinstance(v, torch.Tensor)]
+        if not self.copies:
+            self.copies = [torch.empty_like(t) for t in sources]
+        torch._foreach_copy_(self.copies, sources)
+        return sum(t.numel() * t.element_size() for t in sources)
 
     def plain_state(self, step: int) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": step}
@@ -216,6 +257,7 @@ def stall(jobs: Jobs, params: dict[str, Any], root: Path) -> None:
             dist.barrier()
             drains[method].append(time.perf_counter() - started)
     sizes = {m: folder_bytes(root / m) for m in methods}
+    sizes["copy"] = jobs.copy_state() if "copy" in methods else 0
     if jobs.rank == 0:
         result = {"steps": steps, "calls": calls, "first": first, "drains": drains, "bytes": sizes}
         (root / "stall.json").write_text(json.dumps(result))
