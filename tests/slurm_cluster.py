@@ -36,6 +36,7 @@ SLURM_NODE = Path(__file__).resolve().parents[1] / "scripts" / "slurm-node"
 PARTITION = "debug"
 NODE_PARTITION = "nodes"
 LOG_DIR = "/var/log/tunepod-slurm"
+RUN_DIR = "/run/tunepod-slurm"
 #: Node states in which a job can start now.
 # A node busy with someone's jobs (allocated, completing) still serves the tests: they wait in the queue.
 READY_NODE_STATES = frozenset({"idle", "mixed", "allocated", "completing"})
@@ -136,6 +137,18 @@ def slurm_node(command: str, node: str) -> str:
 def kill_node(node: str) -> None:
     """A node's power cut: SIGKILL every process in its namespaces (its slurmd, job steps, trainers)."""
     slurm_node("kill", node)
+
+
+def node_memory(node: str) -> Path:
+    """Node ``node``'s own ``/dev/shm`` (a tmpfs in its mount namespace, ``scripts/slurm/common.sh``),
+    seen from this host through its slurmd's ``/proc/<pid>/root``: what a job step on the node sees
+    as ``/dev/shm``. The node's slurmd must be running."""
+    pid_file = Path(RUN_DIR) / f"slurmd-{node}.pid"
+    try:
+        pid = int(pid_file.read_text().strip())
+    except (OSError, ValueError):
+        pytest.fail(f"node {node}'s slurmd is not running (no pid in {pid_file}); its memory is gone")
+    return Path(f"/proc/{pid}/root/dev/shm")
 
 
 def wait_for_node(node: str, states: frozenset[str], timeout_s: float = 90) -> str:

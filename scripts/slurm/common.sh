@@ -23,7 +23,8 @@ HOST_NODE=$(hostname -s)
 # The namespaced nodes (slurm-up --nodes N): node nI is a slurmd in a network namespace of its own
 # (tunepod-nI), with its own hostname (a UTS namespace) and address 10.231.0.(10+I) on a bridge that
 # slurm-up makes, where the controller listens at 10.231.0.1. They share this host's file systems, as
-# cluster nodes share FSx. The addresses exist only inside these namespaces and on the bridge.
+# cluster nodes share FSx, but each has its own /dev/shm (NODE_SHM_SIZE below): its memory. The
+# addresses exist only inside these namespaces and on the bridge.
 NODE_PARTITION=nodes
 BRIDGE=tpslurm0
 SUBNET=10.231.0
@@ -31,6 +32,14 @@ BRIDGE_ADDR=$SUBNET.1
 MAX_NODES=64
 # Bind-mounted over /etc/hosts in each node's mount namespace: torchrun resolves the other nodes' names.
 HOSTS_FILE=$STATE_DIR/hosts
+# Each node's own memory: a tmpfs mounted on /dev/shm in its mount namespace, so what a job step puts
+# there (the checkpoint memory tier, Python's semaphores, DCP's staging) is that node's alone and goes
+# with it when the node is killed (the namespace, and its tmpfs, end with its last process). Sized
+# like a container's --shm-size: the memory tier keeps a job's 2 newest steps on a node, its own and a
+# peer's copy, so 1 GB holds a 64 MB state's four copies with room for staging and semaphores, while
+# four nodes can never take more than 4 GB of the host's RAM (tmpfs pages count only once written).
+# TUNEPOD_NODE_SHM_SIZE overrides it when a node starts (any tmpfs size=: 2g, 25%).
+NODE_SHM_SIZE=${TUNEPOD_NODE_SHM_SIZE:-1g}
 
 netns_of() { echo "tunepod-$1"; }
 # The host's end of node $1's veth pair (the node's end is eth0 in its namespace).
@@ -128,10 +137,23 @@ kill_node_processes() {
 }
 
 # Starts node $1's slurmd in its namespaces: the network namespace slurm-up made, and new UTS and
-# mount namespaces for its hostname and /etc/hosts. Not `ip netns exec`: it remounts /sys, and slurmd
-# then fails to set up its cgroup plugin.
+# mount namespaces for its hostname, /etc/hosts and its own /dev/shm (NODE_SHM_SIZE, empty: a node
+# that starts again has lost what its memory held). Private propagation keeps both mounts out of the
+# host's namespace. Not `ip netns exec`: it remounts /sys, and slurmd then fails to set up its cgroup
+# plugin.
 launch_node_slurmd() {
   local node=$1
   nsenter --net="/run/netns/$(netns_of "$node")" unshare --uts --mount --propagation private \
-    sh -c 'mount --bind "$1" /etc/hosts && hostname "$2" && exec slurmd -N "$2"' sh "$HOSTS_FILE" "$node"
+    sh -c 'mount --bind "$1" /etc/hosts &&
+      mount -t tmpfs -o "size=$3,mode=1777,nosuid,nodev" "tunepod-$2-shm" /dev/shm &&
+      hostname "$2" && exec slurmd -N "$2"' sh "$HOSTS_FILE" "$node" "$NODE_SHM_SIZE"
+}
+
+# True when node $1's running slurmd (pid $2) has a /dev/shm of its own, not the host's: a node
+# started by an older slurm-up shares the host's, and slurm-up restarts it.
+node_has_own_memory() {
+  local pid=$2 host_dev node_dev
+  host_dev=$(stat -c %d /dev/shm) || return 1
+  node_dev=$(stat -c %d "/proc/$pid/root/dev/shm" 2>/dev/null) || return 1
+  [[ $node_dev != "$host_dev" ]]
 }

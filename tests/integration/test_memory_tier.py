@@ -30,6 +30,7 @@ import pytest
 from ports import free_port
 
 from tunepod import runtime
+from tunepod.runtime.restores import read_restores, restores_file
 
 pytest.importorskip("torch")
 
@@ -165,6 +166,10 @@ def test_a_lost_node_restores_the_newest_memory_step_from_its_peer_and_finish_fl
     assert a["from"] == "own memory"
     assert b["from"].startswith("peer memory (127.0.0.1:")
     assert "restored step 8 from rank 0 " in nodes.logs(tail=10**6)
+    # (3) Rank 0 recorded the restore for the orchestrator's MLflow mirror: the job's is a peer's.
+    (restore,) = read_restores(restores_file(nodes.tmp / "metrics.jsonl"))
+    assert (restore.step, restore.tier) == (8, "peer memory")
+    assert sorted(source.split(" (")[0] for source in restore.sources) == ["own memory", "peer memory"]
     # (4) finish copied memory step 10 (newer than shared step 6) to the shared folder, then
     # removed the memory folders.
     assert [c.step for c in runtime.valid_checkpoints(nodes.checkpoints)][:2] == [10, 6]

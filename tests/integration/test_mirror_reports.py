@@ -7,6 +7,9 @@ dir whose ``mlflow.json`` a tunepod before ``synced_offset`` wrote.
 And a metric MLflow refuses: its points are set aside and named (a tag, ``mlflow.json``), the rest
 of the job's records land, and the outbox's ``flush`` returns instead of retrying that run forever;
 an MLflow that does not answer, or a deleted run, is still retried.
+
+And the restores of a job with checkpoint tiers: tagged on its run (latest tier and step, every
+restore listed), the same after a restart.
 """
 
 from __future__ import annotations
@@ -26,9 +29,10 @@ from mlflow.protos.databricks_pb2 import TEMPORARILY_UNAVAILABLE
 from tunepod.launch.paths import JobPaths
 from tunepod.runtime import Report, read_reports
 from tunepod.runtime.metrics import append_report
+from tunepod.runtime.restores import Restore, record_restore
 from tunepod.tracking import mirror as mirror_module
 from tunepod.tracking import tags
-from tunepod.tracking.mirror import Final, FinalMetric, RunMirror, RunPlan, read_mirror_state
+from tunepod.tracking.mirror import Final, FinalMetric, RunMirror, RunPlan, read_mirror_state, restore_tags
 from tunepod.tracking.mlflow_tracker import MlflowTracker
 from tunepod.tracking.outbox import TrackingOutbox
 
@@ -287,3 +291,45 @@ def test_mlflow_away_or_a_deleted_run_is_retried_not_set_aside(tmp_path: Path, j
     mirror.sync()
     assert logged(mirror.tracker, mirror.run_id) == reported(job_dir)
     assert read_mirror_state(job_dir).refused_metrics == ()
+
+
+# ------------------------------------------------------------------------------ restores
+
+
+def test_each_restore_of_a_tiered_job_reaches_its_run_as_tags_and_a_restart_writes_the_same(
+    tracker: MlflowTracker, job_dir: Path
+) -> None:
+    restores_file = JobPaths(job_dir).restores
+    report(job_dir, 0, score=0.1)
+    mirror = trial_mirror(tracker, job_dir)
+    mirror.sync()
+    assert mirror.run_id is not None
+    client = MlflowClient(tracker.tracking_uri)
+    assert tags.PREFIX + tags.RESTORED_FROM not in client.get_run(mirror.run_id).data.tags  # none yet
+
+    record_restore(restores_file, 4, ["shared file system", "shared file system"])
+    record_restore(restores_file, 9, ["own memory", "peer memory (10.231.0.12:4711)"])
+    with restores_file.open("a") as torn:
+        torn.write('{"step": 12, "tier"')  # a line being written: not a restore yet
+    mirror.sync()
+
+    run_tags = client.get_run(mirror.run_id).data.tags
+    assert run_tags[tags.PREFIX + tags.RESTORED_FROM] == "peer memory"
+    assert run_tags[tags.PREFIX + tags.RESTORED_STEP] == "9"
+    listed = json.loads(run_tags[tags.PREFIX + tags.RESTORES])
+    assert [(r["step"], r["tier"], r["sources"]) for r in listed] == [
+        (4, "shared file system", ["shared file system", "shared file system"]),
+        (9, "peer memory", ["own memory", "peer memory (10.231.0.12:4711)"]),
+    ]
+    again = trial_mirror(tracker, job_dir)  # a restarted orchestrator
+    again.sync()
+    assert client.get_run(mirror.run_id).data.tags == run_tags
+
+
+def test_the_restores_tag_keeps_the_newest_restores_that_fit_a_tag() -> None:
+    many = [Restore(step, "own memory", ("own memory",) * 40, 1.0) for step in range(200)]
+    found = restore_tags("tunepod.", many)
+    listed = json.loads(found["tunepod.restores"])
+    assert len(found["tunepod.restores"]) <= mirror_module.MAX_TAG_CHARS
+    assert listed[-1]["step"] == 199 and 1 < len(listed) < 200
+    assert (found["tunepod.restored_from"], found["tunepod.restored_step"]) == ("own memory", "199")

@@ -1,11 +1,12 @@
 """The local Slurm cluster from ``scripts/slurm-up`` does what the Slurm launcher relies on: jobs run
 and report final states and exit codes through ``scontrol show job``, a requeued job runs again, and
-1-core jobs share the node; its namespaced nodes are nodes of their own (hostname, address, slurmd),
-and a killed one comes back. Plus the skip-or-fail rule of the ``slurm`` marker and the scripts'
-argument errors, which need no cluster."""
+1-core jobs share the node; its namespaced nodes are nodes of their own (hostname, address, slurmd,
+memory), and a killed one comes back with its memory lost. Plus the skip-or-fail rule of the
+``slurm`` marker and the scripts' argument errors, which need no cluster."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from slurm_cluster import (
     NODE_PARTITION,
     READY_NODE_STATES,
     kill_node,
+    node_memory,
     node_states,
     restore_nodes,
     sbatch,
@@ -148,6 +150,43 @@ class TestNamespacedNodes:
             assert wait_for_job(job_id)["JobState"] == "COMPLETED"
             assert (tmp_path / "job.log").read_text().split() == ["n4"]
         finally:
+            restore_nodes()
+
+    def test_each_node_has_memory_of_its_own_and_a_killed_node_loses_it(self, tmp_path: Path) -> None:
+        """What a job step writes to ``/dev/shm`` stays on its node: each node's is a tmpfs of its own
+        (not this host's, not another node's); killing the node frees it, and the node starts again
+        with an empty one while the other nodes keep theirs."""
+        marker = f"tunepod-test-{os.getpid()}-{tmp_path.name}"
+        nodes = [f"n{i}" for i in range(1, 5)]
+        job_id = sbatch(
+            f"--partition={NODE_PARTITION}", "--nodes=4", "--ntasks-per-node=1", "--mem=16M",
+            f"--chdir={tmp_path}", "--output=job.log",
+            # Every task writes its mark, then (once all have) lists the marks it sees.
+            f"--wrap=srun sh -c 'touch /dev/shm/{marker}-$SLURMD_NODENAME; sleep 2; "
+            f"echo $SLURMD_NODENAME $(cd /dev/shm && ls -d {marker}-*)'",
+        )  # fmt: skip
+        try:
+            assert wait_for_job(job_id)["JobState"] == "COMPLETED"
+            seen = sorted(tuple(line.split()) for line in (tmp_path / "job.log").read_text().splitlines())
+            assert seen == [(node, f"{marker}-{node}") for node in nodes], seen
+            assert not list(Path("/dev/shm").glob(f"{marker}-*")), "a node wrote to this host's /dev/shm"
+            devices = {node_memory(node).stat().st_dev for node in nodes} | {Path("/dev/shm").stat().st_dev}
+            assert len(devices) == 5, "two nodes, or a node and this host, share one /dev/shm"
+
+            killed_slurmd = node_memory("n4").parent.parent
+            kill_node("n4")
+            deadline = time.monotonic() + 30
+            while killed_slurmd.exists():  # its slurmd gone: the node's port is free for the next one
+                assert time.monotonic() < deadline, "node n4's slurmd outlived SIGKILL for 30 s"
+                time.sleep(0.1)
+            slurm_node("start", "n4")
+
+            assert not (node_memory("n4") / f"{marker}-n4").exists(), "node n4's memory outlived its kill"
+            assert (node_memory("n3") / f"{marker}-n3").exists(), "node n3 lost its memory with n4"
+        finally:
+            for node in nodes:
+                with contextlib.suppress(OSError, pytest.fail.Exception):
+                    (node_memory(node) / f"{marker}-{node}").unlink(missing_ok=True)
             restore_nodes()
 
 

@@ -14,6 +14,7 @@ from tunepod import runtime
 from tunepod.errors import SpecError
 from tunepod.launch.contract import contract_env
 from tunepod.launch.paths import JobPaths
+from tunepod.runtime import restores
 from tunepod.runtime.contract import read_contract
 from tunepod.runtime.tiers import CheckpointTiers, SaveTargets, TierSchedule
 from tunepod.spec.loader import parse_spec
@@ -130,3 +131,36 @@ def test_an_agreed_stop_sends_the_next_save_to_shared_and_a_restore_resets_the_c
     assert schedule.targets(58, stopping=True) == SaveTargets(True, True)
     schedule.restored(57, newest_shared=None)  # restored from memory, no shared step at all
     assert schedule.targets(58, stopping=False) == SaveTargets(True, True)
+
+
+# ------------------------------------------------------------------------------ the restores file
+
+
+@pytest.mark.parametrize(
+    ("sources", "tier"),
+    [
+        (["own memory", "peer memory (10.231.0.12:4711)"], "peer memory"),
+        (["own memory", "own memory"], "own memory"),
+        (["shared file system"], "shared file system"),
+    ],
+)
+def test_a_restore_is_the_jobs_from_a_peer_when_any_rank_needed_one(sources: list[str], tier: str) -> None:
+    assert restores.job_tier(sources) == tier
+
+
+def test_the_restores_file_lies_beside_the_metrics_file_and_reads_back_whole_lines_only(
+    tmp_path: Path,
+) -> None:
+    paths = JobPaths(tmp_path / "trial-3")
+    path = restores.restores_file(paths.metrics)
+    assert path == paths.restores
+    assert restores.read_restores(path) == []
+    first = restores.record_restore(path, 4, ["shared file system"])
+    with path.open("a") as handle:
+        handle.write("not json\n")
+    second = restores.record_restore(path, 9, ["own memory", "peer memory (10.231.0.12:4711)"])
+    with path.open("a") as handle:
+        handle.write('{"step": 12')  # still being written
+
+    assert restores.read_restores(path) == [first, second]
+    assert second.tier == "peer memory" and second.sources == ("own memory", "peer memory (10.231.0.12:4711)")

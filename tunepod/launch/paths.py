@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tunepod.errors import TunepodError
 from tunepod.runtime.progress import PROGRESS_DIR_NAME
+from tunepod.runtime.restores import RESTORES_FILE_NAME
 
 SHARED_SCHEME = "fsx://"
 
@@ -51,6 +52,12 @@ class JobPaths:
     def progress(self) -> Path:
         """Written by every rank of the job: ``rank-N.json`` heartbeats (``tunepod.runtime.progress``)."""
         return self.job_dir / PROGRESS_DIR_NAME
+
+    @property
+    def restores(self) -> Path:
+        """Appended by rank 0 of a job with checkpoint tiers: where each restore came from
+        (``tunepod.runtime.restores``)."""
+        return self.job_dir / RESTORES_FILE_NAME
 
     @property
     def running(self) -> Path:

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tunepod.runtime import checkpoints, metrics
+from tunepod.runtime import checkpoints, metrics, restores
 from tunepod.runtime.contract import Contract, Source, read_contract
 from tunepod.runtime.parallel import Parallelism, device_mesh
 from tunepod.runtime.progress import Heartbeat, heartbeat_interval_s, progress_dir, progress_log_s
@@ -211,11 +211,17 @@ class TrainingContext:
         With checkpoint tiers (every rank, a collective): the newest step complete in some live
         node's memory, or the shared folder's newest valid step when that is newer; each rank reads
         its files from its own node, else from a peer's, checksums verified. ``restored_from`` says
-        which, and rank 0 logs it.
+        which; rank 0 logs it and records it in the restores file (``tunepod.runtime.restores``),
+        which the orchestrator mirrors into the trial's MLflow run.
         """
         if self.checkpoint_tiers is not None:
             self.wait_for_checkpoint()
-            loaded, self.restored_from = self._memory_tier().restore(into, self._sharded_checkpointer)
+            memory = self._memory_tier()
+            loaded, self.restored_from = memory.restore(into, self._sharded_checkpointer)
+            if loaded is not None and self.is_main:
+                restores.record_restore(
+                    restores.restores_file(self.metrics_file), loaded.step, memory.restored_sources
+                )
         elif into is None:
             loaded = checkpoints.load_latest_checkpoint(self.checkpoint_dir)
         else:

@@ -126,6 +126,8 @@ class MemoryTier:
         self._own_files: dict[str, FileEntry] = {}
         """The files this rank wrote for its last memory save."""
         self._restored: RestorePlan | None = None
+        self.restored_sources: list[str] = []
+        """Where each rank's files of the last restore came from, in rank order (every rank)."""
 
     # ------------------------------------------------------------------------------------------ save
 
@@ -255,7 +257,7 @@ class MemoryTier:
         restored = self._on_every_rank(f"restore step {plan.step}", lambda: self._load(plan, into, sharded))
         assert restored is not None  # _on_every_rank raised otherwise
         loaded, source = restored
-        sources = self._all_gather(str(source))
+        sources = self.restored_sources = self._all_gather(str(source))
         if self.rank == 0:
             where = (
                 sources[0]

@@ -25,6 +25,13 @@ their heartbeat files) is logged as ``rank<N>/<figure>`` metrics at the rank's s
 figures newer than those it logged, at most every ``TELEMETRY_MIRROR_S`` while the job runs, and the
 last figures once more with the final record. Each point carries the time the rank measured it, so a
 restarted orchestrator that logs the same figures again writes the same point, which MLflow keeps once.
+
+A job with checkpoint tiers records each restore in its restores file (``tunepod.runtime.restores``).
+The run carries them as tags, set again whenever the file grew: ``<tag prefix>restored_from`` and
+``restored_step`` (the latest restore: a search such as ``tags."tunepod.restored_from" = 'peer
+memory'`` finds the trials a node loss sent to a peer's copy) and ``restores`` (all of them, a JSON
+list). Tags, not params or metrics: a tier is text, a restore happens once per attempt at most, and a
+tag set again to the same value is no change, so a restarted orchestrator writes nothing twice.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ from tunepod.runtime.checkpoints import verified_checkpoint
 from tunepod.runtime.files import write_bytes_atomic
 from tunepod.runtime.metrics import metric_name_problem
 from tunepod.runtime.progress import RankProgress, read_progress
+from tunepod.runtime.restores import Restore, read_restores
 from tunepod.tracking import tags
 from tunepod.tracking.mlflow_tracker import RunStatus, RunTracker
 
@@ -186,6 +194,7 @@ class RunMirror:
         # whole metrics file again.
         self._logged_last: dict[str, tuple[int, float]] = {}
         self._refusals_tagged: tuple[str, ...] = ()
+        self._restores_size = 0  # bytes of the restores file last tagged
         self._tagged: tuple[str, int] | None = None
         # Logged with the job's tags (or its final record), not in a write of their own; again after
         # a restart, as that write may not have happened (the same value again is no change).
@@ -236,6 +245,7 @@ class RunMirror:
         if self.mirror_reports:
             self._sync_reports(run_id)
         self._tag_refusals(run_id)
+        self._tag_restores(run_id)
         if self.mirror_telemetry and not self._state.finalized:
             self._sync_telemetry(run_id, last=final is not None)
         if final is not None and not self._state.finalized:
@@ -393,6 +403,20 @@ class RunMirror:
             self.tracker.set_tags(run_id, {self._refusals_tag: refused_tag_value(names)})
             self._refusals_tagged = names
 
+    def _tag_restores(self, run_id: str) -> None:
+        """Tag the run with the job's restores when its restores file grew (a stat per sync else)."""
+        path = JobPaths(self.job_dir).restores
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return
+        if size == self._restores_size:
+            return
+        found = read_restores(path)
+        if found:
+            self.tracker.set_tags(run_id, restore_tags(self.tag_prefix, found))
+        self._restores_size = size
+
     def _sync_telemetry(self, run_id: str, *, last: bool) -> None:
         """Log the ranks' figures that are newer than the logged ones; while the job runs (not
         ``last``), at most every ``TELEMETRY_MIRROR_S``."""
@@ -506,6 +530,22 @@ def refused_tag_value(names: Sequence[str]) -> str:
     """The names as a JSON list, cut to what a tag holds."""
     value = json.dumps(list(names))
     return value if len(value) <= MAX_TAG_CHARS else value[: MAX_TAG_CHARS - 3] + "..."
+
+
+def restore_tags(prefix: str, restores: Sequence[Restore]) -> dict[str, str]:
+    """The run's tags for a job's ``restores`` (oldest first, at least one): the latest one's tier and
+    step, and all of them as a JSON list, the oldest left out first when it does not fit a tag."""
+    latest = restores[-1]
+    listed = [json.loads(restore.to_json()) for restore in restores]
+    value = json.dumps(listed, sort_keys=True)
+    while len(value) > MAX_TAG_CHARS and len(listed) > 1:
+        listed.pop(0)
+        value = json.dumps(listed, sort_keys=True)
+    return {
+        f"{prefix}{tags.RESTORED_FROM}": latest.tier,
+        f"{prefix}{tags.RESTORED_STEP}": str(latest.step),
+        f"{prefix}{tags.RESTORES}": value[:MAX_TAG_CHARS],
+    }
 
 
 def _either(mine: bool | None, disk: bool | None) -> bool | None:

@@ -26,9 +26,15 @@ JOB_ID = "job_id"
 JOB_DIR = "job_dir"
 ATTEMPT = "attempt"
 REFUSED_METRICS = "refused_metrics"
+RESTORED_FROM = "restored_from"
+RESTORED_STEP = "restored_step"
+RESTORES = "restores"
 """Suffixes of the job tags, under ``tunepod.`` for the run's own job, under ``tunepod.<step>.`` for a
 job that runs in another job's run (an evaluation in its trial's run). ``refused_metrics``: the names
-(a JSON list) of the job's metrics MLflow refuses, whose points the mirror set aside."""
+(a JSON list) of the job's metrics MLflow refuses, whose points the mirror set aside. With checkpoint
+tiers, ``restored_from`` and ``restored_step``: the tier (``own memory``, ``peer memory``, ``shared
+file system``) and step of the job's latest restore; ``restores``: every restore, a JSON list of the
+job's restores file (``tunepod.runtime.restores``), oldest first."""
 MODEL_ID = "tunepod.model_id"
 CHECKPOINTS = "tunepod.checkpoints"
 PRUNED_AT_STEP = "tunepod.pruned_at_step"
