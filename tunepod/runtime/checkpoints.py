@@ -114,6 +114,12 @@ def save_checkpoint(checkpoint_dir: Path, state: Any, step: int, keep: int) -> P
     filesystem raises ``DiskFullError`` and leaves the earlier steps as they were.
     """
     step = checked_step(step)
+    return _commit_step(checkpoint_dir, step, keep, lambda temp: _write_step_folder(temp, state, step))
+
+
+def _commit_step(checkpoint_dir: Path, step: int, keep: int, fill: Callable[[Path], None]) -> Path:
+    """Rank 0: ``fill`` a hidden folder, rename it to ``step-N`` atomically, keep the newest ``keep``
+    valid steps; return the folder. On failure the earlier steps stay as they were."""
     final = checkpoint_dir / step_folder_name(step)
     with disk_full_explained(final, disk_full_fix(keep)):
         checkpoint_dir.mkdir(parents=True, exist_ok=True)
@@ -123,7 +129,7 @@ def save_checkpoint(checkpoint_dir: Path, state: Any, step: int, keep: int) -> P
         temp = checkpoint_dir / f"{_TEMP_PREFIX}{step:06d}-{os.getpid()}-{secrets.token_hex(4)}"
         temp.mkdir()
         with _committed_as(temp, final):
-            _write_step_folder(temp, state, step)
+            fill(temp)
     prune_checkpoints(checkpoint_dir, keep)
     return final
 
@@ -191,19 +197,14 @@ def commit_copied_step(checkpoint_dir: Path, source: Path, step: int, keep: int,
     """Rank 0: copy the files ``names`` of a whole-state step written elsewhere in this format (the
     memory tier's ``step-N``) into ``checkpoint_dir`` as ``step-N`` atomically, keep the newest
     ``keep`` steps; return the folder. On failure the earlier steps stay as they were."""
-    final = checkpoint_dir / step_folder_name(checked_step(step))
-    with disk_full_explained(final, disk_full_fix(keep)):
-        checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        _remove_hidden_folders(checkpoint_dir)
-        temp = checkpoint_dir / f"{_TEMP_PREFIX}{step:06d}-{os.getpid()}-{secrets.token_hex(4)}"
-        temp.mkdir()
-        with _committed_as(temp, final):
-            for name in names:
-                shutil.copyfile(source / name, temp / name)
-                fsync_file(temp / name)
-            fsync_dir(temp)
-    prune_checkpoints(checkpoint_dir, keep)
-    return final
+
+    def copy_into(temp: Path) -> None:
+        for name in names:
+            shutil.copyfile(source / name, temp / name)
+            fsync_file(temp / name)
+        fsync_dir(temp)
+
+    return _commit_step(checkpoint_dir, checked_step(step), keep, copy_into)
 
 
 def write_step_files(folder: Path, state: Any, step: int) -> str:
