@@ -224,15 +224,43 @@ def settings_with(pruner: str) -> TuneSettings:
 
 
 def test_a_forecast_follows_a_curve_in_log_units_and_never_gains_more_than_so_far() -> None:
-    straight = [(units, 0.1 * math.log(units)) for units in (1, 2, 4, 8)]
+    straight = [(units, 0.1 * math.log(units)) for units in (1, 2, 4, 5, 6, 7, 8)]
     # Along the line in log units: 0.1 x log(16) at 16 units (within what it gained so far).
     assert forecast_final(straight, 16, maximize=True) == pytest.approx(0.1 * math.log(16))
     # Followed to 1,024 units the line would gain 0.35 more; capped at the 0.21 gained so far.
     assert forecast_final(straight, 1024, maximize=True) == pytest.approx(2 * 0.1 * math.log(8))
-    worsening = [(1, 0.5), (2, 0.4), (3, 0.3)]
+    worsening = [(4, 0.5), (5, 0.4), (6, 0.3)]
     assert forecast_final(worsening, 27, maximize=True) == 0.3  # stays where it is
     assert forecast_final(worsening, 27, maximize=False) < 0.3  # a loss going down goes on down
     assert forecast_final([(3, 0.7)], 27, maximize=True) == 0.7  # one point forecasts itself
+
+
+def test_a_forecast_is_fitted_to_the_curves_later_half_only() -> None:
+    """A perplexity curve's early drop, carried on along a line, would end far below zero: the fit
+    starts at half the newest units, so only the flattening part of the curve sets the slope."""
+    perplexity = [(21, 33.5), (41, 17.3), (61, 15.6), (81, 14.9), (101, 14.5)]
+    forecast = forecast_final(perplexity, 121, maximize=False)
+    assert 13.5 < forecast < 14.5
+    two_points = forecast_final(perplexity[-2:], 121, maximize=False)
+    assert two_points == 14.5  # two points of the later half: too few to fit, the value stands
+
+
+def test_a_positive_minimized_metric_is_forecast_on_its_log_and_never_below_zero() -> None:
+    """A line through a steep fall in a loss's own units crosses zero; on its logarithm the loss
+    falls as a power law and stays positive."""
+    loss = [(20, 4.0), (30, 1.0), (40, 0.2)]
+    assert 0 < forecast_final(loss, 400, maximize=False) < 0.2
+    shifted = [(20, 1.0), (30, -2.0), (40, -2.8)]  # a metric that is not positive: its own units
+    assert forecast_final(shifted, 400, maximize=False) < -2.8
+
+
+def test_a_short_curve_forecasts_its_newest_value() -> None:
+    """The tiny LLM's rung (reports at 20, 40, 60 steps): two points in the curve's later half, so
+    ranking by forecast ranks by the value there, as ASHA by value does."""
+    steep = [(21, 33.5), (41, 17.3), (61, 15.6)]
+    assert forecast_final(steep, 121, maximize=False) == 15.6
+    digits_rung = [(1, 0.90), (2, 0.95)]
+    assert forecast_final(digits_rung, 6, maximize=True) == 0.95
 
 
 def test_ranked_by_forecast_a_steady_learner_passes_one_that_flattened() -> None:

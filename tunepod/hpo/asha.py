@@ -197,36 +197,54 @@ class Asha:
 
 FORECAST_POINTS = 5
 """The newest points of a curve its forecast is fitted to: its recent slope, not its early climb."""
+FORECAST_MIN_POINTS = 3
+"""The fewest points of a curve's later half its forecast is fitted to; below, a curve's value ranks
+it better than a line through its early climb does (benchmarks/README.md, "Ranking by forecast
+needs a curve")."""
 
 
 def forecast_final(curve: Sequence[tuple[int, float]], horizon: int, *, maximize: bool) -> float:
     """The value a learning curve, ``(units, value)`` points in order, forecasts at ``horizon`` units.
 
-    A line through the newest ``FORECAST_POINTS`` points against log(units), followed from the newest
-    point to log(``horizon``): learning curves flatten as training goes on, and are close to straight
-    in log units over a stretch. Two guards keep it from trusting a few noisy points: a curve that
-    is not improving is forecast to stay where it is, and no curve gains more in its remaining
-    training than it did in its training so far (a line in log units overshoots a saturating curve).
-    A single point forecasts itself, which makes ranking by forecast ASHA's own ranking."""
+    A line against log(units) through the newest ``FORECAST_POINTS`` points of the curve's later half
+    (from half its newest units on), followed from the newest point to log(``horizon``): learning
+    curves flatten as training goes on, and are close to straight in log units over a stretch, but
+    not over their early climb, which a line through it carries on far past the final value. With
+    fewer than ``FORECAST_MIN_POINTS`` points there, a curve forecasts its newest value (ranking by
+    forecast is then ASHA's own ranking): two points cannot tell the climb from the slope. A
+    minimized metric whose values are all positive (a loss, a perplexity) is forecast on its
+    logarithm: it falls as a power law, toward zero and never below it. Two guards keep the forecast
+    from trusting a few noisy points: a curve that is not improving is forecast to stay where it is,
+    and no curve gains more in its remaining training than it did in its training so far (a line in
+    log units overshoots a saturating curve)."""
     finite = [(units, value) for units, value in curve if math.isfinite(value)]
     if not finite:
         return math.nan
-    newest_units, newest = finite[-1]
-    recent = finite[-FORECAST_POINTS:]
-    if len(recent) < 2 or horizon <= newest_units:
-        return newest
+    newest = finite[-1][1]
+    if not maximize and all(value > 0 for _, value in finite):
+        logs = [(units, math.log(value)) for units, value in finite]
+        return newest * math.exp(_gain_ahead(logs, horizon, maximize=False))
+    return newest + _gain_ahead(finite, horizon, maximize=maximize)
+
+
+def _gain_ahead(curve: Sequence[tuple[int, float]], horizon: int, *, maximize: bool) -> float:
+    """What ``forecast_final`` adds to a curve's newest value, on the scale of its values (finite)."""
+    newest_units, newest = curve[-1]
+    recent = [(units, value) for units, value in curve if units >= newest_units / 2][-FORECAST_POINTS:]
+    if len(recent) < FORECAST_MIN_POINTS or horizon <= newest_units:
+        return 0.0
     xs = [math.log(units) for units, _ in recent]
     ys = [value for _, value in recent]
     mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
     spread = sum((x - mean_x) ** 2 for x in xs)
     if spread == 0:
-        return newest
+        return 0.0
     slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / spread
     gain = slope * (math.log(horizon) - math.log(newest_units))
-    if (gain > 0) != maximize or gain == 0:
-        return newest
-    gained_so_far = abs(newest - finite[0][1])
-    return newest + math.copysign(min(abs(gain), gained_so_far), gain)
+    if (gain > 0) != maximize:
+        return 0.0
+    gained_so_far = abs(newest - curve[0][1])
+    return math.copysign(min(abs(gain), gained_so_far), gain)
 
 
 @dataclass
