@@ -383,6 +383,15 @@ CASES = [
         "set min_nodes to 1 or more",
     ),
     Case(
+        "an elastic job with a fixed parallelism layout",
+        "resources: {num_nodes: 1, procs_per_node: 2}",
+        "resources: {num_nodes: 2, min_nodes: 1, procs_per_node: 2}\n        parallelism: {data: 4}",
+        "steps.search.with.train",
+        "a parallelism layout is fixed at submission",
+        "remove min_nodes, or the parallelism block",
+        line_of="      train:",
+    ),
+    Case(
         "an elastic job on a launcher that cannot keep it alive across a node loss",
         "resources: {num_nodes: 1, procs_per_node: 2}",
         "resources: {num_nodes: 2, min_nodes: 1, procs_per_node: 2}",

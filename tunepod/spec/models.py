@@ -514,6 +514,15 @@ class TrainJob(Strict):
     def _check_parallelism(self) -> TrainJob:
         # args may fix parallelism.<field> values too, as a trial's parameters do: check them together.
         job_layout(self.parallelism, self.resources, self.args)
+        fixed = self.parallelism is not None or any(key.startswith("parallelism.") for key in self.args)
+        if self.resources.elastic and fixed:
+            # The layout is handed to the job as fixed degrees, which a smaller world no longer fits:
+            # every re-formed worker would refuse it at runtime.init().
+            raise ValueError(
+                "resources.min_nodes makes an elastic job, whose world shrinks when a node is lost, and "
+                "a parallelism layout is fixed at submission; fix: remove min_nodes, or the parallelism "
+                "block (an elastic job is data parallel over whatever processes it has)"
+            )
         return self
 
 
