@@ -30,6 +30,7 @@ from tunepod.launch.paths import JobPaths
 from tunepod.runtime import Report, read_reports
 from tunepod.runtime.metrics import append_report
 from tunepod.runtime.restores import Restore, record_restore
+from tunepod.runtime.worlds import record_world
 from tunepod.tracking import mirror as mirror_module
 from tunepod.tracking import tags
 from tunepod.tracking.mirror import Final, FinalMetric, RunMirror, RunPlan, read_mirror_state, restore_tags
@@ -333,3 +334,29 @@ def test_the_restores_tag_keeps_the_newest_restores_that_fit_a_tag() -> None:
     assert len(found["tunepod.restores"]) <= mirror_module.MAX_TAG_CHARS
     assert listed[-1]["step"] == 199 and 1 < len(listed) < 200
     assert (found["tunepod.restored_from"], found["tunepod.restored_step"]) == ("own memory", "199")
+
+
+# ------------------------------------------------------------------------------ worlds
+
+
+def test_each_world_size_of_a_job_whose_group_changed_reaches_its_run_as_a_metric_at_its_step(
+    tracker: MlflowTracker, job_dir: Path
+) -> None:
+    worlds_file = JobPaths(job_dir).worlds
+    report(job_dir, 0, score=0.1)
+    record_world(worlds_file, None, 4, 2, 0)  # the job's first world: nothing to say yet
+    mirror = trial_mirror(tracker, job_dir)
+    mirror.sync()
+    assert mirror.run_id is not None
+    client = MlflowClient(tracker.tracking_uri)
+    name = tags.PREFIX + tags.WORLD_SIZE
+    assert client.get_metric_history(mirror.run_id, name) == []
+    assert name not in client.get_run(mirror.run_id).data.tags
+
+    record_world(worlds_file, (4, 2), 2, 1, 8)  # a node lost: the survivors re-formed at step 8
+    mirror.sync()
+    history = [(m.step, m.value) for m in client.get_metric_history(mirror.run_id, name)]
+    assert sorted(history) == [(0, 4.0), (8, 2.0)]
+    assert client.get_run(mirror.run_id).data.tags[name] == "2"
+    trial_mirror(tracker, job_dir).sync()  # a restarted orchestrator logs the same points again
+    assert len(client.get_metric_history(mirror.run_id, name)) == 2

@@ -227,6 +227,34 @@ def test_kubeflow_elastic() -> None:
     assert set(manifest["spec"]["pytorchReplicaSpecs"]) == {"Worker"}
 
 
+ELASTIC_JOB = job(resources=Resources(num_nodes=4, min_nodes=2, procs_per_node=8, gpus_per_node=8))
+
+
+def test_kubeflow_elastic_job_takes_its_bounds_from_min_nodes() -> None:
+    """resources.min_nodes alone makes the elasticPolicy (no launcher flag needed), min to max pods,
+    with torchrun's --nnodes=min:max and a restart per pod the job may lose."""
+    manifest = render_manifest(ELASTIC_JOB, spec(crd="kubeflow"))
+    policy = manifest["spec"]["elasticPolicy"]
+    assert (policy["minReplicas"], policy["maxReplicas"], policy["maxRestarts"]) == (2, 4, 2)
+    worker = manifest["spec"]["pytorchReplicaSpecs"]["Worker"]
+    assert worker["replicas"] == 4
+    command = worker["template"]["spec"]["containers"][0]["command"]
+    assert "--nnodes=2:4" in command
+    # The launcher's retries count when there are more of them.
+    retried = render_manifest(ELASTIC_JOB, spec(crd="kubeflow", max_retries=5))
+    assert retried["spec"]["elasticPolicy"]["maxRestarts"] == 5
+
+
+def test_hyperpod_elastic_job_gets_the_operators_elastic_policy() -> None:
+    manifest = render_manifest(ELASTIC_JOB, spec())
+    assert_valid_hyperpod(manifest)
+    assert manifest["spec"]["elasticPolicy"] == {"minReplicas": 2, "maxReplicas": 4}
+    assert manifest["spec"]["replicaSpecs"][0]["replicas"] == 4
+    command = manifest["spec"]["replicaSpecs"][0]["template"]["spec"]["containers"][0]["command"]
+    assert "--nnodes=2:4" in command
+    assert "elasticPolicy" not in render_manifest(GPU_JOB, spec())["spec"]
+
+
 def test_settings_the_chosen_crd_ignores_are_named() -> None:
     rules = [{"name": "r", "log_pattern": "x", "recur_within_s": 60}]
     assert set(ignored_settings(spec(crd="kubeflow", hang_detection=rules, restart_eval_period_s=60))) == {

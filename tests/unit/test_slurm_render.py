@@ -70,6 +70,25 @@ def test_a_single_process_keeps_torchrun_when_the_spec_asks() -> None:
     assert_matches_golden("minimal_torchrun", script)
 
 
+def test_an_elastic_job_runs_torchrun_min_to_max_and_survives_a_node_loss() -> None:
+    """min_nodes: torchrun's --nnodes=min:max, one re-forming per node it may lose, and --no-kill on
+    the job (Slurm keeps the allocation) and on srun (the other nodes' tasks go on)."""
+    elastic = job(resources=Resources(num_nodes=4, min_nodes=2, procs_per_node=2))
+    script = render_sbatch(elastic, spec(), hyperpod=False)
+    assert_matches_golden("elastic", script)
+    assert "#SBATCH --no-kill" in script
+    assert "srun --no-kill" in script
+    assert "--nnodes 2:4 --nproc-per-node 2" in script
+    assert "--max-restarts 2 --rdzv-conf last_call_timeout=5," in script
+
+
+def test_min_nodes_equal_to_num_nodes_is_not_elastic() -> None:
+    fixed = job(resources=Resources(num_nodes=2, min_nodes=2))
+    assert render_sbatch(fixed, spec(), hyperpod=False) == render_sbatch(
+        job(resources=Resources(num_nodes=2)), spec(), hyperpod=False
+    )
+
+
 def test_every_option_set_on_hyperpod() -> None:
     full = spec(
         partition="gpu",

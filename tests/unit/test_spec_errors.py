@@ -365,6 +365,42 @@ CASES = [
         f"entrypoint 'tests/fixtures/specs/no_such_eval.py' does not exist (looked for {REPO}/tests/",
         f"a relative path resolves against {REPO}",
     ),
+    # --- elastic jobs (resources.min_nodes)
+    Case(
+        "min_nodes above num_nodes",
+        "resources: {num_nodes: 1, procs_per_node: 2}",
+        "resources: {num_nodes: 2, min_nodes: 3, procs_per_node: 2}",
+        "steps.search.with.train.resources",
+        "resources.min_nodes 3 is above num_nodes 2",
+        "set min_nodes to at most 2, or num_nodes to at least 3",
+    ),
+    Case(
+        "min_nodes below one",
+        "resources: {num_nodes: 1, procs_per_node: 2}",
+        "resources: {num_nodes: 2, min_nodes: 0, procs_per_node: 2}",
+        "steps.search.with.train.resources.min_nodes",
+        "must be greater than or equal to 1, got 0",
+        "set min_nodes to 1 or more",
+    ),
+    Case(
+        "an elastic job with a fixed parallelism layout",
+        "resources: {num_nodes: 1, procs_per_node: 2}",
+        "resources: {num_nodes: 2, min_nodes: 1, procs_per_node: 2}\n        parallelism: {data: 4}",
+        "steps.search.with.train",
+        "a parallelism layout is fixed at submission",
+        "remove min_nodes, or the parallelism block",
+        line_of="      train:",
+    ),
+    Case(
+        "an elastic job on a launcher that cannot keep it alive across a node loss",
+        "resources: {num_nodes: 1, procs_per_node: 2}",
+        "resources: {num_nodes: 2, min_nodes: 1, procs_per_node: 2}",
+        "",
+        "steps.search.with.train.resources.min_nodes asks for an elastic job, and the local launcher "
+        "cannot keep a job alive across a node loss",
+        "remove min_nodes, or use a slurm or hyperpod_eks launcher",
+        line_of="name: digits-hpo",
+    ),
     # --- the document itself
     Case(
         "YAML syntax error",

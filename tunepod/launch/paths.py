@@ -13,6 +13,7 @@ from pathlib import Path
 from tunepod.errors import TunepodError
 from tunepod.runtime.progress import PROGRESS_DIR_NAME
 from tunepod.runtime.restores import RESTORES_FILE_NAME
+from tunepod.runtime.worlds import WORLDS_FILE_NAME
 
 SHARED_SCHEME = "fsx://"
 
@@ -58,6 +59,11 @@ class JobPaths:
         """Appended by rank 0 of a job with checkpoint tiers: where each restore came from
         (``tunepod.runtime.restores``)."""
         return self.job_dir / RESTORES_FILE_NAME
+
+    @property
+    def worlds(self) -> Path:
+        """Appended by rank 0: each world size the job ran with (``tunepod.runtime.worlds``)."""
+        return self.job_dir / WORLDS_FILE_NAME
 
     @property
     def running(self) -> Path:

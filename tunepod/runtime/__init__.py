@@ -9,6 +9,8 @@ training image::
     ctx = runtime.init({"lr": 0.01, "epochs": 10})   # params, folders, rank from the environment
     checkpoint = ctx.load_latest_checkpoint()        # resume after a kill, a requeue, an auto-resume
     start = checkpoint.step + 1 if checkpoint else 0
+    if ctx.world_change:                             # fewer nodes after a node loss (elastic), or more
+        lr *= ctx.world_change.scale                 # (or keep the global batch: batch /= scale)
     for epoch in range(start, ctx.params["epochs"]):
         for batch in loader:
             ...
@@ -47,6 +49,7 @@ from tunepod.runtime.metrics import Report, ReportTail, Result, read_reports, re
 from tunepod.runtime.parallel import Parallelism, device_mesh
 from tunepod.runtime.progress import RankProgress, StepTelemetry, read_progress
 from tunepod.runtime.tiers import CheckpointTiers
+from tunepod.runtime.worlds import World, WorldChange, read_worlds
 
 __all__ = [
     "CHECKPOINT_DIR_ENV",
@@ -74,11 +77,14 @@ __all__ = [
     "Result",
     "StepTelemetry",
     "TrainingContext",
+    "World",
+    "WorldChange",
     "device_mesh",
     "init",
     "latest_checkpoint",
     "read_progress",
     "read_reports",
     "read_result",
+    "read_worlds",
     "valid_checkpoints",
 ]

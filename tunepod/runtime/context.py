@@ -13,10 +13,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tunepod.runtime import checkpoints, metrics, restores
+from tunepod.runtime import checkpoints, metrics, restores, worlds
 from tunepod.runtime.contract import Contract, Source, read_contract
 from tunepod.runtime.parallel import Parallelism, device_mesh
-from tunepod.runtime.progress import Heartbeat, heartbeat_interval_s, progress_dir, progress_log_s
+from tunepod.runtime.progress import (
+    Heartbeat,
+    forget_ranks_from,
+    heartbeat_interval_s,
+    progress_dir,
+    progress_log_s,
+)
 from tunepod.runtime.stopping import StopRequest
 from tunepod.runtime.tiers import CheckpointTiers
 
@@ -62,10 +68,32 @@ class TrainingContext:
         """Where ``load_latest_checkpoint`` found the step, with checkpoint tiers: ``own memory``,
         ``peer memory (<address>)`` or ``shared file system``; ``None`` before, without tiers, or on a
         fresh start."""
+        self.world_change: worlds.WorldChange | None = None
+        """Set by ``load_latest_checkpoint`` on every rank when the job's group is not the one that
+        last ran it: an elastic job re-formed with fewer nodes after a node loss, or a job that came
+        back on another number of them. It says the world size and node count before and now, and the
+        restored step the new world trains from, so the script can rescale its batch or learning
+        rate. ``None`` on a fresh start, in an unchanged world, and before the call."""
+        self._world_noted = False
         self._sharded: ShardedCheckpointer | None = None
         self._memory: MemoryTier | None = None
         self._stop_agreed = False
         self._env = dict(env) if env is not None else {}
+
+    @property
+    def world_size_changed(self) -> bool:
+        """Whether ``load_latest_checkpoint`` found the job in another world than the one that last
+        ran it (see ``world_change``)."""
+        return self.world_change is not None
+
+    @property
+    def nodes(self) -> int:
+        """The nodes of the job's group now: torchrun's ``GROUP_WORLD_SIZE``, else the world size
+        divided by the processes per node."""
+        env = self._env
+        if env.get("GROUP_WORLD_SIZE", "").strip():
+            return int(env["GROUP_WORLD_SIZE"])
+        return max(1, self.world_size // max(1, int(env.get("LOCAL_WORLD_SIZE", "1") or 1)))
 
     @property
     def is_main(self) -> bool:
@@ -213,6 +241,12 @@ class TrainingContext:
         its files from its own node, else from a peer's, checksums verified. ``restored_from`` says
         which; rank 0 logs it and records it in the restores file (``tunepod.runtime.restores``),
         which the orchestrator mirrors into the trial's MLflow run.
+
+        The first call also compares the job's world with the one that last ran it (with
+        ``torch.distributed`` initialized, a collective: rank 0 reads the worlds file and tells the
+        others) and sets ``world_change`` when it differs; rank 0 records the new world in the worlds
+        file (``tunepod.runtime.worlds``), which the orchestrator mirrors into the trial's MLflow run
+        as the metric ``tunepod.world_size``, and says the change in the job's log.
         """
         if self.checkpoint_tiers is not None:
             self.wait_for_checkpoint()
@@ -226,8 +260,24 @@ class TrainingContext:
             loaded = checkpoints.load_latest_checkpoint(self.checkpoint_dir)
         else:
             loaded = self._sharded_checkpointer().load_latest(into)
+        self._note_world(0 if loaded is None else loaded.step)
         self.heartbeat(None if loaded is None else loaded.step)
         return loaded
+
+    def _note_world(self, step: int) -> None:
+        """Once per process, every rank: compare this world with the last recorded one (rank 0 reads
+        it; the others learn it from rank 0, which may be the only rank that sees the file), set
+        ``world_change``, and (rank 0) record this world when it differs."""
+        if self._world_noted:
+            return
+        self._world_noted = True
+        path = worlds.worlds_file(self.metrics_file)
+        last = worlds.last_world(path) if self.is_main else None
+        sizes = _max_over_ranks(list(last) if last is not None else [0, 0], self.world_size)
+        previous = (sizes[0], sizes[1]) if sizes[0] > 0 else None
+        self.world_change = worlds.world_change(previous, self.world_size, self.nodes, step)
+        if self.is_main:
+            worlds.record_world(path, previous, self.world_size, self.nodes, step)
 
     def _memory_tier(self) -> MemoryTier:
         if self._memory is None:
@@ -294,22 +344,30 @@ def init(
         folder = progress_dir(contract.metrics_file)
         interval_s, log_every_s = heartbeat_interval_s(env), progress_log_s(env)
         heartbeat = Heartbeat(folder, contract.rank, interval_s, log_every_s).start()
+        if contract.rank == 0:
+            forget_ranks_from(folder, contract.world_size)
     stop = StopRequest(heartbeat.stop_requested if heartbeat is not None else None).install()
     return TrainingContext(contract, heartbeat, stop, env)
 
 
 def _any_rank(flag: bool, world_size: int) -> bool:
-    """``flag`` OR-ed over every rank when ``torch.distributed`` is up; ``flag`` itself otherwise.
+    """``flag`` OR-ed over every rank when ``torch.distributed`` is up; ``flag`` itself otherwise."""
+    return bool(_max_over_ranks([1 if flag else 0], world_size)[0])
+
+
+def _max_over_ranks(values: list[int], world_size: int) -> list[int]:
+    """Each of ``values`` maxed over every rank when ``torch.distributed`` is up (one all-reduce);
+    ``values`` themselves otherwise. With every rank but one giving zeros, a broadcast from that one.
 
     torch is looked up, not imported: a script that runs distributed has imported it already.
     """
     torch = sys.modules.get("torch")
     if world_size <= 1 or torch is None:
-        return flag
+        return values
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()):
-        return flag
+        return values
     device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
-    agreed = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    agreed = torch.tensor(values, dtype=torch.int64, device=device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-    return bool(agreed.item())
+    return [int(value) for value in agreed.tolist()]

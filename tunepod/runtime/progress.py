@@ -362,6 +362,16 @@ class Heartbeat:
             write_bytes_atomic(self._file, json.dumps(record).encode())
 
 
+def forget_ranks_from(folder: Path, world_size: int) -> None:
+    """Rank 0: remove the heartbeat files of ranks ``world_size`` and above. An elastic job whose
+    group re-formed with fewer nodes keeps running with fewer ranks; the lost ranks' last beats would
+    grow idle and make the orchestrator's watchdog stop the job as hung."""
+    for path in folder.glob("rank-*.json") if folder.is_dir() else []:
+        number = path.name[len("rank-") : -len(".json")]
+        if number.isdigit() and int(number) >= world_size:
+            path.unlink(missing_ok=True)
+
+
 def read_progress(folder: Path) -> list[RankProgress]:
     """Every rank's last heartbeat under ``folder`` (a job's ``progress`` dir), by rank; files being
     replaced or unreadable are left out (the next read sees them)."""

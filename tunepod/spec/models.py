@@ -10,7 +10,7 @@ import functools
 import json
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import PurePosixPath
 from typing import Annotated, Any, Literal
 
@@ -514,6 +514,15 @@ class TrainJob(Strict):
     def _check_parallelism(self) -> TrainJob:
         # args may fix parallelism.<field> values too, as a trial's parameters do: check them together.
         job_layout(self.parallelism, self.resources, self.args)
+        fixed = self.parallelism is not None or any(key.startswith("parallelism.") for key in self.args)
+        if self.resources.elastic and fixed:
+            # The layout is handed to the job as fixed degrees, which a smaller world no longer fits:
+            # every re-formed worker would refuse it at runtime.init().
+            raise ValueError(
+                "resources.min_nodes makes an elastic job, whose world shrinks when a node is lost, and "
+                "a parallelism layout is fixed at submission; fix: remove min_nodes, or the parallelism "
+                "block (an elastic job is data parallel over whatever processes it has)"
+            )
         return self
 
 
@@ -979,6 +988,9 @@ AUTO = "auto"
 """``num_parallel: auto``: as many trials as the cluster runs at once, read when the tune step starts."""
 #: The launchers that can tell how many trials their cluster runs at once (``tunepod.launch.slots``).
 AUTO_PARALLEL_LAUNCHERS = ("local", "slurm")
+#: The launchers that keep a job alive across a node loss (``resources.min_nodes``): the local launcher
+#: runs every process of a job on one machine, and a SageMaker training job ends when an instance fails.
+ELASTIC_LAUNCHERS = ("slurm", "hyperpod_eks")
 
 
 def _num_parallel_value(value: Any) -> Any:
@@ -1450,6 +1462,17 @@ def _may_need_smp(step: StepSpec) -> bool:
     return searched_tensor or (isinstance(sharding, CategoricalParam) and "hybrid" in sharding.choices)
 
 
+def _job_resources(steps: Mapping[str, StepSpec]) -> list[tuple[str, Resources]]:
+    """Each step's job resources with the YAML path of their ``min_nodes``."""
+    found = []
+    for name, step in steps.items():
+        if isinstance(step, TuneStep | TrainStep):
+            found.append((f"steps.{name}.with.train.resources.min_nodes", step.with_.train.resources))
+        elif isinstance(step, EvaluateStep):
+            found.append((f"steps.{name}.with.resources.min_nodes", step.with_.resources))
+    return found
+
+
 class PipelineSpec(Strict):
     """A whole pipeline: where to track it, where to run its jobs, and its steps."""
 
@@ -1503,6 +1526,24 @@ class PipelineSpec(Strict):
                 f"{', '.join(auto)} is auto, and the {kind} launcher cannot tell how many trials its "
                 f"cluster runs at once (auto works with the {' and '.join(AUTO_PARALLEL_LAUNCHERS)} "
                 f"launchers); fix: give a number, e.g. --set {auto[0]}=4"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_elastic(self) -> PipelineSpec:
+        """An elastic job (``resources.min_nodes`` below ``num_nodes``) needs a launcher that can keep
+        it alive across a node loss; elsewhere the spec would promise what the run cannot do."""
+        kind = self.launcher.kind
+        if kind in ELASTIC_LAUNCHERS:
+            return self
+        elastic = [field for field, resources in _job_resources(self.steps) if resources.elastic]
+        if elastic:
+            raise ValueError(
+                f"{', '.join(elastic)} asks for an elastic job, and the {kind} launcher cannot keep a job "
+                f"alive across a node loss (elastic jobs run on the {' and '.join(ELASTIC_LAUNCHERS)} "
+                f"launchers; elsewhere a lost node fails the job, which is restarted and restores from its "
+                f"checkpoint, counted against train.max_restarts); fix: remove min_nodes, or use a "
+                f"slurm or hyperpod_eks launcher"
             )
         return self
 

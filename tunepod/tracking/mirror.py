@@ -32,6 +32,13 @@ The run carries them as tags, set again whenever the file grew: ``<tag prefix>re
 memory'`` finds the trials a node loss sent to a peer's copy) and ``restores`` (all of them, a JSON
 list). Tags, not params or metrics: a tier is text, a restore happens once per attempt at most, and a
 tag set again to the same value is no change, so a restarted orchestrator writes nothing twice.
+
+A job whose group changed size (an elastic job re-formed with fewer nodes after a node loss, or a job
+that came back on another number of nodes) has more than one line in its worlds file
+(``tunepod.runtime.worlds``): the run gets the metric ``<tag prefix>world_size`` at the step each world
+started from (the restored step), each point with the time rank 0 recorded it, so logging it again
+writes the same points; and the tag of that name holds the latest. A job that always ran in one world
+logs neither.
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ from tunepod.runtime.files import write_bytes_atomic
 from tunepod.runtime.metrics import metric_name_problem
 from tunepod.runtime.progress import RankProgress, read_progress
 from tunepod.runtime.restores import Restore, read_restores
+from tunepod.runtime.worlds import read_worlds
 from tunepod.tracking import tags
 from tunepod.tracking.mlflow_tracker import RunStatus, RunTracker
 
@@ -195,6 +203,7 @@ class RunMirror:
         self._logged_last: dict[str, tuple[int, float]] = {}
         self._refusals_tagged: tuple[str, ...] = ()
         self._restores_size = 0  # bytes of the restores file last tagged
+        self._worlds_size = 0  # bytes of the worlds file last logged
         self._tagged: tuple[str, int] | None = None
         # Logged with the job's tags (or its final record), not in a write of their own; again after
         # a restart, as that write may not have happened (the same value again is no change).
@@ -246,6 +255,7 @@ class RunMirror:
             self._sync_reports(run_id)
         self._tag_refusals(run_id)
         self._tag_restores(run_id)
+        self._log_worlds(run_id)
         if self.mirror_telemetry and not self._state.finalized:
             self._sync_telemetry(run_id, last=final is not None)
         if final is not None and not self._state.finalized:
@@ -416,6 +426,23 @@ class RunMirror:
         if found:
             self.tracker.set_tags(run_id, restore_tags(self.tag_prefix, found))
         self._restores_size = size
+
+    def _log_worlds(self, run_id: str) -> None:
+        """Log the job's world sizes when its worlds file grew and holds a change (a stat per sync else)."""
+        path = JobPaths(self.job_dir).worlds
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return
+        if size == self._worlds_size:
+            return
+        found = read_worlds(path)
+        if len(found) > 1:
+            name = f"{self.tag_prefix}{tags.WORLD_SIZE}"
+            points = [Report(w.step, {name: float(w.world_size)}, w.time) for w in found]
+            self.tracker.log_reports(run_id, points)
+            self.tracker.set_tags(run_id, {name: str(found[-1].world_size)})
+        self._worlds_size = size
 
     def _sync_telemetry(self, run_id: str, *, last: bool) -> None:
         """Log the ranks' figures that are newer than the logged ones; while the job runs (not

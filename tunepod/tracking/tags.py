@@ -29,6 +29,9 @@ REFUSED_METRICS = "refused_metrics"
 RESTORED_FROM = "restored_from"
 RESTORED_STEP = "restored_step"
 RESTORES = "restores"
+WORLD_SIZE = "world_size"
+"""With ``world_size`` (a tag, and a metric of that name at each world's first step), the world
+sizes of a job whose group changed: an elastic job re-formed with fewer nodes (``tunepod.runtime.worlds``)."""
 """Suffixes of the job tags, under ``tunepod.`` for the run's own job, under ``tunepod.<step>.`` for a
 job that runs in another job's run (an evaluation in its trial's run). ``refused_metrics``: the names
 (a JSON list) of the job's metrics MLflow refuses, whose points the mirror set aside. With checkpoint

@@ -201,11 +201,12 @@ def training_command(job: JobSpec, spec: HyperPodEksLauncherSpec) -> list[str]:
     if spec.crd == "hyperpod":
         return [
             "hyperpodrun",
-            f"--nnodes={res.num_nodes}",
+            f"--nnodes={res.nnodes}",
             f"--nproc-per-node={res.procs_per_node}",
             *script,
         ]
-    nnodes = f"{res.num_nodes}:{res.num_nodes}" if spec.elastic else str(res.num_nodes)
+    low, high = elastic_replicas(res)
+    nnodes = f"{low}:{high}" if _kubeflow_elastic(res, spec) else str(res.num_nodes)
     return [
         literal(spec.python),
         "-m",
@@ -214,6 +215,16 @@ def training_command(job: JobSpec, spec: HyperPodEksLauncherSpec) -> list[str]:
         f"--nproc-per-node={res.procs_per_node}",
         *script,
     ]
+
+
+def elastic_replicas(resources: Resources) -> tuple[int, int]:
+    """(min, max) pods of an elastic job: ``min_nodes`` (else ``num_nodes``) to ``num_nodes``."""
+    return resources.min_nodes or resources.num_nodes, resources.num_nodes
+
+
+def _kubeflow_elastic(resources: Resources, spec: HyperPodEksLauncherSpec) -> bool:
+    """Kubeflow renders an ``elasticPolicy`` for an elastic job, or whenever the launcher asks."""
+    return spec.elastic or resources.elastic
 
 
 def _container(job: JobSpec, spec: HyperPodEksLauncherSpec) -> dict[str, Any]:
@@ -361,14 +372,21 @@ def hyperpod_run_policy(job: JobSpec, spec: HyperPodEksLauncherSpec) -> dict[str
 
 
 def render_hyperpod(job: JobSpec, spec: HyperPodEksLauncherSpec) -> dict[str, Any]:
-    """The ``HyperPodPyTorchJob`` for ``job`` (pure)."""
+    """The ``HyperPodPyTorchJob`` for ``job`` (pure). An elastic job (``resources.min_nodes``) gets
+    the operator's ``elasticPolicy`` with the same bounds as ``hyperpodrun --nnodes=min:max``: the
+    operator, not tunepod, shrinks the job to the pods that are left."""
     if progress_rule(job.limits) is not None:
         job = job.with_env({PROGRESS_LOG_S_ENV: f"{progress_log_every_s(job.limits):g}"})
+    elastic: dict[str, Any] = {}
+    if job.resources.elastic:
+        low, high = elastic_replicas(job.resources)
+        elastic["elasticPolicy"] = {"minReplicas": low, "maxReplicas": high}
     return {
         "apiVersion": f"{HYPERPOD_GROUP}/{HYPERPOD_VERSION}",
         "kind": HYPERPOD_KIND,
         "metadata": _metadata(job, spec),
         "spec": {
+            **elastic,
             # A string in the CRD: it also takes "auto", "cpu" and "gpu".
             "nprocPerNode": str(job.resources.procs_per_node),
             "replicaSpecs": [
@@ -394,7 +412,8 @@ def _kubeflow_replica(replicas: int, template: dict[str, Any], max_retries: int)
 
 def render_kubeflow(job: JobSpec, spec: HyperPodEksLauncherSpec) -> dict[str, Any]:
     """The Kubeflow ``PyTorchJob`` for ``job`` (pure): Master + Workers, or Workers under an
-    ``elasticPolicy`` whose c10d rendezvous the operator points every pod at."""
+    ``elasticPolicy`` whose c10d rendezvous the operator points every pod at (for an elastic job, or
+    with the launcher's ``elastic``), from ``min_nodes`` (else ``num_nodes``) to ``num_nodes`` pods."""
     res = job.resources
     template = pod_template(job, spec, pod_labels(job))
     run_policy: dict[str, Any] = {
@@ -406,12 +425,14 @@ def render_kubeflow(job: JobSpec, spec: HyperPodEksLauncherSpec) -> dict[str, An
     if deadline is not None:
         run_policy["activeDeadlineSeconds"] = deadline
     body: dict[str, Any] = {"nprocPerNode": str(res.procs_per_node), "runPolicy": run_policy}
-    if spec.elastic:
+    if _kubeflow_elastic(res, spec):
+        low, high = elastic_replicas(res)
         body["elasticPolicy"] = {
             "rdzvBackend": "c10d",
-            "minReplicas": res.num_nodes,
-            "maxReplicas": res.num_nodes,
-            "maxRestarts": spec.max_retries,
+            "minReplicas": low,
+            "maxReplicas": high,
+            # torchrun's --max-restarts: at least one re-forming per pod the job may lose.
+            "maxRestarts": max(spec.max_retries, res.elastic_restarts),
         }
         body["pytorchReplicaSpecs"] = {"Worker": _kubeflow_replica(res.num_nodes, template, spec.max_retries)}
     else:

@@ -15,6 +15,13 @@ The script's ``EXIT`` trap writes its exit code, submission id and job id to the
 (``tunepod.launch.exit_code``): once Slurm has purged an ended job (``MinJobAge``) and no
 accounting remembers it, that file is how a finished job is told from a failed one, and how an
 intent whose job id never reached the record finds its job.
+
+An elastic job (``resources.min_nodes`` below ``num_nodes``) runs torchrun with ``--nnodes=min:max``
+and ``--max-restarts``, and asks Slurm not to end it when a node fails: ``--no-kill`` on the job keeps
+the allocation (Slurm's default revokes it, and requeues the job), and on ``srun`` keeps the step's
+tasks on the other nodes running (by default srun kills the whole step). The survivors' agents then
+re-form without the lost node. The first node runs the batch script and hosts the rendezvous: its
+loss ends the job, which is requeued and restores from its checkpoints as any other job.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from pathlib import Path
 
 from tunepod.errors import TunepodError
 from tunepod.launch.base import SINGLE_PROCESS_ENV, SUBMISSION_ID_ENV, JobSpec, Resources
+from tunepod.launch.elastic import rdzv_conf
 from tunepod.launch.paths import JobPaths
 from tunepod.spec.models import SlurmLauncherSpec
 
@@ -137,6 +145,8 @@ def sbatch_directives(job: JobSpec, spec: SlurmLauncherSpec) -> list[str]:
             options.append(f"--{flag}={sbatch_value(flag, value)}")
     if spec.exclusive:
         options.append("--exclusive")
+    if job.resources.elastic:
+        options.append("--no-kill")  # a failed node leaves the allocation to the others (module docstring)
     options += [
         "--requeue",
         "--open-mode=append",
@@ -159,13 +169,17 @@ def torchrun_command(job: JobSpec, spec: SlurmLauncherSpec, *, hyperpod: bool) -
     """The ``srun ... torchrun`` command (continued over lines): one torchrun per node, rendezvous on
     the first node."""
     res = slurm_resources(job.resources, spec)
+    elastic = job.resources.elastic
+    nnodes = f"--nnodes {job.resources.nnodes}" if elastic else '--nnodes "$SLURM_NNODES"'
     lines = [
-        " ".join(_srun(spec, hyperpod=hyperpod)),
+        " ".join(_srun(spec, hyperpod=hyperpod, elastic=elastic)),
         f"{shlex.quote(spec.python)} -m torch.distributed.run",
-        f'--nnodes "$SLURM_NNODES" --nproc-per-node {res.procs_per_node}',
+        f"{nnodes} --nproc-per-node {res.procs_per_node}",
         '--rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d --rdzv-endpoint "$head_node:$rdzv_port"',
-        shlex.join([str(job.entrypoint), *job.args]),
     ]
+    if elastic:
+        lines.append(f"--max-restarts {job.resources.elastic_restarts} --rdzv-conf {rdzv_conf()}")
+    lines.append(shlex.join([str(job.entrypoint), *job.args]))
     return " \\\n  ".join(lines)
 
 
@@ -181,8 +195,10 @@ def direct_command(job: JobSpec, spec: SlurmLauncherSpec, *, hyperpod: bool) -> 
     return " \\\n  ".join(lines)
 
 
-def _srun(spec: SlurmLauncherSpec, *, hyperpod: bool) -> list[str]:
+def _srun(spec: SlurmLauncherSpec, *, hyperpod: bool, elastic: bool = False) -> list[str]:
     srun = ["srun", "--auto-resume=1"] if hyperpod else ["srun"]
+    if elastic:
+        srun.append("--no-kill")  # a failed node's tasks end, the others' go on (module docstring)
     if spec.cpus_per_node is not None:
         # Slurm 22.05's srun no longer inherits --cpus-per-task from the batch job: without this the
         # task, and every worker it starts, would be bound to a single CPU.
