@@ -75,7 +75,9 @@ bench-checkpoints: venv
 	$(PY) -m benchmarks.checkpoints $(CHECKPOINT_ARGS)
 
 # A node's death to the trial's next trained step on the local cluster's namespaced nodes, part by part,
-# against a planned requeue (benchmarks/node_loss; root: it kills nodes). Long form: NODE_LOSS_ARGS=--long
+# against a planned requeue, and the "node-loss recovery" line: restore from a peer's memory, from the shared
+# file system, elastic continue (benchmarks/node_loss; root: it kills nodes). Long form: NODE_LOSS_ARGS=--long;
+# the line alone: NODE_LOSS_ARGS=--only=peer-memory,shared,elastic
 bench-node-loss: venv
 	scripts/slurm-up
 	$(PY) -m benchmarks.node_loss $(NODE_LOSS_ARGS)

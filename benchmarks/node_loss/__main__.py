@@ -7,7 +7,25 @@ Each run is one ``tunepod run`` of a one-trial study whose job spans two nodes (
 ``trainer.py``: an all-reduce, a report and a ``--state-mb`` checkpoint per step). After the third
 report the fault strikes: the first node killed (``scripts/slurm-node kill``: the batch script and the
 rendezvous die with it), the second node killed, or the job requeued. A poller reads Slurm every
-0.2 s; the trainer records when its process group formed and its checkpoint was loaded. The parts:
+0.2 s; the trainer records when its process group formed and its checkpoint was loaded.
+
+Three more scenarios put the ways back from a lost node side by side (the issue's line ``node-loss
+recovery: peer memory S s, shared file system S s, elastic S s``):
+
+- ``peer-memory``: checkpoint tiers (every step to node memory, copied to the other node; every 10th
+  to the shared file system), the first node killed; the requeued job's rank 0, on the restarted node
+  with empty memory, fetches the newest step from the surviving node's memory;
+- ``shared``: no memory tier (every step to the shared file system, as before tiers), the first node
+  killed; the requeued job reads the shared file system;
+- ``elastic``: the tiers of ``peer-memory`` and ``resources.min_nodes: 1``, the second node killed
+  (the first runs the batch script and the rendezvous: an elastic job cannot outlive it); the
+  survivor's torchrun agent re-forms the group alone in the same job, no requeue.
+
+For ``peer-memory`` and ``shared`` the other two nodes are held by sleeping jobs and the killed node is
+started again (empty memory, as a rebooted node) once Slurm has it down, so the requeued job comes back
+to the same two nodes in both, and its peer's memory is there. For ``elastic`` detection, teardown and
+queue wait are 0 by construction; restart is the fault to the re-formed group (torchrun's agent seeing
+the failed all-reduce, stopping the worker, the rendezvous round, the script's start). The parts:
 
 - detection: the fault -> the node DOWN (SlurmdTimeout; 0 for the requeue);
 - teardown: DOWN -> the job back in the queue (the survivors' steps killed, KillWait);
@@ -23,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -44,17 +63,44 @@ from benchmarks.chaos.study import NODE_PARTITION
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.submission import read_submission
 from tunepod.runtime import read_reports
+from tunepod.runtime.restores import read_restores
 
 REPO = Path(__file__).resolve().parents[2]
 TRAINER = Path(__file__).resolve().parent / "trainer.py"
 GOAL_S = 60.0
 POLL_S = 0.2
 RUN_LIMIT_S = 420.0
-SCENARIOS = {  # name -> (side, what)
-    "requeue": ("baseline", "scontrol requeue of the running job (no node lost)"),
-    "kill-first": ("tunepod", "first node killed: batch script and rendezvous with it"),
-    "kill-second": ("tunepod", "second node killed"),
-}
+STARTUP_S = 600.0
+"""How long the trial may take to report three steps: on a loaded 2-core host a temporary Prefect
+server, the stage step and two nodes' torchrun start take minutes."""
+ELASTIC = "elastic"
+RECOVERIES = {"peer-memory": "peer memory", "shared": "shared file system", ELASTIC: "elastic"}
+"""The scenarios of the ``node-loss recovery`` line, and how it names them."""
+PEER_OVER_SHARED_GOAL = 1 / 3
+TIERS = {"memory_every_steps": 1, "shared_every_steps": 10, "memory_replicas": 1}
+"""Every step to node memory and to the other node's; every 10th (steps 0, 10) to the shared folder."""
+
+
+@dataclass(frozen=True)
+class Scenario:
+    side: str
+    what: str
+    victim: int | None
+    """The index of the killed node among the job's nodes; None: ``scontrol requeue``, no node lost."""
+    tiers: bool = False
+    elastic: bool = False
+    held: bool = False
+    """The other nodes held by sleeping jobs, the killed node started again once down."""
+
+
+SCENARIOS = {
+    "requeue": Scenario("baseline", "scontrol requeue of the running job (no node lost)", None),
+    "kill-first": Scenario("tunepod", "first node killed: batch script and rendezvous with it", 0),
+    "kill-second": Scenario("tunepod", "second node killed", 1),
+    "peer-memory": Scenario("tunepod", "first node killed, restore from a peer's memory", 0, True, held=True),
+    "shared": Scenario("tunepod", "first node killed, restore from the shared file system", 0, held=True),
+    ELASTIC: Scenario("tunepod", "second node killed, elastic: the survivor goes on", 1, True, True),
+}  # fmt: skip
 PARTS = ("detection", "teardown", "queue wait", "restart", "checkpoint load", "first step")
 console = Console(highlight=False, soft_wrap=True, width=max(170, Console().width))
 
@@ -72,8 +118,19 @@ class Timeline:
     loaded_at: float = 0.0
     resumed_from: int = -1
     step_at: float = 0.0
+    reached: int = -1
+    """The newest step reported before the fault: the steps after ``resumed_from`` up to it are lost."""
+    restored_from: str = "-"
+    """The tier of the job's last restore (its restores file); ``-`` without checkpoint tiers."""
 
     def parts(self) -> dict[str, float]:
+        if self.scenario == ELASTIC:  # no requeue: the job never left its nodes nor the queue
+            return {
+                "detection": 0.0, "teardown": 0.0, "queue wait": 0.0,
+                "restart": self.started_at - self.fault_at,
+                "checkpoint load": self.loaded_at - self.started_at,
+                "first step": self.step_at - self.loaded_at,
+            }  # fmt: skip
         detected = self.seen.get("down", self.fault_at) if self.scenario != "requeue" else self.fault_at
         queued = self.seen["queued"]
         return {
@@ -108,7 +165,15 @@ def restore(node: str) -> None:
         time.sleep(0.5)
 
 
-def write_spec(folder: Path, steps: int, state_mb: float) -> Path:
+def write_spec(folder: Path, steps: int, state_mb: float, scenario: Scenario) -> Path:
+    train: dict[str, object] = {
+        "entrypoint": str(TRAINER),
+        "args": {"steps": steps, "sleep_s": 1.0, "state_mb": state_mb},
+        "resources": {"num_nodes": 2, "procs_per_node": 1} | ({"min_nodes": 1} if scenario.elastic else {}),
+        "max_restarts": 1,
+    }
+    if scenario.tiers:
+        train["checkpoints"] = TIERS
     spec = {
         "name": "node-loss",
         "tracking": {"uri": f"sqlite:///{folder / 'mlflow.db'}", "experiment": "node-loss"},
@@ -121,12 +186,7 @@ def write_spec(folder: Path, steps: int, state_mb: float) -> Path:
             "search": {
                 "uses": "tune", "needs": ["data"],
                 "with": {
-                    "train": {
-                        "entrypoint": str(TRAINER),
-                        "args": {"steps": steps, "sleep_s": 1.0, "state_mb": state_mb},
-                        "resources": {"num_nodes": 2, "procs_per_node": 1},
-                        "max_restarts": 1,
-                    },
+                    "train": train,
                     "study": {
                         "name": "loss", "storage": f"journal://{folder / 'optuna.log'}", "metric": "loss",
                         "direction": "minimize",
@@ -165,8 +225,9 @@ class Poller(threading.Thread):
             time.sleep(POLL_S)
 
 
-def run_once(scenario: str, folder: Path, steps: int, state_mb: float) -> Timeline:
-    spec = write_spec(folder, steps, state_mb)
+def run_once(name: str, folder: Path, steps: int, state_mb: float) -> Timeline:
+    scenario = SCENARIOS[name]
+    spec = write_spec(folder, steps, state_mb, scenario)
     paths = JobPaths(folder / "shared" / "jobs" / "loss" / "trial-0")
     log = folder / "tunepod-run.log"
     with log.open("wb") as out:
@@ -175,32 +236,73 @@ def run_once(scenario: str, folder: Path, steps: int, state_mb: float) -> Timeli
             cwd=REPO, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )  # fmt: skip
     victim = ""
+    held: list[str] = []
     try:
         job_id = wait_for_reports(paths, run, log)
-        held = job_nodes(job_id)
-        victim = {"kill-first": held[0], "kill-second": held[1]}.get(scenario, "")
+        trial_nodes = job_nodes(job_id)
+        victim = "" if scenario.victim is None else trial_nodes[scenario.victim]
+        if scenario.held:
+            held = hold_others(trial_nodes, folder)
         poller = Poller(job_id, victim)
         poller.start()
+        reached = max(report.step for report in read_reports(paths.metrics))
         fault_at = time.time()
         if victim:
             checked(nodes.kill(victim))
         else:
             subprocess.run(["scontrol", "requeue", job_id], check=True, capture_output=True, timeout=30)
+        if scenario.held:
+            restart_when_down(victim, poller)
         code = run.wait(timeout=RUN_LIMIT_S)
         poller.done.set()
         if code != 0:
             raise RuntimeError(f"`tunepod run` exited {code}; its output: {log}")
-        return timeline(scenario, victim, fault_at, poller.seen, paths)
+        return timeline(name, victim, fault_at, poller.seen, paths, reached)
     finally:
         if run.poll() is None:
             run.kill()
+        for job in held:
+            subprocess.run(["scancel", job], capture_output=True, timeout=30, check=False)
         if victim:
             restore(victim)
 
 
+def hold_others(trial_nodes: list[str], folder: Path) -> list[str]:
+    """A sleeping job on every node of the partition but the trial's, running before the fault: the
+    requeued trial can only come back to its own nodes, where its peer's memory is. Their job ids."""
+    held = []
+    for node in node_states():
+        if node in trial_nodes:
+            continue
+        submitted = subprocess.run(
+            ["sbatch", "--parsable", f"--partition={NODE_PARTITION}", "--exclusive", "--mem=16M",
+             f"--nodelist={node}", "--job-name=node-loss-hold", f"--chdir={folder}", "--output=/dev/null",
+             "--wrap=sleep 900"],
+            capture_output=True, text=True, timeout=30, check=True,
+        )  # fmt: skip
+        held.append(submitted.stdout.strip().split(";")[0])
+    deadline = time.monotonic() + 60
+    while not all(slurm_state(job) == "RUNNING" for job in held):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the holding jobs {held} did not start in 60 s")
+        time.sleep(POLL_S)
+    return held
+
+
+def restart_when_down(victim: str, poller: Poller) -> None:
+    """Once Slurm has the killed node down, start it again (a rebooted node: its memory empty), so the
+    requeued job can come back to it. Started earlier, Slurm might never see it down."""
+    deadline = time.monotonic() + 120
+    while "down" not in poller.seen:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"node {victim} was not seen down 120 s after its kill")
+        time.sleep(POLL_S)
+    restore(victim)
+
+
 def wait_for_reports(paths: JobPaths, run: subprocess.Popen[bytes], log: Path) -> str:
     """The job id once the trial has reported three steps (it is then mid-training, checkpointed)."""
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + STARTUP_S
     while True:
         record = read_submission(paths) if paths.job_dir.exists() else None
         if record is not None and record.job_id and len(read_reports(paths.metrics)) >= 3:
@@ -211,14 +313,22 @@ def wait_for_reports(paths: JobPaths, run: subprocess.Popen[bytes], log: Path) -
 
 
 def timeline(
-    scenario: str, victim: str, fault_at: float, seen: dict[str, float], paths: JobPaths
+    name: str, victim: str, fault_at: float, seen: dict[str, float], paths: JobPaths, reached: int
 ) -> Timeline:
     starts = [line.split() for line in (paths.job_dir / "starts.log").read_text().splitlines()]
-    if len(starts) < 2 or "queued" not in seen or "running" not in seen:
-        raise RuntimeError(f"{scenario}: the job was not seen requeued and started again: {seen}, {starts}")
+    if len(starts) < 2:
+        raise RuntimeError(f"{name}: the trial's script did not start again: {starts}")
+    if name == ELASTIC and "queued" in seen:
+        raise RuntimeError(f"{name}: the elastic job was requeued: {seen}")
+    if name != ELASTIC and ("queued" not in seen or "running" not in seen):
+        raise RuntimeError(f"{name}: the job was not seen requeued and started again: {seen}, {starts}")
     started, loaded, step = starts[-1]
     after = [r for r in read_reports(paths.metrics) if r.time > float(loaded)]
-    return Timeline(scenario, victim, fault_at, seen, float(started), float(loaded), int(step), after[0].time)
+    restores = read_restores(paths.restores)
+    return Timeline(
+        name, victim, fault_at, seen, float(started), float(loaded), int(step), after[0].time, reached,
+        restores[-1].tier if restores else "-",
+    )  # fmt: skip
 
 
 def print_report(timelines: list[Timeline]) -> None:
@@ -231,14 +341,17 @@ def print_report(timelines: list[Timeline]) -> None:
         else None
     )
     table = Table(title="node loss -> next trained step, seconds (median of the runs)")
-    for column in ("side", "fault", "runs", *PARTS, "total", "vs requeue"):
-        table.add_column(column, justify="left" if column in ("side", "fault") else "right")
+    for column in ("side", "fault", "runs", *PARTS, "total", "vs requeue", "restored from", "steps lost"):
+        table.add_column(column, justify="left" if column in ("side", "fault", "restored from") else "right")
     for scenario, runs in by_scenario.items():
-        side, what = SCENARIOS[scenario]
         parts = [statistics.median(t.parts()[part] for t in runs) for part in PARTS]
         total = statistics.median(t.total_s for t in runs)
         ratio = f"{total / baseline:.2f}x" if baseline else "-"
-        table.add_row(side, what, str(len(runs)), *(f"{p:.1f}" for p in parts), f"{total:.1f}", ratio)
+        table.add_row(
+            SCENARIOS[scenario].side, SCENARIOS[scenario].what, str(len(runs)), *(f"{p:.1f}" for p in parts),
+            f"{total:.1f}", ratio, ",".join(sorted({t.restored_from for t in runs})),
+            ",".join(str(t.reached - t.resumed_from) for t in runs),
+        )  # fmt: skip
     console.print(table)
     killed = [t.total_s for t in timelines if t.scenario != "requeue"]
     if killed:
@@ -248,6 +361,34 @@ def print_report(timelines: list[Timeline]) -> None:
             f"goal: a node's death to the next trained step under {GOAL_S:.0f} s: {verdict} "
             f"(worst {worst:.1f} s)"
         )
+    print_recovery(by_scenario)
+
+
+def print_recovery(by_scenario: dict[str, list[Timeline]]) -> None:
+    """The issue's line, and its goals: peer memory at most a third of the shared file system, elastic
+    faster than either. Printed only when every one of the three ran."""
+    if not all(name in by_scenario for name in RECOVERIES):
+        return
+    medians = {name: statistics.median(t.total_s for t in by_scenario[name]) for name in RECOVERIES}
+    console.print(
+        "node-loss recovery: " + ", ".join(f"{RECOVERIES[name]} {s:.1f} s" for name, s in medians.items())
+    )
+    peer, shared, elastic = (medians[name] for name in RECOVERIES)
+    console.print(
+        f"goal: peer memory at most a third of shared file system: "
+        f"{'met' if peer <= shared * PEER_OVER_SHARED_GOAL else 'MISSED'} ({peer / shared:.2f}x); "
+        f"elastic faster than either: {'met' if elastic < min(peer, shared) else 'MISSED'}"
+    )
+
+
+def keep_logs(folder: Path) -> Path:
+    """A failed run's logs (``tunepod run``'s, the job's), copied out of its folder, which goes."""
+    kept = REPO / ".tunepod" / f"{folder.name}-logs"
+    kept.mkdir(exist_ok=True)
+    for log in [folder / "tunepod-run.log", *folder.glob("shared/jobs/*/*/*.log")]:
+        if log.is_file():
+            shutil.copy(log, kept / log.name)
+    return kept
 
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:
@@ -274,6 +415,7 @@ def main(argv: Sequence[str]) -> int:
     repeats = 3 if args.long else args.repeats
     timelines: list[Timeline] = []
     failed = False
+    (REPO / ".tunepod").mkdir(exist_ok=True)
     for _ in range(repeats):
         for scenario in scenarios:
             with tempfile.TemporaryDirectory(
@@ -282,7 +424,8 @@ def main(argv: Sequence[str]) -> int:
                 try:
                     found = run_once(scenario, Path(folder), steps=20, state_mb=args.state_mb)
                 except (RuntimeError, subprocess.SubprocessError) as error:
-                    console.print(f"[red]{scenario}: {error}[/red]")
+                    kept = keep_logs(Path(folder))
+                    console.print(f"[red]{scenario}: {error} (logs kept: {kept})[/red]")
                     failed = True
                     continue
             timelines.append(found)

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +46,7 @@ from faults_support import (
     placements,
     sqlite_tracking,
     starts,
+    study_processes,
     submission,
     wait_for,
 )
@@ -284,6 +287,71 @@ def test_when_both_copies_of_a_memory_step_are_lost_the_trial_restores_the_share
     assert_tagged(trial_run(loss.study), step, "shared file system")
 
 
+def test_when_the_second_node_is_lost_the_first_keeps_its_memory_for_the_requeued_job(
+    runs: MakeRuns, tmp_path: Path
+) -> None:
+    """Fault: the trial's second node is killed after memory step 4 reached it; the batch script, on
+    the first node, lives on and its exit trap runs when Slurm tears the job down for the requeue.
+
+    Proves: the trap told the requeue from an end for good and left the first node's memory alone:
+    the requeued job restores step 4 (not shared step 3), rank 0 from its own node's memory, and
+    trains each step after it once; the trial is one Optuna trial and one MLflow run."""
+    loss = lose_nodes(runs, tmp_path, slice(1, 2))
+
+    assert loss.killed == loss.nodes[1:]
+    step, where = restored(loss.study.job_dir(0))
+    assert step == NEWEST_MEMORY > NEWEST_SHARED, where
+    assert where.startswith("own memory") or "rank 0 own memory" in where, where
+    trials = assert_study_complete(loss.study)
+    assert_resumed_after(loss, step)
+    assert_tracked_once(loss.study, trials)
+
+
 def node_address(node: str) -> str:
     """A namespaced node's address on the cluster's bridge (``scripts/slurm/common.sh``)."""
     return f"10.231.0.{10 + int(node.removeprefix('n'))}"
+
+
+def rank_zero_worker(study: FaultStudy) -> int:
+    """The pid of rank 0's training process (a torchrun worker: ``RANK=0`` and torchrun's run id)."""
+    for pid in study_processes(study):
+        with contextlib.suppress(OSError):
+            environ = b"\0" + Path(f"/proc/{pid}/environ").read_bytes()
+            if b"\0RANK=0\0" in environ and b"\0TORCHELASTIC_RUN_ID=" in environ:
+                return pid
+    pytest.fail("rank 0's training process is not running")
+
+
+def test_a_trial_that_ends_without_finish_leaves_no_memory_folder_on_its_nodes(
+    runs: MakeRuns, tmp_path: Path
+) -> None:
+    """Fault: rank 0's training process (its process group: torchrun starts each worker in a session
+    of its own) is SIGKILLed while it holds at step 5, memory step 4 on both nodes; no restart
+    (``max_restarts: 0``), so the trial fails without ever calling ``ctx.finish``.
+
+    Proves: the batch script's exit trap removed the job's memory folder on both nodes (the job was
+    still RUNNING, not requeued: it ended for good), and nothing of the job is left running."""
+    train = {"resources": {"num_nodes": 2}, "checkpoints": TIERS, "max_restarts": 0}
+    study = FaultStudy(
+        tmp_path, "slurm", sqlite_tracking(tmp_path), num_trials=1, num_parallel=1, epochs=EPOCHS,
+        sleep_s=1.0, trainer=COLLECTIVE_TRAINER, args={"hang_at_epoch": HELD_AT, "hang_rank": 0},
+        train=train, launcher_options=NODES_LAUNCHER,
+    )  # fmt: skip
+    hit = JobPaths(study.job_dir(0))
+    run = runs(study).start("memory-folder")
+    wait_for(lambda: (hit.job_dir / "hung.once").exists(), f"rank 0 to hold at {HELD_AT}", running=run)
+    [ranks] = placements(hit.job_dir).values()
+    nodes = nodes_of(ranks)
+    wait_for(
+        lambda: all(memory_step(node, hit.checkpoints) == NEWEST_MEMORY for node in nodes),
+        f"memory step {NEWEST_MEMORY} on both nodes",
+        running=run,
+    )
+    os.killpg(os.getpgid(rank_zero_worker(study)), signal.SIGKILL)
+
+    run.wait()
+    assert_nothing_left(study)
+    assert not hit.result.exists(), "the killed trial reported a result"
+    left = {node: job_folder(node_memory(node), hit.checkpoints) for node in nodes}
+    assert not any(folder.exists() for folder in left.values()), left
+    assert starts(hit.job_dir) == 1

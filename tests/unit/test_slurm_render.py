@@ -30,6 +30,9 @@ from tunepod.launch.slurm import (
     slurm_resources,
 )
 from tunepod.launch.slurm import render as slurm_render
+from tunepod.runtime import CHECKPOINT_DIR_ENV, CHECKPOINT_TIERS_ENV
+from tunepod.runtime.memory_store import job_folder
+from tunepod.runtime.tiers import CheckpointTiers
 from tunepod.spec.models import SlurmLauncherSpec
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -251,3 +254,59 @@ def test_hyperpod_is_declared_or_detected(monkeypatch: pytest.MonkeyPatch, tmp_p
     assert detect_hyperpod(spec()) is True
     assert detect_hyperpod(spec(hyperpod=False)) is False
     assert detect_hyperpod(spec(hyperpod=True)) is True
+
+
+def tiered_job(job_dir: Path, memory_dir: Path) -> JobSpec:
+    """A job with checkpoint tiers: its env names the memory folder every node keeps for it."""
+    tiers = CheckpointTiers(
+        memory_every_steps=1, shared_every_steps=3, memory_replicas=1, memory_dir=str(memory_dir)
+    )
+    env = {CHECKPOINT_TIERS_ENV: tiers.to_json(), CHECKPOINT_DIR_ENV: str(job_dir / "checkpoints")}
+    return job(job_dir=job_dir, env=env)
+
+
+def test_a_job_with_checkpoint_tiers_removes_its_memory_folder_on_every_node_before_its_exit_code() -> None:
+    job_dir = Path("/fsx/tunepod/jobs/digits/trial-7")
+    script = render_sbatch(tiered_job(job_dir, Path("/dev/shm")), spec(), hyperpod=False)
+    assert_matches_golden("checkpoint_tiers", script)
+    folder = job_folder("/dev/shm", job_dir / "checkpoints")
+    assert f"tunepod_memory={folder}" in script
+    assert "trap 'code=$?; tunepod_forget_memory; printf" in script
+
+
+@pytest.mark.parametrize(
+    ("job_state", "num_nodes", "removed"),
+    [("RUNNING", 2, "on every node"), ("RUNNING", 1, "here"), ("REQUEUED", 2, ""), ("PENDING", 2, "")],
+)
+def test_the_exit_trap_removes_the_memory_folder_unless_slurm_requeues_the_job(
+    tmp_path: Path, job_state: str, num_nodes: int, removed: str
+) -> None:
+    """The rendered script of a two-node job, run by bash with stand-ins for ``srun`` (records that it
+    ran, then runs its command here) and ``scontrol`` (the job in ``job_state`` on ``num_nodes``), its
+    training command failing: the folder goes when the job is still RUNNING (it ends for good), by a
+    step on every node while it holds both, from this node alone once an elastic job lost one (a step
+    would wait for the lost node); it stays when Slurm is requeueing the job. The exit code is the
+    command's, and is recorded."""
+    bin_dir, memory_dir, job_dir = tmp_path / "bin", tmp_path / "shm", tmp_path / "job"
+    bin_dir.mkdir()
+    job_dir.mkdir()
+    srun_log = tmp_path / "srun.log"
+    (bin_dir / "srun").write_text(
+        f'#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\necho "$1" >> {srun_log}\nexec "$@"\n'
+    )
+    (bin_dir / "scontrol").write_text(
+        f"#!/bin/sh\necho 'JobId=7 JobState={job_state} Reason=None NumNodes={num_nodes} NumCPUs=2'\n"
+    )
+    for stand_in in bin_dir.iterdir():
+        stand_in.chmod(0o755)
+    folder = job_folder(memory_dir, job_dir / "checkpoints")
+    (folder / "step-000004").mkdir(parents=True)
+    two_nodes = dataclasses.replace(tiered_job(job_dir, memory_dir), resources=Resources(num_nodes=2))
+    script = render_sbatch(two_nodes, spec(python="/bin/false"), hyperpod=False)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7"}
+    env |= {"SLURM_JOB_NUM_NODES": "2", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "n[1-2]"}
+    done = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 1, done.stderr
+    assert folder.exists() is not bool(removed)
+    assert ("rm" in srun_log.read_text().split()) is (removed == "on every node"), done.stderr
+    assert (job_dir / "exit_code").read_text().split() == ["1", "7"]

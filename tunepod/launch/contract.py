@@ -8,6 +8,8 @@ from pathlib import Path
 
 from tunepod import runtime
 from tunepod.launch.paths import JobPaths
+from tunepod.runtime.memory_store import job_folder
+from tunepod.runtime.tiers import read_checkpoint_tiers
 
 
 def contract_env(
@@ -43,3 +45,15 @@ def contract_env(
     if checkpoint_tiers is not None:
         env[runtime.CHECKPOINT_TIERS_ENV] = checkpoint_tiers.to_json()
     return env
+
+
+def memory_folder(env: Mapping[str, str]) -> Path | None:
+    """The folder a job with checkpoint tiers keeps under each node's ``memory_dir``
+    (``tunepod.runtime.memory_store.job_folder``), from the job's environment; None without tiers.
+    ``ctx.finish`` removes it; a job that ends without it (killed, failed, cancelled) leaves it to its
+    launcher, which knows when the job has ended for good."""
+    tiers = read_checkpoint_tiers(env, runtime.CHECKPOINT_TIERS_ENV)
+    checkpoint_dir = env.get(runtime.CHECKPOINT_DIR_ENV)
+    if tiers is None or not checkpoint_dir:
+        return None
+    return job_folder(tiers.memory_dir, Path(checkpoint_dir))

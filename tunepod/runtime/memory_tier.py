@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -62,6 +62,7 @@ from tunepod.runtime.memory_store import (
     write_manifest,
 )
 from tunepod.runtime.peer_http import PeerError, PeerServer, delete_manifest, fetch_file, push_file
+from tunepod.runtime.restores import OWN_MEMORY, PEER_MEMORY, SHARED_FILE_SYSTEM, Tier
 from tunepod.runtime.sharded import SafeReader, ShardedCheckpointer, refuse_unloadable_values, reusable_stager
 from tunepod.runtime.tiers import CheckpointTiers, SaveTargets, TierSchedule
 
@@ -76,11 +77,11 @@ class RestoredFrom:
     the address it was fetched from) or the shared file system."""
 
     step: int
-    tier: Literal["own memory", "peer memory", "shared file system"]
+    tier: Tier
     peer: str | None = None
 
     def __str__(self) -> str:
-        return f"peer memory ({self.peer})" if self.peer else self.tier
+        return f"{PEER_MEMORY} ({self.peer})" if self.peer else self.tier
 
 
 @dataclass(frozen=True)
@@ -278,7 +279,7 @@ class MemoryTier:
         self, plan: RestorePlan, into: dict[str, Any] | None, sharded: Callable[[], ShardedCheckpointer]
     ) -> tuple[Checkpoint, RestoredFrom]:
         if plan.tier == "shared":
-            source = RestoredFrom(plan.step, "shared file system")
+            source = RestoredFrom(plan.step, SHARED_FILE_SYSTEM)
             if into is not None:
                 return sharded().load_step(into, plan.step), source
             info = checkpoints.verified_checkpoint(self.checkpoint_dir, plan.step)
@@ -536,8 +537,8 @@ class _StepFiles:
 
     def source(self) -> RestoredFrom:
         if self._peers:
-            return RestoredFrom(self._plan.step, "peer memory", self._peers[0])
-        return RestoredFrom(self._plan.step, "own memory")
+            return RestoredFrom(self._plan.step, PEER_MEMORY, self._peers[0])
+        return RestoredFrom(self._plan.step, OWN_MEMORY)
 
 
 class _FetchingReader(SafeReader):

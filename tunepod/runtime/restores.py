@@ -23,6 +23,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Final, Literal
 
 from tunepod.runtime.files import append_line_durably
 
@@ -33,9 +34,12 @@ log = logging.getLogger(__name__)
 _warned_lines: set[tuple[str, int]] = set()
 
 RESTORES_FILE_NAME = "restores.jsonl"
-OWN_MEMORY = "own memory"
-PEER_MEMORY = "peer memory"
-SHARED_FILE_SYSTEM = "shared file system"
+Tier = Literal["own memory", "peer memory", "shared file system"]
+"""Where a restore came from. The names below are the only spelling of each (the memory tier's
+``RestoredFrom`` and the MLflow tags use them), and mypy holds them to this type."""
+OWN_MEMORY: Final[Tier] = "own memory"
+PEER_MEMORY: Final[Tier] = "peer memory"
+SHARED_FILE_SYSTEM: Final[Tier] = "shared file system"
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,7 @@ def restores_file(metrics_file: Path) -> Path:
     return metrics_file.parent / RESTORES_FILE_NAME
 
 
-def job_tier(sources: Sequence[str]) -> str:
+def job_tier(sources: Sequence[str]) -> Tier:
     """The job's tier from each rank's source: a peer's memory if any rank needed one (the case a
     lost node makes), else its own memory, else the shared file system."""
     if any(source.startswith(PEER_MEMORY) for source in sources):

@@ -43,6 +43,7 @@ from pathlib import Path
 from tunepod import world
 from tunepod.errors import JobError, StopUnfinished
 from tunepod.launch.base import SUBMISSION_ID_ENV, Accepted, Job, JobSpec, JobState, LauncherBase, Rendered
+from tunepod.launch.contract import memory_folder
 from tunepod.launch.exit_code import read_exit_code, temp_exit_file
 from tunepod.launch.local.processes import (
     LinuxProcesses,
@@ -57,12 +58,15 @@ from tunepod.launch.paths import JobPaths, file_logs
 from tunepod.launch.procfs import ProcessStat
 from tunepod.launch.slots import Slots, counted, divided
 from tunepod.launch.status_cache import TrackedJob
-from tunepod.launch.submission import Submission
+from tunepod.launch.submission import Submission, read_submission
+from tunepod.runtime.memory_store import remove_folder
 from tunepod.spec.resources import Resources
 
 logger = logging.getLogger(__name__)
 
 JOB_ID_PREFIX = "local-"
+MEMORY_FOLDER_DETAIL = "memory_folder"
+"""The submission detail naming the job's memory folder (its checkpoint tiers'), removed once it ends."""
 _JOB_ID = re.compile(r"^local-(?P<submission>[0-9a-f]{16})$")
 _POLL_S = 0.05
 # After SIGKILL the kernel only has to tear processes down; a job still there after this long is stuck
@@ -234,6 +238,9 @@ class LocalLauncher(LauncherBase[LocalStatus]):
         # The wrapper is our unreaped child, so its pid cannot be reused while we read its stat.
         stat = self.processes.stat(pid)
         details: dict[str, object] = {"argv": rendered.payload}
+        folder = memory_folder(job.env)
+        if folder is not None:
+            details[MEMORY_FOLDER_DETAIL] = str(folder)
         if stat is not None:
             details |= {"pid": pid, "start_ticks": stat.start_ticks}
         return Accepted(rendered.name, details)
@@ -306,8 +313,12 @@ class LocalLauncher(LauncherBase[LocalStatus]):
         code = read_exit_code(JobPaths(job.job_dir), submission_id)
         found = processes.of(submission_id)
         if code is None:  # the wrapper was killed: its command may still be training
-            return LocalStatus(running=bool(found), exit_code=None)
-        return self._sweep_leftovers(job_id, job.record, code, found)
+            status = LocalStatus(running=bool(found), exit_code=None)
+        else:
+            status = self._sweep_leftovers(job_id, job.record, code, found)
+        if not status.running:
+            _remove_memory_folder(job)
+        return status
 
     def _sweep_leftovers(
         self, job_id: str, record: Submission | None, code: int, found: list[tuple[int, ProcessStat]]
@@ -341,6 +352,27 @@ class LocalLauncher(LauncherBase[LocalStatus]):
             if world.monotonic() >= deadline:
                 return False
             world.sleep(_POLL_S)
+
+
+def _remove_memory_folder(job: TrackedJob) -> None:
+    """Once a local job with checkpoint tiers has ended, remove its memory folder, which only
+    ``ctx.finish`` removes otherwise: a killed, failed or cancelled job would leave it in /dev/shm for
+    good. No restore from it can come: a local job is never requeued, and every new attempt (a
+    restart, a resume after a pause) is a new job that restores from the shared folder, whose newest
+    step is at most a few steps older. Only while the job dir still belongs to this job: the folder is
+    the same for every attempt of a trial, and a newer attempt's must stay."""
+    record = job.record
+    folder = record.details.get(MEMORY_FOLDER_DETAIL) if record is not None else None
+    if record is None or not folder or not Path(folder).exists():
+        return
+    try:
+        current = read_submission(JobPaths(job.job_dir))
+    except JobError:  # an unreadable record: not this job's to judge; the next poll asks again
+        return
+    if current is None or current.submission_id != record.submission_id:
+        return
+    remove_folder(Path(folder))
+    logger.info("removed the memory folder %s of ended local job %s", folder, job.job_dir)
 
 
 def _wrapper(record: Submission | None) -> tuple[int, int] | None:

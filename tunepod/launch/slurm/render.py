@@ -16,6 +16,21 @@ The script's ``EXIT`` trap writes its exit code, submission id and job id to the
 accounting remembers it, that file is how a finished job is told from a failed one, and how an
 intent whose job id never reached the record finds its job.
 
+A job with checkpoint tiers keeps a memory folder on each of its nodes, which only ``ctx.finish``
+removes. When the script ends by itself without it (a rank failed or was killed, torchrun gave up),
+the ``EXIT`` trap first removes that folder on every node with one ``srun`` task per node, then
+records the exit code (after which the orchestrator may start the next attempt, whose folder has the
+same name). Only while Slurm still has the job RUNNING: once a node was lost Slurm requeues the job
+(the survivors' steps are signalled, and the trap runs), and the requeued job restores from the
+survivors' memory, so they keep it. An elastic job that lost a node and went on holds fewer nodes
+than it started with; a step on every node would wait for the lost one, so the folder is removed on
+the first node alone (the batch script's, which survived: its loss ends the job). A job cancelled
+outright or at its time limit is not RUNNING either, and Slurm refuses new steps of an ending job:
+its folders stay until their node restarts (Slurm's ``Epilog`` could remove them, but it is cluster
+configuration the user owns). A stop with ``stop_grace_s`` signals the tasks alone: the script ends
+while the job runs, and the folders go. A new job after a pause or a failure restores from the
+shared file system.
+
 An elastic job (``resources.min_nodes`` below ``num_nodes``) runs torchrun with ``--nnodes=min:max``
 and ``--max-restarts``, and asks Slurm not to end it when a node fails: ``--no-kill`` on the job keeps
 the allocation (Slurm's default revokes it, and requeues the job), and on ``srun`` keeps the step's
@@ -34,6 +49,7 @@ from pathlib import Path
 
 from tunepod.errors import TunepodError
 from tunepod.launch.base import SINGLE_PROCESS_ENV, SUBMISSION_ID_ENV, JobSpec, Resources
+from tunepod.launch.contract import memory_folder
 from tunepod.launch.elastic import rdzv_conf
 from tunepod.launch.paths import JobPaths
 from tunepod.spec.models import SlurmLauncherSpec
@@ -206,13 +222,43 @@ def _srun(spec: SlurmLauncherSpec, *, hyperpod: bool, elastic: bool = False) -> 
     return srun
 
 
-def exit_code_trap(paths: JobPaths) -> list[str]:
-    """The lines that make the script record how it ended in the job dir (see the module docstring)."""
+def exit_code_trap(paths: JobPaths, *, forget_memory: bool = False) -> list[str]:
+    """The lines that make the script record how it ended in the job dir (see the module docstring);
+    with ``forget_memory``, after calling ``tunepod_forget_memory`` (``memory_cleanup``): the exit
+    code tells the orchestrator it may start the next attempt, whose memory must not be removed."""
+    first = "tunepod_forget_memory; " if forget_memory else ""  # the script's exit code stays $code
     return [
         "# How the script ended, kept in the job dir for when Slurm has forgotten the job (MinJobAge).",
         f"tunepod_exit={shlex.quote(str(paths.exit_code))}",
-        'trap \'code=$?; printf "%s %s %s\\n" "$code" "${TUNEPOD_SUBMISSION_ID:-}" "${SLURM_JOB_ID:-}" '
+        f"trap 'code=$?; {first}"
+        'printf "%s %s %s\\n" "$code" "${TUNEPOD_SUBMISSION_ID:-}" "${SLURM_JOB_ID:-}" '
         '> "$tunepod_exit.tmp" && mv -f "$tunepod_exit.tmp" "$tunepod_exit"\' EXIT',
+    ]
+
+
+def memory_cleanup(folder: Path | None) -> list[str]:
+    """The shell function the ``EXIT`` trap calls to remove the job's memory folder (its checkpoint
+    tiers', ``folder``) on every node; none without tiers (see the module docstring)."""
+    if folder is None:
+        return []
+    return [
+        "# The memory tier's folder on every node: ctx.finish removes it, a script that ended otherwise",
+        "# (a rank failed or was killed) removes it here, once the job ends for good. Not when Slurm",
+        "# requeues the job (a node was lost): the requeued job restores from the survivors' memory.",
+        "# An elastic job that lost a node holds fewer nodes than it started with, and a step on all of",
+        "# them would wait for the lost one: the folder goes from this node (the first, which survived).",
+        f"tunepod_memory={shlex.quote(str(folder))}",
+        "tunepod_forget_memory() {",
+        "  local job",
+        '  job=$(scontrol --oneliner show job "$SLURM_JOB_ID" 2>/dev/null) || return 0',
+        '  case "$job" in *JobState=RUNNING*) ;; *) return 0 ;; esac',
+        '  case "$job" in',
+        '    *" NumNodes=$SLURM_JOB_NUM_NODES "*)',
+        "      timeout 60 srun --ntasks-per-node=1 --kill-on-bad-exit=0 \\",
+        '        rm -rf -- "$tunepod_memory" || true ;;',
+        '    *) rm -rf -- "$tunepod_memory" ;;',
+        "  esac",
+        "}",
     ]
 
 
@@ -236,6 +282,7 @@ def render_sbatch(job: JobSpec, spec: SlurmLauncherSpec, *, hyperpod: bool) -> s
             f"rdzv_port=$(({RDZV_BASE_PORT} + SLURM_JOB_ID % {RDZV_PORT_RANGE}))",
             torchrun_command(job, spec, hyperpod=hyperpod),
         ]
-    trap = exit_code_trap(JobPaths(job.job_dir))
+    folder = memory_folder(job.env)
+    trap = [*memory_cleanup(folder), *exit_code_trap(JobPaths(job.job_dir), forget_memory=folder is not None)]
     blocks = [header, ["set -euo pipefail"], exports, trap, list(spec.setup), launch]
     return "\n\n".join("\n".join(block) for block in blocks if block) + "\n"
