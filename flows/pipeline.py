@@ -89,8 +89,10 @@ def _artifacts(summary: PipelineSummary) -> list[Callable[[], object]]:
     rows = [t.table_row(objectives) for t in summary.trials]
     measured = ", ".join(objectives) or summary.metric
     front = [row for row in rows if row.get("pareto_front")]
+    left_out = summary.trials_left_out()
+    described = f"Trials of {summary.pipeline} ({measured})" + (f": {left_out}" if left_out else "")
     tables = [
-        (rows, "trials", f"Trials of {summary.pipeline} ({measured})"),
+        (rows, "trials", described),
         (front, "pareto-front", f"Pareto front of {summary.pipeline} ({measured})"),
     ]
     creates: list[Callable[[], object]] = [

@@ -30,12 +30,13 @@ from tasks.retry import transient_only
 from tunepod.hpo.endings import ENDING_NAMES
 from tunepod.hpo.tuner import TrialLinks, Tuner
 from tunepod.outputs import StepOutput, TrialRecord
-from tunepod.pipeline import PipelineRun, TrialRow
+from tunepod.pipeline import SUMMARY_ROWS, LiveTable, PipelineRun, TrialRow
 from tunepod.steps import STEP_KINDS
 
 RETRIES = 2
-#: The live trial table is written again at most this often (and when the last trial finishes): a
-#: thousand-trial study must not send a thousand tables of up to a thousand rows.
+FINISHED = ("COMPLETE", "PRUNED", "FAIL")
+#: The live trial table is written again at most this often (and when the last trial finishes), and
+#: holds the latest ``SUMMARY_ROWS`` trials to end: a study of any size sends tables of bounded size.
 TABLE_EVERY_S = 5.0
 
 log = logging.getLogger(__name__)
@@ -111,10 +112,11 @@ def submit_trial(tuner: Tuner, number: int) -> Future[TrialRecord]:
 
 class TrialBoard:
     """A tune step's live view in Prefect: a progress artifact (finished trials of ``num_trials``)
-    and a trial table, both on the step's task run, updated as each trial finishes or fails (so a
-    run that fails still shows how far it got). Made in the step's task (its run context is kept
-    for the updates, which come from Prefect's future callbacks); a failed update is logged and
-    never fails the study."""
+    and a table of the latest trials to end, both on the step's task run, updated as each trial
+    finishes or fails (so a run that fails still shows how far it got). Made in the step's task (its
+    run context is kept for the updates, which come from Prefect's future callbacks); a failed
+    update is logged and never fails the study. Each update costs the same at any size of study
+    (``LiveTable``)."""
 
     def __init__(self, tuner: Tuner) -> None:
         self._step = tuner.step
@@ -122,7 +124,9 @@ class TrialBoard:
         self._num_trials = tuner.settings.num_trials
         trials = tuner.trial_set()
         self._objectives = [goal.metric for goal in trials.objectives]
-        self._rows = {t.number: self._row(t) for t in trials.trials}
+        self._table = LiveTable(SUMMARY_ROWS)
+        for record in trials.trials:
+            self._table.put(record.number, self._row(record), finished=record.outcome in FINISHED)
         self._lock = threading.Lock()
         self._table_at = 0.0
         self._context = contextvars.copy_context()
@@ -136,34 +140,41 @@ class TrialBoard:
         self._progress = created if isinstance(created, UUID) else None  # sync: a UUID
 
     def finished(self, record: TrialRecord) -> None:
-        self._update(record.number, self._row(record))
+        self._update(record.number, self._row(record), finished=record.outcome in FINISHED)
 
     def _row(self, record: TrialRecord) -> dict[str, object]:
         # The front is the study's, known at its end: the final table marks it, this one cannot.
         return TrialRow.of(record).table_row(self._objectives)
 
     def failed(self, number: int, error: BaseException) -> None:
-        self._update(number, {"trial": number, "outcome": "ERROR", "error": str(error)[:200]})
+        self._update(number, {"trial": number, "outcome": "ERROR", "error": str(error)[:200]}, finished=False)
 
-    def _update(self, number: int, row: dict[str, object]) -> None:
+    def _update(self, number: int, row: dict[str, object], *, finished: bool) -> None:
         with self._lock:
-            self._rows[number] = row
+            self._table.put(number, row, finished=finished)
             if self._progress is not None:
                 progress = self._progress
                 self._safely(lambda: update_progress_artifact(progress, self._percent()))
             done = self._percent() >= 100.0
             if done or time.monotonic() - self._table_at >= TABLE_EVERY_S:
                 self._table_at = time.monotonic()
-                rows = [self._rows[n] for n in sorted(self._rows)]
+                rows = self._table.rows()
                 self._safely(
                     lambda: create_table_artifact(
-                        rows, key=f"{self._key}-trials", description=f"Trials of step {self._step}, so far"
+                        rows, key=f"{self._key}-trials", description=self._table_description()
                     )
                 )
 
+    def _table_description(self) -> str:
+        if self._table.num_rows >= self._table.num_seen:
+            return f"Trials of step {self._step}, so far"
+        return (
+            f"The latest {self._table.num_rows} trials of step {self._step} to end, of "
+            f"{self._table.num_seen:,} so far; every trial is in MLflow (a run per trial)"
+        )
+
     def _percent(self) -> float:
-        finished = sum(row["outcome"] in ("COMPLETE", "PRUNED", "FAIL") for row in self._rows.values())
-        return min(100.0, 100.0 * finished / self._num_trials)
+        return min(100.0, 100.0 * self._table.num_finished / self._num_trials)
 
     def _safely(self, call: Callable[[], T]) -> T | None:
         """``call()`` in the step task's run context; None (and a warning) if Prefect refused it."""

@@ -337,6 +337,9 @@ def print_summary(summary: PipelineSummary) -> None:
         params = ", ".join(f"{k}={_short(v)}" for k, v in row.params.items())
         table.add_row(str(row.number), row.outcome, *values, params)
     console.print(table)
+    left_out = summary.trials_left_out()
+    if left_out:
+        console.print(left_out)
     console.print(
         f"completed {summary.num_completed}, pruned {summary.num_pruned}, failed {summary.num_failed}"
     )

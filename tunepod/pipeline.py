@@ -10,6 +10,7 @@ import logging
 import shutil
 import subprocess
 import sys
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,12 @@ if TYPE_CHECKING:
     from tunepod.hpo.tuner import TrialSubmitter
 
 log = logging.getLogger(__name__)
+
+SUMMARY_ROWS = 100
+"""A tune step's trials in a run's summary (printed, returned by the flow, published to Prefect as
+its trial table): every trial up to this many, else the best this many. Prefect refuses an event
+past 1.5 MB, and a table artifact's event carries the table; every trial of a study is in MLflow
+(``<step>/trials.json`` on the pipeline run, and one run per trial)."""
 
 
 @dataclass
@@ -165,6 +172,45 @@ class TrialRow(BaseModel):
         return {"trial": self.number, "outcome": self.outcome, **values, **params}
 
 
+class LiveTable:
+    """The rows of the ``size`` trials that ended last (a trial's newer row replaces its older one),
+    and how many trials have finished, counted as rows come (a trial paused, then pruned, counts
+    once): what a live view publishes, bounded whatever the study's size."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._latest: OrderedDict[int, dict[str, object]] = OrderedDict()
+        self._finished: set[int] = set()
+        self._seen: set[int] = set()
+
+    def put(self, number: int, row: dict[str, object], *, finished: bool) -> None:
+        """Trial ``number``'s newest row; ``finished``: it ended for good (not paused, not errored)."""
+        self._latest.pop(number, None)
+        self._latest[number] = row
+        if len(self._latest) > self._size:
+            self._latest.popitem(last=False)
+        self._seen.add(number)
+        if finished:
+            self._finished.add(number)
+
+    def rows(self) -> list[dict[str, object]]:
+        """The latest rows, by trial number."""
+        return [self._latest[n] for n in sorted(self._latest)]
+
+    @property
+    def num_rows(self) -> int:
+        return len(self._latest)
+
+    @property
+    def num_seen(self) -> int:
+        """Trials with a row, shown or not."""
+        return len(self._seen)
+
+    @property
+    def num_finished(self) -> int:
+        return len(self._finished)
+
+
 class PipelineSummary(BaseModel):
     """What a finished run hands back to its caller (the CLI prints it; the flow returns it)."""
 
@@ -177,6 +223,9 @@ class PipelineSummary(BaseModel):
     """How to serve the MLflow UI over a local store (empty when the tracking URI is a server)."""
     run_url: str
     trials: list[TrialRow]
+    """Every trial of each tune step, or its ``SUMMARY_ROWS`` best when it has more."""
+    num_trials: int = 0
+    """Every trial of every tune step, shown in ``trials`` or not."""
     metric: str | None = None
     objectives: list[str] = Field(default_factory=list, description="A multi-objective study's metrics.")
     num_completed: int = 0
@@ -186,6 +235,15 @@ class PipelineSummary(BaseModel):
     evaluation: dict[str, float] = {}
     registration: Registration | None = None
 
+    def trials_left_out(self) -> str | None:
+        """What the summary's table leaves out, and where every trial is; None when it shows all."""
+        if len(self.trials) >= self.num_trials:
+            return None
+        return (
+            f"showing the {len(self.trials)} best of {self.num_trials:,} trials; every trial is in MLflow "
+            "(<step>/trials.json on the pipeline run, and a run per trial)"
+        )
+
     @classmethod
     def of(cls, run: PipelineRun, outputs: Mapping[str, StepOutput]) -> PipelineSummary:
         trial_sets = [o for o in outputs.values() if isinstance(o, TrialSet)]
@@ -194,7 +252,7 @@ class PipelineSummary(BaseModel):
         rows = [
             TrialRow.of(t, pareto_front=(ts.step, t.number) in front if ts.multi_objective else None)
             for ts in trial_sets
-            for t in ts.trials
+            for t in shown_trials(ts)
         ]
         best = trial_sets[0].best(1) if trial_sets else []
         evaluations = [o for o in outputs.values() if isinstance(o, Evaluation)]
@@ -207,6 +265,7 @@ class PipelineSummary(BaseModel):
             mlflow_ui_command=_ui_command(run.tracker.tracking_uri),
             run_url=run.tracker.run_url(run.run_id, run.spec.tracking.browse_url),
             trials=rows,
+            num_trials=len(trials),
             metric=trial_sets[0].metric if trial_sets else None,
             objectives=[g.metric for g in trial_sets[0].objectives] if trial_sets else [],
             num_completed=sum(1 for t in trials if t.outcome == "COMPLETE"),
@@ -216,6 +275,11 @@ class PipelineSummary(BaseModel):
             evaluation={f"trial-{c.trial.number}": c.value for e in evaluations for c in e.candidates},
             registration=registrations[0] if registrations else None,
         )
+
+
+def shown_trials(trials: TrialSet) -> list[TrialRecord]:
+    """The trials a summary shows: all of them, in order, up to ``SUMMARY_ROWS``; else the best."""
+    return trials.trials if len(trials.trials) <= SUMMARY_ROWS else trials.best(SUMMARY_ROWS)
 
 
 def _ui_command(tracking_uri: str) -> str:

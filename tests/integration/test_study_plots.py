@@ -9,6 +9,7 @@ goes on; an artifact store that refuses the plots does not fail the step.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -105,6 +106,14 @@ def test_an_asha_tune_step_writes_its_plots_with_the_pauses_and_the_promotion_ma
         for n, x in zip(never, (0.9, 1.0), strict=True)
     ]
     assert "score (maximize)" in png_text(run, "param_importances.png", tmp_path)["Title"]
+    # Every trial in one table beside the plots (Prefect's tables show 100 at most).
+    client = MlflowClient(run.tracker.tracking_uri)
+    table = json.loads(
+        Path(client.download_artifacts(run.run_id, "search/trials.json", str(tmp_path))).read_text()
+    )
+    rows = dict(zip(table["columns"], zip(*table["data"], strict=True), strict=True))
+    assert list(rows["trial"]) == [t.number for t in search.trials]
+    assert list(rows["outcome"]) == [t.outcome for t in search.trials]
 
 
 def score(x: float, step: int, epochs: int = 4) -> float:

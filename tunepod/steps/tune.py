@@ -51,8 +51,38 @@ def run(
     if trials.multi_objective:
         record_pareto_front(run, name, trials)
     # Before the check: a study none of whose trials completed still shows how far its curves got.
-    record_plots(run, name, tuned)
+    if record_plots(run, name, tuned):
+        record_trial_table(run, name, trials)
     return require_completed(trials)
+
+
+def record_trial_table(run: StepContext, name: str, trials: TrialSet) -> None:
+    """Every trial of the study as one table on the pipeline run, ``<step>/trials.json``: the summary
+    and Prefect's trial tables show the best ones only past ``tunepod.pipeline.SUMMARY_ROWS``. Best
+    effort, as all tracking (and not tried when the plots' writes just failed)."""
+    try:
+        run.tracker.log_table(run.run_id, trial_columns(trials), f"{name}/trials.json")
+    except Exception as exc:  # MLflow's errors are many; none of them fails a step that tuned
+        why = f"{type(exc).__name__}: {redacted(str(exc), run.tracker.tracking_uri)[:500]}"
+        log.warning("step %s: its trial table was not written to MLflow: %s", name, why)
+
+
+def trial_columns(trials: TrialSet) -> dict[str, list[object]]:
+    """The trials as columns: number, how each ended, each objective's value, each parameter (as
+    text: a categorical's values may be of several types), the MLflow run."""
+    metrics = [goal.metric for goal in trials.objectives] or [trials.metric]
+    rows = trials.trials
+    params = list(dict.fromkeys(key for t in rows for key in t.params))
+    columns: dict[str, list[object]] = {
+        "trial": [t.number for t in trials.trials],
+        "outcome": [t.ending or t.outcome for t in trials.trials],
+    }
+    for metric in metrics:
+        columns[metric] = [trials.value_of(t, metric) if t.outcome == "COMPLETE" else None for t in rows]
+    for param in params:
+        columns[f"params.{param}"] = [str(t.params[param]) if param in t.params else None for t in rows]
+    columns["run_id"] = [t.run_id for t in trials.trials]
+    return columns
 
 
 def record_pareto_front(run: StepContext, name: str, trials: TrialSet) -> None:
@@ -73,11 +103,12 @@ def record_pareto_front(run: StepContext, name: str, trials: TrialSet) -> None:
             run.tracker.set_tags(trial.run_id, {tags.PARETO_FRONT: str(trial.number in on_front).lower()})
 
 
-def record_plots(run: StepContext, name: str, tuned: Tuner) -> None:
+def record_plots(run: StepContext, name: str, tuned: Tuner) -> bool:
     """The study's plots on the pipeline run, as ``<step>/plots/<plot>.png`` (``tunepod.hpo.plots``),
     rewritten by each run of the step. Best effort, as all tracking: a plot the study cannot have is
     logged, one that cannot be drawn or written is a warning, and the step goes on either way. After a
-    failed write the others are not tried: MLflow is away, and each write would wait for it."""
+    failed write the others are not tried: MLflow is away, and each write would wait for it. Returns
+    False after such a failed write (True when the study had no plots to draw)."""
     study = tuned.settings.study
     goals = [Goal(metric=g.metric, direction=g.direction) for g in study.goals]
     try:
@@ -85,7 +116,7 @@ def record_plots(run: StepContext, name: str, tuned: Tuner) -> None:
     except Exception as exc:  # the storage's errors, past its retries: no plot is worth the step
         why = f"{type(exc).__name__}: {redacted(str(exc), study.storage)[:500]}"
         log.warning("step %s: no plots of study %s: %s", name, study.name, why)
-        return
+        return True
     for plot in made:
         if isinstance(plot, Skipped):
             (log.warning if plot.failed else log.info)("step %s: no %s plot: %s", name, plot.name, plot.why)
@@ -95,4 +126,5 @@ def record_plots(run: StepContext, name: str, tuned: Tuner) -> None:
         except Exception as exc:  # MLflow's errors are many; none of them fails a step that tuned
             why = f"{type(exc).__name__}: {redacted(str(exc), run.tracker.tracking_uri)[:500]}"
             log.warning("step %s: its plots were not written to MLflow: %s", name, why)
-            return
+            return False
+    return True
