@@ -45,14 +45,24 @@ class _Step:
     ok: bool | None = None
     study: StudyStart | None = None
     trials: dict[int, str] = field(default_factory=dict)
-    """Each trial this run drove: RUNNING, or its ending."""
+    """Each trial this run drove: RUNNING, or its ending (set through ``put``)."""
+    by_state: Counter[str] = field(default_factory=Counter)
+    """``trials`` counted by state, kept as they change: a line per trial must not count them all."""
     best: tuple[int, float] | None = None
     progress: tuple[float, float, str] | None = None
     """How far a long piece of the step's work got: done, total, unit."""
     said_progress_at: float = 0.0
 
+    def put(self, number: int, state: str) -> None:
+        """Trial ``number`` is in ``state`` now."""
+        before = self.trials.get(number)
+        if before is not None:
+            self.by_state[before] -= 1
+        self.trials[number] = state
+        self.by_state[state] += 1
+
     def counts(self) -> Counter[str]:
-        counts = Counter(self.trials.values())
+        counts = +self.by_state
         if self.study is not None:  # what earlier runs ended, and this run has not driven again
             counts.update(self.study.finished)
         return counts
@@ -121,14 +131,14 @@ class RunView:
         with self._lock:
             board = self._steps.setdefault(step, _Step("tune", time.monotonic()))
             self._forget_earlier(board, number)
-            board.trials[number] = RUNNING
+            board.put(number, RUNNING)
             line = f"{step}/trial-{number} started | {self._status(board)}"
         self._say(line)
 
     def trial_ended(self, step: str, record: TrialRecord) -> None:
         with self._lock:
             board = self._steps.setdefault(step, _Step("tune", time.monotonic()))
-            board.trials[record.number] = record.ending or record.outcome
+            board.put(record.number, record.ending or record.outcome)
             if record.outcome == "COMPLETE" and record.value is not None and board.better(record.value):
                 board.best = (record.number, record.value)
             line = f"{ending_line(record, step)} | {self._status(board)}"

@@ -127,3 +127,18 @@ def test_a_steps_long_work_shows_how_far_it_got() -> None:
 
 def test_outside_a_step_or_unwatched_progress_counts_nothing() -> None:
     assert watch.progress(10, "bytes") is watch.progress(5, "files")
+
+
+def test_a_steps_counts_are_kept_as_trials_move_and_equal_a_count_of_every_trial() -> None:
+    from collections import Counter
+
+    from tunepod.console import _Step
+
+    board = _Step("tune", 0.0)
+    endings = ["COMPLETE", "PRUNED", "PAUSED", "FAIL"]
+    for number in range(1_000):
+        board.put(number, "RUNNING")
+        if number >= 10:
+            board.put(number - 10, endings[number % 4])
+    board.put(2, "RUNNING")  # a paused trial promoted
+    assert board.counts() == Counter(board.trials.values())
