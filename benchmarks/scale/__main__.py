@@ -51,6 +51,8 @@ class SideResult:
     ideal_s: float
     failed: str | None = None
     cpu_s: float | None = None
+    tail_s: float | None = None
+    max_rss_mb: float | None = None
     pieces: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
@@ -114,6 +116,7 @@ def run_tunepod(folder: Path, args: argparse.Namespace, trials: int) -> SideResu
     if stats.exists():
         probe = json.loads(stats.read_text())
         result.cpu_s, result.pieces = probe["cpu_s"], probe["pieces"]
+        result.tail_s, result.max_rss_mb = probe.get("tail_s"), probe.get("max_rss_mb")
     ended = len(list((folder / "shared" / "jobs" / "scale").glob("trial-*/result.json")))
     if failed is None and ended != trials:
         result.failed = f"{ended} of {trials} trials wrote a result; see {folder / 'tunepod.log'}"
@@ -151,16 +154,17 @@ def _timed(command: list[str], log: Path, env: dict[str, str]) -> tuple[float, s
 def print_tables(results: list[SideResult], args: argparse.Namespace) -> None:
     table = Table(title=f"{args.parallel} in flight, trials of {args.sleep_s:g} s ({args.reports} reports)")
     for column in ("trials", "side", "wall s", "ideal s", "overhead s", "overhead / ideal",
-                   "bookkeeping ms/trial", "its CPU ms/trial", "orchestrator CPU ms/trial"):  # fmt: skip
+                   "bookkeeping ms/trial", "its CPU ms/trial", "orchestrator CPU ms/trial", "tail s",
+                   "peak RSS MB"):  # fmt: skip
         table.add_column(column, justify="left" if column == "side" else "right")
     for r in results:
         if r.failed:
-            table.add_row(str(r.trials), r.side, "FAILED", "", "", "", "", "", r.failed)
+            table.add_row(str(r.trials), r.side, "FAILED", "", "", "", "", "", "", "", r.failed)
             continue
         table.add_row(
             str(r.trials), r.side, f"{r.wall_s:.1f}", f"{r.ideal_s:.1f}", f"{r.overhead_s:.1f}",
             f"{r.overhead_s / r.ideal_s:.2f}", _ms(r.bookkeeping_ms()), _ms(r.bookkeeping_cpu_ms()),
-            "" if r.cpu_s is None else f"{1000 * r.cpu_s / r.trials:.1f}",
+            "" if r.cpu_s is None else f"{1000 * r.cpu_s / r.trials:.1f}", _ms(r.tail_s), _ms(r.max_rss_mb),
         )  # fmt: skip
     console.print(table)
     ours = [r for r in results if r.side == "tunepod" and r.pieces]
@@ -222,6 +226,24 @@ def print_goals(results: list[SideResult]) -> None:
             f"{growth:.2f}x on the trial's path, {cpu_growth:.2f}x in CPU -> "
             f"{'met' if max(growth, cpu_growth) <= GOAL_GROWTH else 'MISSED'}"
         )
+        print_cpu_growth(first, largest)
+
+
+def print_cpu_growth(first: SideResult, largest: SideResult) -> None:
+    """The orchestrator's CPU per trial and each piece's, from the smallest study to the largest."""
+    growths = {}
+    if first.cpu_s and largest.cpu_s:
+        growths["orchestrator"] = (largest.cpu_s / largest.trials) / (first.cpu_s / first.trials)
+    for piece in (*PIECES, BACKGROUND):
+        before, after = first.bookkeeping_cpu_ms(piece), largest.bookkeeping_cpu_ms(piece)
+        if piece != "Prefect task run" and before and after:
+            growths[piece] = after / before
+    listed = ", ".join(f"{name} {growth:.2f}x" for name, growth in growths.items())
+    met = all(growth <= GOAL_GROWTH for growth in growths.values())
+    console.print(
+        f"goal: CPU per trial flat from {first.trials} to {largest.trials} trials (<= {GOAL_GROWTH}x): "
+        f"{listed} -> {'met' if met else 'MISSED'}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

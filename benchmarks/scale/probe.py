@@ -9,8 +9,10 @@ trial's end to the flow seeing its result); and every MLflow call of the tracker
 tracking outbox's threads make beside the trials (the run's creation included). At
 exit it writes, as JSON: per piece the number of calls, the summed wall seconds and the summed CPU
 seconds of the calling thread (``time.thread_time``: what the call itself computed, without the time
-it waited for a core, a lock or a disk; not known for the Prefect task run, which spans threads), and
-this process's own CPU seconds (its threads, not the jobs nor Prefect's server).
+it waited for a core, a lock or a disk; not known for the Prefect task run, which spans threads),
+this process's own CPU seconds (its threads, not the jobs nor Prefect's server), its peak resident
+memory, and its tail: the seconds from the last trial's task run settling to the process's exit (the
+end of the study: summary, plots, MLflow's last writes, Prefect's artifacts and shutdown).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ _totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
 _lock = threading.Lock()
 _submitted: dict[int, float] = {}
 _ended: dict[int, float] = {}
+_last_trial_settled: list[float] = []
 
 
 def _add(piece: str, seconds: float, cpu_s: float = 0.0) -> None:
@@ -106,6 +109,7 @@ def _instrument() -> None:
 
 
 def _after_trial(number: int) -> None:
+    _last_trial_settled[:] = [time.perf_counter()]
     ended = _ended.pop(number, None)
     if ended is not None:
         _add("Prefect task run", time.perf_counter() - ended)
@@ -114,7 +118,10 @@ def _after_trial(number: int) -> None:
 def _write(path: Path) -> None:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     pieces = {name: {"calls": int(c), "seconds": s, "cpu_s": cpu} for name, (c, s, cpu) in _totals.items()}
-    path.write_text(json.dumps({"pieces": pieces, "cpu_s": usage.ru_utime + usage.ru_stime}))
+    tail_s = time.perf_counter() - _last_trial_settled[0] if _last_trial_settled else None
+    cpu_s = usage.ru_utime + usage.ru_stime
+    figures = {"cpu_s": cpu_s, "tail_s": tail_s, "max_rss_mb": usage.ru_maxrss / 1024}
+    path.write_text(json.dumps({"pieces": pieces, **figures}))
 
 
 def main() -> None:

@@ -45,5 +45,6 @@ def test_the_probe_counts_every_piece_of_bookkeeping_once_per_trial(tmp_path: Pa
     assert calls["Prefect task run"] == 2 * TRIALS  # into the trial, and back out of it
     assert calls["MLflow writes"] >= 2 * TRIALS  # at least each trial run's start and end
     assert result["cpu_s"] > 0
+    assert result["tail_s"] > 0 and result["max_rss_mb"] > 0  # the end of the study, and the memory
     assert result["pieces"]["MLflow writes"]["cpu_s"] > 0  # the calling threads' own CPU, beside the wall
     assert "bookkeeping on a trial's path <= 50 ms per trial" in done.stdout
