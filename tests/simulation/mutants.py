@@ -756,8 +756,9 @@ MUTANTS = [
         "own work, and slots that would idle resume every paused trial",
         _parked_counted_in_flight,
         # First found by seed 821 (Slurm, ASHA: a paused trial promoted for an idle slot after a
-        # trial completed), none of 0-820 does; 1144, 1209 and 1420 find it too.
-        found_by=821,
+        # trial completed), none of 0-820 does; since the tuner tallies the study instead of reading
+        # every trial (other draws), by seed 1343, the first from 755 on that finds it.
+        found_by=1343,
     ),
     Mutant(
         "asha-judges-untold-rung",
@@ -785,14 +786,17 @@ MUTANTS = [
         "ASHA's paused trials pruned at the end of the study while a trial whose driver failed still "
         "runs, before the run that re-attaches to it has its reports",
         _parked_ended_beside_an_abandoned_trial,
-        found_by=1161,  # none of the first 1,000 seeds
+        # First found by seed 1161 (none of the first 1,000); since the tuner tallies the study
+        # instead of reading every trial (other draws), by seed 1075, the first from 755 on.
+        found_by=1075,
     ),
     Mutant(
         "copies-at-once",
         "two drivers of one trial copy a donor's step into one folder at once: each clears the other's "
         "copy in progress, which fails with its source intact",
         _copies_into_one_folder_at_once,
-        # Found by seeds 207 and 507 (slow copies) as a defect of the library, fixed since.
+        # Found by seeds 207 and 507 (slow copies) as a defect of the library, fixed since; by seed
+        # 1406 since the tuner tallies the study instead of reading every trial (other draws).
     ),
     Mutant(
         "threshold-swapped",
