@@ -70,6 +70,7 @@ def test_the_simulation_finds_a_fixed_defect_put_back(name: str) -> None:
         # the holder's; a paused trial pruned at the study's end while another trial's job runs on.
         (1406, "copies-at-once"),
         (1075, "parked-ended-beside-abandoned"),
+        (754, "tracking-record-unlocked"),  # a mirror's write stalled 239 s, then put over the run's record
     ],
 )
 def test_a_seed_that_found_a_defect_holds_and_finds_it_put_back(seed: int, name: str) -> None:
