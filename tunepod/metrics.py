@@ -344,6 +344,9 @@ class ObservedJob:
     def describe(self) -> str:
         return self.handle.describe()
 
+    def run_mark(self) -> str | None:
+        return self.handle.run_mark()
+
     def _observe_queue_wait(self, state: JobState) -> None:
         if self._seen_running:
             return
