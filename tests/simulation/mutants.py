@@ -692,7 +692,10 @@ MUTANTS = [
         "a lease handed back to its owner's second caller, its fence re-entered by a second thread: a "
         "promotion starts a job while the paused trial's driver still records the pause",
         _lease_handed_back,
-        found_by=1087,  # none of the first 1,000 seeds; the short form replays it
+        # First found by seed 1087 (none of the first 1,000 seeds); since the draws changed with the
+        # tuner's tally, the tracking record created under its lock and EKS restarts in place, by
+        # 2822, hunted from 1808 on. The short form replays it.
+        found_by=2822,
     ),
     Mutant(
         "no-marker-for-an-ended-job",
@@ -768,8 +771,9 @@ MUTANTS = [
         _parked_counted_in_flight,
         # First found by seed 821 (Slurm, ASHA: a paused trial promoted for an idle slot after a
         # trial completed), none of 0-820 does; since the tuner tallies the study instead of reading
-        # every trial (other draws), by seed 1343, the first from 755 on that finds it.
-        found_by=1343,
+        # every trial and the tracking record is created under its lock and EKS restarts in place
+        # start a new run's clocks (other draws), by seed 994, found hunting from 755 on.
+        found_by=994,
     ),
     Mutant(
         "asha-judges-untold-rung",
@@ -790,7 +794,8 @@ MUTANTS = [
         "the copy is retried)",
         _pruned_step_fails_the_copy,
         # First found by seed 76 (slow copies: the donor's job prunes step 0 under the copy); 13 of
-        # the 43 seeds of the first 1,000 that draw slow copies find it.
+        # the 43 seeds of the first 1,000 that draw slow copies found it then. Since the draws changed
+        # (the tuner's tally, the tracking record under its lock, EKS restarts in place), seed 399.
     ),
     Mutant(
         "parked-ended-beside-abandoned",
@@ -798,8 +803,11 @@ MUTANTS = [
         "runs, before the run that re-attaches to it has its reports",
         _parked_ended_beside_an_abandoned_trial,
         # First found by seed 1161 (none of the first 1,000); since the tuner tallies the study
-        # instead of reading every trial (other draws), by seed 1075, the first from 755 on.
-        found_by=1075,
+        # instead of reading every trial (other draws), by seed 1075, the first from 755 on; since the
+        # tracking record is created under its lock and EKS restarts in place start a new run's
+        # clocks (other draws again), by seed 2555, hunted from 1808 on (1807 finds it, but breaks
+        # another invariant without it).
+        found_by=2555,
     ),
     Mutant(
         "copies-at-once",
