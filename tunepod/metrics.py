@@ -27,7 +27,6 @@ safe; the mutable state of ``TrialObserver`` and ``ObservedJob`` sits behind a l
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 import time
@@ -46,8 +45,7 @@ from tunepod.runtime.progress import RankProgress, read_progress
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
-    import optuna
-
+    from tunepod.hpo.trials import Tally
     from tunepod.spec.models import MetricsSpec
 
 log = logging.getLogger(__name__)
@@ -219,19 +217,12 @@ class TrialObserver:
     def labels(self) -> tuple[str, str, str]:
         return (self.pipeline, self.study, self.step)
 
-    def count_trials(self, study: optuna.Study) -> None:
-        """Set ``tunepod_trials`` and the last completion from the study itself, so they are right
-        after a resume and with several orchestrators on one study."""
-        trials = study.get_trials(deepcopy=False)
-        counts = collections.Counter(t.state.name for t in trials)
+    def count_trials(self, tally: Tally) -> None:
+        """Set ``tunepod_trials`` and the last completion from the study's tally (the study's own
+        counts, not this process's: right after a resume and with several orchestrators on one study)."""
         for state in TRIAL_STATES:
-            self.metrics.trials.labels(*self.labels(), state).set(counts.get(state, 0))
-        completed = [
-            t.datetime_complete.timestamp()
-            for t in trials
-            if t.state.name == "COMPLETE" and t.datetime_complete is not None
-        ]
-        last = max([self._started_at, *completed])
+            self.metrics.trials.labels(*self.labels(), state).set(tally.count(state))
+        last = max(self._started_at, tally.last_completed or self._started_at)
         self.metrics.last_completed.labels(*self.labels()).set(last)
 
     def submitted(self, handle: JobHandle) -> ObservedJob:
@@ -352,6 +343,9 @@ class ObservedJob:
 
     def describe(self) -> str:
         return self.handle.describe()
+
+    def run_mark(self) -> str | None:
+        return self.handle.run_mark()
 
     def _observe_queue_wait(self, state: JobState) -> None:
         if self._seen_running:

@@ -546,6 +546,17 @@ def _threshold_bounds_swapped() -> contextlib.AbstractContextManager[None]:
     return _patched(study, "make_pruner", make_pruner)
 
 
+def _tracking_record_created_unlocked() -> contextlib.AbstractContextManager[None]:
+    """A mirror writes the job dir's empty tracking record without the tracking lock: a stale
+    mirror's late write puts it over the record that names the trial's run."""
+
+    def create_record(self: RunMirror) -> None:
+        if not JobPaths(self.job_dir).tracking.exists():
+            self._save(run_requested=False)
+
+    return _patched(RunMirror, "_create_record", create_record)
+
+
 MUTANTS = [
     Mutant("leases-leak", "issue 28, 2: leases of trials a failed ask never started stay held", _leases_leak),
     Mutant(
@@ -681,7 +692,10 @@ MUTANTS = [
         "a lease handed back to its owner's second caller, its fence re-entered by a second thread: a "
         "promotion starts a job while the paused trial's driver still records the pause",
         _lease_handed_back,
-        found_by=1087,  # none of the first 1,000 seeds; the short form replays it
+        # First found by seed 1087 (none of the first 1,000 seeds); since the draws changed with the
+        # tuner's tally, the tracking record created under its lock and EKS restarts in place, by
+        # 2822, hunted from 1808 on. The short form replays it.
+        found_by=2822,
     ),
     Mutant(
         "no-marker-for-an-ended-job",
@@ -756,8 +770,10 @@ MUTANTS = [
         "own work, and slots that would idle resume every paused trial",
         _parked_counted_in_flight,
         # First found by seed 821 (Slurm, ASHA: a paused trial promoted for an idle slot after a
-        # trial completed), none of 0-820 does; 1144, 1209 and 1420 find it too.
-        found_by=821,
+        # trial completed), none of 0-820 does; since the tuner tallies the study instead of reading
+        # every trial and the tracking record is created under its lock and EKS restarts in place
+        # start a new run's clocks (other draws), by seed 994, found hunting from 755 on.
+        found_by=994,
     ),
     Mutant(
         "asha-judges-untold-rung",
@@ -778,26 +794,42 @@ MUTANTS = [
         "the copy is retried)",
         _pruned_step_fails_the_copy,
         # First found by seed 76 (slow copies: the donor's job prunes step 0 under the copy); 13 of
-        # the 43 seeds of the first 1,000 that draw slow copies find it.
+        # the 43 seeds of the first 1,000 that draw slow copies found it then. Since the draws changed
+        # (the tuner's tally, the tracking record under its lock, EKS restarts in place), seed 399.
     ),
     Mutant(
         "parked-ended-beside-abandoned",
         "ASHA's paused trials pruned at the end of the study while a trial whose driver failed still "
         "runs, before the run that re-attaches to it has its reports",
         _parked_ended_beside_an_abandoned_trial,
-        found_by=1161,  # none of the first 1,000 seeds
+        # First found by seed 1161 (none of the first 1,000); since the tuner tallies the study
+        # instead of reading every trial (other draws), by seed 1075, the first from 755 on; since the
+        # tracking record is created under its lock and EKS restarts in place start a new run's
+        # clocks (other draws again), by seed 2555, hunted from 1808 on (1807 finds it, but breaks
+        # another invariant without it).
+        found_by=2555,
     ),
     Mutant(
         "copies-at-once",
         "two drivers of one trial copy a donor's step into one folder at once: each clears the other's "
         "copy in progress, which fails with its source intact",
         _copies_into_one_folder_at_once,
-        # Found by seeds 207 and 507 (slow copies) as a defect of the library, fixed since.
+        # Found by seeds 207 and 507 (slow copies) as a defect of the library, fixed since; by seed
+        # 1406 since the tuner tallies the study instead of reading every trial (other draws).
     ),
     Mutant(
         "threshold-swapped",
         "the threshold pruner built with lower and upper swapped: trials above the bound are pruned",
         _threshold_bounds_swapped,
+    ),
+    Mutant(
+        "tracking-record-unlocked",
+        "a mirror's empty tracking record written without the tracking lock: a stalled mirror's late "
+        "write hides the trial's run, and a second run is created",
+        _tracking_record_created_unlocked,
+        # Found by seed 754 (with the tally's draws) as a defect of the library, fixed since; none of
+        # the first 1,500 seeds before the tally finds it.
+        found_by=754,
     ),
 ]
 

@@ -499,7 +499,8 @@ def cond(kind: str, status: str = "True") -> dict[str, str]:
         ([cond("Created")], JobState.PENDING),
         ([cond("Created", "False"), cond("Suspended")], JobState.PENDING),
         ([cond("Created"), cond("Running")], JobState.RUNNING),
-        ([cond("Running", "False"), cond("Restarting")], JobState.RUNNING),
+        # Between two runs of a restart in place: the next run is judged afresh once it runs.
+        ([cond("Running", "False"), cond("Restarting")], JobState.PENDING),
         ([cond("Created"), cond("Running", "False"), cond("Succeeded")], JobState.SUCCEEDED),
         ([cond("Running", "False"), cond("Completed")], JobState.SUCCEEDED),
         ([cond("Running"), cond("Failed")], JobState.FAILED),
@@ -510,6 +511,18 @@ def cond(kind: str, status: str = "True") -> dict[str, str]:
 )
 def test_conditions_map_to_job_states(conditions: list[dict[str, str]], expected: JobState) -> None:
     assert state_from_conditions(conditions) is expected
+
+
+def test_a_run_restarted_in_place_has_a_run_mark_of_its_own() -> None:
+    ref = ObjectRef(CRDS["kubeflow"], "ml-team", "trial-7-0123abcd", "uid-1")
+
+    def at(kind: str, status: str, stamp: str) -> dict[str, str]:
+        return {**cond(kind, status), "lastTransitionTime": stamp}
+
+    first = ObjectStatus(ref, (at("Created", "True", "t0"), at("Running", "True", "t1")))
+    between = ObjectStatus(ref, (at("Running", "False", "t2"), at("Restarting", "True", "t2")))
+    second = ObjectStatus(ref, (at("Restarting", "False", "t3"), at("Running", "True", "t3")))
+    assert (first.run_mark, between.run_mark, second.run_mark) == ("t1", None, "t3")
 
 
 def test_a_gone_object_is_failed_and_says_why() -> None:

@@ -18,6 +18,7 @@ import yaml
 from optuna.trial import FrozenTrial, TrialState
 from prometheus_client import CollectorRegistry
 
+from tunepod.hpo.trials import StudyTrials
 from tunepod.launch.base import JobState
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.submission import Submission, write_submission
@@ -88,7 +89,7 @@ def test_trials_gauge_counts_the_study_in_each_state(metrics: TunepodMetrics) ->
     study.tell(0, 1.0)
     study.tell(1, state=TrialState.PRUNED)
     study.tell(2, state=TrialState.FAIL)
-    observer_for(metrics).count_trials(study)
+    observer_for(metrics).count_trials(StudyTrials(study).tally())
 
     counts = {state: sample(metrics, "tunepod_trials", **LABELS, state=state) for state in TRIAL_STATES}
     assert counts == {"RUNNING": 1, "COMPLETE": 1, "PRUNED": 1, "FAIL": 1}
@@ -285,12 +286,13 @@ def test_last_completed_is_the_study_s_last_completion_or_the_step_s_start(
     before = time.time()
     observer = observer_for(metrics)
     after = time.time()
+    trials = StudyTrials(study)
     study.tell(study.ask(), state=TrialState.FAIL)
-    observer.count_trials(study)
+    observer.count_trials(trials.tally())
     assert before <= sample(metrics, last_completed, **LABELS) <= after  # type: ignore[operator]
 
     study.tell(study.ask(), 0.5)
-    observer.count_trials(study)
+    observer.count_trials(trials.tally())
     completed_at = study.trials[-1].datetime_complete
     assert completed_at is not None
     assert sample(metrics, last_completed, **LABELS) == completed_at.timestamp()

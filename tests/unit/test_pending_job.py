@@ -55,6 +55,9 @@ class QueuedJob:
     def describe(self) -> str:
         return f"job {self.job_id}"
 
+    def run_mark(self) -> str | None:
+        return None
+
     def idle(self, seconds: float) -> None:
         time.sleep(seconds)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -35,7 +35,7 @@ from tunepod.errors import JobError, TunepodError
 from tunepod.hpo.endings import ending_line, ending_of, why_ended
 from tunepod.hpo.num_parallel import resolve_num_parallel
 from tunepod.hpo.policies import PolicyContext, make_policy
-from tunepod.hpo.policies.contract import Ending, JobJudge, Plan, SlotView, Told
+from tunepod.hpo.policies.contract import Ending, JobJudge, Plan, SlotView, StudyState, Told
 from tunepod.hpo.study import (
     distributions,
     enqueue_first_trials,
@@ -43,7 +43,7 @@ from tunepod.hpo.study import (
     open_study,
     reseed_for_next_trial,
 )
-from tunepod.hpo.trials import ATTR_JOB_DIR, FINISHED, StudyTrials, retried, set_aside_stale
+from tunepod.hpo.trials import ATTR_JOB_DIR, FINISHED, StudyTrials, Tally, retried, set_aside_stale
 from tunepod.launch.base import JobHandle, JobSpec, Launcher
 from tunepod.launch.contract import contract_env
 from tunepod.launch.drive import DriveResult, DriveSettings, JobDriver, Outcome
@@ -170,7 +170,7 @@ class Tuner:
         is driven on a thread of its own, or wherever ``submit`` runs it (a Prefect task run)."""
         self._catch_up_tracking()
         self._enqueue_first_trials()
-        self._metrics.count_trials(self.study)
+        self._metrics.count_trials(self.trials.tally())
         watch.study_started(self._study_start())
         submit = submit or _on_a_thread
         try:
@@ -230,22 +230,33 @@ class Tuner:
         already, and counts against the cap either way."""
         self.ctx.jobs_dir.mkdir(parents=True, exist_ok=True)
         with locked(self.ctx.jobs_dir / ".study.lock"):
-            every = self.trials.all()
-            # Half-asked trials are not running anything: the next asks finish asking them.
-            trials = [t for t in every if not self._half_asked(t)]
-            running = [t for t in trials if t.state is TrialState.RUNNING and not self.policy.is_parked(t)]
+            # Counted, not walked: a look at the study costs the trials in flight, not the study's size.
+            tally = self.trials.tally()
+            study = self._study_state(tally)
+            running = [
+                t for t in study.unfinished if t.state is TrialState.RUNNING and not self.policy.is_parked(t)
+            ]
             claimed, following = self._claim(running, mine)
-            self._announce_claims(claimed, trials)
+            self._announce_claims(claimed, study.unfinished)
             self._announce_following(following)
-            room = self.policy.room(trials)
+            room = self.policy.room(study)
             in_flight = self._in_flight(running, mine)
             capacity = self.settings.max_parallel - len(in_flight)
-            plan = self.policy.plan(SlotView(trials, frozenset(in_flight), capacity, room))
-            asked = [self._ask(len(every) + i) for i in range(plan.ask)]
-            resumed = self._resume(trials, plan, capacity - len(asked))
+            plan = self.policy.plan(SlotView(study, frozenset(in_flight), capacity, room))
+            asked = [self._ask(tally.num_trials + i) for i in range(plan.ask)]
+            resumed = self._resume(study.unfinished, plan, capacity - len(asked))
             for number in plan.end if self._may_end_parked() else ():
                 self._end_parked(number)
         return claimed + resumed + asked, following, room - len(asked)
+
+    def _study_state(self, tally: Tally) -> StudyState:
+        """The study for the policy: half-asked trials are not running anything (the next asks
+        finish asking them), so they are left out."""
+        return StudyState(
+            unfinished=[t for t in tally.unfinished if not self._half_asked(t)],
+            num_finished=sum(tally.finished.values()),
+            read_trials=lambda: [t for t in self.trials.all() if not self._half_asked(t)],
+        )
 
     def _in_flight(self, running: list[FrozenTrial], mine: set[int]) -> set[int]:
         """The trials whose jobs take a slot: those running and not parked, whoever drives them.
@@ -271,13 +282,14 @@ class Tuner:
             claimed.append(trial.number)
         return claimed, following
 
-    def _resume(self, trials: list[FrozenTrial], plan: Plan, capacity: int) -> list[int]:
+    def _resume(self, trials: Sequence[FrozenTrial], plan: Plan, capacity: int) -> list[int]:
         """Resume up to ``capacity`` of the plan's parked trials, in order: each one's resumption is
         recorded by the policy inside its lease's fence, before its new job is submitted."""
         by_number = {t.number: t for t in trials}
         resumed: list[int] = []
         for number in plan.resume[: max(capacity, 0)]:
-            lease = self.leases.acquire(self._job_dir(by_number[number]))
+            parked = by_number.get(number) or self.trials.frozen(number)
+            lease = self.leases.acquire(self._job_dir(parked))
             if lease is None:
                 continue  # another orchestrator is resuming or ending it
             with lease.fenced():
@@ -325,14 +337,14 @@ class Tuner:
         lease = self.leases.acquire(job_dir, wait=True)
         assert lease is not None, f"the new trial's job dir {job_dir} is leased already"
         self._hold(number, lease)
-        self._metrics.count_trials(self.study)
+        self._metrics.count_trials(self.trials.tally())
         return number
 
     def _new_trial(self) -> int:
         """A trial with every parameter of the space: one that an interrupted ask left half asked (a
         storage error after Optuna created it, a crash before its job dir was recorded), else a new
         one. So a retried ask never leaves a trial behind, to be trained later with defaults."""
-        half_asked = next((t for t in self.trials.all() if self._half_asked(t)), None)
+        half_asked = next((t for t in self.trials.unfinished() if self._half_asked(t)), None)
         if half_asked is None:
             return int(self.study.ask(self._distributions).number)
         log.warning(
@@ -364,7 +376,7 @@ class Tuner:
             exc,
         )
 
-    def _announce_claims(self, claimed: list[int], trials: list[FrozenTrial]) -> None:
+    def _announce_claims(self, claimed: list[int], trials: Sequence[FrozenTrial]) -> None:
         by_number = {t.number: t for t in trials}
         # Made whole by the policy (a continuation) and never started: nothing to re-attach to.
         fresh = [n for n in claimed if self.policy.owns(by_number[n]) and not self._started(by_number[n])]
@@ -607,7 +619,7 @@ class Tuner:
         mirror.finish(self._final(finished))
         self.ctx.outbox.add(mirror)
         self._metrics.finished(self._job_dir(finished), OUTCOME[finished.state])
-        self._metrics.count_trials(self.study)
+        self._metrics.count_trials(self.trials.tally())
 
     def _fail(self, number: int, message: str) -> None:
         log.error("%s", message)

@@ -142,6 +142,12 @@ class JobHandle(Protocol):
         """One line on how the backend saw the job end (exit code, scheduler state and reason)."""
         ...
 
+    def run_mark(self) -> str | None:
+        """What tells the backend's current run of the running job from the one before: it changes
+        when the backend restarts the job in place (a Kubernetes operator restarting its pods), where
+        no look may have seen it between runs; None where the backend does not tell, or between runs."""
+        ...
+
     def idle(self, seconds: float) -> None:
         """Wait ``seconds`` between two polls, or less: a backend that can tell its job ended returns
         then, so that a finished job's slot is freed at once rather than at the next poll."""
@@ -314,6 +320,11 @@ class LauncherBase(ABC, Generic[S]):
     def stop_command(self, job_id: str, record: Submission | None) -> str:
         """How a person stops the job by hand, for error messages; default: ``stop_hint``."""
         return self.stop_hint.format(job_id=job_id)
+
+    def run_mark(self, status: S) -> str | None:
+        """``JobHandle.run_mark`` from the backend's status; default: None (a backend that never
+        restarts a job in place, or one whose restarts show as a requeue: PENDING between runs)."""
+        return None
 
     def describe_status(self, job: Job[S], status: S) -> str:
         """One line on the job's state for an error message; default: the status's own ``describe``."""
@@ -539,6 +550,9 @@ class Job(Generic[S]):
 
     def describe(self) -> str:
         return self.launcher.describe_status(self, self.status())
+
+    def run_mark(self) -> str | None:
+        return self.launcher.run_mark(self.status())
 
     def idle(self, seconds: float) -> None:
         world.sleep(seconds)  # a backend known only through its polls: nothing to wait on between them

@@ -162,7 +162,7 @@ class JobDriver:
                 return DriveResult(Outcome.COMPLETED, result, None)
             handle = self._submit()
         stopping: CancelReason | None = self._marker_reason(handle)
-        seen_running = False
+        seen_running, run_mark = False, None
         while True:
             if lease.lost:
                 raise LeaseLost(f"{self.what}: {self.paths.job_dir} is driven by another orchestrator now")
@@ -176,15 +176,18 @@ class JobDriver:
                 # should one beat on (on a node its scheduler gave up on), are not the new attempt's.
                 self._fenced(partial(self._watchdog.new_run, handle.job_id))
                 handle = self._submit()
-                stopping, seen_running = None, False
+                stopping, seen_running, run_mark = None, False, None
                 continue
             if state is JobState.PENDING and seen_running:
                 logger.warning(
-                    "%s: job %s was requeued; it resumes from its checkpoints",
+                    "%s: job %s was requeued or is restarting; it resumes from its checkpoints",
                     self.what,
                     handle.job_id,
                 )
                 self._fenced(partial(self._watchdog.new_run, handle.job_id))
+                run_mark = None  # the next run's mark is its own, not a restart that no look saw
+            if state is JobState.RUNNING:
+                run_mark = self._run_restarted(handle, run_mark)
             seen_running = state is JobState.RUNNING or (seen_running and state is None)
             if stopping is None:
                 stopping = self._feed_reports()
@@ -194,6 +197,21 @@ class JobDriver:
                 self._stop(handle, stopping)
                 continue
             handle.idle(self.settings.poll_s)
+
+    def _run_restarted(self, handle: JobHandle, seen: str | None) -> str | None:
+        """The running job's run mark; a mark other than the one seen last means the backend restarted
+        the job in place between two looks (no look saw it between runs): the heartbeats heard before
+        are the ended run's, and the new run gets its start-up time from now, not the dead run's last
+        advance (``Watchdog.restarted_in_place``)."""
+        mark = handle.run_mark()
+        if mark is None:
+            return seen
+        if seen is not None and mark != seen:
+            logger.warning(
+                "%s: job %s was restarted in place; it resumes from its checkpoints", self.what, handle.job_id
+            )
+            self._fenced(partial(self._watchdog.restarted_in_place, handle.job_id))
+        return mark
 
     def _settle(
         self, handle: JobHandle, state: JobState, stopping: CancelReason | None

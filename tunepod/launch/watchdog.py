@@ -236,7 +236,19 @@ class Watchdog:
         in its queue, as a Slurm requeue, or the driver restarts it): both clocks start again, and the
         last run's heartbeats, even those its ranks left behind go on writing, never count against the
         next run (see the module docstring); whether it was asked to stop is kept."""
-        beats = [*read_progress(self.paths.progress), *self._current.values()]
+        self._end_run(job_id, [*read_progress(self.paths.progress), *self._current.values()])
+        for beat_file in self.paths.progress.glob("rank-*.json"):
+            beat_file.unlink(missing_ok=True)
+
+    def restarted_in_place(self, job_id: str) -> None:
+        """The backend restarted job ``job_id`` in place since this driver's last look (its run mark
+        changed): the ranks heard at earlier looks are the ended run's, and both clocks start again,
+        as in ``new_run``. Unlike ``new_run``, called before the next run starts, the heartbeat files
+        stay: the new run may have beaten already, and its beat counts."""
+        self._end_run(job_id, list(self._current.values()))
+
+    def _end_run(self, job_id: str, beats: list[RankProgress]) -> None:
+        """Keep the identities of ``beats``' ranks as an earlier run's, and forget this run's clocks."""
         stopped = self.stop_requested_at()
         earlier = self._earlier()
         if beats:
@@ -253,8 +265,6 @@ class Watchdog:
             )
             write_bytes_atomic(self.paths.earlier_runs, record.model_dump_json().encode())
         self.paths.running.unlink(missing_ok=True)
-        for beat_file in self.paths.progress.glob("rank-*.json"):
-            beat_file.unlink(missing_ok=True)
         self._heard.clear()
         self._current.clear()
         self._first_look.clear()

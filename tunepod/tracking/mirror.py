@@ -213,10 +213,22 @@ class RunMirror:
         self._run_known = world.event()
         if self._state.run_id is not None:
             self._run_known.set()
-        if not JobPaths(job_dir).tracking.exists():
-            # Written at once: a job dir with this file is one whose run must be brought up to date,
-            # even when MLflow never answered while the job ran.
-            self._save(run_requested=False)
+        self._create_record()
+
+    def _create_record(self) -> None:
+        """Write the job dir's tracking record if it has none, at once: a job dir with one is a job
+        whose run must be brought up to date, even when MLflow never answered while the job ran.
+        Under the tracking lock, as every write that may race another mirror of the job dir: a stale
+        mirror's write, finished late, would put its empty record over one that names the run, and
+        the next look would create a second run."""
+        paths = JobPaths(self.job_dir)
+        if paths.tracking.exists():
+            return
+        with locked(paths.tracking_lock):
+            if paths.tracking.exists():
+                self._catch_up_with_disk()
+            else:
+                self._save(run_requested=False)
 
     @property
     def run_id(self) -> str | None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from functools import cached_property
 from pathlib import Path
 from typing import Protocol
 
@@ -34,7 +35,7 @@ import optuna
 from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
 
-from tunepod.hpo.trials import FINISHED, StudyTrials
+from tunepod.hpo.trials import StudyTrials
 from tunepod.spec.models import TuneSettings
 
 
@@ -93,17 +94,46 @@ RecordStop = Callable[[], Ending]
 
 
 @dataclass(frozen=True)
+class StudyState:
+    """The study as it stands when slots are filled (under the study lock), half-asked trials left
+    out (the next ask finishes them). What every policy needs is read at the cost of the trials in
+    flight: the unfinished trials and how many finished; every trial only when a policy's rule asks
+    for them (``trials``), once per look."""
+
+    unfinished: Sequence[FrozenTrial]
+    """The RUNNING and WAITING trials, by number."""
+    num_finished: int
+    """Trials finished (COMPLETE, PRUNED, FAIL)."""
+    read_trials: Callable[[], Sequence[FrozenTrial]]
+    """Every trial, read from the study (what ``trials`` holds)."""
+
+    @cached_property
+    def trials(self) -> Sequence[FrozenTrial]:
+        """Every trial: a read that grows with the study, for a rule that ranks them all (ASHA)."""
+        return self.read_trials()
+
+    @property
+    def num_running(self) -> int:
+        """Trials RUNNING in Optuna (parked ones included)."""
+        return sum(t.state is TrialState.RUNNING for t in self.unfinished)
+
+
+@dataclass(frozen=True)
 class SlotView:
     """The study as it stands when slots are filled (under the study lock)."""
 
-    trials: Sequence[FrozenTrial]
-    """Every trial, half-asked ones left out (the next ask finishes them)."""
+    study: StudyState
     in_flight: frozenset[int]
     """Trials whose jobs take a slot, whoever drives them."""
     capacity: int
     """Free slots."""
     room: int
     """Trials still to ask for (``room``)."""
+
+    @property
+    def trials(self) -> Sequence[FrozenTrial]:
+        """Every trial, half-asked ones left out (read when first asked for)."""
+        return self.study.trials
 
 
 @dataclass(frozen=True)
@@ -157,10 +187,9 @@ class SearchPolicy:
         """RUNNING in Optuna with no job, waiting for this policy: never claimed, never in flight."""
         return False
 
-    def room(self, trials: Sequence[FrozenTrial]) -> int:
+    def room(self, study: StudyState) -> int:
         """Trials still to ask for: ``num_trials`` less those finished and those running."""
-        asked = sum(t.state in FINISHED or t.state is TrialState.RUNNING for t in trials)
-        return self.settings.num_trials - asked
+        return self.settings.num_trials - study.num_finished - study.num_running
 
     def plan(self, view: SlotView) -> Plan:
         """Under the study lock: what fills ``view.capacity`` free slots."""

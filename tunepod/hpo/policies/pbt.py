@@ -21,6 +21,7 @@ from tunepod.hpo.policies.contract import (
     PolicyContext,
     RecordStop,
     SearchPolicy,
+    StudyState,
     Told,
 )
 from tunepod.hpo.population import (
@@ -87,9 +88,9 @@ class PbtPolicy(SearchPolicy):
 
     # ------------------------------------------------------------------------------ slots
 
-    def room(self, trials: Sequence[FrozenTrial]) -> int:
+    def room(self, study: StudyState) -> int:
         """Members still to ask for: continuations are made by exploits, never asked."""
-        return self.population.room(trials)
+        return self.population.room(study.trials)
 
     # ------------------------------------------------------------------------------ a trial's job
 

@@ -184,6 +184,9 @@ class HyperPodEksLauncher(LauncherBase[ObjectStatus]):
     def read_logs(self, job: Job[ObjectStatus], tail: int) -> str:
         return pods.read_logs(self.api, self.object_ref(job), tail)
 
+    def run_mark(self, status: ObjectStatus) -> str | None:
+        return status.run_mark
+
     def describe_status(self, job: Job[ObjectStatus], status: ObjectStatus) -> str:
         """The status's line and the pods' exit codes."""
         line = status.describe(job.job_id)

@@ -28,9 +28,12 @@ TERMINAL_CONDITIONS: Mapping[str, JobState] = {
     "Completed": JobState.SUCCEEDED,
     "Failed": JobState.FAILED,
 }
-RUNNING_CONDITIONS = frozenset({"Running", "Restarting", "PodsRunning"})
+RUNNING_CONDITIONS = frozenset({"Running", "PodsRunning"})
 # Created: accepted, pods not all started; Suspended: held by Kueue (or by hand) until admitted.
-PENDING_CONDITIONS = frozenset({"Created", "Suspended", "Queued", "Pending"})
+# Restarting: the operator restarts a failed run in place, after a back-off; no process of the job
+# runs until the next run starts, and that run is judged afresh (a start-up, not the last run's hang),
+# as a Slurm requeue or SageMaker's Restarting is.
+PENDING_CONDITIONS = frozenset({"Created", "Suspended", "Queued", "Pending", "Restarting"})
 
 
 def state_from_conditions(conditions: Sequence[Mapping[str, Any]]) -> JobState:
@@ -89,6 +92,18 @@ class ObjectStatus:
         if self.is_gone:
             return JobState.SUCCEEDED if self.recorded_exit == 0 else JobState.FAILED
         return state_from_conditions(self.conditions)
+
+    @property
+    def run_mark(self) -> str | None:
+        """When the current run began, as the operator stamped its running condition (``JobHandle.
+        run_mark``): a run restarted in place gets a new stamp, even where no poll saw it Restarting.
+        None while no running condition is true (between runs, or gone)."""
+        running = [
+            str(c.get("lastTransitionTime") or "")
+            for c in self.conditions
+            if c.get("type") in RUNNING_CONDITIONS and str(c.get("status", "")).lower() == "true"
+        ]
+        return max(running, default=None)
 
     def last_condition(self) -> str:
         """The newest condition as ``Type (Reason: message)``, or "" when there is none."""
