@@ -653,9 +653,12 @@ class Referee:
             for stop in self.cluster.stops
             if stop.job_dir == job_dir
         )
-        # Ended unfinished by itself (a crash, or a preemption's exit 0) after the pruner decided.
+        # Ended unfinished by itself (a crash, a preemption's exit 0, or its node failing under it, which
+        # a re-attaching orchestrator meets as a NODE_FAIL) after the pruner decided.
         failed_alone = bool(runs) and (
-            runs[-1].exit_code not in (0, None) or runs[-1].preempted_at is not None
+            runs[-1].exit_code not in (0, None)
+            or runs[-1].preempted_at is not None
+            or runs[-1].orphaned_at is not None
         )
         wrong = (trial.state is TrialState.COMPLETE) != finished or (
             trial.state is TrialState.PRUNED and not (pruned or failed_alone)
