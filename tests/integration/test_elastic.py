@@ -16,19 +16,12 @@ Saves (memory every 2 steps, shared every 6): steps 0 and 6 go to both tiers, 2,
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import shutil
-import signal
-import subprocess
-import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from ports import free_port
+from stand_in_nodes import NODES, REPO, StandInNodes
 
 from tunepod import runtime
 from tunepod.launch.elastic import rdzv_conf, torchrun_elastic_args
@@ -38,121 +31,53 @@ from tunepod.spec.resources import Resources
 
 pytest.importorskip("torch")
 
-REPO = Path(__file__).resolve().parents[2]
 JOB = REPO / "tests/fixtures/jobs/elastic.py"
-TORCHRUN = Path(sys.executable).with_name("torchrun")
-NODES = ("a", "b")
 MODES = ["whole", "sharded"]
 TIMEOUT_S = 120
 ELASTIC = Resources(num_nodes=2, min_nodes=1, procs_per_node=1)
 
 
-class ElasticJob:
-    """One elastic job's folders, and its two stand-in nodes started as torchrun agents."""
+def elastic_agent_args(node: str, port: int) -> list[str]:
+    """The launchers' elastic arguments. Node a hosts the rendezvous store (on a cluster: the first
+    node, whose hostname the endpoint names); here both agents share one host, so say which."""
+    host = "1" if node == "a" else "0"
+    elastic = [arg for arg in torchrun_elastic_args(ELASTIC) if not arg.startswith("--rdzv-conf")]
+    return [
+        *elastic,
+        f"--rdzv-conf={rdzv_conf()},is_host={host}",
+        *("--nproc-per-node", "1", "--rdzv-backend", "c10d"),
+        *("--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", str(port)),
+    ]
 
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.out = tmp / "out"
-        self.out.mkdir()
-        self.checkpoints = tmp / "checkpoints"
-        self.metrics = tmp / "metrics.jsonl"
-        self.agents: dict[str, subprocess.Popen[bytes]] = {}
 
-    def memory_dir(self, node: str) -> Path:
-        return self.tmp / f"shm-{node}"
-
-    def agent_argv(self, node: str, port: int) -> list[str]:
-        # Node a hosts the rendezvous store (on a cluster: the first node, whose hostname the endpoint
-        # names); here both agents share one host, so say which.
-        host = "1" if node == "a" else "0"
-        elastic = [arg for arg in torchrun_elastic_args(ELASTIC) if not arg.startswith("--rdzv-conf")]
-        return [
-            str(TORCHRUN),
-            *elastic,
-            f"--rdzv-conf={rdzv_conf()},is_host={host}",
-            *("--nproc-per-node", "1", "--rdzv-backend", "c10d"),
-            *("--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", str(port)),
-        ]
-
-    def start(self, *args: str) -> None:
-        port = free_port()
-        for node in NODES:
-            tiers = runtime.CheckpointTiers(2, 6, memory_replicas=1, memory_dir=str(self.memory_dir(node)))
-            env = {
-                **os.environ,
-                "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}",
-                runtime.CHECKPOINT_DIR_ENV: str(self.checkpoints),
-                runtime.METRICS_FILE_ENV: str(self.metrics),
-                runtime.RESULT_FILE_ENV: str(self.tmp / "result.json"),
-                runtime.CHECKPOINT_TIERS_ENV: tiers.to_json(),
-                "TEST_OUT": str(self.out),
-                "TEST_NODE": node,
-                "OMP_NUM_THREADS": "1",
-            }
-            log = open(self.tmp / f"agent-{node}.log", "ab")  # noqa: SIM115 - the agent keeps it
-            self.agents[node] = subprocess.Popen(
-                [*self.agent_argv(node, port), str(JOB), *args],
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-
-    def wait_until(self, ready: Any, what: str) -> None:
-        deadline = time.monotonic() + TIMEOUT_S
-        while not ready():
-            if time.monotonic() > deadline:
-                pytest.fail(f"timed out waiting for {what}; logs:\n{self.logs()}")
-            time.sleep(0.2)
-
-    def kill(self, node: str) -> None:
-        """The node is gone: its agent's process group and its worker's session, SIGKILLed, and the
-        memory folder with its RAM."""
-        seen = self.out / f"node-{node}-round0.json"
-        groups = [self.agents[node].pid] + ([json.loads(seen.read_text())["pid"]] if seen.exists() else [])
-        for group in groups:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(group, signal.SIGKILL)
-        self.agents[node].wait(timeout=30)
-        shutil.rmtree(self.memory_dir(node), ignore_errors=True)
-
-    def seen(self, node: str, round_: int) -> dict[str, Any]:
-        return dict(json.loads((self.out / f"node-{node}-round{round_}.json").read_text()))
-
-    def logs(self, tail: int = 4000) -> str:
-        return "\n".join(p.read_text(errors="replace")[-tail:] for p in sorted(self.tmp.glob("agent-*.log")))
-
-    def stop_all(self) -> None:
-        for node, agent in self.agents.items():
-            if agent.poll() is None:
-                self.kill(node)
+def first_round(node: str) -> str:
+    """What the worker of the agent's first round (``TORCHELASTIC_RESTART_COUNT`` 0) saw."""
+    return f"node-{node}-round0.json"
 
 
 @pytest.fixture
-def job(tmp_path: Path) -> Any:
-    started = ElasticJob(tmp_path)
+def job(tmp_path: Path) -> Iterator[StandInNodes]:
+    started = StandInNodes(tmp_path, JOB, elastic_agent_args, first_round, TIMEOUT_S)
     yield started
     started.stop_all()
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_the_survivors_re_form_without_the_lost_node_and_go_on_from_the_newest_memory_step(
-    job: ElasticJob, mode: str
+    job: StandInNodes, mode: str
 ) -> None:
     job.start(mode, "9", "11")
     job.wait_until(lambda: all((job.out / f"ready-{n}.json").exists() for n in NODES), "both ranks at step 9")
-    assert [job.seen(n, 0)["world_size"] for n in NODES] == [2, 2]
+    assert [job.seen(first_round(n))["world_size"] for n in NODES] == [2, 2]
     assert [c.step for c in runtime.valid_checkpoints(job.checkpoints)] == [6, 0]
 
     killed_at = time.time()
     job.kill("b")
-    try:
-        assert job.agents["a"].wait(timeout=TIMEOUT_S) == 0, f"the survivor failed; logs:\n{job.logs()}"
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the survivor did not finish; logs:\n{job.logs()}")
+    job.lose_memory("b")
+    job.finished("a")
 
     # (1) Node a's agent started a new worker by itself (round 1): alone, rank 0 of a world of 1.
-    after = job.seen("a", 1)
+    after = job.seen("node-a-round1.json")
     print(f"elastic continue: {after['time'] - killed_at:.1f} s from the kill to the restored step")
     assert (after["rank"], after["world_size"], after["nodes"]) == (0, 1, 1)
     # (2) It went on from memory step 8, the newest (shared step 6 is older), from its own memory. In

@@ -15,121 +15,37 @@ Saves (memory every 2 steps, shared every 6): steps 0 and 6 go to both tiers, 2,
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import shutil
-import signal
-import subprocess
-import sys
-import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from ports import free_port
+from stand_in_nodes import NODES, REPO, StandInNodes
 
 from tunepod import runtime
 from tunepod.runtime.restores import read_restores, restores_file
 
 pytest.importorskip("torch")
 
-REPO = Path(__file__).resolve().parents[2]
 JOB = REPO / "tests/fixtures/jobs/memory_tier.py"
-TORCHRUN = Path(sys.executable).with_name("torchrun")
-NODES = ("a", "b")
 MODES = ["whole", "sharded"]
 TIMEOUT_S = 90
 
 
-class TwoNodes:
-    """One job's folders, and its two stand-in nodes started as torchrun agents."""
+def two_node_agent_args(node: str, port: int) -> list[str]:
+    """A fixed two-node job (no restarts), its c10d rendezvous on this host."""
+    return [
+        *("--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "0"),
+        *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", str(port)),
+    ]
 
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.out = tmp / "out"
-        self.out.mkdir()
-        self.checkpoints = tmp / "checkpoints"
-        self.agents: dict[str, subprocess.Popen[bytes]] = {}
 
-    def memory_dir(self, node: str) -> Path:
-        return self.tmp / f"shm-{node}"
-
-    def job_folder(self, node: str) -> Path:
-        (found,) = (self.memory_dir(node) / "tunepod").iterdir()
-        return found
-
-    def start(self, *args: str) -> None:
-        for path in self.out.iterdir():
-            path.unlink()
-        port = free_port()
-        for node in NODES:
-            tiers = runtime.CheckpointTiers(2, 6, memory_replicas=1, memory_dir=str(self.memory_dir(node)))
-            env = {
-                **os.environ,
-                "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}",
-                runtime.CHECKPOINT_DIR_ENV: str(self.checkpoints),
-                runtime.METRICS_FILE_ENV: str(self.tmp / "metrics.jsonl"),
-                runtime.RESULT_FILE_ENV: str(self.tmp / "result.json"),
-                runtime.CHECKPOINT_TIERS_ENV: tiers.to_json(),
-                "TEST_OUT": str(self.out),
-                "TEST_NODE": node,
-                "OMP_NUM_THREADS": "1",
-            }
-            command = [
-                str(TORCHRUN),
-                *("--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "0"),
-                *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", str(port)),
-                str(JOB),
-                *args,
-            ]
-            log = open(self.tmp / f"agent-{node}.log", "ab")  # noqa: SIM115 - the agent keeps it
-            self.agents[node] = subprocess.Popen(
-                command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-
-    def wait_until(self, ready: Any, what: str) -> None:
-        deadline = time.monotonic() + TIMEOUT_S
-        while not ready():
-            if time.monotonic() > deadline:
-                pytest.fail(f"timed out waiting for {what}; logs:\n{self.logs()}")
-            time.sleep(0.2)
-
-    def kill(self, node: str) -> None:
-        """The node is gone: its agent's process group and its worker's, SIGKILLed."""
-        seen = self.out / f"node-{node}.json"
-        groups = [self.agents[node].pid] + ([json.loads(seen.read_text())["pid"]] if seen.exists() else [])
-        for group in groups:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(group, signal.SIGKILL)
-        self.agents[node].wait(timeout=30)
-
-    def lose_memory(self, node: str) -> None:
-        """The node's RAM went with it."""
-        shutil.rmtree(self.memory_dir(node))
-
-    def finished(self) -> None:
-        for node, agent in self.agents.items():
-            try:
-                assert agent.wait(timeout=TIMEOUT_S) == 0, f"agent {node} failed; logs:\n{self.logs()}"
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"agent {node} did not finish; logs:\n{self.logs()}")
-
-    def seen(self, node: str) -> dict[str, Any]:
-        return dict(json.loads((self.out / f"node-{node}.json").read_text()))
-
-    def logs(self, tail: int = 3000) -> str:
-        return "\n".join(p.read_text(errors="replace")[-tail:] for p in sorted(self.tmp.glob("agent-*.log")))
-
-    def stop_all(self) -> None:
-        for node in self.agents:
-            if self.agents[node].poll() is None:
-                self.kill(node)
+def seen_file(node: str) -> str:
+    return f"node-{node}.json"
 
 
 @pytest.fixture
-def nodes(tmp_path: Path) -> Any:
-    job = TwoNodes(tmp_path)
+def nodes(tmp_path: Path) -> Iterator[StandInNodes]:
+    job = StandInNodes(tmp_path, JOB, two_node_agent_args, seen_file, TIMEOUT_S)
     yield job
     job.stop_all()
 
@@ -140,7 +56,7 @@ def manifests(folder: Path) -> set[str]:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_lost_node_restores_the_newest_memory_step_from_its_peer_and_finish_flushes_it(
-    nodes: TwoNodes, mode: str
+    nodes: StandInNodes, mode: str
 ) -> None:
     writers = {"manifest-rank0.json", "manifest-rank1.json"} if mode == "sharded" else {"manifest-rank0.json"}
     nodes.start(mode, "9", "hold")
@@ -159,7 +75,7 @@ def test_a_lost_node_restores_the_newest_memory_step_from_its_peer_and_finish_fl
     nodes.start(mode, "11", "finish")
     nodes.finished()
     # (2) Step 8, the newest memory step (not shared step 6): b from a's copy, a from its own memory.
-    a, b = nodes.seen("a"), nodes.seen("b")
+    a, b = nodes.seen(seen_file("a")), nodes.seen(seen_file("b"))
     for seen in (a, b):
         offset = 1000 * seen["rank"] if mode == "sharded" else 0
         assert seen["restored"] == {"step": 8, "w": 8.0 + offset, "step_in_state": 8}
@@ -167,7 +83,7 @@ def test_a_lost_node_restores_the_newest_memory_step_from_its_peer_and_finish_fl
     assert b["from"].startswith("peer memory (127.0.0.1:")
     assert "restored step 8 from rank 0 " in nodes.logs(tail=10**6)
     # (3) Rank 0 recorded the restore for the orchestrator's MLflow mirror: the job's is a peer's.
-    (restore,) = read_restores(restores_file(nodes.tmp / "metrics.jsonl"))
+    (restore,) = read_restores(restores_file(nodes.metrics))
     assert (restore.step, restore.tier) == (8, "peer memory")
     assert sorted(source.split(" (")[0] for source in restore.sources) == ["own memory", "peer memory"]
     # (4) finish copied memory step 10 (newer than shared step 6) to the shared folder, then
@@ -180,7 +96,7 @@ def test_a_lost_node_restores_the_newest_memory_step_from_its_peer_and_finish_fl
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_node_killed_between_a_memory_save_and_its_peer_copy_leaves_the_previous_step_chosen(
-    nodes: TwoNodes, mode: str
+    nodes: StandInNodes, mode: str
 ) -> None:
     nodes.start(mode, "9", "hold", "8")  # rank 0 kills its node as it is about to copy step 8
     nodes.wait_until(
@@ -198,5 +114,5 @@ def test_a_node_killed_between_a_memory_save_and_its_peer_copy_leaves_the_previo
     nodes.start(mode, "11", "finish")
     nodes.finished()
     for node, source in ((survivor, "own memory"), (lost, "peer memory")):
-        seen = nodes.seen(node)
+        seen = nodes.seen(seen_file(node))
         assert seen["restored"]["step"] == 6 and seen["from"].startswith(source)
