@@ -8,12 +8,12 @@ operator's conditions is tested in tests/unit/test_hyperpod_eks_render.py."""
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
+from tunepod import world
 from tunepod.launch.base import JobSpec, JobState, Rendered
 from tunepod.launch.drive import DriveSettings, JobDriver, Outcome
 from tunepod.launch.submission import CancelReason
@@ -36,7 +36,7 @@ class RestartedInPlace:
     def __init__(self, job_dir: Path) -> None:
         self.job_id = "restarted-1"
         self.job_dir = job_dir
-        self.submitted_at = time.monotonic()
+        self.submitted_at = world.monotonic()
         self.cancelled: list[CancelReason] = []
         self._beat(pid=101, idle_s=DEAD_IDLE_S)
 
@@ -61,13 +61,13 @@ class RestartedInPlace:
         return f"job {self.job_id}"
 
     def idle(self, seconds: float) -> None:
-        time.sleep(seconds)
+        world.sleep(seconds)
 
     def _age(self) -> float:
-        return time.monotonic() - self.submitted_at
+        return world.monotonic() - self.submitted_at
 
     def _beat(self, *, pid: int, idle_s: float) -> None:
-        now = time.time()
+        now = world.time()
         beat = RankProgress(
             rank=0,
             host="pod-0",
@@ -87,7 +87,26 @@ class RestartedInPlace:
         (folder / "rank-0.json").write_text(json.dumps(record))
 
     def _new_run_started_at(self) -> float:
-        return time.time() - (self._age() - CRASH_AT_S)
+        return world.time() - (self._age() - CRASH_AT_S)
+
+
+class SteppedClocks(world.RealWorld):
+    """Real files, locks and threads, and clocks that move only as the driver sleeps (and a
+    millisecond per reading, so that a loop that never sleeps still sees time pass): the limits here
+    are a second or less, which a loaded machine's scheduling alone could overrun."""
+
+    def __init__(self) -> None:
+        self.now = 1_800_000_000.0
+
+    def time(self) -> float:
+        self.now += 0.001
+        return self.now
+
+    def monotonic(self) -> float:
+        return self.time()
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
 
 
 class Backend:
@@ -121,10 +140,10 @@ def test_a_run_restarted_in_place_is_given_its_start_up_time_not_judged_by_the_d
     job = JobSpec(
         name="trial-0", entrypoint=tmp_path / "train.py", job_dir=tmp_path / "trial-0", limits=limits
     )
-    backend = Backend()
-    driver = JobDriver(backend, job, DriveSettings(poll_s=0.02), what="Trial 0")  # type: ignore[arg-type]
-
-    driven = driver.run()
+    with world.installed(SteppedClocks()):
+        backend = Backend()
+        driver = JobDriver(backend, job, DriveSettings(poll_s=0.02), what="Trial 0")  # type: ignore[arg-type]
+        driven = driver.run()
 
     (restarted,) = backend.jobs
     assert restarted.cancelled == [], driven.message
