@@ -477,7 +477,14 @@ class MemoryTier:
                 error = exc
         if self._group is not None:
             failed = torch.tensor([0 if error is None else 1], dtype=torch.int32)
-            dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self._group)
+            try:
+                dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self._group)
+            except Exception as broken:
+                # The group broke (a peer's node died): this rank's own failure, if it had one (a
+                # fetch from that node), says more than the collective's lost connection.
+                if error is not None:
+                    raise error from broken
+                raise
             if error is None and failed.item():
                 raise RuntimeError(
                     f"another rank could not {what} (memory tier under {self.job}); see its log"
