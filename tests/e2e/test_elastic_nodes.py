@@ -40,7 +40,8 @@ from faults_support import (
     wait_for,
 )
 from mlflow import MlflowClient
-from slurm_cluster import job_nodes, kill_node, restore_nodes, show_job
+from slurm_cluster import job_nodes, kill_node, restore_nodes, show_job, slurm_node, wait_for_node
+from tiers_support import DOWN, memory_step, node_address, others_held, restores, shared_step
 
 from tunepod.launch.paths import JobPaths
 from tunepod.runtime import read_reports, read_worlds
@@ -56,11 +57,11 @@ TIERS = {"memory_every_steps": 1, "shared_every_steps": 3, "memory_replicas": 1}
 RESTORED_LINE = re.compile(r"restored step (\d+) from (.+)")
 
 
-def elastic_study(tmp_path: Path) -> FaultStudy:
+def elastic_study(tmp_path: Path, hang_rank: int = 1) -> FaultStudy:
     """One trial of ``collective.py`` on two whole namespaced nodes, elastic down to one."""
     return FaultStudy(
         tmp_path, "slurm", sqlite_tracking(tmp_path), num_trials=1, num_parallel=1, epochs=EPOCHS,
-        sleep_s=1.0, trainer=COLLECTIVE_TRAINER, args={"hang_at_epoch": HELD_AT, "hang_rank": 1},
+        sleep_s=1.0, trainer=COLLECTIVE_TRAINER, args={"hang_at_epoch": HELD_AT, "hang_rank": hang_rank},
         train={"resources": {"num_nodes": 2, "min_nodes": 1}, "checkpoints": TIERS, "max_restarts": 1},
         launcher_options=NODES_LAUNCHER,
     )  # fmt: skip
@@ -125,3 +126,57 @@ def test_an_elastic_trial_that_loses_its_second_node_goes_on_alone_in_the_same_j
     history = sorted((m.step, m.value) for m in client.get_metric_history(trial_run.info.run_id, name))
     assert history == [(0, 2.0), (NEWEST_MEMORY, 1.0)]
     assert trial_run.data.tags[name] == "1"
+
+
+def test_an_elastic_trial_that_loses_its_first_node_is_requeued_and_restores_from_the_other(
+    runs: MakeRuns, tmp_path: Path
+) -> None:
+    """Fault: the first node of an elastic trial is killed while rank 0, on it, holds at step 5, after
+    memory step 4 reached the second node (shared step 3). That node runs the job's batch script and
+    torchrun's rendezvous, so no survivor can re-form the group: the case the launcher documents as
+    falling back to a requeue and a restore. The other two nodes are held, so the trial comes back to
+    its own two nodes (the first started again with empty memory).
+
+    Proves: the fallback happens. Slurm (22.05), told ``--no-kill``, takes the node out of the job
+    and keeps it RUNNING on the second node, where nothing can go on; the Slurm launcher sees the
+    job's batch host gone from its nodes, says so, and requeues it asking for its two nodes again
+    (the same job id, one Slurm restart). The second start, on both nodes, restores step 4, rank 0
+    fetching it from the second node's memory (not shared step 3), and trains each step after it
+    once; the trial is one complete Optuna trial.
+    """
+    study = elastic_study(tmp_path, hang_rank=0)
+    hit = JobPaths(study.job_dir(0))
+    try:
+        run = runs(study).start("elastic-first-node")
+        wait_for(lambda: (hit.job_dir / "hung.once").exists(), f"rank 0 to hold at {HELD_AT}", running=run)
+        [ranks] = placements(hit.job_dir).values()
+        first, second = nodes_of(ranks)
+        job_id = submission(hit.job_dir).job_id or ""
+        assert job_nodes(job_id) == [first, second]
+        with others_held([first, second], tmp_path):
+            wait_for(
+                lambda: all(memory_step(node, hit.checkpoints) == NEWEST_MEMORY for node in (first, second)),
+                f"memory step {NEWEST_MEMORY} on both nodes",
+                running=run,
+            )
+            assert shared_step(hit.checkpoints) == 3
+            kill_node(first)
+            wait_for_node(first, DOWN)
+            slurm_node("start", first)
+            assert run.wait() == 0, run.tail()
+        assert_nothing_left(study)
+        output = run.output()
+    finally:
+        restore_nodes()
+
+    # Slurm kept the job RUNNING on the second node alone; tunepod requeued it, the same job.
+    assert f"slurm job {job_id} lost its first node {first}" in output, output[-3000:]
+    assert submission(hit.job_dir).job_id == job_id and show_job(job_id).get("Restarts") == "1"
+    assert starts(hit.job_dir) == 2
+    before, after = placements(hit.job_dir).values()
+    assert (nodes_of(before), sorted(nodes_of(after))) == ([first, second], sorted([first, second]))
+    [(step, where)] = restores(hit.job_dir)
+    assert step == NEWEST_MEMORY and f"peer memory ({node_address(second)}:" in where, where
+    resumed = [r.step for r in read_reports(hit.metrics) if r.time > after[0].started_at]
+    assert resumed == list(range(NEWEST_MEMORY + 1, EPOCHS))
+    assert_study_complete(study)

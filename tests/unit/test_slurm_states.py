@@ -39,7 +39,7 @@ from tunepod.launch.slurm import (
     parse_scontrol_job,
     parse_squeue,
 )
-from tunepod.launch.slurm.launcher import recorded_status
+from tunepod.launch.slurm.launcher import ELASTIC_NODES_DETAIL, recorded_status
 from tunepod.launch.slurm.render import exit_code_trap
 from tunepod.launch.slurm.states import ListedJob
 from tunepod.launch.status_cache import TrackedJob
@@ -112,11 +112,14 @@ def test_unknown_state_is_running_with_one_warning(caplog: pytest.LogCaptureFixt
 
 
 def test_parse_squeue_keeps_reasons_with_spaces_and_bars() -> None:
-    out = "28|PENDING|Priority\n29|PENDING|ReqNodeNotAvail, UnavailableNodes:vm|x\n30|RUNNING|None\n\n"
+    out = (
+        "28|PENDING|2|n/a||Priority\n29|PENDING|1|n/a||ReqNodeNotAvail, UnavailableNodes:vm|x\n"
+        "30|RUNNING|2|n1|n[1-2]|None\n\n"
+    )
     assert parse_squeue(out) == {
-        "28": SlurmStatus("PENDING", "Priority"),
-        "29": SlurmStatus("PENDING", "ReqNodeNotAvail, UnavailableNodes:vm|x"),
-        "30": SlurmStatus("RUNNING", "None"),
+        "28": SlurmStatus("PENDING", "Priority", node_count=2),
+        "29": SlurmStatus("PENDING", "ReqNodeNotAvail, UnavailableNodes:vm|x", node_count=1),
+        "30": SlurmStatus("RUNNING", "None", node_count=2, batch_host="n1", nodelist="n[1-2]"),
     }
 
 
@@ -327,7 +330,7 @@ def test_find_raises_when_slurm_cannot_answer(tmp_path: Path) -> None:
 def test_poll_answers_for_every_job_from_one_squeue_then_scontrol_for_the_gone(tmp_path: Path) -> None:
     runner = ScriptedRunner(
         {
-            "squeue": "7|RUNNING|None\n",
+            "squeue": "7|RUNNING|1|vm|vm|None\n",
             "scontrol": SCONTROL_FAILED,
         }
     )
@@ -336,9 +339,48 @@ def test_poll_answers_for_every_job_from_one_squeue_then_scontrol_for_the_gone(t
     assert running.state() is JobState.RUNNING
     assert ended.status() == SlurmStatus("FAILED", "NonZeroExitCode", 3, 0)
     assert runner.calls[:2] == [
-        ["squeue", "-h", "-o", "%i|%T|%r", "-j", "7,28"],
+        ["squeue", "-h", "-o", "%i|%T|%D|%B|%N|%r", "-j", "7,28"],
         ["scontrol", "show", "job", "-o", "28"],
     ]
+
+
+def elastic_record(asked: int) -> TrackedJob:
+    """A followed job whose submission record says it is elastic and asked for ``asked`` nodes."""
+    record = intent().accepted("7", {ELASTIC_NODES_DETAIL: asked})
+    return TrackedJob(Path("/jobs/trial-7"), record)
+
+
+def test_an_elastic_job_that_lost_its_batch_host_is_requeued_on_the_nodes_it_asked_for(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Slurm keeps a --no-kill job RUNNING on the survivors when the node it took out was the batch
+    script's (squeue: 1 node, n2, batch host n1): no survivor can go on, so the launcher requeues it
+    and asks for its 2 nodes again."""
+    runner = ScriptedRunner({"squeue": "7|RUNNING|1|n1|n2|None\n", "scontrol": "n2\n"})
+    statuses = SlurmLauncher(launcher_spec(tmp_path), runner).poll({"7": elastic_record(2)})
+    assert statuses["7"].job_state is JobState.PENDING
+    assert runner.calls[1:] == [
+        ["scontrol", "show", "hostnames", "n2"],
+        ["scontrol", "requeue", "7"],
+        ["scontrol", "update", "JobId=7", "NumNodes=2"],
+    ]
+    assert "lost its first node n1" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("line", "record"),
+    [
+        ("7|RUNNING|1|n1|n1|None\n", elastic_record(2)),  # the batch host survived: it goes on
+        ("7|RUNNING|2|n1|n[1-2]|None\n", elastic_record(2)),  # every node it asked for
+        ("7|RUNNING|1|n1|n2|None\n", TrackedJob(Path("/jobs/trial-7"), intent().accepted("7", {}))),
+        ("7|PENDING|2|n/a||Resources\n", elastic_record(2)),
+    ],
+    ids=["survived-batch-host", "whole", "not-elastic", "pending"],
+)
+def test_no_other_job_is_requeued_by_the_launcher(line: str, record: TrackedJob, tmp_path: Path) -> None:
+    runner = ScriptedRunner({"squeue": line, "scontrol": "n1\n"})
+    SlurmLauncher(launcher_spec(tmp_path), runner).poll({"7": record})
+    assert not any(call[:2] in (["scontrol", "requeue"], ["scontrol", "update"]) for call in runner.calls)
 
 
 # ---------------------------------------------------------------------------------------------- runner

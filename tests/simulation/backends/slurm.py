@@ -642,6 +642,9 @@ def _field(job: SlurmJob, code: str) -> str:
         "%i": job.job_id,
         "%T": job.state,
         "%r": job.reason,
+        "%D": str(len(job.nodes) or job.num_nodes),
+        "%B": job.nodes[0].name if job.nodes else "n/a",
+        "%N": ",".join(node.name for node in job.nodes),
         "%k": job.comment or "(null)",
         "%j": job.name,
     }[code]

@@ -18,6 +18,7 @@ from tunepod.errors import TransientError
 from tunepod.launch.runner import CommandFailed, CommandRunner
 from tunepod.launch.slurm.nodes import SINFO_NODES_FORMAT, NodeListing, parse_sinfo_nodes
 from tunepod.launch.slurm.states import (
+    SQUEUE_FIELDS,
     ListedJob,
     SlurmStatus,
     parse_job_id,
@@ -70,7 +71,7 @@ class SlurmCommands:
         """The status of each of ``job_ids`` still in the queue, in one squeue call."""
         if not job_ids:
             return {}
-        argv = ["squeue", "-h", "-o", "%i|%T|%r", "-j", ",".join(job_ids)]
+        argv = ["squeue", "-h", "-o", SQUEUE_FIELDS, "-j", ",".join(job_ids)]
         try:
             return parse_squeue(self.runner.run(argv).stdout)
         except CommandFailed as exc:
@@ -78,6 +79,16 @@ class SlurmCommands:
             if _is_answer(exc, _UNKNOWN_JOB):
                 return {}
             raise
+
+    def hostnames(self, nodelist: str) -> list[str]:
+        """The nodes of a Slurm hostlist (``n[1-2]`` -> n1, n2), as Slurm itself expands it."""
+        return self.runner.run(["scontrol", "show", "hostnames", nodelist]).stdout.split()
+
+    def requeue(self, job_id: str, nodes: int) -> None:
+        """Put a running job back in the queue, asking for ``nodes`` nodes again: Slurm keeps the
+        count a job shrank to when it lost nodes under ``--no-kill``, and would start it on those."""
+        self.runner.run(["scontrol", "requeue", job_id])
+        self.runner.run(["scontrol", "update", f"JobId={job_id}", f"NumNodes={nodes}"])
 
     def remembered(self, job_id: str) -> SlurmStatus | None:
         """The status of a job that left the queue, with its exit code, while Slurm keeps it in memory

@@ -43,6 +43,8 @@ from tunepod.spec.models import SlurmLauncherSpec
 from tunepod.spec.resources import Resources
 
 logger = logging.getLogger(__name__)
+ELASTIC_NODES_DETAIL = "elastic_nodes"
+"""The submission record's fact: how many nodes an elastic job asked for (``_requeued_if_headless``)."""
 
 _CANCEL_POLL_S = 0.2
 
@@ -86,7 +88,9 @@ class SlurmLauncher(LauncherBase[SlurmStatus]):
     def render(self, job: JobSpec, attempt: int, variant: int = 0) -> Rendered:
         # Slurm never reserves a name, so there is no variant to render: the comment tells jobs apart.
         script = render_sbatch(job, self.spec, hyperpod=self.hyperpod)
-        return Rendered(name=job.name, payload=script, files={SCRIPT_NAME: script})
+        # An elastic job may shrink; what it asked for is how many nodes a requeue asks for again.
+        details = {ELASTIC_NODES_DETAIL: job.resources.num_nodes} if job.resources.elastic else {}
+        return Rendered(name=job.name, payload=script, files={SCRIPT_NAME: script}, details=details)
 
     def send(self, job: JobSpec, rendered: Rendered, intent: Submission) -> Accepted:
         # Over ssh the head node may not see the script we just wrote yet (attribute caching on the
@@ -125,6 +129,9 @@ class SlurmLauncher(LauncherBase[SlurmStatus]):
     def poll(self, jobs: Mapping[str, TrackedJob]) -> dict[str, SlurmStatus]:
         open_ids = sorted(jobs, key=int)
         queued = self.slurm.queued(open_ids)
+        for job_id, status in queued.items():
+            if job_id in jobs:
+                queued[job_id] = self._requeued_if_headless(job_id, status, jobs[job_id])
         return {job_id: self._current_status(job_id, queued.get(job_id), jobs[job_id]) for job_id in open_ids}
 
     def stop(self, job: Job[SlurmStatus]) -> None:
@@ -174,6 +181,36 @@ class SlurmLauncher(LauncherBase[SlurmStatus]):
         return idle_node_slots(self.slurm.nodes(), self.spec.partition, resources.num_nodes)
 
     # ------------------------------------------------------------------------------------ internals
+
+    def _requeued_if_headless(self, job_id: str, status: SlurmStatus, job: TrackedJob) -> SlurmStatus:
+        """An elastic job that lost its first node, requeued; any other status as it is.
+
+        Under ``--no-kill`` Slurm takes a failed node out of the job and keeps it RUNNING on the
+        others, also when the node was the batch script's (Slurm 22.05 logs "batch step received ...
+        This should never happen" and leaves it so): the script is gone with the node, and so is
+        torchrun's rendezvous, which it hosted, so no survivor can go on, yet the job holds their
+        nodes until its time limit. Such a job is requeued here, asking for the nodes it asked for at
+        first (Slurm would start it on the ones it shrank to), as Slurm requeues a job without
+        ``--no-kill`` that loses a node; it restores from its checkpoints (a survivor's memory)."""
+        asked = job.record.details.get(ELASTIC_NODES_DETAIL) if job.record is not None else None
+        if (
+            status.job_state is not JobState.RUNNING
+            or asked is None
+            or status.node_count is None
+            or status.node_count >= int(asked)
+            or not status.batch_host
+            or status.batch_host in self.slurm.hostnames(status.nodelist)
+        ):
+            return status
+        logger.warning(
+            "slurm job %s lost its first node %s (its batch script and rendezvous); the other nodes "
+            "cannot go on without it, so it is requeued on %s nodes and resumes from its checkpoints",
+            job_id,
+            status.batch_host,
+            asked,
+        )
+        self.slurm.requeue(job_id, int(asked))
+        return SlurmStatus("REQUEUED", reason=f"its first node {status.batch_host} was lost")
 
     def _current_status(self, job_id: str, queued: SlurmStatus | None, job: TrackedJob) -> SlurmStatus:
         if queued is not None and not queued.job_state.is_terminal:

@@ -24,8 +24,9 @@ same name). Only while Slurm still has the job RUNNING: once a node was lost Slu
 (the survivors' steps are signalled, and the trap runs), and the requeued job restores from the
 survivors' memory, so they keep it. An elastic job that lost a node and went on holds fewer nodes
 than it started with; a step on every node would wait for the lost one, so the folder is removed on
-the first node alone (the batch script's, which survived: its loss ends the job). A job cancelled
-outright or at its time limit is not RUNNING either, and Slurm refuses new steps of an ending job:
+the first node alone (the batch script's, which survived: had it not, the launcher would have
+requeued the job). A job cancelled outright or at its time limit is not RUNNING either, and Slurm
+refuses new steps of an ending job:
 its folders stay until their node restarts (Slurm's ``Epilog`` could remove them, but it is cluster
 configuration the user owns). A stop with ``stop_grace_s`` signals the tasks alone: the script ends
 while the job runs, and the folders go. A new job after a pause or a failure restores from the
@@ -35,8 +36,9 @@ An elastic job (``resources.min_nodes`` below ``num_nodes``) runs torchrun with 
 and ``--max-restarts``, and asks Slurm not to end it when a node fails: ``--no-kill`` on the job keeps
 the allocation (Slurm's default revokes it, and requeues the job), and on ``srun`` keeps the step's
 tasks on the other nodes running (by default srun kills the whole step). The survivors' agents then
-re-form without the lost node. The first node runs the batch script and hosts the rendezvous: its
-loss ends the job, which is requeued and restores from its checkpoints as any other job.
+re-form without the lost node. The first node runs the batch script and hosts the rendezvous: no
+survivor can go on without it, and the launcher requeues the job (``SlurmLauncher``), which restores
+from its checkpoints as any other job.
 """
 
 from __future__ import annotations

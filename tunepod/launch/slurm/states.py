@@ -87,6 +87,13 @@ class SlurmStatus:
     reason: str = ""
     exit_code: int | None = None
     signal: int | None = None
+    node_count: int | None = None
+    """How many nodes it holds now (squeue's), None where not told: a job under ``--no-kill`` holds
+    fewer than it asked for once it lost one."""
+    batch_host: str = ""
+    """The node its batch script runs on (squeue's), "" where not told."""
+    nodelist: str = ""
+    """Its nodes as a Slurm hostlist (``n[1-2]``), "" where not told."""
 
     @property
     def job_state(self) -> JobState:
@@ -136,13 +143,23 @@ def _fields(line: str, count: int) -> list[str]:
     return parts + [""] * (count - len(parts))
 
 
+SQUEUE_FIELDS = "%i|%T|%D|%B|%N|%r"
+"""squeue's job id, state, node count, batch host, node list and reason (last: it may hold spaces)."""
+
+
 def parse_squeue(stdout: str) -> dict[str, SlurmStatus]:
-    """Lines of ``squeue -h -o '%i|%T|%r'`` -> status per job id (the reason may hold spaces)."""
+    """Lines of ``squeue -h -o SQUEUE_FIELDS`` -> status per job id."""
     statuses: dict[str, SlurmStatus] = {}
     for line in stdout.splitlines():
-        job_id, state, reason = _fields(line, 3)
+        job_id, state, node_count, batch_host, nodelist, reason = _fields(line, 6)
         if job_id.strip() and state.strip():
-            statuses[job_id.strip()] = SlurmStatus(state.strip(), reason=reason.strip())
+            statuses[job_id.strip()] = SlurmStatus(
+                state.strip(),
+                reason=reason.strip(),
+                node_count=int(node_count) if node_count.strip().isdigit() else None,
+                batch_host=batch_host.strip() if batch_host.strip() != "n/a" else "",
+                nodelist=nodelist.strip(),
+            )
     return statuses
 
 
