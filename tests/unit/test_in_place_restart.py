@@ -12,9 +12,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+from one_job_backend import OneJobBackend
 
 from tunepod import world
-from tunepod.launch.base import JobSpec, JobState, Rendered
+from tunepod.launch.base import JobSpec, JobState
 from tunepod.launch.drive import DriveSettings, JobDriver, Outcome
 from tunepod.launch.submission import CancelReason
 from tunepod.launch.watchdog import Limits
@@ -109,30 +110,6 @@ class SteppedClocks(world.RealWorld):
         self.now += seconds
 
 
-class Backend:
-    """A launcher whose one job is restarted in place (the parts of ``Launcher`` the driver uses)."""
-
-    kind = "restarts-in-place"
-    private_job_dirs = False
-    job_writes_job_dir = True
-
-    def __init__(self) -> None:
-        self.jobs: list[RestartedInPlace] = []
-
-    def submit(self, job: JobSpec) -> RestartedInPlace:
-        self.jobs.append(RestartedInPlace(job.job_dir))
-        return self.jobs[-1]
-
-    def attach(self, job_id: str, job_dir: Path) -> RestartedInPlace:
-        return self.jobs[-1]
-
-    def recorded(self, job_dir: Path) -> RestartedInPlace | None:
-        return self.jobs[-1] if self.jobs else None
-
-    def render(self, job: JobSpec, attempt: int, variant: int = 0) -> Rendered:
-        return Rendered(name=job.name, payload="")
-
-
 def test_a_run_restarted_in_place_is_given_its_start_up_time_not_judged_by_the_dead_runs_beat(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -141,7 +118,7 @@ def test_a_run_restarted_in_place_is_given_its_start_up_time_not_judged_by_the_d
         name="trial-0", entrypoint=tmp_path / "train.py", job_dir=tmp_path / "trial-0", limits=limits
     )
     with world.installed(SteppedClocks()):
-        backend = Backend()
+        backend = OneJobBackend("restarts-in-place", RestartedInPlace)
         driver = JobDriver(backend, job, DriveSettings(poll_s=0.02), what="Trial 0")  # type: ignore[arg-type]
         driven = driver.run()
 

@@ -11,8 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
+from one_job_backend import OneJobBackend
 
-from tunepod.launch.base import JobSpec, JobState, Rendered
+from tunepod.launch.base import JobSpec, JobState
 from tunepod.launch.drive import DriveSettings, JobDriver, Outcome
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.submission import CancelReason, read_cancel_marker
@@ -62,30 +63,6 @@ class QueuedJob:
         time.sleep(seconds)
 
 
-class Queue:
-    """A launcher whose one job waits in the queue (the parts of ``Launcher`` the driver uses)."""
-
-    kind = "queue"
-    private_job_dirs = False
-    job_writes_job_dir = True
-
-    def __init__(self) -> None:
-        self.jobs: list[QueuedJob] = []
-
-    def submit(self, job: JobSpec) -> QueuedJob:
-        self.jobs.append(QueuedJob(job.job_dir))
-        return self.jobs[-1]
-
-    def attach(self, job_id: str, job_dir: Path) -> QueuedJob:
-        return self.jobs[-1]
-
-    def recorded(self, job_dir: Path) -> QueuedJob | None:
-        return self.jobs[-1] if self.jobs else None
-
-    def render(self, job: JobSpec, attempt: int, variant: int = 0) -> Rendered:
-        return Rendered(name=job.name, payload="")
-
-
 def test_a_job_waiting_in_the_queue_past_every_limit_is_neither_hung_nor_failed(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -93,7 +70,7 @@ def test_a_job_waiting_in_the_queue_past_every_limit_is_neither_hung_nor_failed(
     job = JobSpec(
         name="trial-0", entrypoint=tmp_path / "train.py", job_dir=tmp_path / "trial-0", limits=limits
     )
-    queue = Queue()
+    queue = OneJobBackend("queue", QueuedJob)
     driver = JobDriver(queue, job, DriveSettings(poll_s=0.05, max_restarts=0), what="Trial 0")  # type: ignore[arg-type]
 
     with caplog.at_level(logging.WARNING, logger="tunepod"):
