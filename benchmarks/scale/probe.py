@@ -89,7 +89,8 @@ def _instrument() -> None:
     _wrap_methods(RunMirror, "MLflow run wait", ["wait_for_run"])
     public = [n for n, v in vars(MlflowTracker).items() if callable(v) and not n.startswith("_")]
     _wrap_methods(MlflowTracker, "MLflow writes", public)
-    # The tune step's end, after its last trial: each a piece of the tail.
+    # The tune step's end, after its last trial: each a piece of the tail (the trial set is also
+    # read once as the first trial is submitted, for Prefect's trial table: a study with no trials).
     _wrap_methods(TrackingOutbox, "tail: MLflow flush", ["flush"])
     _wrap_methods(Tuner, "tail: trial set", ["trial_set"])
     tune_step.record_plots = _timed("tail: plots", tune_step.record_plots)
