@@ -182,7 +182,18 @@ def print_tables(results: list[SideResult], args: argparse.Namespace) -> None:
             f"{BACKGROUND} (outbox threads, beside the trials)", *[_piece_cell(r, BACKGROUND) for r in ours]
         )
         console.print(pieces)
+        for r in ours:
+            print_tail(r)
     print_goals(results)
+
+
+def print_tail(result: SideResult) -> None:
+    """The tail's pieces the probe timed (the tune step's end), in seconds of wall time."""
+    tail = {name.removeprefix("tail: "): piece["seconds"] for name, piece in result.pieces.items()
+            if name.startswith("tail: ")}  # fmt: skip
+    if result.tail_s is not None and tail:
+        listed = ", ".join(f"{name} {seconds:.2f}" for name, seconds in tail.items())
+        console.print(f"tail after the last trial, {result.trials} trials: {result.tail_s:.1f} s; {listed}")
 
 
 def _ms(value: float | None) -> str:

@@ -60,7 +60,10 @@ def _timed(piece: str, function: Callable[..., Any]) -> Callable[..., Any]:
             return function(*args, **kwargs)
         finally:
             _inside.piece = None
-            _add(piece, time.perf_counter() - start, time.thread_time() - start_cpu)
+            seconds, cpu_s = time.perf_counter() - start, time.thread_time() - start_cpu
+            _add(piece, seconds, cpu_s)
+            if piece == "MLflow writes":  # each call apart too: which ones a trial's record costs
+                _add(f"MLflow writes: {function.__name__}", seconds, cpu_s)
 
     return timed
 
@@ -72,11 +75,13 @@ def _wrap_methods(cls: type, piece: str, names: list[str]) -> None:
 
 def _instrument() -> None:
     import tasks.steps
+    import tunepod.steps.tune as tune_step
     from tunepod.hpo.trials import StudyTrials
     from tunepod.hpo.tuner import Tuner
     from tunepod.launch.base import LauncherBase
     from tunepod.tracking.mirror import RunMirror
     from tunepod.tracking.mlflow_tracker import MlflowTracker
+    from tunepod.tracking.outbox import TrackingOutbox
 
     _wrap_methods(Tuner, "ask", ["_ask"])
     _wrap_methods(StudyTrials, "tell", ["tell"])
@@ -84,6 +89,12 @@ def _instrument() -> None:
     _wrap_methods(RunMirror, "MLflow run wait", ["wait_for_run"])
     public = [n for n, v in vars(MlflowTracker).items() if callable(v) and not n.startswith("_")]
     _wrap_methods(MlflowTracker, "MLflow writes", public)
+    # The tune step's end, after its last trial: each a piece of the tail (the trial set is also
+    # read once as the first trial is submitted, for Prefect's trial table: a study with no trials).
+    _wrap_methods(TrackingOutbox, "tail: MLflow flush", ["flush"])
+    _wrap_methods(Tuner, "tail: trial set", ["trial_set"])
+    tune_step.record_plots = _timed("tail: plots", tune_step.record_plots)
+    tune_step.record_trial_table = _timed("tail: trial table", tune_step.record_trial_table)
 
     run_trial = Tuner.run_trial
 

@@ -311,6 +311,24 @@ def _png(draw: Callable[[], Axes], description: str = "") -> bytes:
                 plt.close(number)
 
 
+def load_drawing_in_background() -> None:
+    """Import what drawing the plots needs on a thread of its own, now: matplotlib, and Optuna's
+    plotting and importance modules, which import scikit-learn and SciPy (seconds of CPU, once per
+    process). Call it when a study starts: the plots are drawn after its last trial, where every second
+    is a wait for the step's end, and the study's own threads mostly wait on its jobs meanwhile."""
+    threading.Thread(target=_import_drawing, name="tunepod-plots-imports", daemon=True).start()
+
+
+def _import_drawing() -> None:
+    try:
+        _use_agg()
+        import matplotlib.pyplot  # noqa: F401
+        import optuna.importance
+        import optuna.visualization.matplotlib  # noqa: F401
+    except Exception:  # drawing imports them again, and shows its own error as a skipped plot
+        return
+
+
 def _use_agg() -> None:
     """The Agg backend, unless the process has chosen one already (it imported pyplot): the plots are
     files, drawn on a step's thread, where an interactive backend's windows must never open."""

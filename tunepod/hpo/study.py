@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import fcntl
 import json
 import logging
 import os
 import threading
+from collections.abc import Container
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +21,11 @@ from optuna.distributions import (
     IntDistribution,
 )
 from optuna.storages import BaseStorage, RDBStorage
-from optuna.storages.journal import JournalFileBackend, JournalStorage
+from optuna.storages.journal import BaseJournalBackend, JournalFileBackend, JournalStorage
 
 # Optuna's journal backend takes any lock of this base; it is only importable from its module.
 from optuna.storages.journal._file import BaseJournalFileLock
-from optuna.trial import TrialState
+from optuna.trial import FrozenTrial, TrialState
 
 from tunepod import world
 from tunepod.errors import TunepodError
@@ -66,7 +68,7 @@ def make_storage(uri: str, field: str = "study.storage") -> BaseStorage:
     if uri.startswith(JOURNAL_SCHEME):
         path = Path(uri[len(JOURNAL_SCHEME) :]).expanduser()
         path.parent.mkdir(parents=True, exist_ok=True)
-        return JournalStorage(WholeLinesJournalBackend(path))
+        return UnfinishedIndexedJournalStorage(WholeLinesJournalBackend(path))
     if uri.startswith("sqlite:///"):
         Path(uri[len("sqlite:///") :]).expanduser().parent.mkdir(parents=True, exist_ok=True)
         # Trials report from several threads at once; wait for SQLite's lock instead of failing.
@@ -74,6 +76,61 @@ def make_storage(uri: str, field: str = "study.storage") -> BaseStorage:
     with opening_store("the study storage", field, uri), schema_lock(uri, "optuna"):
         # A pooled connection dropped by the server (a restart, an RDS failover) is replaced, not raised.
         return RDBStorage(sync_sqlalchemy_url(uri), engine_kwargs={"pool_pre_ping": True})
+
+
+class UnfinishedIndexedJournalStorage(JournalStorage):
+    """Optuna's journal storage, whose read of the unfinished trials costs the trials in flight, not
+    the study's size.
+
+    The journal holds every trial in memory and picks those of the states asked for by looking at each
+    one; Optuna's ask reads the WAITING trials that way, and the tuner the RUNNING and WAITING ones at
+    every ask and every look at its slots, so each ask cost a pass over the whole study. A finished
+    trial never runs again: each study's unfinished trials are kept by id, added to as trials appear
+    (by this process or by another one appending to the journal) and dropped as they finish. A read
+    that asks for a finished state is Optuna's own.
+    """
+
+    def __init__(self, backend: BaseJournalBackend) -> None:
+        super().__init__(backend)
+        self._open: dict[int, _OpenTrials] = {}
+
+    def __setstate__(self, state: dict[Any, Any]) -> None:
+        super().__setstate__(state)
+        self._open = {}  # the journal is replayed afresh, and its trials indexed again
+
+    def get_all_trials(
+        self, study_id: int, deepcopy: bool = True, states: Container[TrialState] | None = None
+    ) -> list[FrozenTrial]:
+        if states is None or any(state in states for state in TrialState if state.is_finished()):
+            return super().get_all_trials(study_id, deepcopy, states)
+        with self._thread_lock:
+            self._sync_with_backend()
+            trials = [trial for trial in self._unfinished(study_id) if trial.state in states]
+        return copy.deepcopy(trials) if deepcopy else trials
+
+    def _unfinished(self, study_id: int) -> list[FrozenTrial]:
+        """The study's unfinished trials, by number (the replay's own objects: callers copy)."""
+        replay = self._replay_result
+        if study_id not in replay._studies:
+            return replay.get_all_trials(study_id, None)  # raises Optuna's own KeyError
+        ids = replay._study_id_to_trial_ids[study_id]
+        index = self._open.setdefault(study_id, _OpenTrials())
+        index.ids.update(ids[index.seen :])
+        index.seen = len(ids)
+        # Trial ids grow with creation, as numbers do within a study: sorted by id is by number.
+        unfinished = [
+            replay._trials[i] for i in sorted(index.ids) if not replay._trials[i].state.is_finished()
+        ]
+        index.ids = {trial._trial_id for trial in unfinished}
+        return unfinished
+
+
+class _OpenTrials:
+    """One study's trials that were unfinished when last read, and how many of its trials were seen."""
+
+    def __init__(self) -> None:
+        self.ids: set[int] = set()
+        self.seen = 0
 
 
 class WholeLinesJournalBackend(JournalFileBackend):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from tunepod.hpo.plots import Skipped, study_plots
+from tunepod.hpo.plots import Skipped, load_drawing_in_background, study_plots
 from tunepod.hpo.policies.asha import make_asha
 from tunepod.hpo.tuner import TrialSubmitter, TuneContext, Tuner, require_completed
 from tunepod.outputs import Dataset, Goal, StepOutput, TrialSet
@@ -46,6 +46,7 @@ def run(
     submit_trial: TrialSubmitter | None = None,
 ) -> TrialSet:
     tuned = tuner(run, name, settings, inputs)
+    load_drawing_in_background()  # ready by the study's end, where the plots are drawn
     trials = tuned.run(submit_trial)
     run.tracker.set_tags(run.run_id, {tags.step_tag(name, "study"): settings.study.name})
     if trials.multi_objective:

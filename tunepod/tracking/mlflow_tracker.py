@@ -15,7 +15,7 @@ from tunepod.errors import TunepodError
 from tunepod.runtime import Report
 from tunepod.stores import opening_store, redacted, schema_lock, sync_sqlalchemy_url
 from tunepod.tracking import tags as tag_names
-from tunepod.tracking.sqlite_store import seed_new_store
+from tunepod.tracking.sqlite_store import seed_new_store, use_write_ahead_log
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -120,6 +120,7 @@ class MlflowTracker:
                 # Opening a database store creates (or migrates) its tables: two pipelines starting at
                 # once on a new store would both run the migration and one fail, or break the store.
                 seed_new_store(tracking_uri)  # a new SQLite store: a copy of a cached empty one
+                use_write_ahead_log(tracking_uri)  # a SQLite store on a local disk: faster commits
                 self.client: MlflowClient = MlflowClient(tracking_uri)
                 self.experiment_id = self._experiment_id(experiment)
 

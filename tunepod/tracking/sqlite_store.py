@@ -11,10 +11,13 @@ The cached store has no experiment at all: MLflow creates its ``Default`` experi
 store without one, so the copy gets it exactly as a fresh store would, with the artifact location of the
 process that opens it. Anything that goes wrong here leaves the store to MLflow, as before: the cache is
 a shortcut, never a second way to build a store.
+
+A store on a local filesystem is kept in SQLite's write-ahead log mode (``use_write_ahead_log``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -22,11 +25,14 @@ import sqlite3
 from pathlib import Path
 
 from tunepod.locks import locked
+from tunepod.runtime.files import mount_point
 
 logger = logging.getLogger(__name__)
 
 SQLITE_PREFIX = "sqlite:///"
 CACHE_ENV = "TUNEPOD_CACHE_DIR"
+LOCAL_FILESYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "tmpfs", "overlay"})
+"""Filesystems that only their own host can open a file on (no NFS, Lustre, FSx, FUSE...)."""
 
 
 def cache_dir() -> Path:
@@ -87,3 +93,47 @@ def _build_empty_store(path: Path) -> None:
         connection.execute("DELETE FROM experiment_tags WHERE experiment_id = 0")
         connection.execute("DELETE FROM experiments WHERE experiment_id = 0")
     connection.close()
+
+
+def use_write_ahead_log(tracking_uri: str) -> bool:
+    """Put the ``sqlite:///`` store in SQLite's write-ahead log mode if its file is on a local
+    filesystem; True when the store is in that mode.
+
+    Every MLflow call is a transaction, and the tracking outbox writes a trial's records one call
+    after another on one thread (SQLite takes one writer at a time). In SQLite's default mode a commit
+    syncs a rollback journal and then the database; with the write-ahead log it syncs the log alone
+    (synchronous stays FULL: a commit is as durable as before), two to three times faster per MLflow
+    call here, so the writes keep up with short trials instead of piling up until the study's end.
+
+    The mode is the file's, for every process that opens it, and the write-ahead log shares an index
+    in memory: every one of them must run on one host. So only a file on a local filesystem, which no
+    other host can open, is switched; a store on NFS, Lustre or FSx keeps its journal."""
+    if not tracking_uri.startswith(SQLITE_PREFIX):
+        return False
+    database = Path(tracking_uri[len(SQLITE_PREFIX) :])
+    if not database.is_file() or filesystem_type(database) not in LOCAL_FILESYSTEMS:
+        return False
+    try:
+        with contextlib.closing(sqlite3.connect(database, timeout=30)) as connection:
+            mode = connection.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+    except sqlite3.Error as exc:  # a busy or read-only store: it stays as it is
+        logger.debug("MLflow store %s left in its journal mode: %s", database, exc)
+        return False
+    return str(mode).lower() == "wal"
+
+
+def filesystem_type(path: Path, mounts: Path = Path("/proc/mounts")) -> str | None:
+    """The type of the filesystem ``path`` is on (``ext4``, ``nfs4``...), from ``mounts`` (Linux's
+    list of mounts); None where that cannot be read (not Linux)."""
+    try:
+        lines = mounts.read_text().splitlines()
+    except OSError:
+        return None
+    where = str(mount_point(path))
+    found = None
+    for line in lines:
+        fields = line.split()
+        # Octal escapes in mount points (a space is \040); the last entry for a point is the one in use.
+        if len(fields) >= 3 and fields[1].encode().decode("unicode_escape") == where:
+            found = fields[2]
+    return found
