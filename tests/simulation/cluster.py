@@ -11,9 +11,19 @@ heartbeat, the result file), on its node's clock, so the real orchestrator reads
 faults are on, the program may crash (exit 1) or hang (its loop stops advancing, its heartbeat goes
 on) at a step, as the scenario's rates say.
 
+Where a backend places a job on nodes (Slurm), the program knows them (``Placement``): with
+checkpoint tiers it saves and restores through the nodes' memory as well (``simulation.node_memory``),
+and an elastic job's ranks, one per node, beat each into its own heartbeat file. When an elastic
+job's node that is not its first is lost, the survivors' step in flight fails; at the end of that
+sleep they re-form as torchrun's agents do (a pause for the lost agent's keep-alives and the last
+call, new workers, rank 0 forgetting the lost ranks' heartbeats with the runtime's
+``forget_ranks_from``), restore the newest step complete on the nodes left, record the smaller world
+in the worlds file, and train on under the same job and run.
+
 ``Cluster`` is the ground truth the invariants read: every job run, when it started and ended, on
 whose request, whether it is hung, the requests to stop it with the reason its job dir gave, every
-checkpoint a run saved, every report appended whole or torn, and the node failures that struck runs.
+checkpoint a run saved, every report appended whole or torn, the node failures that struck runs,
+the nodes elastic runs lost (``GroupLoss``) and the steps complete in each node's memory.
 A run its backend gave up on (its node stopped answering: the job went on without it) is *orphaned*:
 it no longer counts as its job's live run, though its processes may train on until they are killed.
 
@@ -32,13 +42,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from simulation.node_memory import MemoryTruth, RankZeroMemory
 from simulation.scheduler import Host, Process, Scheduler, SimLock
+from tunepod.launch.elastic import RDZV_KEEP_ALIVE_MAX_ATTEMPTS, RDZV_KEEP_ALIVE_S, RDZV_LAST_CALL_S
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.submission import read_cancel_marker
-from tunepod.runtime import CHECKPOINT_DIR_ENV, files
+from tunepod.runtime import CHECKPOINT_DIR_ENV, files, progress
 from tunepod.runtime.checkpoints import latest_checkpoint, read_whole_state, save_checkpoint
-from tunepod.runtime.files import write_bytes_atomic
+from tunepod.runtime.contract import CHECKPOINT_TIERS_ENV
+from tunepod.runtime.files import append_line_durably, write_bytes_atomic
 from tunepod.runtime.progress import RankProgress
+from tunepod.runtime.tiers import SaveTargets, read_checkpoint_tiers
+from tunepod.runtime.worlds import World, last_world
 
 HEARTBEAT_S = 10.0
 ExitHook = Callable[["JobRun"], None]
@@ -147,6 +162,20 @@ class Program:
         return range(first, min(self.steps, first + self.sleep_steps), self.stride)
 
 
+@dataclass(frozen=True)
+class Placement:
+    """The nodes a run's job was given, rank order: one rank on each, rank 0 (the batch script's,
+    which writes the job dir) on the first. ``min_nodes`` below their count: an elastic job
+    (``resources.min_nodes``), whose group re-forms without a lost node that is not the first."""
+
+    nodes: tuple[str, ...]
+    min_nodes: int | None = None
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_nodes is not None and self.min_nodes < len(self.nodes)
+
+
 @dataclass
 class JobRun:
     """One run of one backend job (a requeued job runs again: a new run, the same job)."""
@@ -192,6 +221,24 @@ class JobRun:
     an advance, a stop signal) and keeps it: a later jump of that clock moves none of them."""
     resumed_from: dict[str, object] | None = None
     """What the checkpoint it resumed from says of itself (``checkpoint_state``); None without one."""
+    placement: Placement | None = None
+    """Its nodes (a backend that places jobs on nodes says which); None: one node, unnamed."""
+    lost: list[str] = field(default_factory=list)
+    """Nodes of an elastic run whose ranks are gone (its group re-forms without them)."""
+    losses_seen: int = 0
+    """How many of ``lost`` its program has re-formed without."""
+    generation: int = 0
+    """How often its workers were restarted into a new group (torchrun's elastic restarts)."""
+    workers_started_at: float | None = None
+    """When its current workers started (None: with the run)."""
+    memory: RankZeroMemory | None = None
+    """Its memory tier, with checkpoint tiers on a backend that places jobs on nodes."""
+
+    @property
+    def group(self) -> list[str]:
+        """The nodes whose ranks still train together, rank order."""
+        nodes = self.placement.nodes if self.placement is not None else ()
+        return [node for node in nodes if node not in self.lost]
 
 
 @dataclass
@@ -206,6 +253,24 @@ class NodeFailure:
     outcome: str = ""
     """What the backend made of it: ``requeued`` or ``NODE_FAIL`` (empty until it decided)."""
     decided_at: float | None = None
+
+
+@dataclass
+class GroupLoss:
+    """A node of an elastic run lost while its job runs on (no requeue, no NODE_FAIL)."""
+
+    at: float
+    job_dir: Path
+    job_id: str
+    node: str
+    newest: int | None
+    """The newest step complete when it struck, in memory on a node left in the group or on the
+    shared file system: the survivors resume from it or a newer one."""
+    resumed: int | None = None
+    """The step the survivors restored (None: not yet, or a fresh start)."""
+    newest_at_restore: int | None = None
+    """The newest step complete where the survivors could read it, when they restored."""
+    restored_at: float | None = None
 
 
 @dataclass
@@ -245,6 +310,9 @@ class Cluster:
     torn: dict[Path, list[tuple[str, float, int]]] = field(default_factory=dict)
     """Per job dir, the reports whose line was torn (a run killed or crashed mid-append, or one
     whose slow append another run's cut in two)."""
+    memory: MemoryTruth | None = None
+    """The nodes' memory (``simulation.node_memory``), where a backend places jobs on nodes."""
+    group_losses: list[GroupLoss] = field(default_factory=list)
 
     def live_runs(self, job_dir: Path) -> list[JobRun]:
         """The runs its backend counts as its jobs' (an orphaned run may live on, lost to it)."""
@@ -257,6 +325,29 @@ class Cluster:
     def newest_saved(self, job_dir: Path) -> int | None:
         return max(self.saves.get(job_dir, []), default=None)
 
+    def newest_complete(self, run: JobRun) -> int | None:
+        """The newest step ``run`` could restore: on the shared file system, or complete in the memory
+        of a node of its group that answers (ground truth, apart from the files)."""
+        shared = self.newest_saved(run.job_dir)
+        if run.memory is None or self.memory is None:
+            return shared
+        memory = self.memory.newest_on(run.group, run.job_dir)
+        return max((step for step in (shared, memory) if step is not None), default=None)
+
+    def lose_ranks(self, run: JobRun, node: str) -> None:
+        """The ranks of an elastic run on ``node`` are gone (killed, or cut off from the others): its
+        group re-forms without them at its program's next step."""
+        if run.ended_at is not None or node in run.lost or node not in run.group:
+            return
+        run.lost.append(node)
+        newest = self.newest_complete(run)
+        self.group_losses.append(GroupLoss(self.sim.now, run.job_dir, run.job_id, node, newest))
+        self.sim.trace.event(
+            self.sim.now,
+            "fault",
+            f"job {run.job_id} loses its ranks on {node} (newest complete step {newest})",
+        )
+
     def start(
         self,
         job_dir: Path,
@@ -266,19 +357,24 @@ class Cluster:
         on_exit: ExitHook,
         *,
         paths: JobPaths | None = None,
+        placement: Placement | None = None,
     ) -> JobRun:
         """Start a run of a job with environment ``env`` on ``node``; ``on_exit(run)`` once its
         program ends by itself (not when it is killed). ``paths``: where the program writes its
         reports, heartbeats, checkpoints and result (default: ``job_dir``'s; a backend whose jobs
-        write elsewhere, such as SageMaker without a writable FSx, says where)."""
+        write elsewhere, such as SageMaker without a writable FSx, says where). ``placement``: the
+        nodes of its ranks, where the backend places jobs on nodes (the memory tier and elastic
+        groups live there)."""
         process = self.sim.start_process(f"job {job_id}", node)
         self.sim.starts_late(process, self.sim.latency.process_start)
         attempt_key = env.get("TUNEPOD_SUBMISSION_ID", "")
         run = JobRun(job_dir, job_id, attempt_key, self.sim.now, process, last_progress_at=self.sim.now)
+        run.placement = placement
         self.runs.append(run)
         self.sim.trace.event(self.sim.now, "job", f"job {job_id} runs ({job_dir.name})")
         params = dict(json.loads(env.get("TUNEPOD_PARAMS", "{}")))
         writes = paths if paths is not None else JobPaths(job_dir)
+        run.memory = self._memory_tier(run, env, writes)
         if env.get(CHECKPOINT_DIR_ENV, str(writes.checkpoints)) != str(writes.checkpoints):
             process.spawn("evaluate", lambda: self._evaluate(run, writes, params, on_exit))
         else:
@@ -300,6 +396,15 @@ class Cluster:
         run.orphaned_at = self.sim.now
         self.sim.trace.event(self.sim.now, "job", f"job {run.job_id}: a run is given up, alive: {why}")
 
+    def _memory_tier(self, run: JobRun, env: Mapping[str, str], paths: JobPaths) -> RankZeroMemory | None:
+        tiers = read_checkpoint_tiers(env, CHECKPOINT_TIERS_ENV)
+        if tiers is None or self.memory is None or run.placement is None:
+            return None
+        nonce = f"{run.job_id}.{len(self.runs)}.0"
+        return RankZeroMemory(
+            self.sim, self.memory, tiers, run.job_dir, paths.checkpoints, lambda: run.group, nonce
+        )
+
     def stop_requested(self, job_dir: Path, job_id: str) -> None:
         marker = read_cancel_marker(JobPaths(job_dir))
         reason = marker.reason if marker is not None else None
@@ -309,16 +414,16 @@ class Cluster:
 
     def _train(self, run: JobRun, paths: JobPaths, params: dict[str, float], on_exit: ExitHook) -> None:
         sim, program = self.sim, self.program
-        latest = latest_checkpoint(paths.checkpoints)
-        step = latest.step + program.stride if latest is not None else 0
-        run.first_step, run.newest_saved = step, self.newest_saved(run.job_dir)
-        run.resumed_from = json.loads(read_whole_state(latest)) if latest is not None else None
+        step = self._resume(run, paths)
         self._start_up(run)
         self._beat(run, paths, step=None)
         if self.heartbeats:
             run.process.spawn("heartbeat", lambda: self._heartbeats(run, paths))
         while step < program.steps:
             sim.sleep(self._step_s(params, step))
+            if len(run.lost) > run.losses_seen:  # a collective of this step failed: a lost node
+                step = self._reform(run, paths)
+                continue
             if self.faults_on and sim.choices.chance(self.faults.crash):
                 if sim.choices.chance(program.torn_appends):
                     self._tear(run, paths, step, params)
@@ -331,16 +436,102 @@ class Cluster:
             step = self._train_a_sleep(run, paths, params, step)
             run.last_progress_at = sim.now
             self._beat(run, paths, step=step)
-            if step + program.stride < program.steps and self._preempted(run, paths):
+            if step + program.stride < program.steps and self._preempted(run, paths, step, params):
                 self._exit(run, 0, on_exit, f"preempted: saved step {step} and stopped")
                 return
             step += program.stride
         if program.writes_result:
+            if not self._flush_memory(run, paths):  # ctx.finish
+                self._exit(run, 1, on_exit, "ctx.finish could not copy its newest memory step")
+                return
             self._finish(run, paths, params, step - program.stride)
         self._beat(run, paths, step=step - program.stride, finished=True)
         if self.curve is not None and self.curve.exit_s > 0:
             sim.sleep(self.curve.exit_s)
         self._exit(run, 0, on_exit, "finished")
+
+    def _resume(self, run: JobRun, paths: JobPaths) -> int:
+        """The first step of the run's program: the one after the step it restores."""
+        if run.memory is None:
+            latest = latest_checkpoint(paths.checkpoints)
+            run.newest_saved = self.newest_saved(run.job_dir)
+            restored, state = (latest.step, read_whole_state(latest)) if latest is not None else (None, None)
+        else:
+            run.newest_saved = self.newest_complete(run)
+            restored, state = self._restore_tiered(run, paths)
+        run.first_step = restored + self.program.stride if restored is not None else 0
+        run.resumed_from = json.loads(state) if state is not None else None
+        if run.placement is not None and run.placement.elastic:
+            run.losses_seen = len(run.lost)  # lost before it started: its first group forms without them
+            progress.forget_ranks_from(paths.progress, len(run.group))  # as runtime.init, at every start
+            self._note_world(run, paths, restored)
+        return run.first_step
+
+    def _restore_tiered(self, run: JobRun, paths: JobPaths) -> tuple[int | None, bytes | None]:
+        assert run.memory is not None
+        restored = run.memory.restore(paths.restores, self._now(run))
+        if restored is None:
+            return None, None
+        self.sim.trace.event(
+            self.sim.now, "job", f"job {run.job_id} restores step {restored.step} from {restored.tier}"
+        )
+        return restored.step, restored.state
+
+    def _reform(self, run: JobRun, paths: JobPaths) -> int:
+        """What torchrun's elastic agents do once a node's ranks are gone: the survivors' next
+        rendezvous round waits out the lost agent's keep-alives and its last call, then new workers
+        (rank 0 forgets the lost ranks' heartbeats, as ``runtime.init`` does) restore the newest step
+        complete on the nodes left and record the smaller world. The job runs on: same job, same run."""
+        sim = self.sim
+        lost = run.lost[run.losses_seen :]
+        sim.trace.event(sim.now, "job", f"job {run.job_id}: its group re-forms without {', '.join(lost)}")
+        missed = RDZV_KEEP_ALIVE_S * RDZV_KEEP_ALIVE_MAX_ATTEMPTS
+        sim.sleep(sim.choices.uniform(missed, missed + RDZV_LAST_CALL_S))
+        run.losses_seen = len(run.lost)
+        run.generation += 1
+        run.workers_started_at = run.last_progress_at = sim.now
+        if run.memory is not None:
+            run.memory.nonce = f"{run.job_id}.{self.runs.index(run)}.{run.generation}"
+        progress.forget_ranks_from(paths.progress, len(run.group))
+        newest = self.newest_complete(run)
+        if run.memory is None:
+            latest = latest_checkpoint(paths.checkpoints)
+            restored = latest.step if latest is not None else None
+        else:
+            restored = self._restore_tiered(run, paths)[0]
+        for loss in self.group_losses:
+            if loss.job_id == run.job_id and loss.node in run.lost and loss.restored_at is None:
+                loss.resumed, loss.newest_at_restore, loss.restored_at = restored, newest, sim.now
+        self._note_world(run, paths, restored)
+        self._beat(run, paths, step=restored)
+        return restored + self.program.stride if restored is not None else 0
+
+    def _note_world(self, run: JobRun, paths: JobPaths, step: int | None) -> None:
+        """Rank 0's record of its world when it differs from the last one (``runtime.worlds``, one
+        rank per node), with its node's wall clock as the record's time."""
+        previous = last_world(paths.worlds)
+        size = len(run.group)
+        if previous == (size, size):
+            return
+        before = previous if previous is not None else (None, None)
+        world = World(step or 0, size, size, before[0], before[1], self._now(run))
+        append_line_durably(paths.worlds, world.to_json())
+
+    def _flush_memory(self, run: JobRun, paths: JobPaths) -> bool:
+        """``ctx.finish`` with checkpoint tiers: the newest memory step to the shared folder when it is
+        newer, then the job's memory folders removed; False when that step is out of reach (restored
+        from a peer that no longer answers): ``finish`` raises, and the script fails."""
+        if run.memory is None:
+            return True
+        step = run.memory.newest_unshared()
+        if step is not None:
+            state = run.memory.memory_state(step)
+            if state is None:
+                return False
+            self._save_shared(run, paths, state, step)
+            run.memory.saved(step, SaveTargets(shared=True, memory=False))
+        run.memory.forget()
+        return True
 
     def _start_up(self, run: JobRun) -> None:
         """Up to the first heartbeat (``runtime.init``): at once, late, or never (see ``JobFaults``)."""
@@ -356,7 +547,7 @@ class Cluster:
             sim.sleep(self.curve.startup_s)
         run.beating_at = run.last_progress_at = sim.now
 
-    def _preempted(self, run: JobRun, paths: JobPaths) -> bool:
+    def _preempted(self, run: JobRun, paths: JobPaths, step: int, params: dict[str, float]) -> bool:
         """Whether the backend stops the run now, after the checkpoint of ``step`` (the script sees
         ``ctx.should_stop()`` at its next step and saves; its heartbeat tells when it was asked). Only
         a run that writes its job dir: elsewhere nobody could tell a preemption from an end."""
@@ -366,6 +557,9 @@ class Cluster:
         if not (self.faults_on and sim.choices.chance(self.faults.preempt)):
             return False
         run.preempted_at = sim.now
+        if run.memory is not None:  # the script saves once more on the signal: a stop's save is shared
+            self._save_shared(run, paths, checkpoint_state(run, step, params), step)
+            run.memory.saved(step, SaveTargets(shared=True, memory=True))
         run.saved_when_preempted = self.newest_saved(run.job_dir)
         sim.trace.event(
             sim.now, "fault", f"job {run.job_id} is preempted (a stop signal its script saves on)"
@@ -391,10 +585,22 @@ class Cluster:
             self._report(run, paths, step, self._metrics(params, step))
             if self.sim.choices.chance(self.program.same_step_reports):
                 self._report(run, paths, step, {"loss": round(1.0 - score(params, step), 6)})
-        save_checkpoint(paths.checkpoints, checkpoint_state(run, step, params), step, keep=self.program.keep)
+        state = checkpoint_state(run, step, params)
+        if run.memory is None:
+            self._save_shared(run, paths, state, step)
+            return step
+        targets = run.memory.targets(step)
+        if targets.shared:
+            self._save_shared(run, paths, state, step)
+        if targets.memory:
+            run.memory.save_to_memory(state, step, self.sim.choices.uniform(0.0, self.program.step_s / 4))
+        run.memory.saved(step, targets)
+        return step
+
+    def _save_shared(self, run: JobRun, paths: JobPaths, state: bytes, step: int) -> None:
+        save_checkpoint(paths.checkpoints, state, step, keep=self.program.keep)
         if paths.checkpoints.parent == run.job_dir:
             self.saves.setdefault(run.job_dir, []).append(step)
-        return step
 
     def _metrics(self, params: dict[str, float], step: int) -> dict[str, float]:
         if self.curve is not None:
@@ -417,6 +623,8 @@ class Cluster:
         run.result_at = self.sim.now
 
     def _exit(self, run: JobRun, code: int, on_exit: ExitHook, why: str) -> None:
+        if run.memory is not None:
+            run.memory.forget()  # the batch script's EXIT trap: the script ended by itself
         run.exit_code = code
         run.ended_at = self.sim.now
         self.sim.trace.event(self.sim.now, "job", f"job {run.job_id} exits {code} ({why})")
@@ -481,11 +689,12 @@ class Cluster:
 
     def _write_beat(self, run: JobRun, paths: JobPaths, *, step: int | None, finished: bool) -> None:
         now = self._now(run)
+        started = run.workers_started_at if run.workers_started_at is not None else run.started_at
         beat = RankProgress(
             rank=0,
             host=run.process.host.name,
-            pid=run.process.pid,
-            started_at=self._wall(run, run.started_at),
+            pid=run.process.pid + 100000 * run.generation,  # a restarted worker is a new process
+            started_at=self._wall(run, started),
             beat_at=now,
             advanced_at=self._wall(run, run.last_progress_at),
             step=step,
@@ -495,7 +704,7 @@ class Cluster:
             stop_requested_at=None if run.preempted_at is None else self._wall(run, run.preempted_at),
             # As the runtime measures them: on the monotonic clock, which no jump moves.
             idle_s=self.sim.now - run.last_progress_at,
-            ran_s=self.sim.now - run.started_at,
+            ran_s=self.sim.now - started,
         )
         record = asdict(beat)
         del record["telemetry"]
@@ -503,6 +712,16 @@ class Cluster:
         # folder under an orphaned run) is a missed beat, never the end of training.
         with contextlib.suppress(OSError):
             write_bytes_atomic(paths.progress / "rank-0.json", json.dumps(record).encode())
+        if run.placement is not None and run.placement.elastic:
+            self._write_peer_beats(run, paths, record)
+
+    def _write_peer_beats(self, run: JobRun, paths: JobPaths, record: dict[str, Any]) -> None:
+        """An elastic run's other ranks (one per node of its group) beat as rank 0 does: the watchdog
+        then sees a lost node's rank stop beating, until rank 0 of the next group forgets it."""
+        for rank, node in enumerate(run.group[1:], start=1):
+            peer = {**record, "rank": rank, "host": node, "pid": 4000 + rank + 100 * run.generation}
+            with contextlib.suppress(OSError):
+                write_bytes_atomic(paths.progress / f"rank-{rank}.json", json.dumps(peer).encode())
 
     def _last_step(self, paths: JobPaths) -> int | None:
         latest = latest_checkpoint(paths.checkpoints)

@@ -67,11 +67,26 @@ Checked once every fault has stopped and the study has settled:
   crashes and however many orchestrators start together;
 - **a node failure costs only the steps since its last checkpoint** (Slurm): the run that follows a
   node failure in its trial's job dir (the requeued job's next run, or the next attempt's) resumes
-  from the newest checkpoint saved when it starts, and that is no older than the newest one saved
-  when the failure struck (no step trained again that was saved before it, none skipped); a job that
+  from the newest step complete when it starts where its ranks can read it (with checkpoint tiers:
+  the shared file system, or the memory of a node of its allocation, its own or a peer's replica,
+  that answers; a node that stopped answering comes back with its memory gone), and that is no older
+  than the newest one saved on the shared file system when the failure struck (no step trained again
+  that was saved before it, none skipped); a job that
   ended NODE_FAIL (no result, stopped by no one but the watchdog for a hang) is started again while
   the trial's ``max_restarts`` allows, so its trial does not end FAIL on it. That the trial it hit is
   still one Optuna trial, told once, with one MLflow run, is "every trial ends counted once" above;
+- **an elastic job loses a node, not its steps** (Slurm, ``resources.min_nodes``): when a node of an
+  elastic job that is not its first is lost (killed, cut off, or its slurmd dead until its
+  namespaces end) while at least ``min_nodes`` remain, the job runs on under its job id (no requeue,
+  no NODE_FAIL) and its surviving ranks re-form: they resume from the newest step complete, when they
+  restore, in the memory of a node left in the group or on the shared file system, which is no
+  older than the newest one there when the node was lost (no step trained twice beyond it, none
+  skipped); the watchdog never stops such a job as hung because the lost ranks stopped beating
+  (checked at the stop: a stop as hung of a job that lost ranks comes only once its surviving ranks
+  really stopped progressing for the hang timeout); and the trial's one MLflow run records each
+  world the job ran in (the metric ``tunepod.world_size`` at the step each started from). That the
+  trial is one Optuna trial, told once, with one MLflow run, is "every trial ends counted once" and
+  "every report reaches MLflow once" above;
 - **a preempted job resumes** (a stop signal its script saved on and exited 0 by, not tunepod's): the
   next run of its job dir resumes from the newest checkpoint, no older than the newest saved when it
   was preempted; its trial does not end FAIL on it while ``max_restarts`` allows a restart, nor
@@ -119,7 +134,9 @@ from tunepod.hpo.tuner import ATTR_LAST_STEP
 from tunepod.launch.lease import Lease, LeaseLost, LeaseRecord, _Heartbeat, read_lease
 from tunepod.launch.paths import JobPaths
 from tunepod.launch.submission import read_cancel_marker, read_submission
+from tunepod.runtime.worlds import read_worlds
 from tunepod.spec.models import PrunerSpec
+from tunepod.tracking import tags
 
 # A driver sees a state change at its next poll: a stop may come this much after the condition held.
 _POLL_SLACK_S = 1.0
@@ -273,7 +290,9 @@ class Referee:
             if not self._hung(run):
                 idle = now - run.last_progress_at
                 self.violated(
-                    "no healthy job is cancelled",
+                    "an elastic job loses a node, not its steps"
+                    if run.lost
+                    else "no healthy job is cancelled",
                     f"job {job_id} of {job_dir.name} stopped as hung {idle:.0f}s after its last "
                     f"progress (hang timeout {facts.hang_timeout_s}s, start-up timeout "
                     f"{facts.startup_timeout_s}s, first heartbeat {_since(run.beating_at, run.started_at)})",
@@ -525,6 +544,7 @@ class Referee:
                 self._restarts_spent(trial)
             self._asha_decided(trial)
         self._node_failures_recovered(trials)
+        self._group_losses_recovered()
         self._preemptions_recovered(trials)
         self._continued_from_donors(trials)
         self._no_lease_held_by_a_live_process()
@@ -709,6 +729,21 @@ class Referee:
                 f"struck job {failure.job_id} with step {failure.saved} saved",
             )
 
+    def _group_losses_recovered(self) -> None:
+        """See "an elastic job loses a node, not its steps" in the module docstring."""
+        for loss in self.cluster.group_losses:
+            if loss.restored_at is None:
+                continue  # the run ended (or was stopped) before its group re-formed
+            newest, resumed = loss.newest_at_restore, loss.resumed
+            older = loss.newest is not None and (resumed is None or resumed < loss.newest)
+            if resumed != newest or older:
+                self.violated(
+                    "an elastic job loses a node, not its steps",
+                    f"job {loss.job_id} of {loss.job_dir.name} lost {loss.node} with step {loss.newest} "
+                    f"complete on the nodes left, and its survivors restored step {resumed} (newest "
+                    f"complete then: {newest})",
+                )
+
     def _restart_allowed(self, failure: NodeFailure) -> bool:
         """The job ended NODE_FAIL on its own (no stop but a hang's was asked) with restarts left, and
         is still its job dir's last attempt (a restart that never ran, and ended otherwise, is not)."""
@@ -843,7 +878,13 @@ class Referee:
         logged = Counter(
             (key, value, step) for key, points in run.metrics.items() for value, step, _ in points
         )
-        extra = logged - reported
+        worlds = _world_points(JobPaths(self._job_dir(trial)).worlds)
+        if worlds - logged:
+            self.violated(
+                "an elastic job loses a node, not its steps",
+                f"trial {trial.number}: worlds not in MLflow {sorted(worlds - logged)[:5]}",
+            )
+        extra = logged - reported - worlds
         if trial.state is TrialState.COMPLETE and trial.values:
             last = max(trial.intermediate_values, default=_last_step_attr(trial))
             extra -= Counter(
@@ -983,6 +1024,16 @@ class Referee:
 
     def _job_dir(self, trial: FrozenTrial) -> Path:
         return Path(str(trial.user_attrs.get(ATTR_JOB_DIR, self.facts.jobs_dir / f"trial-{trial.number}")))
+
+
+def _world_points(path: Path) -> Counter[tuple[str, float, int]]:
+    """What the mirror logs of a worlds file: each world's size at its step, once there was a change."""
+    found = read_worlds(path)
+    if len(found) < 2:
+        return Counter()
+    return Counter(
+        (f"{tags.PREFIX}{tags.WORLD_SIZE}", float(world.world_size), world.step) for world in found
+    )
 
 
 def _exited_by_itself(run: JobRun) -> bool:

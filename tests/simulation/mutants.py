@@ -36,7 +36,7 @@ from tunepod.launch.slurm import states as slurm_states
 from tunepod.launch.submission import write_cancel_marker
 from tunepod.launch.watchdog import Stall, Watchdog
 from tunepod.locks import locked
-from tunepod.runtime import Result, checkpoints, files, metrics
+from tunepod.runtime import Result, checkpoints, files, memory_store, metrics, progress
 from tunepod.runtime.checkpoints import CheckpointInfo
 from tunepod.runtime.progress import RankProgress, read_progress
 from tunepod.spec.models import PrunerSpec
@@ -557,6 +557,36 @@ def _tracking_record_created_unlocked() -> contextlib.AbstractContextManager[Non
     return _patched(RunMirror, "_create_record", create_record)
 
 
+def _lost_ranks_beat_on() -> contextlib.AbstractContextManager[None]:
+    def keep_every_beat(folder: Path, world_size: int) -> None:
+        return None
+
+    return _patched(progress, "forget_ranks_from", keep_every_beat)
+
+
+def _restore_ignores_peers() -> contextlib.AbstractContextManager[None]:
+    real = memory_store.choose_restore
+
+    def own_node_only(
+        nodes: dict[int, dict[int, memory_store.StepListing]], newest_shared: int | None
+    ) -> memory_store.RestorePlan | None:
+        own = min(nodes, default=None)
+        return real({} if own is None else {own: nodes[own]}, newest_shared)
+
+    return _patched(memory_store, "choose_restore", own_node_only)
+
+
+def _restore_prefers_shared() -> contextlib.AbstractContextManager[None]:
+    real = memory_store.choose_restore
+
+    def shared_first(
+        nodes: dict[int, dict[int, memory_store.StepListing]], newest_shared: int | None
+    ) -> memory_store.RestorePlan | None:
+        return real({} if newest_shared is not None else nodes, newest_shared)
+
+    return _patched(memory_store, "choose_restore", shared_first)
+
+
 MUTANTS = [
     Mutant("leases-leak", "issue 28, 2: leases of trials a failed ask never started stay held", _leases_leak),
     Mutant(
@@ -830,6 +860,32 @@ MUTANTS = [
         # Found by seed 754 (with the tally's draws) as a defect of the library, fixed since; none of
         # the first 1,500 seeds before the tally finds it.
         found_by=754,
+    ),
+    Mutant(
+        "lost-ranks-beat-on",
+        "rank 0 of an elastic job's smaller group keeps the lost ranks' heartbeat files: their beats "
+        "grow idle, and the watchdog stops the job as hung",
+        _lost_ranks_beat_on,
+        # Seeds are hunted over every backend (only Slurm's draw elastic jobs), so a found seed is
+        # the one a plain --seeds run holds: seed 120 (elastic, its job on past the hang timeout).
+        found_by=120,
+    ),
+    Mutant(
+        "restore-ignores-peers",
+        "a memory-tier restore lists its own node's memory alone: a peer's replica of a newer step is "
+        "passed over, and the steps since the shared one are trained again",
+        _restore_ignores_peers,
+        # Seed 120: a job requeued after its first node was lost restores on the node that held
+        # its replica.
+        found_by=120,
+    ),
+    Mutant(
+        "restore-prefers-shared",
+        "a memory-tier restore takes the shared file system's step whenever there is one, over a newer "
+        "step complete in memory",
+        _restore_prefers_shared,
+        # Seed 120: the requeued job, and an elastic job's survivors, restore the older shared step.
+        found_by=120,
     ),
 ]
 

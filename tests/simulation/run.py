@@ -43,6 +43,7 @@ from simulation.backends import Machine
 from simulation.choices import Choices
 from simulation.cluster import Cluster, Program
 from simulation.invariants import Referee, StudyFacts, Violation
+from simulation.node_memory import MemoryTruth
 from simulation.scenario import Scenario, TimedFault, scenario_of
 from simulation.scheduler import Entropy, Host, Process, Scheduler, SimulationError, SimWorld, Task
 from simulation.steps import Pipeline, StepSetup
@@ -131,7 +132,7 @@ class _Run:
         self.switch = FaultSwitch()
         self.database = OptunaDatabase()
         self.mlflow = MlflowTwin()
-        self.cluster = Cluster(self.sim, scenario.program, scenario.jobs)
+        self.cluster = Cluster(self.sim, scenario.program, scenario.jobs, memory=MemoryTruth(root / "shm"))
         self.settings = _settings(scenario)
         self.jobs_dir = root / "jobs" / STUDY
         self.referee = Referee(
@@ -474,8 +475,12 @@ def _settings(scenario: Scenario) -> TuneSettings:
             "max_resource": program.steps,
         }
     resources: dict[str, object] = {"num_nodes": scenario.num_nodes}
+    if scenario.min_nodes is not None:
+        resources["min_nodes"] = scenario.min_nodes
     if scenario.timeout_s is not None:
         resources["timeout_min"] = scenario.timeout_s / 60
+    tiers = scenario.checkpoint_tiers
+    tiers_spec = None if tiers is None else {"memory_every_steps": tiers[0], "shared_every_steps": tiers[1]}
     return TuneSettings.model_validate(
         {
             "train": {
@@ -484,6 +489,7 @@ def _settings(scenario: Scenario) -> TuneSettings:
                 "max_restarts": scenario.max_restarts,
                 "hang_timeout_s": scenario.hang_timeout_s,
                 "startup_timeout_s": scenario.startup_timeout_s,
+                "checkpoints": tiers_spec,
             },
             "study": _study(scenario),
             "space": {"x": {"type": "float", "low": 0.0, "high": 1.0}},

@@ -10,7 +10,8 @@ at any yield point* strike an orchestrator where its thread stopped, a lock or a
 not: a SIGKILL, a stall (short, or past the lease TTL), its host's clock jumping; and a job's training
 process may stall there too. After ``fault_phase_s`` every fault stops, and the study must then end
 (liveness) within ``settle_s``. Draws added later (ASHA, PBT, crashes after writes, node failures,
-start-ups, preemptions, the train and evaluate steps, time, PBT's slow checkpoint copies) come from
+start-ups, preemptions, the train and evaluate steps, time, PBT's slow checkpoint copies, elastic
+trials and the memory tier) come from
 random sources of their own, so a seed's earlier draws stay as they were.
 
 Time passes: each seed draws a *latency profile* (``scheduler.Latency``), how long each kind of call
@@ -83,6 +84,12 @@ class Scenario:
     """Orchestrators alternate between two hosts (their pids cannot be looked up across them)."""
     num_nodes: int = 1
     """Nodes per job (``resources.num_nodes``): drawn for Slurm's seeds, whose twin allocates them."""
+    min_nodes: int | None = None
+    """``resources.min_nodes`` below ``num_nodes``: elastic trials, whose group goes on without a
+    lost node that is not its first (Slurm's seeds)."""
+    checkpoint_tiers: tuple[int, int] | None = None
+    """``train.checkpoints``' ``(memory_every_steps, shared_every_steps)``: the memory tier (Slurm's
+    seeds without PBT); None: every save goes to the shared file system."""
     startup_timeout_s: float | None = 1800.0
     """``train.startup_timeout_s``: how long a running job may take to send its first heartbeat."""
     steps: tuple[str, ...] = ()
@@ -140,6 +147,13 @@ class Scenario:
             f"keeps {program.keep} checkpoint(s)"
         )
 
+    def _describe_elastic(self) -> str:
+        text = f" (elastic down to {self.min_nodes})" if self.min_nodes is not None else ""
+        if self.checkpoint_tiers is not None:
+            memory, shared = self.checkpoint_tiers
+            text += f", checkpoints to memory every {memory} steps, to the shared file system every {shared}"
+        return text
+
     def _describe_study(self) -> str:
         objectives = ", ".join(f"{metric} ({direction})" for metric, direction in self.objectives)
         enqueued = ", ".join(f"x={x}" for x in self.enqueue) or "nothing"
@@ -151,7 +165,7 @@ class Scenario:
             f"{self.num_parallel} in parallel, "
             f"max_restarts {self.max_restarts}, pruner {self.pruner}, timeout {self.timeout_s}, "
             f"hang timeout {self.hang_timeout_s}, orchestrators on {2 if self.two_hosts else 1} host(s), "
-            f"{self.num_nodes} node(s) per job",
+            f"{self.num_nodes} node(s) per job{self._describe_elastic()}",
             self._describe_program(),
             self._describe_study(),
             f"rates: optuna writes {self.optuna_writes}, reads {self.optuna_reads}, mlflow {self.mlflow}, "
@@ -243,7 +257,7 @@ def scenario_of(seed: int, *, kinds: tuple[str, ...] = KINDS) -> Scenario:
     scenario = _with_lost_pause_answers(scenario)
     scenario = _with_time(_with_steps(_with_preemptions(_with_slow_starts(scenario))))
     scenario = _with_enqueue(_with_objectives(_with_torn_appends(_with_long_program(scenario))))
-    return _with_slow_copies(_with_rungs_mid_sleep(_with_sampler(scenario)))
+    return _with_node_memory(_with_slow_copies(_with_rungs_mid_sleep(_with_sampler(scenario))))
 
 
 def _with_asha(scenario: Scenario) -> Scenario:
@@ -300,6 +314,40 @@ def _with_node_failures(scenario: Scenario) -> Scenario:
     draw = random.Random(f"node-failures-{scenario.seed}")
     backend = with_node_failures(scenario.backend, draw)
     return replace(scenario, backend=backend, num_nodes=draw.choice([1, 1, 2]))
+
+
+def _with_node_memory(scenario: Scenario) -> Scenario:
+    """Slurm's seeds, drawn apart (as ASHA's): elastic trials (down to one node) in half of the
+    two-node seeds and in a quarter of the one-node ones, which then run on two; and the memory tier
+    in half of the seeds without PBT (whose donors the orchestrator reads from the shared file system
+    alone), with a memory save at each of the program's saves and a shared one every one to three.
+    Elastic seeds lose nodes more often, and without a run-time limit their jobs train longer (6 to
+    12 sleeps): a loss while a job runs, and the hang timeout passing after it, is what they are about."""
+    if scenario.backend.kind != "slurm":
+        return scenario
+    draw = random.Random(f"node-memory-{scenario.seed}")
+    if draw.random() < (0.5 if scenario.num_nodes == 2 else 0.25):
+        backend = _losing_nodes(scenario.backend, draw)
+        scenario = replace(
+            scenario, num_nodes=2, min_nodes=1, backend=backend, program=_longer(scenario, draw)
+        )
+    if scenario.pruner == "pbt" or draw.random() >= 0.5:
+        return scenario
+    every = scenario.program.sleep_steps
+    return replace(scenario, checkpoint_tiers=(every, every * draw.choice([1, 2, 3])))
+
+
+def _longer(scenario: Scenario, draw: random.Random) -> Program:
+    program = scenario.program
+    if scenario.timeout_s is not None or program.stride != 1:
+        return program  # the limit was drawn from the run time; a long program has its sleeps already
+    return replace(program, steps=max(program.steps, draw.randint(6, 12)))
+
+
+def _losing_nodes(backend: BackendSettings, draw: random.Random) -> BackendSettings:
+    assert isinstance(backend, SlurmSettings)
+    failures = max(backend.faults.node_failure_per_s, draw.uniform(0.001, 0.006))
+    return replace(backend, faults=replace(backend.faults, node_failure_per_s=failures))
 
 
 _SLOWEST: dict[str, Span] = {

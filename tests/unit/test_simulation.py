@@ -35,6 +35,10 @@ def test_a_seed_replays_its_run_event_for_event() -> None:
 # promotions-eat-restarts, copy-fails-on-a-pruned-step, torn-metrics-line and parked-counted-in-flight
 # were hunted again when the draws changed with the tuner's tally, the tracking record created under
 # its lock and HyperPod EKS restarts in place (Restarting is PENDING, a new run's clocks start afresh).
+# fence-check-before-lock's seed was hunted again when Slurm's seeds drew elastic trials and the
+# memory tier. The defects of those (lost-ranks-beat-on, restore-ignores-peers, restore-prefers-shared)
+# are found by seed 120: elastic, with the memory tier, a node lost under a running job and a requeue
+# after its first node was lost.
 FOUND_BY = {
     "half-asked": 4,
     "host-clock": 14,
@@ -43,7 +47,7 @@ FOUND_BY = {
     "early-pause": 10,
     "node-fail-cancelled": 21,
     "train-step-leaks-lease": 376,
-    "fence-check-before-lock": 422,
+    "fence-check-before-lock": 301,
     "outbox-drops-readded": 385,
     "promotions-eat-restarts": 235,
     "pbt-wrong-donor": 12,
@@ -52,6 +56,9 @@ FOUND_BY = {
     "torn-metrics-line": 2,
     "asha-judges-untold-rung": 605,
     "parked-counted-in-flight": 994,
+    "lost-ranks-beat-on": 120,
+    "restore-ignores-peers": 120,
+    "restore-prefers-shared": 120,
 }
 
 

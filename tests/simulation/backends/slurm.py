@@ -25,6 +25,13 @@ Modelled, as Slurm does it:
   one hears how they end (their trap still writes the job dir). A job cancelled or timed out on a
   silent node stays COMPLETING until the node is DOWN; one started there never starts its script.
   The node comes back later (slurmd restarted) and takes jobs again;
+- an elastic job (``--no-kill``, torchrun's ``--nnodes min:max``) is not requeued for a node that is
+  not its first (the batch script's and the rendezvous') while at least ``min_nodes`` are left: its
+  ranks there leave the group (at once where they are cut off or killed, when the node's namespaces
+  end where only its slurmd died), the survivors re-form (``simulation.cluster``), and once the node
+  is DOWN the job holds the nodes left, RUNNING under the same id. A lost first node, or too few
+  left, ends the job's run as above. A node that stopped answering comes back rebooted: the memory
+  tier's steps it held are gone;
 - ``scontrol update nodename=X state=down`` (an operator's, while faults are on): the node is DOWN at
   once, its jobs are requeued (or end NODE_FAIL) at once and its slurmd kills their processes; it
   takes jobs again once resumed;
@@ -47,7 +54,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from simulation.backends import Machine, Outage, ServiceFaults, rate, service_faults
-from simulation.cluster import Cluster, JobRun, NodeFailure
+from simulation.cluster import Cluster, JobRun, NodeFailure, Placement
 from simulation.invariants import Referee
 from simulation.scheduler import Host, Scheduler
 from tunepod.launch.base import Launcher
@@ -196,6 +203,10 @@ class SlurmJob:
     """What a COMPLETING job ends as."""
     struck: NodeFailure | None = field(default=None, repr=False)
     """A node failure that struck its run and that the controller has not acted on yet."""
+    min_nodes: int | None = None
+    """An elastic job's (``--no-kill``, torchrun's ``--nnodes min:max``): the fewest nodes it runs on."""
+    lost: list[SlurmNode] = field(default_factory=list, repr=False)
+    """Nodes of an elastic job's run that its group went on without (no requeue, no NODE_FAIL)."""
 
 
 class Slurmctld:
@@ -219,6 +230,9 @@ class Slurmctld:
         self.accounted: dict[str, SlurmJob] = {}
         self.doomed: list[tuple[float, JobRun]] = []
         """Runs on a silent node, and when its namespaces end (what kills them: not Slurm)."""
+        self.doomed_ranks: list[tuple[float, JobRun, str]] = []
+        """An elastic run's ranks on a node whose slurmd died: they train on with the others until
+        the node's namespaces end (then the group re-forms without them)."""
         self._next_id = 1000 + sim.choices.integer(0, 5000)
         controller = sim.start_process("slurmctld", Host("head", "boot-head", "pid:[head]"))
         controller.spawn("control", self._control)
@@ -231,6 +245,7 @@ class Slurmctld:
             for node in self.nodes:
                 self._node_tick(node)
             self._kill_doomed()
+            self._doomed_ranks_end()
             for job in list(self.memory.values()):
                 self._tick(job)
 
@@ -260,15 +275,21 @@ class Slurmctld:
         picked: list[SlurmNode] = []
         for _ in range(job.num_nodes):
             picked.append(self.sim.choices.pick([node for node in up if node not in picked]))
-        job.nodes = tuple(picked)
+        job.nodes, job.lost = tuple(picked), []
         job.state, job.reason, job.started_at = "RUNNING", "None", self.sim.now
         batch = picked[0]
         if not batch.answers:  # the launch goes to a node that no longer answers: the script never starts
             self.sim.trace.event(self.sim.now, "job", f"job {job.job_id} is sent to silent {batch.name}")
             self._struck(job)
             return
+        placement = Placement(tuple(node.name for node in picked), job.min_nodes)
         job.run = self.cluster.start(
-            job.job_dir, job.job_id, job.env, batch.host, lambda run: self._exited(job, run)
+            job.job_dir,
+            job.job_id,
+            job.env,
+            batch.host,
+            lambda run: self._exited(job, run),
+            placement=placement,
         )
         self.referee.job_started(job.job_dir)
         for node in picked[1:]:
@@ -361,6 +382,8 @@ class Slurmctld:
         node.namespace_ends_at = now + self.slurmd_timeout_s + choices.uniform(0.0, 120.0)
         node.back_at = node.namespace_ends_at + choices.uniform(10.0, 300.0)
         how = "its link is cut" if node.cut_off else "its slurmd dies"
+        if self.cluster.memory is not None:
+            self.cluster.memory.silent.add(node.name)
         self.sim.trace.event(now, "fault", f"{node.name} stops answering ({how})")
         for job in self._allocated(node):
             if job.state == "RUNNING":
@@ -368,7 +391,13 @@ class Slurmctld:
 
     def _silenced(self, job: SlurmJob, node: SlurmNode) -> None:
         """What a node's silence does at once to the job running on it: the program goes on (slurmd
-        dead), freezes (its batch host cut off) or waits for a peer that is gone (another node cut off)."""
+        dead), freezes (its batch host cut off) or waits for a peer that is gone (another node cut off);
+        an elastic job's group goes on without a node that is not its first."""
+        if node in job.lost:
+            return
+        if self._goes_on_without(job, node):
+            self._loses_ranks(job, node)
+            return
         self._struck(job)
         run = job.run
         if run is None or run.ended_at is not None:
@@ -380,6 +409,30 @@ class Slurmctld:
                 run.hung = True
         elif node.cut_off:
             run.stuck = True
+
+    def _goes_on_without(self, job: SlurmJob, node: SlurmNode) -> bool:
+        """An elastic job keeps running without ``node`` (``--no-kill``): not its first node (the batch
+        script's and the rendezvous'), and at least ``min_nodes`` left."""
+        left = [other for other in job.nodes if other is not node and other not in job.lost]
+        return job.min_nodes is not None and node is not job.nodes[0] and len(left) >= job.min_nodes
+
+    def _loses_ranks(self, job: SlurmJob, node: SlurmNode) -> None:
+        """The ranks on ``node`` leave the group: at once where they are cut off or killed, else (its
+        slurmd dead) once its namespaces end."""
+        job.lost.append(node)
+        run = job.run
+        if run is None or run.ended_at is not None:
+            return
+        if node.answers or node.cut_off:
+            self.cluster.lose_ranks(run, node.name)
+        else:
+            self.doomed_ranks.append((node.namespace_ends_at, run, node.name))
+
+    def _doomed_ranks_end(self) -> None:
+        now = self.sim.now
+        for at, run, node in [entry for entry in self.doomed_ranks if entry[0] <= now]:
+            self.doomed_ranks.remove((at, run, node))
+            self.cluster.lose_ranks(run, node)
 
     def _struck(self, job: SlurmJob) -> None:
         """Record the failure for the referee, with the newest step saved when it struck."""
@@ -397,6 +450,14 @@ class Slurmctld:
                 self._node_failed(job, node)
 
     def _node_failed(self, job: SlurmJob, node: SlurmNode) -> None:
+        if node in job.lost or self._goes_on_without(job, node):
+            if node not in job.lost:  # set DOWN while it answered: its slurmd kills the ranks there
+                self._loses_ranks(job, node)
+            job.nodes = tuple(other for other in job.nodes if other is not node)
+            self.sim.trace.event(
+                self.sim.now, "job", f"job {job.job_id} runs on without {node.name} (--no-kill)"
+            )
+            return
         self._struck(job)
         failure, job.struck = job.struck, None
         assert failure is not None
@@ -410,6 +471,9 @@ class Slurmctld:
         failure.decided_at = self.sim.now
 
     def _back(self, node: SlurmNode) -> None:
+        if node.silent_since is not None and self.cluster.memory is not None:
+            self.cluster.memory.wipe(node.name)  # it stopped answering, and comes back rebooted
+            self.cluster.memory.silent.discard(node.name)
         node.down, node.reason, node.silent_since, node.cut_off, node.back_at = False, "", None, False, None
         self.sim.trace.event(self.sim.now, "job", f"{node.name} is back (IDLE)")
 
@@ -452,6 +516,7 @@ class Slurmctld:
             job_dir=job_dir,
             env=_exports(script),
             num_nodes=int(options.get("nodes", "1")),
+            min_nodes=_min_nodes(script) if "no-kill" in options else None,
             time_limit_s=_time_limit_s(options.get("time")),
             exit_file=_exit_file(script),
             exit_fields=_exit_fields(script),
@@ -606,6 +671,12 @@ def _exports(script: str) -> dict[str, str]:
             name, _, value = line[len("export ") :].partition("=")
             env[name] = shlex.split(value)[0] if value else ""
     return env
+
+
+def _min_nodes(script: str) -> int | None:
+    """An elastic job's fewest nodes: torchrun's ``--nnodes min:max``."""
+    found = re.search(r"--nnodes[ =](\d+):(\d+)", script)
+    return int(found.group(1)) if found else None
 
 
 def _exit_fields(script: str) -> tuple[str, ...]:
