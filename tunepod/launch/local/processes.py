@@ -68,6 +68,11 @@ def is_same_process(table: ProcessTable, pid: int, start_ticks: int) -> bool:
     return stat is not None and stat.start_ticks == start_ticks and not stat.is_dead
 
 
+_EXEC_SETTLE_READS = 200
+_EXEC_SETTLE_S = 0.01
+"""How often and how far apart a just-started child's empty environment is read again (2 s in all)."""
+
+
 class LinuxProcesses:
     """``/proc``, ``subprocess``, ``kill`` and pidfds."""
 
@@ -96,10 +101,22 @@ class LinuxProcesses:
         return live_processes()
 
     def environ(self, pid: int) -> bytes | None:
-        try:
-            return Path(f"/proc/{pid}/environ").read_bytes()
-        except OSError:  # gone, exiting (its memory goes, ESRCH, while its stat still runs), not ours
-            return None
+        for _ in range(_EXEC_SETTLE_READS):
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes()
+            except OSError:  # gone, exiting (its memory goes, ESRCH, while its stat still runs), not ours
+                return None
+            if environ or not self._is_child(pid):
+                return environ
+            # Our child inside its exec: Popen returns once the exec is past its point of no return,
+            # and the kernel lays out the new environment a moment later (a loaded machine can hold
+            # the child in between), so a job just started would not show its submission id.
+            world.sleep(_EXEC_SETTLE_S)
+        return environ
+
+    def _is_child(self, pid: int) -> bool:
+        with self._children_lock:
+            return any(process.pid == pid for process in self._children)
 
     def signal(self, pid: int, signum: signal.Signals) -> None:
         with contextlib.suppress(ProcessLookupError):
