@@ -356,11 +356,10 @@ def test_an_elastic_job_that_lost_its_batch_host_is_requeued_on_the_nodes_it_ask
     """Slurm keeps a --no-kill job RUNNING on the survivors when the node it took out was the batch
     script's (squeue: 1 node, n2, batch host n1): no survivor can go on, so the launcher requeues it
     and asks for its 2 nodes again."""
-    runner = ScriptedRunner({"squeue": "7|RUNNING|1|n1|n2|None\n", "scontrol": "n2\n"})
+    runner = ScriptedRunner({"squeue": "7|RUNNING|1|n1|n2|None\n"})
     statuses = SlurmLauncher(launcher_spec(tmp_path), runner).poll({"7": elastic_record(2)})
     assert statuses["7"].job_state is JobState.PENDING
     assert runner.calls[1:] == [
-        ["scontrol", "show", "hostnames", "n2"],
         ["scontrol", "requeue", "7"],
         ["scontrol", "update", "JobId=7", "NumNodes=2"],
     ]
@@ -371,14 +370,15 @@ def test_an_elastic_job_that_lost_its_batch_host_is_requeued_on_the_nodes_it_ask
     ("line", "record"),
     [
         ("7|RUNNING|1|n1|n1|None\n", elastic_record(2)),  # the batch host survived: it goes on
+        ("7|RUNNING|2|n1|n[1,3]|None\n", elastic_record(3)),  # in a hostlist's range
         ("7|RUNNING|2|n1|n[1-2]|None\n", elastic_record(2)),  # every node it asked for
         ("7|RUNNING|1|n1|n2|None\n", TrackedJob(Path("/jobs/trial-7"), intent().accepted("7", {}))),
         ("7|PENDING|2|n/a||Resources\n", elastic_record(2)),
     ],
-    ids=["survived-batch-host", "whole", "not-elastic", "pending"],
+    ids=["survived-batch-host", "in-a-range", "whole", "not-elastic", "pending"],
 )
 def test_no_other_job_is_requeued_by_the_launcher(line: str, record: TrackedJob, tmp_path: Path) -> None:
-    runner = ScriptedRunner({"squeue": line, "scontrol": "n1\n"})
+    runner = ScriptedRunner({"squeue": line})
     SlurmLauncher(launcher_spec(tmp_path), runner).poll({"7": record})
     assert not any(call[:2] in (["scontrol", "requeue"], ["scontrol", "update"]) for call in runner.calls)
 

@@ -546,6 +546,8 @@ class Slurmctld:
         return 0, "".join("|".join(_field(job, f) for f in fields) + "\n" for job in listed), ""
 
     def _scontrol(self, argv: Sequence[str]) -> tuple[int, str, str]:
+        if argv[1] in ("requeue", "update"):
+            return self._scontrol_change(argv)
         job = self.memory.get(argv[-1])
         if job is None:
             return 1, "", _INVALID
@@ -558,6 +560,22 @@ class Slurmctld:
             f"NodeList={nodes} Comment={job.comment or '(null)'}\n"
         )
         return 0, line, ""
+
+    def _scontrol_change(self, argv: Sequence[str]) -> tuple[int, str, str]:
+        """``scontrol requeue ID`` of a running job, and ``scontrol update JobId=ID NumNodes=N`` of a
+        queued one (the launcher's requeue of an elastic job that lost its first node)."""
+        if argv[1] == "requeue":
+            job = self.memory.get(argv[2])
+            if job is None or job.state != "RUNNING":
+                return 1, "", f"Requeue of JobId={argv[2]} failed: Job is pending execution"
+            self._requeue(job, "scontrol requeue")
+            return 0, "", ""
+        settings = dict(arg.split("=", 1) for arg in argv[2:])
+        job = self.memory.get(settings.get("JobId", ""))
+        if job is None:
+            return 1, "", _INVALID
+        job.num_nodes = int(settings["NumNodes"])
+        return 0, "", ""
 
     def _sacct(self, argv: Sequence[str]) -> tuple[int, str, str]:
         if not self.accounting:

@@ -80,10 +80,6 @@ class SlurmCommands:
                 return {}
             raise
 
-    def hostnames(self, nodelist: str) -> list[str]:
-        """The nodes of a Slurm hostlist (``n[1-2]`` -> n1, n2), as Slurm itself expands it."""
-        return self.runner.run(["scontrol", "show", "hostnames", nodelist]).stdout.split()
-
     def requeue(self, job_id: str, nodes: int) -> None:
         """Put a running job back in the queue, asking for ``nodes`` nodes again: Slurm keeps the
         count a job shrank to when it lost nodes under ``--no-kill``, and would start it on those."""

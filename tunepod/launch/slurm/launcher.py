@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
 
+from hostlist import expand_hostlist
+
 from tunepod import world
 from tunepod.errors import JobError
 from tunepod.launch.base import Accepted, Job, JobSpec, JobState, LauncherBase, Rendered
@@ -199,7 +201,7 @@ class SlurmLauncher(LauncherBase[SlurmStatus]):
             or status.node_count is None
             or status.node_count >= int(asked)
             or not status.batch_host
-            or status.batch_host in self.slurm.hostnames(status.nodelist)
+            or status.batch_host in expand_hostlist(status.nodelist)
         ):
             return status
         logger.warning(
