@@ -20,6 +20,7 @@ import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from benchmarks.lcbench.metrics import ranks_of
 from benchmarks.quality.timing import trial_reports
 from tunepod.hpo.asha import forecast_final
 
@@ -40,17 +41,7 @@ def full_curves(root: Path, metric: str, final_step: int) -> list[Curve]:
 
 def ranks(values: Sequence[float]) -> list[float]:
     """Each value's rank, 0 the lowest (ties share their mean rank)."""
-    order = sorted(range(len(values)), key=lambda i: values[i])
-    result = [0.0] * len(values)
-    start = 0
-    while start < len(order):
-        end = start
-        while end + 1 < len(order) and values[order[end + 1]] == values[order[start]]:
-            end += 1
-        for position in range(start, end + 1):
-            result[order[position]] = (start + end) / 2
-        start = end + 1
-    return result
+    return [rank - 1 for rank in ranks_of(values)]
 
 
 def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
