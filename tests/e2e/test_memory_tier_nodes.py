@@ -219,38 +219,6 @@ def assert_one_run_holding_every_report(study: FaultStudy, trial: FrozenTrial) -
     assert reports[-1].metrics[METRIC] == pytest.approx(trial.value)
 
 
-def test_the_rank_of_a_killed_node_restores_the_newest_memory_step_from_the_surviving_node(
-    runs: MakeRuns, tmp_path: Path
-) -> None:
-    """Fault: rank 0's node (which also runs the batch script and the rendezvous) is killed after
-    memory step 4 reached the other node; shared step 3 is the newest on the shared file system.
-
-    Proves: the restart restores step 4, not 3: the rank on the restarted node (empty memory)
-    fetches it from the surviving node's memory (the log names that node's address), the other
-    rank reads its own; the log line and the MLflow run's tags say so; steps 5..9 are trained once,
-    after nothing else was reported, so every step is reported, and tracked, once; the trial is one
-    Optuna trial and one MLflow run. The job's memory folders are gone from both nodes at the end
-    (``ctx.finish`` flushed step 9 to the shared folder first).
-    """
-    loss = lose_nodes(runs, tmp_path, FIRST_HOLD)
-
-    survivor = loss.nodes[1]
-    assert loss.memory_at_kill == [{node: NEWEST_MEMORY for node in loss.nodes}]
-    assert loss.shared_at_kill == [NEWEST_SHARED]
-    job_dir = loss.study.job_dir(0)
-    step, where = restored(job_dir)
-    assert step == NEWEST_MEMORY > NEWEST_SHARED
-    # One rank read its own node's copy, the other fetched it from the survivor's memory.
-    assert "own memory" in where and f"peer memory ({node_address(survivor)}:" in where, (where, survivor)
-    trials = assert_study_complete(loss.study)
-    assert_resumed_after(loss, step)
-    assert_tracked_once(loss.study, trials)
-    assert_tagged(trial_run(loss.study), step, "peer memory")
-    assert shared_step(JobPaths(job_dir).checkpoints) == EPOCHS - 1
-    assert all(memory_step(node, JobPaths(job_dir).checkpoints) is None for node in loss.nodes)
-    assert "was requeued or is restarting; it resumes" in loss.output or "restart 1 of 1" in loss.output
-
-
 SECOND_HOLD = 8
 """The step rank 0 stops before on its second start (steps 5..7 trained since the first restore)."""
 
@@ -262,10 +230,14 @@ def test_a_trial_that_loses_one_node_then_the_other_restores_from_memory_both_ti
     restores and trains on, and rank 0 holds again at step 8; then the other node, the one that gave
     step 4 to the first restore, is killed after memory step 7 (shared step 6).
 
-    Proves: each restore took the newest memory step, from the node that survived that loss (step 4
-    from the second node's memory, then step 7, which the restarted first node had saved since, from
-    its own), so no step was trained twice: the three starts reported 0..4, 5..7 and 8..9; the trial
-    is one Optuna trial and one MLflow run, whose tags list both restores.
+    Proves: each restore took the newest memory step, not the newer shared one, from the node that
+    survived that loss: step 4, which the restarted first node (empty memory) fetched from the second
+    node's memory (the log names that node's address) while the second read its own; then step 7,
+    which the restarted first node had saved since, read from its own memory and fetched by the
+    second. No step was trained twice: the three starts reported 0..4, 5..7 and 8..9. The trial is
+    one Optuna trial and one MLflow run, whose tags name the last restore and list both; the driver
+    logged each requeue. The job's memory folders are gone from both nodes at the end (``ctx.finish``
+    flushed step 9 to the shared folder first).
     """
     study = tiered_study(tmp_path, max_restarts=2, hang_again_at_epoch=SECOND_HOLD)
     second_kill = Kill("hung.again", slice(1, 2), memory=SECOND_HOLD - 1)
@@ -273,20 +245,29 @@ def test_a_trial_that_loses_one_node_then_the_other_restores_from_memory_both_ti
 
     first, second = loss.nodes
     assert loss.killed == [[first], [second]]
+    assert loss.memory_at_kill[0] == {first: NEWEST_MEMORY, second: NEWEST_MEMORY}
     assert loss.shared_at_kill == [NEWEST_SHARED, 6]
     job_dir = loss.study.job_dir(0)
     (step_4, where_4), (step_7, where_7) = restores(job_dir)
-    assert step_4 == NEWEST_MEMORY and f"rank 0 peer memory ({node_address(second)}:" in where_4, where_4
+    assert step_4 == NEWEST_MEMORY > NEWEST_SHARED, where_4
+    assert f"rank 0 peer memory ({node_address(second)}:" in where_4, where_4
+    assert "rank 1 own memory" in where_4, where_4
     assert step_7 == SECOND_HOLD - 1 and f"rank 1 peer memory ({node_address(first)}:" in where_7, where_7
     assert "rank 0 own memory" in where_7, where_7
     assert reported_by_each_start(job_dir) == [[0, 1, 2, 3, 4], [5, 6, 7], [8, 9]]
     trials = assert_study_complete(loss.study)
     assert_tracked_once(loss.study, trials)
     run = trial_run(loss.study)
+    assert_tagged(run, SECOND_HOLD - 1, "peer memory")
     assert [(r["step"], r["tier"]) for r in json.loads(run.data.tags[tags.PREFIX + tags.RESTORES])] == [
         (NEWEST_MEMORY, "peer memory"),
         (SECOND_HOLD - 1, "peer memory"),
     ]
+    # Slurm requeues the job, or ends it and the driver submits it again: either way, two restarts.
+    logged = loss.output.count("was requeued or is restarting; it resumes") + loss.output.count("; restart ")
+    assert logged == 2, loss.output[-3000:]
+    assert shared_step(JobPaths(job_dir).checkpoints) == EPOCHS - 1
+    assert all(memory_step(node, JobPaths(job_dir).checkpoints) is None for node in loss.nodes)
 
 
 def test_a_node_killed_during_a_restore_from_it_leaves_the_shared_step_to_restore(
