@@ -5,6 +5,7 @@ in flight, on the local launcher, against the ideal and against Ray Tune on the 
     .venv/bin/python -m benchmarks.scale --trials 100 --no-ray  # quick look at tunepod alone
     .venv/bin/python -m benchmarks.scale --prefect-api http://127.0.0.1:4200/api
     .venv/bin/python -m benchmarks.scale --prefect-api URL --mlflow-uri URL   # the local stack
+    .venv/bin/python -m benchmarks.scale --optuna-storage "$(cat /var/lib/tunepod-postgres/url)"
 
 Each side is a process of its own timed from launch to exit: ``tunepod run`` on a generated spec
 (stage a small folder, tune ``trainer.py`` with the random sampler and no pruner; MLflow on SQLite,
@@ -85,7 +86,9 @@ def write_spec(folder: Path, args: argparse.Namespace, trials: int) -> Path:
             "args": {"sleep_s": args.sleep_s, "reports": args.reports},
             "resources": {"num_nodes": 1, "procs_per_node": 1},
         },
-        "study": {"name": "scale", "storage": f"journal://{folder / 'optuna.log'}", "metric": "score",
+        # A study of its own in a shared database: one per run, named after the run's folder.
+        "study": {"name": f"scale-{folder.name}" if args.optuna_storage else "scale",
+                  "storage": args.optuna_storage or f"journal://{folder / 'optuna.log'}", "metric": "score",
                   "direction": "maximize"},
         "space": {"x": {"type": "float", "low": 0.0, "high": 1.0}},
         "num_trials": trials, "num_parallel": args.parallel, "sampler": "random", "seed": 0,
@@ -117,7 +120,8 @@ def run_tunepod(folder: Path, args: argparse.Namespace, trials: int) -> SideResu
         probe = json.loads(stats.read_text())
         result.cpu_s, result.pieces = probe["cpu_s"], probe["pieces"]
         result.tail_s, result.max_rss_mb = probe.get("tail_s"), probe.get("max_rss_mb")
-    ended = len(list((folder / "shared" / "jobs" / "scale").glob("trial-*/result.json")))
+    study = f"scale-{folder.name}" if args.optuna_storage else "scale"
+    ended = len(list((folder / "shared" / "jobs" / study).glob("trial-*/result.json")))
     if failed is None and ended != trials:
         result.failed = f"{ended} of {trials} trials wrote a result; see {folder / 'tunepod.log'}"
     return result
@@ -266,6 +270,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefect-api", help="a running Prefect server's API URL (default: a temporary one)")
     parser.add_argument(
         "--mlflow-uri", help="a running MLflow tracking server (default: SQLite in the temp folder)"
+    )
+    parser.add_argument(
+        "--optuna-storage",
+        help="the study's Optuna storage URL, e.g. postgresql://... (default: a journal file beside it)",
     )
     parser.add_argument("--no-ray", action="store_true", help="tunepod alone")
     parser.add_argument(
