@@ -350,6 +350,20 @@ def assert_trained_once(study: FaultStudy) -> None:
     assert not stale, f"job dirs set aside as stale: {stale}"
 
 
+def assert_runs_made_ahead_were_taken_or_deleted(study: FaultStudy) -> int:
+    """No run made ahead of a trial (``tracking.runs_ahead``) is left untaken: every one is a trial's
+    run now, or deleted. Returns how many trials' runs were made ahead."""
+    client = MlflowClient(study.tracking_uri)
+    experiment = client.get_experiment_by_name(EXPERIMENT)
+    assert experiment is not None
+    untaken = client.search_runs([experiment.experiment_id], "tags.`tunepod.reserved` = 'true'")
+    assert untaken == [], [run.info.run_id for run in untaken]
+    taken = client.search_runs(
+        [experiment.experiment_id], f"tags.`tunepod.reserved` = 'false' AND tags.`tunepod.study` = '{STUDY}'"
+    )
+    return len(taken)
+
+
 def assert_tracked_once(study: FaultStudy, trials: Mapping[int, FrozenTrial]) -> None:
     """One MLflow run per trial, found by its tags, holding each epoch's reported ``score`` exactly once.
 

@@ -29,6 +29,7 @@ from faults_support import (
     MakeRuns,
     Tunepod,
     assert_nothing_left,
+    assert_runs_made_ahead_were_taken_or_deleted,
     assert_study_complete,
     assert_tracked_once,
     assert_trained_once,
@@ -88,7 +89,9 @@ def test_sigkill_of_the_orchestrator_group_mid_study_then_rerun(
 
     Proves: the jobs survive the orchestrator and the rerun re-attaches to them (same job id, first
     attempt, one start each: no trial trained twice), the study ends with exactly num_trials trials,
-    MLflow holds one run per trial with every epoch once, and nothing of the study runs afterwards.
+    MLflow holds one run per trial with every epoch once, and nothing of the study runs afterwards;
+    the runs the killed orchestrator made ahead of trials were taken by trials or deleted, and later
+    trials' runs were made ahead.
     Epochs of 2 s keep the first jobs running while the rerun starts up (~12 s here), so the rerun
     re-attaches to live jobs (test_a_job_that_finished_while_nobody_watched... covers finished ones).
     """
@@ -108,6 +111,7 @@ def test_sigkill_of_the_orchestrator_group_mid_study_then_rerun(
         assert submission(study.job_dir(number)).job_id == job_id, f"trial {number} got a new job"
     assert "re-attaching to unfinished trials" in rerun.output(), rerun.tail()
     assert_tracked_once(study, trials)
+    assert assert_runs_made_ahead_were_taken_or_deleted(study) >= 1
     assert_nothing_left(study)
 
 

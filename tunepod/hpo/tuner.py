@@ -62,6 +62,7 @@ from tunepod.tracking import RunTracker, tags
 from tunepod.tracking.mirror import Final, FinalMetric, ModelPlan, RunMirror, RunPlan, read_mirror_state
 from tunepod.tracking.mlflow_tracker import RunStatus
 from tunepod.tracking.outbox import TrackingOutbox
+from tunepod.tracking.reserve import RunReserve
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,9 @@ class TuneContext:
     mlflow_ui_url: str = LOCAL_MLFLOW_UI
     storage: BaseStorage | None = None
     """The Optuna storage to use instead of opening the spec's ``study.storage`` (a simulation's)."""
+    open_run_reserve: Callable[[int], RunReserve] | None = None
+    """Opens the reserve of MLflow runs made ahead of the trials (``tunepod.tracking.reserve``), given
+    how many trials run at once; None: each trial's run is created as the trial starts."""
 
 
 @dataclass(frozen=True)
@@ -157,6 +161,7 @@ class Tuner:
         self._abandoned: dict[int, str] = {}
         self._following: frozenset[int] = frozenset()
         self._lock = world.lock()
+        self._run_reserve: RunReserve | None = None
 
     @property
     def step(self) -> str:
@@ -173,13 +178,19 @@ class Tuner:
         self._metrics.count_trials(self.trials.tally())
         watch.study_started(self._study_start())
         submit = submit or _on_a_thread
+        self._run_reserve = self._open_run_reserve()
+        flushed = False
         try:
-            self._keep_trials_in_flight(submit)
+            try:
+                self._keep_trials_in_flight(submit)
+            finally:
+                # Leases taken for trials whose driver never started (a failed ask, a failed submit):
+                # held on by this process's heartbeat, they would keep every later driver away for good.
+                self._let_go_of_unstarted()
+            flushed = self.ctx.outbox.flush(self.ctx.flush_timeout_s)
         finally:
-            # Leases taken for trials whose driver never started (a failed ask, a failed submit): held
-            # on by this process's heartbeat, they would keep every later driver away for good.
-            self._let_go_of_unstarted()
-        self.ctx.outbox.flush(self.ctx.flush_timeout_s)
+            if self._run_reserve is not None:
+                self._run_reserve.close(all_named=flushed)
         if self._abandoned:
             listed = "\n".join(f"trial {n}: {why}" for n, why in sorted(self._abandoned.items()))
             raise TunepodError(
@@ -188,6 +199,11 @@ class Tuner:
                 f"Run the pipeline again to re-attach to them.\n{listed}"
             )
         return self.trial_set()
+
+    def _open_run_reserve(self) -> RunReserve | None:
+        in_flight = self.settings.num_parallel
+        assert isinstance(in_flight, int), "resolved when the tuner was made"
+        return self.ctx.open_run_reserve(in_flight) if self.ctx.open_run_reserve is not None else None
 
     def _keep_trials_in_flight(self, submit: TrialSubmitter) -> None:
         in_flight: dict[Future[TrialRecord], int] = {}
@@ -520,7 +536,8 @@ class Tuner:
     def _mirror(
         self, frozen: FrozenTrial, params: dict[str, object], extra_tags: Mapping[str, str]
     ) -> RunMirror:
-        """The trial's MLflow run, found or created by the outbox (never by this thread)."""
+        """The trial's MLflow run: taken from the runs made ahead, else found or created by the outbox
+        (never by this thread)."""
         number = frozen.number
         plan = RunPlan(
             key=f"{self.settings.study.name}/trial-{number}",
@@ -539,7 +556,11 @@ class Tuner:
         )
         recorded = frozen.user_attrs.get(ATTR_RUN_ID)
         mirror = RunMirror(
-            self.ctx.tracker, self._job_dir(frozen), plan=plan, run_id=str(recorded) if recorded else None
+            self.ctx.tracker,
+            self._job_dir(frozen),
+            plan=plan,
+            run_id=str(recorded) if recorded else None,
+            reserve=self._run_reserve,
         )
         self.ctx.outbox.add(mirror)
         return mirror

@@ -92,6 +92,13 @@ class TrackingSpec(Strict):
         description="How long a step waits at its end for MLflow to take what jobs reported while it was "
         "unreachable (jobs never wait for MLflow); a later run brings over what is still missing.",
     )
+    runs_ahead: int | None = Field(
+        None,
+        ge=0,
+        description="MLflow runs a tune step makes ahead of its trials, so that a trial's job starts without "
+        "waiting for its run to be created (each is named when a trial takes it; those left are deleted "
+        "at the step's end). Default: as many as trials in flight; 0: each run is made as its trial starts.",
+    )
 
     @property
     def browse_url(self) -> str:

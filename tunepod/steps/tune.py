@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from pathlib import Path
 
 from tunepod.hpo.plots import Skipped, load_drawing_in_background, study_plots
 from tunepod.hpo.policies.asha import make_asha
@@ -14,11 +15,13 @@ from tunepod.steps.context import StepContext
 from tunepod.steps.inputs import only_input
 from tunepod.stores import redacted
 from tunepod.tracking import tags
+from tunepod.tracking.reserve import RunReserve
 
 log = logging.getLogger(__name__)
 
 
 def tuner(run: StepContext, name: str, settings: TuneSettings, inputs: Mapping[str, StepOutput]) -> Tuner:
+    jobs_dir = run.shared.jobs_dir(settings.study.name)
     return Tuner(
         TuneContext(
             step=name,
@@ -26,14 +29,25 @@ def tuner(run: StepContext, name: str, settings: TuneSettings, inputs: Mapping[s
             launcher=run.launcher,
             dataset=only_input(inputs, Dataset, name),
             # Keyed by study, not by run: a rerun of the study resumes the same trial folders.
-            jobs_dir=run.shared.jobs_dir(settings.study.name),
+            jobs_dir=jobs_dir,
             tracker=run.tracker,
             outbox=run.outbox,
             parent_run_id=run.run_id,
             pipeline=run.spec.name,
             flush_timeout_s=run.spec.tracking.flush_timeout_s,
             mlflow_ui_url=run.spec.tracking.browse_url,
+            open_run_reserve=run_reserve_opener(run, jobs_dir),
         )
+    )
+
+
+def run_reserve_opener(run: StepContext, jobs_dir: Path) -> Callable[[int], RunReserve] | None:
+    """How the tune step opens its reserve of MLflow runs made ahead (``tracking.runs_ahead``)."""
+    wanted = run.spec.tracking.runs_ahead
+    if wanted == 0:
+        return None
+    return lambda in_flight: RunReserve(
+        run.tracker, jobs_dir, run.run_id, size=in_flight if wanted is None else wanted
     )
 
 

@@ -66,6 +66,7 @@ from tunepod.runtime.restores import Restore, read_restores
 from tunepod.runtime.worlds import read_worlds
 from tunepod.tracking import tags
 from tunepod.tracking.mlflow_tracker import RunStatus, RunTracker
+from tunepod.tracking.reserve import RunReserve, adopt_reserved_run, forget_reserved_run
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,9 @@ class MirrorState(BaseModel):
     """Metric names whose points were set aside because MLflow refuses them (sorted)."""
     model_id: str | None = None
     finalized: bool = False
+    named: bool = True
+    """False while the run is one made ahead (``tunepod.tracking.reserve``) that does not yet carry the
+    job's name, tags and params: the next sync sets them."""
 
 
 def read_mirror_state(job_dir: Path) -> MirrorState:
@@ -160,7 +164,9 @@ class RunMirror:
     """Brings one MLflow run up to date with one job dir. See the module docstring.
 
     ``plan`` finds or creates the run (a trial, a train step); ``run_id`` names an existing run to
-    write into instead (an evaluation's trial run). Job tags go under ``tag_prefix``.
+    write into instead (an evaluation's trial run); with ``reserve``, a job dir that never asked MLflow
+    for a run takes one made ahead, at once, and the first sync names it. Job tags go under
+    ``tag_prefix``.
     Thread safety: ``finish`` may be called from any thread; ``sync`` from one thread at a time.
     """
 
@@ -174,6 +180,7 @@ class RunMirror:
         tag_prefix: str = tags.PREFIX,
         mirror_reports: bool = True,
         mirror_telemetry: bool | None = None,
+        reserve: RunReserve | None = None,
     ) -> None:
         if plan is None and run_id is None:
             raise ValueError("a mirror needs a plan for its run, or the id of an existing run")
@@ -214,6 +221,8 @@ class RunMirror:
         if self._state.run_id is not None:
             self._run_known.set()
         self._create_record()
+        if reserve is not None:
+            self._take_reserved(reserve)
 
     def _create_record(self) -> None:
         """Write the job dir's tracking record if it has none, at once: a job dir with one is a job
@@ -229,6 +238,24 @@ class RunMirror:
                 self._catch_up_with_disk()
             else:
                 self._save(run_requested=False)
+
+    def _take_reserved(self, reserve: RunReserve) -> None:
+        """Take a run made ahead when this job dir never asked MLflow for one (a job dir that did may
+        have its run already, found by its key). Under the tracking lock, as every write of the record."""
+        if self.plan is None or self._state.run_id is not None or self._state.run_requested is not False:
+            return
+        with locked(JobPaths(self.job_dir).tracking_lock):
+            self._catch_up_with_disk()
+            if self._state.run_id is not None or self._state.run_requested is not False:
+                return
+            taken = adopt_reserved_run(self.job_dir) or reserve.take_into(self.job_dir)
+            if taken is not None:
+                self._record_reserved(taken)
+
+    def _record_reserved(self, run_id: str) -> None:
+        """The job dir's run is ``run_id``, taken from a reserve; named at the next sync."""
+        self._save(run_id=run_id, run_requested=True, named=False)
+        forget_reserved_run(self.job_dir)
 
     @property
     def run_id(self) -> str | None:
@@ -289,6 +316,8 @@ class RunMirror:
             refused_metrics=tuple(sorted({*mine.refused_metrics, *disk.refused_metrics})),
             model_id=mine.model_id or disk.model_id,
             finalized=mine.finalized or disk.finalized,
+            # Naming again what another driver named is the same write again: no harm.
+            named=mine.named and disk.named,
         )
         if self._state.run_id is not None:
             self._run_known.set()
@@ -309,6 +338,9 @@ class RunMirror:
         answer was lost, a crash before its id was saved), else created, the request recorded first."""
         assert self.plan is not None
         plan = self.plan
+        if self._state.run_requested is False and (taken := adopt_reserved_run(self.job_dir)) is not None:
+            self._record_reserved(taken)  # taken by a mirror that crashed before it recorded the take
+            return taken
         found = None if self._state.run_requested is False else self.tracker.find_run(plan.key)
         if found is None:
             self._save(run_requested=True)
@@ -319,17 +351,33 @@ class RunMirror:
         return found
 
     def _sync_job_tags(self, run_id: str) -> None:
+        """The job's tags (and the plan's params, once), in one write with the run's name and the
+        plan's tags when the run was made ahead and not named yet."""
+        naming = self._naming_tags()
         record = read_submission(JobPaths(self.job_dir))
-        if record is None or record.job_id is None or self._tagged == (record.job_id, record.attempt):
+        job: dict[str, object] = {}
+        if (
+            record is not None
+            and record.job_id is not None
+            and self._tagged != (record.job_id, record.attempt)
+        ):
+            job_id, job_dir, attempt = tags.job_tags(self.tag_prefix)
+            job = {job_id: record.job_id, job_dir: str(self.job_dir), attempt: record.attempt}
+        if not naming and not job:
             return
-        job_id, job_dir, attempt = tags.job_tags(self.tag_prefix)
-        self.tracker.set_tags(
-            run_id,
-            {job_id: record.job_id, job_dir: str(self.job_dir), attempt: record.attempt},
-            params=self._params_pending or None,
-        )
-        self._tagged = (record.job_id, record.attempt)
+        self.tracker.set_tags(run_id, {**naming, **job}, params=self._params_pending or None)
+        if naming:
+            self._save(named=True)
+        if record is not None and job:
+            self._tagged = (record.job_id or "", record.attempt)
         self._params_pending = {}
+
+    def _naming_tags(self) -> dict[str, object]:
+        """What a run made ahead lacks of its plan: name, tags, key; nothing once named."""
+        if self._state.named or self.plan is None:
+            return {}
+        plan = self.plan
+        return {tags.RUN_NAME: plan.name, **plan.tags, tags.KEY: plan.key, tags.RESERVED: "false"}
 
     def _sync_reports(self, run_id: str) -> None:
         self._pending += self._tail.read_new_with_ends()

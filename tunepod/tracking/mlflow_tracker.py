@@ -262,6 +262,16 @@ class MlflowTracker:
     def end_run(self, run_id: str, status: RunStatus) -> None:
         self.client.set_terminated(run_id, status=status)
 
+    def delete_run(self, run_id: str) -> None:
+        """Delete a run (MLflow keeps it out of searches and the UI); one gone already is no error."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.delete_run(run_id)
+        except MlflowException as exc:
+            if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
+
     def run_is_active(self, run_id: str) -> bool:
         """Whether the run takes writes: MLflow refuses every write to a deleted run with the error it
         gives for a name it does not take (``INVALID_PARAMETER_VALUE``)."""

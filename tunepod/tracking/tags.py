@@ -4,6 +4,7 @@ from __future__ import annotations
 
 PREFIX = "tunepod."
 PARENT_RUN = "mlflow.parentRunId"
+RUN_NAME = "mlflow.runName"
 
 # The pipeline run.
 PIPELINE = "tunepod.pipeline"
@@ -22,6 +23,9 @@ STEP = "tunepod.step"
 STATE = "tunepod.state"
 """RUNNING, then COMPLETE, PRUNED or FAIL."""
 LAUNCHER = "tunepod.launcher"
+RESERVED = "tunepod.reserved"
+"""``true`` on a run made ahead of its trial (``tunepod.tracking.reserve``) until a trial takes it and
+names it, then ``false``."""
 JOB_ID = "job_id"
 JOB_DIR = "job_dir"
 ATTEMPT = "attempt"
