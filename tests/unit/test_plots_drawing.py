@@ -17,7 +17,18 @@ from optuna.trial import FrozenTrial, TrialState, create_trial
 from PIL import Image
 
 from tunepod.hpo.asha import ATTR_ASHA, Asha, AshaState
-from tunepod.hpo.plots import MAX_CURVES, Mark, Plot, Skipped, curves_to_draw, describe, marks, study_plots
+from tunepod.hpo.plots import (
+    MAX_CURVES,
+    Mark,
+    Plot,
+    Skipped,
+    curves_to_draw,
+    describe,
+    marks,
+    objective_view,
+    renumber_curves,
+    study_plots,
+)
 from tunepod.hpo.population import ATTR_CONTINUED_IN
 from tunepod.outputs import Goal
 
@@ -104,6 +115,22 @@ def test_each_plot_is_a_png_titled_for_its_study_and_pyplot_is_left_as_it_was() 
     # Optuna's functions set ggplot's style and leave their figures open: neither outlives the plots.
     assert plt.get_fignums() == []
     assert matplotlib.rcParams["axes.facecolor"] == facecolor
+
+
+def test_drawn_from_a_view_of_its_drawn_trials_only_each_curve_keeps_its_trials_number() -> None:
+    """The learning curves are drawn from a view of the drawn trials alone (numbered 0, 1, ... there),
+    and the legend names each curve by its own trial's number."""
+    shown = [t for t in study(9) if t.number % 4 == 1]  # trials 1 and 5 of 0..8
+    view = objective_view(shown, 0, SCORE, "tiny", curves={t.number for t in shown})
+    ax = optuna.visualization.matplotlib.plot_intermediate_values(view)
+    try:
+        renumber_curves(ax, [t.number for t in shown])
+        labels = sorted(
+            str(line.get_label()) for line in ax.get_lines() if str(line.get_label()).startswith("T")
+        )
+        assert labels == ["Trial1", "Trial5"]
+    finally:
+        plt.close("all")
 
 
 def test_one_completed_trial_has_its_history_and_no_importances_and_says_why() -> None:
