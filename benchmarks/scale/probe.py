@@ -82,10 +82,13 @@ def _instrument() -> None:
     from tunepod.tracking.mirror import RunMirror
     from tunepod.tracking.mlflow_tracker import MlflowTracker
     from tunepod.tracking.outbox import TrackingOutbox
+    from tunepod.tracking.reserve import RunReserve
 
     _wrap_methods(Tuner, "ask", ["_ask"])
     _wrap_methods(StudyTrials, "tell", ["tell"])
     _wrap_methods(LauncherBase, "submission", ["submit"])
+    # A trial's run: taken from those made ahead, or waited for while the outbox creates it.
+    _wrap_methods(RunReserve, "MLflow run wait", ["take_into"])
     _wrap_methods(RunMirror, "MLflow run wait", ["wait_for_run"])
     public = [n for n, v in vars(MlflowTracker).items() if callable(v) and not n.startswith("_")]
     _wrap_methods(MlflowTracker, "MLflow writes", public)
@@ -93,6 +96,7 @@ def _instrument() -> None:
     # read once as the first trial is submitted, for Prefect's trial table: a study with no trials).
     _wrap_methods(TrackingOutbox, "tail: MLflow flush", ["flush"])
     _wrap_methods(Tuner, "tail: trial set", ["trial_set"])
+    _wrap_methods(RunReserve, "tail: runs made ahead deleted", ["close"])
     tune_step.record_plots = _timed("tail: plots", tune_step.record_plots)
     tune_step.record_trial_table = _timed("tail: trial table", tune_step.record_trial_table)
 
