@@ -15,6 +15,7 @@ from tunepod.steps.context import StepContext
 from tunepod.steps.inputs import only_input
 from tunepod.stores import redacted
 from tunepod.tracking import tags
+from tunepod.tracking.outbox import takes_one_writer
 from tunepod.tracking.reserve import RunReserve
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ def run_reserve_opener(run: StepContext, jobs_dir: Path) -> Callable[[int], RunR
     takes one writer at a time, which short trials keep busy (measured: 10,000 one-second trials, 16
     in flight, left a 60 s backlog at the study's end, against none without)."""
     wanted = run.spec.tracking.runs_ahead
-    if wanted == 0 or (wanted is None and run.spec.tracking.uri.startswith("sqlite:")):
+    if wanted == 0 or (wanted is None and takes_one_writer(run.spec.tracking.uri)):
         return None
     return lambda in_flight: RunReserve(
         run.tracker, jobs_dir, run.run_id, size=in_flight if wanted is None else wanted

@@ -29,11 +29,17 @@ SYNC_THREADS = 4
 concurrently (MLflow's server runs 4 workers under ``tunepod up``)."""
 
 
+def takes_one_writer(tracking_uri: str) -> bool:
+    """Whether the store takes one writer at a time (a SQLite file), not concurrent writes (a tracking
+    server, a database server)."""
+    return tracking_uri.startswith("sqlite:")
+
+
 def sync_threads_for(tracking_uri: str) -> int:
     """How many threads sync mirrors into this store (the one that creates runs aside): one for a
-    SQLite file, which takes one writer at a time (measured: four made 100 short trials slower, each
+    store that takes one writer at a time (measured on SQLite: four made 100 short trials slower, each
     waiting on the file's lock and retrying), ``SYNC_THREADS`` otherwise."""
-    return 1 if tracking_uri.startswith("sqlite:") else SYNC_THREADS
+    return 1 if takes_one_writer(tracking_uri) else SYNC_THREADS
 
 
 class TrackingOutbox:
