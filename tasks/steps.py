@@ -25,6 +25,7 @@ from prefect.client.schemas.objects import State
 from prefect.futures import PrefectFuture
 from prefect.runtime import task_run
 from prefect.states import Completed
+from prefect.transactions import Transaction
 
 from tasks.retry import transient_only
 from tunepod.hpo.endings import ENDING_NAMES
@@ -91,7 +92,9 @@ def submit_trial(tuner: Tuner, number: int) -> Future[TrialRecord]:
     # The task ends in a named state holding the record: the future's result is the record itself.
     prefect_future = cast(
         "PrefectFuture[TrialRecord]",
-        run_trial.with_options(name=name, task_run_name=name).submit(tuner, number),
+        _outside_the_step_transaction(
+            lambda: run_trial.with_options(name=name, task_run_name=name).submit(tuner, number)
+        ),
     )
     future: Future[TrialRecord] = Future()
 
@@ -108,6 +111,21 @@ def submit_trial(tuner: Tuner, number: int) -> Future[TrialRecord]:
 
     prefect_future.add_done_callback(settle)
     return future
+
+
+def _outside_the_step_transaction(submit: Callable[[], T]) -> T:
+    """``submit`` a trial's task run with no transaction around it. Submitted from inside the step's
+    task run, it would open its transaction as a child of the step's, which keeps every child (and,
+    through its hooks, the child's whole task engine: its task run, events and result) until the
+    step ends: tens of KB per trial, for a study of any size. A trial's task run persists no result
+    and has no commit or rollback hooks, so nothing is lost when it commits on its own at its end."""
+    context = contextvars.copy_context()
+
+    def detached() -> T:
+        Transaction.__var__.set(None)  # type: ignore[arg-type]  # Prefect's own "no transaction"
+        return submit()
+
+    return context.run(detached)
 
 
 class TrialBoard:

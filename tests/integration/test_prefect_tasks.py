@@ -3,6 +3,7 @@ only transient errors are retried."""
 
 from __future__ import annotations
 
+import gc
 import json
 import sqlite3
 from pathlib import Path
@@ -11,8 +12,11 @@ from typing import Any
 
 import pytest
 import yaml
-from prefect import flow
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
+from prefect.task_engine import SyncTaskRunEngine
+from prefect.transactions import get_transaction
 from prefect.utilities.callables import parameter_schema
 from prefect_server import task_runs_of
 
@@ -85,6 +89,33 @@ def test_each_trial_is_a_task_run_named_after_its_step_and_number(prefect_api: N
         runs = task_runs_of(client, state.state_details.flow_run_id)
     assert [t.name for t in runs] == ["search/trial-7"]
     assert runs[0].state is not None and runs[0].state.is_completed()
+
+
+@task(cache_policy=NO_CACHE)
+def step_of_trials(tuner: Any, count: int) -> tuple[list[TrialRecord], int, int]:
+    """A tune step's task run: submits ``count`` trials from inside it, as ``Tuner.run`` does."""
+    records = [future.result() for future in [submit_trial(tuner, number) for number in range(count)]]
+    gc.collect()
+    engines = sum(isinstance(o, SyncTaskRunEngine) for o in gc.get_objects())
+    step_transaction = get_transaction()
+    assert step_transaction is not None, "a task run runs inside its transaction"
+    return records, len(step_transaction.children), engines
+
+
+@flow
+def one_step(tuner: Any, count: int) -> tuple[list[TrialRecord], int, int]:
+    return step_of_trials(tuner, count)
+
+
+def test_a_finished_trials_task_run_is_not_kept_by_its_step(prefect_api: None) -> None:
+    """A trial's task run, submitted from its step's, is no child of the step's transaction, which
+    would hold it (its engine, task run, events and result) until the step ends: the memory of a
+    study would grow with its trials."""
+    count = 40
+    records, children, engines = one_step(ScriptedTuner(), count)
+    assert [r.number for r in records] == list(range(count))
+    assert children == 0
+    assert engines < count // 4, f"{engines} task engines alive after {count} trials ended"
 
 
 @pytest.mark.parametrize(
