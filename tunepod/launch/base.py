@@ -507,7 +507,9 @@ class Job(Generic[S]):
 
     def status(self, *, max_age_s: float | None = None) -> S:
         """The backend's own view of the job, from the launcher's cache."""
-        return self.launcher.cache.status(self.job_id, max_age_s=max_age_s)
+        return self.launcher.cache.status(
+            self.job_id, TrackedJob(self.job_dir, self.record), max_age_s=max_age_s
+        )
 
     def state(self) -> JobState:
         """The mapped state; a job that failed (or vanished) after tunepod cancelled it is CANCELLED."""
