@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 _DEAD_STATES = frozenset({"Z", "X", "x"})
 
@@ -23,10 +22,20 @@ class ProcessStat:
         return self.state in _DEAD_STATES
 
 
+def read_proc_file(pid: int, name: str) -> bytes:
+    """``/proc/<pid>/<name>``; ``OSError`` when it cannot be read (no such process, not ours).
+
+    Opened by a plain string: pathlib interns every part of a path, so each pid read through it
+    would stay in the interpreter's table of interned strings for good, a table that grew by a
+    pid or more with every job a study ran."""
+    with open(f"/proc/{pid}/{name}", "rb") as file:
+        return file.read()
+
+
 def read_process_stat(pid: int) -> ProcessStat | None:
     """``/proc/<pid>/stat`` parsed, or None when no such process exists (or it cannot be read)."""
     try:
-        raw = Path(f"/proc/{pid}/stat").read_bytes()
+        raw = read_proc_file(pid, "stat")
     except OSError:
         return None
     # The command name (field 2) is in parentheses and may itself hold spaces and parentheses.

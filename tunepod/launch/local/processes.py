@@ -25,7 +25,7 @@ from typing import Protocol
 
 from tunepod import world
 from tunepod.launch.base import SUBMISSION_ID_ENV
-from tunepod.launch.procfs import ProcessStat, read_process_stat
+from tunepod.launch.procfs import ProcessStat, read_proc_file, read_process_stat
 
 
 class ProcessTable(Protocol):
@@ -103,7 +103,7 @@ class LinuxProcesses:
     def environ(self, pid: int) -> bytes | None:
         for _ in range(_EXEC_SETTLE_READS):
             try:
-                environ = Path(f"/proc/{pid}/environ").read_bytes()
+                environ = read_proc_file(pid, "environ")
             except OSError:  # gone, exiting (its memory goes, ESRCH, while its stat still runs), not ours
                 return None
             if environ or not self._is_child(pid):
