@@ -87,8 +87,10 @@ def test_three_trials_of_two_nodes_on_four_nodes_two_run_and_one_waits_for_nodes
     (no stop, no restart); each trial was trained and tracked once.
     """
     study = multi_node_study(
-        tmp_path, num_trials=3, num_parallel=3, epochs=8, sleep_s=1.0, procs_per_node=2,
-        train={"hang_timeout_s": 4, "startup_timeout_s": 15},
+        tmp_path, num_trials=3, num_parallel=3, epochs=10, sleep_s=2.5, procs_per_node=2,
+        # A start-up limit that four ranks over two nodes meet on a loaded 2-core CI machine (they took
+        # over 15 s there), and trials long enough that the third's wait still exceeds it.
+        train={"hang_timeout_s": 4, "startup_timeout_s": 30},
     )  # fmt: skip
     run = runs(study, TUNEPOD_HEARTBEAT_S="0.5").run("two-node-trials")
 
