@@ -96,7 +96,7 @@ def step_of_trials(tuner: Any, count: int) -> tuple[list[TrialRecord], int, int]
     """A tune step's task run: submits ``count`` trials from inside it, as ``Tuner.run`` does."""
     records = [future.result() for future in [submit_trial(tuner, number) for number in range(count)]]
     gc.collect()
-    engines = sum(isinstance(o, SyncTaskRunEngine) for o in gc.get_objects())
+    engines = sum(type(o) is SyncTaskRunEngine for o in gc.get_objects())  # isinstance wakes lazy modules
     step_transaction = get_transaction()
     assert step_transaction is not None, "a task run runs inside its transaction"
     return records, len(step_transaction.children), engines
