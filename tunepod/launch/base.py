@@ -468,8 +468,9 @@ class LauncherBase(ABC, Generic[S]):
         raise JobError(f"{_NAME_VARIANTS} names for {job.name} (attempt {intent.attempt}) are all taken")
 
     def _track(self, job_id: str, job_dir: Path, record: Submission | None) -> Job[S]:
-        self.cache.track(job_id, TrackedJob(job_dir, record))
-        return self.make_job(job_id, job_dir, record)
+        job = self.make_job(job_id, job_dir, record)
+        self.cache.track(job_id, job.tracked)
+        return job
 
     def _refusal(self, current: Job[S]) -> str:
         return (
@@ -501,15 +502,15 @@ class Job(Generic[S]):
         self.job_id = job_id
         self.job_dir = job_dir
         self.record = record
+        self.tracked = TrackedJob(job_dir, record)
+        """What the launcher's cache follows it by."""
         self.paths = JobPaths(job_dir)
         self._cancel_lock = world.lock()
         self._outcome: JobState | None = None
 
     def status(self, *, max_age_s: float | None = None) -> S:
         """The backend's own view of the job, from the launcher's cache."""
-        return self.launcher.cache.status(
-            self.job_id, TrackedJob(self.job_dir, self.record), max_age_s=max_age_s
-        )
+        return self.launcher.cache.status(self.job_id, self.tracked, max_age_s=max_age_s)
 
     def state(self) -> JobState:
         """The mapped state; a job that failed (or vanished) after tunepod cancelled it is CANCELLED."""
