@@ -18,26 +18,34 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
-from mlflow.protos.databricks_pb2 import TEMPORARILY_UNAVAILABLE
+from mlflow.protos.databricks_pb2 import TEMPORARILY_UNAVAILABLE as LOCKED
 
 from tunepod.launch.paths import JobPaths
-from tunepod.runtime import Report, read_reports
+from tunepod.runtime import read_reports
 from tunepod.runtime.metrics import append_report
 from tunepod.runtime.restores import Restore, record_restore
 from tunepod.runtime.worlds import record_world
 from tunepod.tracking import mirror as mirror_module
 from tunepod.tracking import tags
-from tunepod.tracking.mirror import Final, FinalMetric, RunMirror, RunPlan, read_mirror_state, restore_tags
-from tunepod.tracking.mlflow_tracker import MlflowTracker
+from tunepod.tracking.mirror import (
+    Final,
+    Point,
+    RunMirror,
+    RunPlan,
+    read_mirror_state,
+    report_points,
+    restore_tags,
+)
+from tunepod.tracking.mlflow_tracker import MetricPoint, MlflowTracker
 from tunepod.tracking.outbox import TrackingOutbox
 
-Point = tuple[str, float, int]
+Seen = tuple[str, float, int]
 """(key, value, step)."""
 
 
@@ -64,7 +72,7 @@ def write_line(job_dir: Path, step: int, metrics: dict[str, float]) -> None:
         handle.write(line + "\n")
 
 
-def reported(job_dir: Path) -> Counter[Point]:
+def reported(job_dir: Path) -> Counter[Seen]:
     """Every point of every line of the metrics file, as often as the lines hold it."""
     lines = JobPaths(job_dir).metrics.read_text().splitlines()
     return Counter(
@@ -74,7 +82,7 @@ def reported(job_dir: Path) -> Counter[Point]:
     )
 
 
-def logged(tracker: MlflowTracker, run_id: str) -> Counter[Point]:
+def logged(tracker: MlflowTracker, run_id: str) -> Counter[Seen]:
     """Every point of every metric of the run, as often as MLflow holds it."""
     client = MlflowClient(tracker.tracking_uri)
     keys = client.get_run(run_id).data.metrics
@@ -89,24 +97,32 @@ def trial_mirror(tracker: MlflowTracker, job_dir: Path) -> RunMirror:
 
 
 def objective(value: float, step: int) -> Final:
-    point = FinalMetric("score", value, step, timestamp_ms=int(time.time() * 1000))
+    point = Point("score", value, step, timestamp_ms=int(time.time() * 1000))
     return Final(tags={tags.STATE: "COMPLETE"}, status="FINISHED", metrics=(point,))
 
 
 class FailingTracker(MlflowTracker):
-    """The real tracker, whose ``log_reports`` calls numbered in ``fail_calls`` (from 1) raise what a
-    locked SQLite file makes MLflow raise (measured: after some 20 s of retries, too slow to wait)."""
+    """The real tracker, whose writes of points numbered in ``fail_calls`` (from 1) raise what a locked
+    SQLite file makes MLflow raise (measured: after some 20 s of retries, too slow to wait)."""
 
     def __init__(self, uri: str, fail_calls: set[int]) -> None:
         super().__init__(uri, "mirror-reports")
         self.fail_calls = fail_calls
         self.calls = 0
 
-    def log_reports(self, run_id: str, reports: Iterable[Report]) -> None:
-        self.calls += 1
-        if self.calls in self.fail_calls:
-            raise MlflowException("(sqlite3.OperationalError) database is locked", TEMPORARILY_UNAVAILABLE)
-        super().log_reports(run_id, reports)
+    def log_batch(
+        self,
+        run_id: str,
+        points: Sequence[MetricPoint],
+        tags: Mapping[str, object],
+        *,
+        params: Mapping[str, object] | None = None,
+    ) -> None:
+        if points:
+            self.calls += 1
+            if self.calls in self.fail_calls:
+                raise MlflowException("(sqlite3.OperationalError) database is locked", LOCKED)
+        super().log_batch(run_id, points, tags, params=params)
 
 
 class PointCountingTracker(MlflowTracker):
@@ -114,10 +130,16 @@ class PointCountingTracker(MlflowTracker):
 
     points = 0
 
-    def log_reports(self, run_id: str, reports: Iterable[Report]) -> None:
-        batch = list(reports)
-        self.points += sum(len(one.metrics) for one in batch)
-        super().log_reports(run_id, batch)
+    def log_batch(
+        self,
+        run_id: str,
+        points: Sequence[MetricPoint],
+        tags: Mapping[str, object],
+        *,
+        params: Mapping[str, object] | None = None,
+    ) -> None:
+        self.points += len(points)
+        super().log_batch(run_id, points, tags, params=params)
 
 
 # ------------------------------------------------------------------------------ every line, once
@@ -207,7 +229,8 @@ def test_a_job_dir_of_the_previous_version_carries_on_without_logging_everything
     run_id = tracker.start_run("trial-0", tags={tags.KEY: "study/trial-0"})
     report(job_dir, 0, score=0.1)
     report(job_dir, 1, score=0.2)
-    tracker.log_reports(run_id, read_reports(JobPaths(job_dir).metrics))  # that version logged, and saved:
+    # That version logged these, and saved:
+    tracker.log_batch(run_id, report_points(read_reports(JobPaths(job_dir).metrics)), {})
     legacy = {"run_id": run_id, "synced_step": 1, "model_id": None, "finalized": False}
     JobPaths(job_dir).tracking.write_text(json.dumps(legacy))
     report(job_dir, 1, loss=0.9)  # it would have dropped these two (step <= 1) ...

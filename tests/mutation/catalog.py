@@ -243,20 +243,13 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="mirror-position-saved-before-log",
         path="tunepod/tracking/mirror.py",
-        find="                self._log_reports(run_id, [report for report, _ in batch])\n"
-        "                logged += len(batch)\n"
-        "                self._save(\n"
-        "                    synced_offset=batch[-1][1],\n"
-        "                    synced_step=max(self._state.synced_step, "
-        "*(report.step for report, _ in batch)),\n"
-        "                )\n",
-        replace="                self._save(\n"
-        "                    synced_offset=batch[-1][1],\n"
-        "                    synced_step=max(self._state.synced_step, "
-        "*(report.step for report, _ in batch)),\n"
-        "                )\n"
-        "                self._log_reports(run_id, [report for report, _ in batch])\n"
-        "                logged += len(batch)\n",
+        find='        writes.state["synced_offset"] = lines[-1][1]\n'
+        '        writes.state["synced_step"] = max(self._state.synced_step, '
+        "*(report.step for report in reports))\n",
+        replace="        self._save(\n"
+        "            synced_offset=lines[-1][1],\n"
+        "            synced_step=max(self._state.synced_step, *(report.step for report in reports)),\n"
+        "        )\n",
         why="How far the run is up to date is saved before the batch is logged: a batch MLflow did not "
         "take (an outage, a lost reply) is marked as in the run, and those reports never reach it. "
         "Needs MLflow failing while reports are mirrored.",

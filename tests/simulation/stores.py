@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -30,7 +30,6 @@ from optuna.trial import TrialState
 
 from simulation.scheduler import TRIALS_CHANGED, Scheduler, Span
 from tunepod.hpo.asha import ATTR_ASHA, AshaState
-from tunepod.runtime import Report
 from tunepod.tracking.mlflow_tracker import MetricPoint, RunStatus
 
 T = TypeVar("T")
@@ -335,18 +334,7 @@ class SimTracker:
     ) -> None:
         self._call("log_batch", lambda: self._write(run_id, tags=tags, params=params))
 
-    def log_reports(self, run_id: str, reports: Iterable[Report]) -> None:
-        reports = list(reports)
-
-        def log() -> None:
-            run = self.twin.runs[run_id]
-            for report in reports:
-                for key, value in report.metrics.items():
-                    run.log_point(key, float(value), report.step, int(report.time * 1000))
-
-        self._call("log_batch", log)
-
-    def log_outcome(
+    def log_batch(
         self,
         run_id: str,
         points: Sequence[MetricPoint],

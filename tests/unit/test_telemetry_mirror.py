@@ -8,28 +8,21 @@ from pathlib import Path
 from typing import Any, cast
 
 from tunepod.launch.paths import JobPaths
-from tunepod.runtime import Report
 from tunepod.runtime.progress import Heartbeat, read_progress
 from tunepod.tracking import mirror as mirror_module
 from tunepod.tracking import tags
-from tunepod.tracking.mirror import Final, RunMirror
+from tunepod.tracking.mirror import Final, Point, RunMirror
 from tunepod.tracking.mlflow_tracker import MlflowTracker
 
 
 class RecordingTracker:
-    """Records what the mirror logs; the run exists (``run_id`` given to the mirror)."""
+    """Records the points the mirror logs; the run exists (``run_id`` given to the mirror)."""
 
     def __init__(self) -> None:
-        self.reports: list[Report] = []
+        self.points: list[Point] = []
 
-    def log_reports(self, run_id: str, reports: list[Report]) -> None:
-        self.reports += reports
-
-    def set_tags(self, run_id: str, values: dict[str, Any], params: Any = None) -> None:
-        pass
-
-    def log_outcome(self, run_id: str, points: list[Any], values: dict[str, Any], params: Any = None) -> None:
-        pass
+    def log_batch(self, run_id: str, points: list[Point], values: dict[str, Any], params: Any = None) -> None:
+        self.points += points
 
     def end_run(self, run_id: str, status: str) -> None:
         pass
@@ -49,34 +42,31 @@ def test_each_ranks_figures_are_logged_under_its_rank_at_its_step_once_and_the_l
     mirror = mirror_of(tracker, tmp_path)
     try:
         mirror.sync()  # nothing measured yet
-        assert tracker.reports == []
+        assert tracker.points == []
         for step in range(3):
             ranks[0].step_done(step, samples=2, tokens=16)
             ranks[1].step_done(step, samples=2, tokens=16)
         for beat in ranks:
             beat._write()  # a beat of the heartbeat thread, now
         mirror.sync()
-        first = {report.step: report for report in tracker.reports}
-        assert len(tracker.reports) == 2 and set(first) == {2}
-        logged = {key for report in tracker.reports for key in report.metrics}
-        assert logged == {
+        assert {point.step for point in tracker.points} == {2}
+        assert sorted(point.key for point in tracker.points) == sorted(
             f"rank{rank}/{figure}"
             for rank in (0, 1)
             for figure in ("step_time_s", "samples_per_s", "tokens_per_s", "peak_memory_bytes", "cpu_busy")
-        }
+        )
         beats = {beat.rank: beat.telemetry for beat in read_progress(folder)}
-        assert {report.time for report in tracker.reports} == {t.measured_at for t in beats.values() if t}
+        measured = {int(t.measured_at * 1000) for t in beats.values() if t}
+        assert {point.timestamp_ms for point in tracker.points} == measured
 
         ranks[0].step_done(3, samples=2, tokens=16)
         ranks[0]._write()
         mirror.sync()  # newer figures, within TELEMETRY_MIRROR_S of the last logged ones
-        assert len(tracker.reports) == 2
+        assert len(tracker.points) == 10
 
         mirror.finish(Final(tags={tags.STATE: "COMPLETE"}, status="FINISHED"))
         mirror.sync()  # the end: the last figures, whatever the time, and only the new ones
-        assert [(report.step, sorted(report.metrics)[0]) for report in tracker.reports[2:]] == [
-            (3, "rank0/cpu_busy")
-        ]
+        assert {(point.step, point.key.split("/")[0]) for point in tracker.points[10:]} == {(3, "rank0")}
         assert mirror.is_done
     finally:
         for beat in ranks:
@@ -96,8 +86,8 @@ def test_after_the_interval_newer_figures_are_logged_while_the_job_runs(
             beat._write()
             mirror.sync()
             mirror.sync()  # nothing newer: nothing logged
-        assert [report.step for report in tracker.reports] == [1, 2, 3]
-        assert all("rank0/tokens_per_s" not in report.metrics for report in tracker.reports)
+        assert sorted({point.step for point in tracker.points}) == [1, 2, 3]
+        assert all(point.key != "rank0/tokens_per_s" for point in tracker.points)
     finally:
         beat.finish()
 
@@ -112,6 +102,6 @@ def test_a_job_writing_into_another_jobs_run_logs_no_telemetry(tmp_path: Path) -
         beat.step_done(1, samples=1)
         beat._write()
         mirror.sync()
-        assert tracker.reports == []
+        assert tracker.points == []
     finally:
         beat.finish()

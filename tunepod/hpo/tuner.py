@@ -59,7 +59,7 @@ from tunepod.runtime.checkpoints import saved_checkpoints
 from tunepod.spec.models import LOCAL_MLFLOW_UI, TuneSettings
 from tunepod.spec.parallelism import job_layout, script_params
 from tunepod.tracking import RunTracker, tags
-from tunepod.tracking.mirror import Final, FinalMetric, ModelPlan, RunMirror, RunPlan, read_mirror_state
+from tunepod.tracking.mirror import Final, ModelPlan, Point, RunMirror, RunPlan, read_mirror_state
 from tunepod.tracking.mlflow_tracker import RunStatus
 from tunepod.tracking.outbox import TrackingOutbox
 from tunepod.tracking.reserve import RunReserve
@@ -675,7 +675,7 @@ class Tuner:
         # At the trial's last step, so the metric's history has no stray point at step 0 (the mirror
         # skips it when the job's own report of that step is that very point).
         objectives = tuple(
-            FinalMetric(
+            Point(
                 goal.metric, value, last_step, timestamp_ms=int(frozen.datetime_complete.timestamp() * 1000)
             )
             for goal, value in zip(self.settings.study.goals, frozen.values, strict=True)

@@ -22,7 +22,7 @@ from tunepod.steps.context import StepContext
 from tunepod.steps.inputs import only_input
 from tunepod.steps.jobs import StepJob, finish_mirror, job_key, prepared, run_job
 from tunepod.tracking import tags
-from tunepod.tracking.mirror import Final, FinalMetric, RunMirror
+from tunepod.tracking.mirror import Final, Point, RunMirror
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,6 @@ def _evaluate(
             f"{settings.entrypoint} finished without a finite {settings.metric!r} "
             f"(it gave {result.metrics}); fix: call ctx.finish({settings.metric}=...)"
         )
-    score = FinalMetric(settings.metric, value, None, int(result.time * 1000), model_id=trial.model_id)
+    score = Point(settings.metric, value, None, int(result.time * 1000), model_id=trial.model_id)
     finish_mirror(run, mirror, Final(tags={}, status=None, metrics=(score,)))
     return Candidate(trial=trial, value=value, eval_job_dir=str(job_dir))

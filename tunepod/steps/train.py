@@ -15,7 +15,7 @@ from tunepod.steps.context import StepContext
 from tunepod.steps.inputs import only_input, optional_input
 from tunepod.steps.jobs import StepJob, finish_mirror, job_key, prepared, run_job
 from tunepod.tracking import tags
-from tunepod.tracking.mirror import Final, FinalMetric, ModelPlan, RunMirror, RunPlan
+from tunepod.tracking.mirror import Final, ModelPlan, Point, RunMirror, RunPlan
 
 
 def run(ctx: StepContext, name: str, settings: TrainSettings, inputs: Mapping[str, StepOutput]) -> TrialSet:
@@ -99,10 +99,10 @@ def _completed(
     model = None
     if latest is not None:
         model = ModelPlan(latest.path, name=f"{ctx.spec.name}-{name}", step=latest.step, params=params)
-    metrics: tuple[FinalMetric, ...] = ()
+    metrics: tuple[Point, ...] = ()
     value = result.metrics.get(settings.metric) if settings.metric else None
     if settings.metric and value is not None:
-        metrics = (FinalMetric(settings.metric, value, result.step, timestamp_ms=int(result.time * 1000)),)
+        metrics = (Point(settings.metric, value, result.step, timestamp_ms=int(result.time * 1000)),)
     checkpoints = tuple(c.path for c in saved)
     return Final(
         tags={tags.STATE: "COMPLETE"},

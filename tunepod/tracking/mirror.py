@@ -47,7 +47,7 @@ import functools
 import json
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -128,7 +128,9 @@ class RunPlan:
 
 
 @dataclass(frozen=True)
-class FinalMetric:
+class Point:
+    """One metric value at one step."""
+
     key: str
     value: float
     step: int | None
@@ -154,10 +156,22 @@ class Final:
     tags: Mapping[str, object]
     status: RunStatus | None
     """How the run ends; None leaves it open (an evaluation writes into its trial's run)."""
-    metrics: tuple[FinalMetric, ...] = ()
+    metrics: tuple[Point, ...] = ()
     error: str | None = None
     model: ModelPlan | None = None
     checkpoints: tuple[Path, ...] = field(default_factory=tuple)
+
+
+@dataclass
+class _Writes:
+    """What one sync writes into its run, and what the mirror records once it is written."""
+
+    points: list[Point] = field(default_factory=list)
+    tags: dict[str, object] = field(default_factory=dict)
+    params: dict[str, object] = field(default_factory=dict)
+    state: dict[str, object] = field(default_factory=dict)
+    """Fields of the job dir's tracking record, saved once written."""
+    on_written: list[Callable[[], None]] = field(default_factory=list)
 
 
 class RunMirror:
@@ -212,8 +226,8 @@ class RunMirror:
         self._restores_size = 0  # bytes of the restores file last tagged
         self._worlds_size = 0  # bytes of the worlds file last logged
         self._tagged: tuple[str, int] | None = None
-        # Logged with the job's tags (or its final record), not in a write of their own; again after
-        # a restart, as that write may not have happened (the same value again is no change).
+        # Logged with a write the sync makes anyway; again after a restart, as that write may not
+        # have happened (the same value again is no change).
         self._params_pending: Mapping[str, object] = dict(plan.params) if plan is not None else {}
         self._final: Final | None = None
         self._lock = world.lock()
@@ -281,7 +295,12 @@ class RunMirror:
             self._final = final
 
     def sync(self) -> None:
-        """Bring the run up to date. Raises whatever MLflow raises; calling again later is safe."""
+        """Bring the run up to date. Raises whatever MLflow raises; calling again later is safe.
+
+        What a sync finds (the job's tags, its new reports, restores, world sizes and ranks' figures,
+        its final record) goes to MLflow in one write where MLflow's limits allow, not a write each:
+        every write is a SQLite transaction or a request to a tracking server, and an outbox behind
+        short trials finds all of a trial's records at once."""
         # Read before the reports: once the outcome is known the job has ended, so the reports read
         # next are all of them. Read after, a batch that took long to log could have started before
         # the job's last reports, and the run would end with them still to come.
@@ -289,16 +308,25 @@ class RunMirror:
             final = self._final
         self._catch_up_with_disk()
         run_id = self._ensure_run()
-        self._sync_job_tags(run_id)
+        writes = _Writes()
+        self._add_job_tags(writes)
         if self.mirror_reports:
-            self._sync_reports(run_id)
-        self._tag_refusals(run_id)
-        self._tag_restores(run_id)
-        self._log_worlds(run_id)
+            self._add_reports(run_id, writes)
+        self._add_restores(writes)
+        self._add_worlds(writes)
         if self.mirror_telemetry and not self._state.finalized:
-            self._sync_telemetry(run_id, last=final is not None)
-        if final is not None and not self._state.finalized:
-            self._finalize(run_id, final)
+            self._add_telemetry(writes, last=final is not None)
+        ending = final if final is not None and not self._state.finalized else None
+        if ending is not None:
+            self._add_final(run_id, ending, writes)
+        # The plan's params ride with a write made anyway, never one of their own (two drivers of a
+        # job dir writing its params at once make MLflow fail one of them).
+        if self._params_pending and (writes.points or writes.tags):
+            writes.params |= self._params_pending
+            writes.on_written.append(functools.partial(setattr, self, "_params_pending", {}))
+        self._write(run_id, writes)
+        if ending is not None:
+            self._end(run_id, ending)
 
     # ------------------------------------------------------------------------------------ steps
 
@@ -350,27 +378,20 @@ class RunMirror:
         self._save(run_id=found)
         return found
 
-    def _sync_job_tags(self, run_id: str) -> None:
-        """The job's tags (and the plan's params, once), in one write with the run's name and the
-        plan's tags when the run was made ahead and not named yet."""
+    def _add_job_tags(self, writes: _Writes) -> None:
+        """The job's tags when its submission is new, and the name and tags of the plan when the run
+        was made ahead and not named yet (each again after a restart: that write may not have
+        happened, and the same value again is no change)."""
         naming = self._naming_tags()
         record = read_submission(JobPaths(self.job_dir))
-        job: dict[str, object] = {}
-        if (
-            record is not None
-            and record.job_id is not None
-            and self._tagged != (record.job_id, record.attempt)
-        ):
+        submitted = None if record is None or record.job_id is None else (record.job_id, record.attempt)
+        if submitted is not None and submitted != self._tagged:
             job_id, job_dir, attempt = tags.job_tags(self.tag_prefix)
-            job = {job_id: record.job_id, job_dir: str(self.job_dir), attempt: record.attempt}
-        if not naming and not job:
-            return
-        self.tracker.set_tags(run_id, {**naming, **job}, params=self._params_pending or None)
+            writes.tags |= {job_id: submitted[0], job_dir: str(self.job_dir), attempt: submitted[1]}
+            writes.on_written.append(functools.partial(setattr, self, "_tagged", submitted))
+        writes.tags |= naming
         if naming:
-            self._save(named=True)
-        if record is not None and job:
-            self._tagged = (record.job_id or "", record.attempt)
-        self._params_pending = {}
+            writes.state["named"] = True
 
     def _naming_tags(self) -> dict[str, object]:
         """What a run made ahead lacks of its plan: name, tags, key; nothing once named."""
@@ -379,7 +400,11 @@ class RunMirror:
         plan = self.plan
         return {tags.RUN_NAME: plan.name, **plan.tags, tags.KEY: plan.key, tags.RESERVED: "false"}
 
-    def _sync_reports(self, run_id: str) -> None:
+    def _add_reports(self, run_id: str, writes: _Writes) -> None:
+        """The metrics file's new lines. A backlog (a job that reported faster than MLflow took its
+        reports, an MLflow outage) is written batch by batch first, each position saved after it, so
+        a restart costs one batch, not the whole backlog; the last batch goes with the sync's other
+        writes."""
         self._pending += self._tail.read_new_with_ends()
         if self._state.synced_offset is None:
             self._save(synced_offset=legacy_offset(self._pending, self._state.synced_step))
@@ -389,54 +414,83 @@ class RunMirror:
         for report, end in self._pending:
             if end <= in_run:
                 self._note_logged(report)
-        pending = [(report, end) for report, end in self._pending if end > in_run]
-        # Saved after each batch: a job that reported faster than MLflow took its reports leaves a
-        # backlog, and a restart (or an MLflow outage) then costs one batch, not the whole backlog.
-        logged = 0
-        try:
-            while logged < len(pending):
-                batch = pending[logged : logged + REPORTS_PER_BATCH]
-                self._log_reports(run_id, [report for report, _ in batch])
-                logged += len(batch)
-                self._save(
-                    synced_offset=batch[-1][1],
-                    synced_step=max(self._state.synced_step, *(report.step for report, _ in batch)),
-                )
-        finally:
-            self._pending = pending[logged:]
+        self._pending = [(report, end) for report, end in self._pending if end > in_run]
+        while len(self._pending) > REPORTS_PER_BATCH:
+            backlog = _Writes()
+            self._add_lines(backlog, self._pending[:REPORTS_PER_BATCH])
+            self._write(run_id, backlog)
+        if self._pending:
+            self._add_lines(writes, list(self._pending))
 
-    def _log_reports(self, run_id: str, reports: list[Report]) -> None:
-        """Log ``reports`` but the points MLflow refuses, which are set aside (see ``_set_aside``)."""
+    def _add_lines(self, writes: _Writes, lines: list[tuple[Report, int]]) -> None:
+        """The first ``lines`` of those pending, with the position past them saved once written. A
+        point the runtime's rule refuses is set aside without asking MLflow (``screened``)."""
+        reports = [report for report, _ in lines]
         loggable, refused = screened(reports)
-        if loggable:
-            refused += self._log_refusing(run_id, loggable)
         self._set_aside(refused)
+        writes.points += report_points(loggable)
+        # Noted now, for the final record's points: a line not written stays pending, and the
+        # next sync writes it again, so a final point equal to it is not lost.
         for report in reports:
             self._note_logged(report)
+        writes.state["synced_offset"] = lines[-1][1]
+        writes.state["synced_step"] = max(self._state.synced_step, *(report.step for report in reports))
+        writes.on_written.append(functools.partial(self._drop_pending, len(lines)))
 
-    def _log_refusing(
-        self, run_id: str, reports: list[Report], *, run_checked: bool = False
-    ) -> list[tuple[str, str]]:
-        """Log ``reports``; if MLflow refuses them while the run takes writes, the refusal is about
-        points in them: those it refuses on their own are returned, as (name, MLflow's reason), and
-        the rest logged (halves, then quarters: a few calls for one bad point in a batch). Raises what
-        MLflow raises otherwise."""
+    def _drop_pending(self, count: int) -> None:
+        del self._pending[:count]
+
+    def _write(self, run_id: str, writes: _Writes) -> None:
+        """Write ``writes`` (points MLflow refuses set aside), then save what they brought over."""
+        if self._state.refused_metrics != self._refusals_tagged:  # set aside while collecting
+            writes.tags[self._refusals_tag] = refused_tag_value(self._state.refused_metrics)
+            writes.on_written.append(
+                functools.partial(setattr, self, "_refusals_tagged", self._state.refused_metrics)
+            )
+        refused = self._log_refusing(run_id, writes) if writes.points or writes.tags or writes.params else []
+        self._set_aside(refused)
+        for done in writes.on_written:
+            done()
+        if writes.state or refused or self._refusals_tagged != self._state.refused_metrics:
+            self._save(**writes.state)
+        self._tag_refusals(run_id)  # names MLflow itself refused just now (rare): a write of their own
+
+    def _log_refusing(self, run_id: str, writes: _Writes) -> list[tuple[str, str]]:
+        """Write ``writes``; if MLflow refuses them while the run takes writes, the refusal is about a
+        point, or a tag or param: the tags and params are written alone (a refusal raised), and the
+        points MLflow refuses on their own are returned as (name, MLflow's reason), the rest
+        logged (see ``_log_points_refusing``). Raises what MLflow raises otherwise."""
         try:
-            self.tracker.log_reports(run_id, reports)
+            self.tracker.log_batch(run_id, writes.points, writes.tags, params=writes.params or None)
             return []
         except Exception as exc:
             # A deleted run refuses every write with the same error code: that is no reason to drop
             # the job's reports (retried, as while MLflow is away).
-            if not refused_by_mlflow(exc) or not (run_checked or self.tracker.run_is_active(run_id)):
+            if not refused_by_mlflow(exc) or not self.tracker.run_is_active(run_id):
+                raise
+        if writes.tags or writes.params:
+            self.tracker.log_batch(run_id, (), writes.tags, params=writes.params or None)
+        return self._log_points_refusing(run_id, writes.points)
+
+    def _log_points_refusing(self, run_id: str, points: Sequence[Point]) -> list[tuple[str, str]]:
+        """Log ``points`` of a run that takes writes; those MLflow refuses on their own are returned,
+        as (name, MLflow's reason), and the rest logged (halves, then quarters: a few calls for one
+        bad point in a batch)."""
+        if not points:
+            return []
+        try:
+            self.tracker.log_batch(run_id, points, {})
+            return []
+        except Exception as exc:
+            if not refused_by_mlflow(exc):
                 raise
             reason = mlflow_reason(exc)
-        points = [Report(r.step, {key: value}, r.time) for r in reports for key, value in r.metrics.items()]
         if len(points) == 1:
-            return [(next(iter(points[0].metrics)), reason)]
+            return [(points[0].key, reason)]
         middle = len(points) // 2
         return [
-            *self._log_refusing(run_id, points[:middle], run_checked=True),
-            *self._log_refusing(run_id, points[middle:], run_checked=True),
+            *self._log_points_refusing(run_id, points[:middle]),
+            *self._log_points_refusing(run_id, points[middle:]),
         ]
 
     def _note_logged(self, report: Report) -> None:
@@ -447,7 +501,7 @@ class RunMirror:
 
     def _set_aside(self, refused: Sequence[tuple[str, str]]) -> None:
         """Points MLflow refuses, as (metric name, why): each new name warned about once and kept in
-        the state (saved with the position that passes them; tagged on the run by _tag_refusals)."""
+        the state (saved with the next write's position; tagged on the run by _write)."""
         new = {name: why for name, why in refused if name not in self._state.refused_metrics}
         for name, why in new.items():
             logger.warning(
@@ -473,8 +527,8 @@ class RunMirror:
             self.tracker.set_tags(run_id, {self._refusals_tag: refused_tag_value(names)})
             self._refusals_tagged = names
 
-    def _tag_restores(self, run_id: str) -> None:
-        """Tag the run with the job's restores when its restores file grew (a stat per sync else)."""
+    def _add_restores(self, writes: _Writes) -> None:
+        """The job's restores as tags when its restores file grew (a stat per sync else)."""
         path = JobPaths(self.job_dir).restores
         try:
             size = path.stat().st_size
@@ -482,13 +536,12 @@ class RunMirror:
             return
         if size == self._restores_size:
             return
-        found = read_restores(path)
-        if found:
-            self.tracker.set_tags(run_id, restore_tags(self.tag_prefix, found))
-        self._restores_size = size
+        if found := read_restores(path):
+            writes.tags |= restore_tags(self.tag_prefix, found)
+        writes.on_written.append(functools.partial(setattr, self, "_restores_size", size))
 
-    def _log_worlds(self, run_id: str) -> None:
-        """Log the job's world sizes when its worlds file grew and holds a change (a stat per sync else)."""
+    def _add_worlds(self, writes: _Writes) -> None:
+        """The job's world sizes when its worlds file grew and holds a change (a stat per sync else)."""
         path = JobPaths(self.job_dir).worlds
         try:
             size = path.stat().st_size
@@ -499,14 +552,13 @@ class RunMirror:
         found = read_worlds(path)
         if len(found) > 1:
             name = f"{self.tag_prefix}{tags.WORLD_SIZE}"
-            points = [Report(w.step, {name: float(w.world_size)}, w.time) for w in found]
-            self.tracker.log_reports(run_id, points)
-            self.tracker.set_tags(run_id, {name: str(found[-1].world_size)})
-        self._worlds_size = size
+            writes.points += [Point(name, float(w.world_size), w.step, int(w.time * 1000)) for w in found]
+            writes.tags[name] = str(found[-1].world_size)
+        writes.on_written.append(functools.partial(setattr, self, "_worlds_size", size))
 
-    def _sync_telemetry(self, run_id: str, *, last: bool) -> None:
-        """Log the ranks' figures that are newer than the logged ones; while the job runs (not
-        ``last``), at most every ``TELEMETRY_MIRROR_S``."""
+    def _add_telemetry(self, writes: _Writes, *, last: bool) -> None:
+        """The ranks' figures that are newer than the logged ones; while the job runs (not ``last``),
+        at most every ``TELEMETRY_MIRROR_S``."""
         now = world.monotonic()
         if not last and now - self._telemetry_synced_at < TELEMETRY_MIRROR_S:
             return
@@ -518,33 +570,36 @@ class RunMirror:
         ]
         if not fresh:
             return
-        self.tracker.log_reports(run_id, [telemetry_report(beat) for beat in fresh])
+        writes.points += report_points(telemetry_report(beat) for beat in fresh)
+        writes.on_written.append(functools.partial(self._telemetry_written, now, fresh))
+
+    def _telemetry_written(self, now: float, fresh: list[RankProgress]) -> None:
         self._telemetry_synced_at = now
         for beat in fresh:
             assert beat.telemetry is not None
             self._telemetry_logged[beat.rank] = beat.telemetry.measured_at
 
-    def _finalize(self, run_id: str, final: Final) -> None:
+    def _add_final(self, run_id: str, final: Final, writes: _Writes) -> None:
+        """The final record's points and tags (its model logged first, in writes of its own)."""
         model_id = self._state.model_id
         if final.model is not None and model_id is None:
             model_id = self._log_model(run_id, final.model)
-        refused = [(m.key, problem) for m in final.metrics if (problem := _name_problem(m.key))]
-        self._set_aside(refused)
-        self._tag_refusals(run_id)
-        points = [
+        self._set_aside([(m.key, problem) for m in final.metrics if (problem := _name_problem(m.key))])
+        writes.points += [
             metric
             for metric in final.metrics
             if metric.key not in self._state.refused_metrics
             # The job's own report of that step, logged, is this very point: log it once.
             and self._logged_last.get(metric.key) != (metric.step, metric.value)
         ]
-        final_tags = dict(final.tags)
+        writes.tags |= final.tags
         if final.model is not None:
-            final_tags[tags.MODEL_ID] = model_id or ""
+            writes.tags[tags.MODEL_ID] = model_id or ""
         if final.checkpoints:
-            final_tags[tags.CHECKPOINTS] = " ".join(path.as_uri() for path in final.checkpoints)
-        self.tracker.log_outcome(run_id, points, final_tags, params=self._params_pending or None)
-        self._params_pending = {}
+            writes.tags[tags.CHECKPOINTS] = " ".join(path.as_uri() for path in final.checkpoints)
+
+    def _end(self, run_id: str, final: Final) -> None:
+        """The run's error and end, once its final record is written."""
         if final.error:
             self.tracker.log_text(run_id, final.error, "error.txt")
         if final.status is not None:
@@ -584,6 +639,17 @@ def legacy_offset(reports: Sequence[tuple[Report, int]], synced_step: int) -> in
     if synced_step < 0:
         return 0
     return next((end for report, end in reports if report.step >= synced_step), 0)
+
+
+def report_points(reports: Iterable[Report]) -> list[Point]:
+    """The points of ``reports``, each at its report's step and time; a value MLflow does not store
+    (NaN, an infinity) is left out."""
+    return [
+        Point(key, float(value), report.step, int(report.time * 1000))
+        for report in reports
+        for key, value in report.metrics.items()
+        if math.isfinite(value)
+    ]
 
 
 def screened(reports: Sequence[Report]) -> tuple[list[Report], list[tuple[str, str]]]:

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import logging
-import math
 import tempfile
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from tunepod.errors import TunepodError
-from tunepod.runtime import Report
 from tunepod.stores import opening_store, redacted, schema_lock, sync_sqlalchemy_url
 from tunepod.tracking import tags as tag_names
 from tunepod.tracking.sqlite_store import seed_new_store, use_write_ahead_log
@@ -32,7 +30,7 @@ _BATCH_METRICS = 1000 - _BATCH_TAGS - _BATCH_PARAMS
 
 
 class MetricPoint(Protocol):
-    """One metric value at one step (``FinalMetric`` of the mirror is one)."""
+    """One metric value at one step (``Point`` of the mirror is one)."""
 
     @property
     def key(self) -> str: ...
@@ -63,9 +61,7 @@ class RunTracker(Protocol):
         self, run_id: str, tags: Mapping[str, object], *, params: Mapping[str, object] | None = None
     ) -> None: ...
 
-    def log_reports(self, run_id: str, reports: Iterable[Report]) -> None: ...
-
-    def log_outcome(
+    def log_batch(
         self,
         run_id: str,
         points: Sequence[MetricPoint],
@@ -168,20 +164,7 @@ class MlflowTracker:
     ) -> None:
         """A run's tags, and ``params`` with them in the same write (a param logged again with the
         same value is no change)."""
-        self._log_batch(run_id, tags=tags, params=params)
-
-    def log_reports(self, run_id: str, reports: Iterable[Report]) -> None:
-        """Mirror what a job reported into its run, one metric point per (key, step)."""
-        from mlflow.entities import Metric
-
-        points = [
-            Metric(key, float(value), int(report.time * 1000), report.step)
-            for report in reports
-            for key, value in report.metrics.items()
-            if math.isfinite(value)
-        ]
-        for start in range(0, len(points), 1000):  # log_batch takes at most 1000 metrics
-            self.client.log_batch(run_id, metrics=points[start : start + 1000])
+        self.log_batch(run_id, (), tags, params=params)
 
     def log_metric(
         self,
@@ -205,9 +188,9 @@ class MlflowTracker:
         logging five figures and a tag used to cost six round trips to a tracking server)."""
         now = int(time.time() * 1000)
         points = [_Point(key, float(value), now) for key, value in values.items()]
-        self._log_batch(run_id, points=points, tags=tags)
+        self.log_batch(run_id, points, tags or {})
 
-    def log_outcome(
+    def log_batch(
         self,
         run_id: str,
         points: Sequence[MetricPoint],
@@ -215,25 +198,14 @@ class MlflowTracker:
         *,
         params: Mapping[str, object] | None = None,
     ) -> None:
-        """A run's final metric points and tags (and ``params``, if still to log), in one write where
-        MLflow's batch limits allow (a trial's end used to cost a write per point and one for the
-        tags). Each point's timestamp is the caller's, so a retried call writes the same points, which
-        MLflow stores once."""
-        self._log_batch(run_id, points=points, tags=tags, params=params)
-
-    def _log_batch(
-        self,
-        run_id: str,
-        *,
-        points: Sequence[MetricPoint] = (),
-        tags: Mapping[str, object] | None = None,
-        params: Mapping[str, object] | None = None,
-    ) -> None:
-        """One ``log_batch``, or as many as MLflow's limits need (100 params, 100 tags, 1000 in all)."""
+        """A run's metric points, tags and params in one write where MLflow's limits allow (100 params,
+        100 tags, 1000 in all), else as many as they need. Each point's timestamp is the caller's, so
+        a retried call writes the same points, which MLflow stores once; a tag or param logged again
+        with the same value is no change."""
         from mlflow.entities import Metric, Param, RunTag
 
         metrics = [Metric(p.key, p.value, p.timestamp_ms, p.step or 0, model_id=p.model_id) for p in points]
-        run_tags = [RunTag(k, str(v)) for k, v in (tags or {}).items()]
+        run_tags = [RunTag(k, str(v)) for k, v in tags.items()]
         items = [Param(str(k), str(v)[:MAX_PARAM_CHARS]) for k, v in (params or {}).items()]
         while metrics or run_tags or items:
             self.client.log_batch(
