@@ -303,7 +303,7 @@ def test_mlflow_away_or_a_deleted_run_is_retried_not_set_aside(tmp_path: Path, j
     report(job_dir, 0, score=0.1)
     with pytest.raises(MlflowException):
         mirror.sync()  # the store is locked
-    assert read_mirror_state(job_dir).synced_offset == 0
+    assert read_mirror_state(job_dir).synced_offset in (None, 0)  # no line marked as in the run
     mirror.sync()
     assert mirror.run_id is not None
     client = MlflowClient(uri)

@@ -308,6 +308,7 @@ class RunMirror:
             final = self._final
         self._catch_up_with_disk()
         run_id = self._ensure_run()
+        synced_from = self._state
         writes = _Writes()
         self._add_job_tags(writes)
         if self.mirror_reports:
@@ -327,6 +328,10 @@ class RunMirror:
         self._write(run_id, writes)
         if ending is not None:
             self._end(run_id, ending)
+        # Saved once, after the run's end: a crash before the save costs the same writes again,
+        # which MLflow takes as no change.
+        if self._state != synced_from:
+            self._save()
 
     # ------------------------------------------------------------------------------------ steps
 
@@ -407,7 +412,10 @@ class RunMirror:
         writes."""
         self._pending += self._tail.read_new_with_ends()
         if self._state.synced_offset is None:
-            self._save(synced_offset=legacy_offset(self._pending, self._state.synced_step))
+            # Not saved: found again from the same file after a crash, and saved with the next write.
+            self._state = self._state.model_copy(
+                update={"synced_offset": legacy_offset(self._pending, self._state.synced_step)}
+            )
         in_run = self._state.synced_offset or 0
         # Lines up to the saved position are in the run: logged before a restart, or by another
         # driver of the job dir since this one read them (see _catch_up_with_disk).
@@ -419,6 +427,7 @@ class RunMirror:
             backlog = _Writes()
             self._add_lines(backlog, self._pending[:REPORTS_PER_BATCH])
             self._write(run_id, backlog)
+            self._save()
         if self._pending:
             self._add_lines(writes, list(self._pending))
 
@@ -441,7 +450,8 @@ class RunMirror:
         del self._pending[:count]
 
     def _write(self, run_id: str, writes: _Writes) -> None:
-        """Write ``writes`` (points MLflow refuses set aside), then save what they brought over."""
+        """Write ``writes`` (points MLflow refuses set aside), and take what they brought over into the
+        state (the caller saves it)."""
         if self._state.refused_metrics != self._refusals_tagged:  # set aside while collecting
             writes.tags[self._refusals_tag] = refused_tag_value(self._state.refused_metrics)
             writes.on_written.append(
@@ -451,8 +461,7 @@ class RunMirror:
         self._set_aside(refused)
         for done in writes.on_written:
             done()
-        if writes.state or refused or self._refusals_tagged != self._state.refused_metrics:
-            self._save(**writes.state)
+        self._state = self._state.model_copy(update=writes.state)
         self._tag_refusals(run_id)  # names MLflow itself refused just now (rare): a write of their own
 
     def _log_refusing(self, run_id: str, writes: _Writes) -> list[tuple[str, str]]:
@@ -604,7 +613,7 @@ class RunMirror:
             self.tracker.log_text(run_id, final.error, "error.txt")
         if final.status is not None:
             self.tracker.end_run(run_id, final.status)
-        self._save(finalized=True)
+        self._state = self._state.model_copy(update={"finalized": True})
 
     def _log_model(self, run_id: str, model: ModelPlan) -> str | None:
         # Looked up first: a reply lost after the model was logged must not log it twice.
