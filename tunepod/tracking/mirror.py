@@ -387,16 +387,15 @@ class RunMirror:
         """The job's tags when its submission is new, and the name and tags of the plan when the run
         was made ahead and not named yet (each again after a restart: that write may not have
         happened, and the same value again is no change)."""
-        naming = self._naming_tags()
+        if naming := self._naming_tags():
+            writes.tags |= naming
+            writes.state["named"] = True
         record = read_submission(JobPaths(self.job_dir))
         submitted = None if record is None or record.job_id is None else (record.job_id, record.attempt)
         if submitted is not None and submitted != self._tagged:
             job_id, job_dir, attempt = tags.job_tags(self.tag_prefix)
             writes.tags |= {job_id: submitted[0], job_dir: str(self.job_dir), attempt: submitted[1]}
             writes.on_written.append(functools.partial(setattr, self, "_tagged", submitted))
-        writes.tags |= naming
-        if naming:
-            writes.state["named"] = True
 
     def _naming_tags(self) -> dict[str, object]:
         """What a run made ahead lacks of its plan: name, tags, key; nothing once named."""
