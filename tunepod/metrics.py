@@ -324,8 +324,8 @@ class ObservedJob:
         self._seen_checkpoints: set[str] = set()
         self._lock = threading.Lock()
 
-    def state(self) -> JobState:
-        state = self.handle.state()
+    def state(self, *, fresh: bool = False) -> JobState:
+        state = self.handle.state(fresh=fresh)
         with self._lock:
             self._observe_queue_wait(state)
             self._observe_new_checkpoints()

@@ -587,6 +587,21 @@ def _restore_prefers_shared() -> contextlib.AbstractContextManager[None]:
     return _patched(memory_store, "choose_restore", shared_first)
 
 
+def _last_reports_decide_nothing() -> contextlib.AbstractContextManager[None]:
+    def fed_and_dropped(self: drive.JobDriver, stopping: Any) -> Any:
+        self._feed_reports()
+        return stopping
+
+    return _patched(drive.JobDriver, "_stop_at_the_end", fed_and_dropped)
+
+
+def _stopped_on_a_stale_state() -> contextlib.AbstractContextManager[None]:
+    def always(self: drive.JobDriver, handle: Any) -> bool:
+        return True
+
+    return _patched(drive.JobDriver, "_still_running", always)
+
+
 MUTANTS = [
     Mutant("leases-leak", "issue 28, 2: leases of trials a failed ask never started stay held", _leases_leak),
     Mutant(
@@ -886,6 +901,20 @@ MUTANTS = [
         _restore_prefers_shared,
         # Seed 120: the requeued job, and an elastic job's survivors, restore the older shared step.
         found_by=120,
+    ),
+    Mutant(
+        "last-reports-decide-nothing",
+        "a job's last reports, fed as it ended, decide no stop: a job that failed just after reaching a "
+        "rung ASHA pauses it at is restarted and trains past it",
+        _last_reports_decide_nothing,
+        found_by=51,
+    ),
+    Mutant(
+        "stopped-on-a-stale-state",
+        "a job's time limit or hang is judged on the state read before the orchestrator was paused: a "
+        "job that failed by itself meanwhile ends as timed out, its restarts unspent",
+        _stopped_on_a_stale_state,
+        found_by=851,
     ),
 ]
 

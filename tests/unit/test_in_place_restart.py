@@ -41,7 +41,7 @@ class RestartedInPlace:
         self.cancelled: list[CancelReason] = []
         self._beat(pid=101, idle_s=DEAD_IDLE_S)
 
-    def state(self) -> JobState:
+    def state(self, *, fresh: bool = False) -> JobState:
         age = self._age()
         if age >= DONE_AT_S:
             return JobState.SUCCEEDED

@@ -45,7 +45,7 @@ class ScriptedJob:
         self.job_dir = job_dir
         self._states = states
 
-    def state(self) -> JobState:
+    def state(self, *, fresh: bool = False) -> JobState:
         return self._states.pop(0) if len(self._states) > 1 else self._states[0]
 
     def cancel(self) -> None:

@@ -35,7 +35,7 @@ class QueuedJob:
         self.seen: list[JobState] = []
         self.cancelled: list[CancelReason] = []
 
-    def state(self) -> JobState:
+    def state(self, *, fresh: bool = False) -> JobState:
         age = time.monotonic() - self.submitted_at
         state = (
             JobState.PENDING

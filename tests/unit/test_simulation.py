@@ -88,6 +88,12 @@ def test_the_simulation_finds_a_fixed_defect_put_back(name: str) -> None:
         (1406, "copies-at-once"),
         (2555, "parked-ended-beside-abandoned"),
         (754, "tracking-record-unlocked"),  # a mirror's write stalled 239 s, then put over the run's record
+        # A job that failed on a silent node just as it reported its rung-1 value, outside ASHA's top:
+        # restarted to train past the rung instead of paused there.
+        (51, "last-reports-decide-nothing"),
+        # An orchestrator paused for minutes inside a status call: the job's time limit passed meanwhile,
+        # and the job, which had failed by itself long before, ended timed out with a restart unspent.
+        (851, "stopped-on-a-stale-state"),
     ],
 )
 def test_a_seed_that_found_a_defect_holds_and_finds_it_put_back(seed: int, name: str) -> None:

@@ -124,9 +124,10 @@ class JobHandle(Protocol):
     job_id: str
     job_dir: Path
 
-    def state(self) -> JobState:
-        """The job's current state; never blocks for long. ``TransientError`` when the backend has not
-        answered for a while: wait and ask again, it never means the job is gone."""
+    def state(self, *, fresh: bool = False) -> JobState:
+        """The job's current state; never blocks for long (``fresh``: asked of the backend now, not
+        from the launcher's last poll). ``TransientError`` when the backend has not answered for a
+        while: wait and ask again, it never means the job is gone."""
         ...
 
     def cancel(self, reason: CancelReason = "cancelled") -> None:
@@ -512,11 +513,11 @@ class Job(Generic[S]):
         """The backend's own view of the job, from the launcher's cache."""
         return self.launcher.cache.status(self.job_id, self.tracked, max_age_s=max_age_s)
 
-    def state(self) -> JobState:
+    def state(self, *, fresh: bool = False) -> JobState:
         """The mapped state; a job that failed (or vanished) after tunepod cancelled it is CANCELLED."""
         if self._outcome is not None:
             return self._outcome
-        state = self.status().job_state
+        state = self.status(max_age_s=0 if fresh else None).job_state
         if state is JobState.FAILED and self.cancel_marker() is not None:
             state = JobState.CANCELLED
         if state.is_terminal:

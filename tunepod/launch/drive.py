@@ -168,8 +168,7 @@ class JobDriver:
                 raise LeaseLost(f"{self.what}: {self.paths.job_dir} is driven by another orchestrator now")
             state = self._state(handle)
             if state is not None and state.is_terminal:
-                self._feed_reports()
-                settled = self._settle(handle, state, stopping)
+                settled = self._settle(handle, state, self._stop_at_the_end(stopping))
                 if settled is not None:
                     return settled
                 # A restart: the new attempt resumes from the checkpoints, and the ended run's ranks,
@@ -212,6 +211,13 @@ class JobDriver:
             )
             self._fenced(partial(self._watchdog.restarted_in_place, handle.job_id))
         return mark
+
+    def _stop_at_the_end(self, stopping: CancelReason | None) -> CancelReason | None:
+        """The stop decided on for a job that ended: this driver's, else one its last reports decide
+        (an ASHA pause, a prune) that its end beat. A job that failed is then stopped for it, not
+        restarted to train past the rung it should pause at."""
+        decided = self._feed_reports()
+        return stopping or decided
 
     def _settle(
         self, handle: JobHandle, state: JobState, stopping: CancelReason | None
@@ -296,13 +302,23 @@ class JobDriver:
     def _overdue_now(self, handle: JobHandle) -> CancelReason | None:
         now = world.time()
         if self._watchdog.timed_out(handle.job_id, now):
-            return TIMED_OUT
+            return TIMED_OUT if self._still_running(handle) else None
         stall = self._watchdog.stall(handle.job_id, now)
-        if stall is None:
+        if stall is None or not self._still_running(handle):
             return None
         self._stall = stall
         logger.warning("%s: job %s is hung, stopping it: %s", self.what, handle.job_id, stall.describe())
         return HUNG
+
+    def _still_running(self, handle: JobHandle) -> bool:
+        """Whether the backend, asked now, still runs the job. A stop for its run time or a hang ends
+        the trial's attempt, so it is decided on a fresh answer, not on a state read before the
+        orchestrator was paused (a process stopped, a host frozen): a job that failed meanwhile is
+        then settled as the failure it was, restarted, not ended as timed out. No answer: not now."""
+        try:
+            return handle.state(fresh=True) is JobState.RUNNING
+        except TransientError:
+            return False
 
     # ------------------------------------------------------------------------------------ helpers
 
