@@ -503,6 +503,7 @@ class Tuner:
             poll_s=self.settings.poll_s,
             max_restarts=self.settings.train.max_restarts + attempts.extra,
             resume_attempt=attempts.resume_attempt,
+            kept_at_the_end=self.policy.stops_kept_at_the_end,
         )
 
     def _lease(self, number: int) -> Lease:

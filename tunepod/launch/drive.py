@@ -92,6 +92,10 @@ class DriveSettings:
     resume_attempt: int | None = None
     """The attempt whose job was stopped by its owner and is to be resumed: once it is found ended,
     stopped, a new attempt starts from its checkpoints. Any other stopped job settles as STOPPED."""
+    kept_at_the_end: frozenset[CancelReason] = frozenset()
+    """The owner's stops that its handler may decide on a job's last reports, fed as the job ended:
+    the job then settles STOPPED for it, not restarted (an ASHA pause: the trial waits at its rung, to
+    resume from its checkpoints). Any other stop so decided is left to the next attempt's reports."""
 
 
 @dataclass(frozen=True)
@@ -214,10 +218,11 @@ class JobDriver:
 
     def _stop_at_the_end(self, stopping: CancelReason | None) -> CancelReason | None:
         """The stop decided on for a job that ended: this driver's, else one its last reports decide
-        (an ASHA pause, a prune) that its end beat. A job that failed is then stopped for it, not
-        restarted to train past the rung it should pause at."""
+        that its end beat, where the owner keeps such a stop (``DriveSettings.kept_at_the_end``). A
+        job that failed just as it reached a rung ASHA pauses it at then waits there, not restarted
+        to train past it."""
         decided = self._feed_reports()
-        return stopping or decided
+        return stopping or (decided if decided in self.settings.kept_at_the_end else None)
 
     def _settle(
         self, handle: JobHandle, state: JobState, stopping: CancelReason | None

@@ -59,6 +59,9 @@ class AshaPolicy(SearchPolicy):
     """Pause at rungs, promote over checkpoints."""
 
     name = "asha"
+    # A job that failed as it reached a rung it is paused at waits there, resumed from its
+    # checkpoints if promoted: restarted, it would train past the rung.
+    stops_kept_at_the_end = frozenset({PAUSED})
 
     def __init__(self, ctx: PolicyContext) -> None:
         super().__init__(ctx)

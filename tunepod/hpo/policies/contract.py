@@ -163,6 +163,10 @@ class SearchPolicy:
     override what they decide; each method says when the tuner calls it."""
 
     name = "none"
+    stops_kept_at_the_end: frozenset[str] = frozenset()
+    """The stops (``judge``'s reasons) that still apply when the reports that decided them were the
+    job's last, fed as it failed: the failed job is then stopped for it, not restarted. A stop that
+    ends the trial (a prune) is not kept: the trial's outcome is its job's, restarted as a failure."""
 
     def __init__(self, ctx: PolicyContext) -> None:
         self.ctx = ctx
