@@ -35,14 +35,13 @@ from tunepod.tracking import mirror as mirror_module
 from tunepod.tracking import tags
 from tunepod.tracking.mirror import (
     Final,
-    Point,
     RunMirror,
     RunPlan,
     read_mirror_state,
     report_points,
     restore_tags,
 )
-from tunepod.tracking.mlflow_tracker import MetricPoint, MlflowTracker
+from tunepod.tracking.mlflow_tracker import MetricPoint, MlflowTracker, Point
 from tunepod.tracking.outbox import TrackingOutbox
 
 Seen = tuple[str, float, int]

@@ -18,8 +18,8 @@ from tunepod.runtime.metrics import append_report
 from tunepod.runtime.progress import Heartbeat
 from tunepod.tracking import mirror as mirror_module
 from tunepod.tracking import tags
-from tunepod.tracking.mirror import Final, Point, RunMirror, read_mirror_state
-from tunepod.tracking.mlflow_tracker import MlflowTracker
+from tunepod.tracking.mirror import Final, RunMirror, read_mirror_state
+from tunepod.tracking.mlflow_tracker import MlflowTracker, Point
 
 
 class RecordingTracker:

@@ -11,8 +11,8 @@ from tunepod.launch.paths import JobPaths
 from tunepod.runtime.progress import Heartbeat, read_progress
 from tunepod.tracking import mirror as mirror_module
 from tunepod.tracking import tags
-from tunepod.tracking.mirror import Final, Point, RunMirror
-from tunepod.tracking.mlflow_tracker import MlflowTracker
+from tunepod.tracking.mirror import Final, RunMirror
+from tunepod.tracking.mlflow_tracker import MlflowTracker, Point
 
 
 class RecordingTracker:

@@ -59,8 +59,8 @@ from tunepod.runtime.checkpoints import saved_checkpoints
 from tunepod.spec.models import LOCAL_MLFLOW_UI, TuneSettings
 from tunepod.spec.parallelism import job_layout, script_params
 from tunepod.tracking import RunTracker, tags
-from tunepod.tracking.mirror import Final, ModelPlan, Point, RunMirror, RunPlan, read_mirror_state
-from tunepod.tracking.mlflow_tracker import RunStatus
+from tunepod.tracking.mirror import Final, ModelPlan, RunMirror, RunPlan, read_mirror_state
+from tunepod.tracking.mlflow_tracker import Point, RunStatus
 from tunepod.tracking.outbox import TrackingOutbox
 from tunepod.tracking.reserve import RunReserve
 

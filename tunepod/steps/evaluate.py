@@ -22,7 +22,8 @@ from tunepod.steps.context import StepContext
 from tunepod.steps.inputs import only_input
 from tunepod.steps.jobs import StepJob, finish_mirror, job_key, prepared, run_job
 from tunepod.tracking import tags
-from tunepod.tracking.mirror import Final, Point, RunMirror
+from tunepod.tracking.mirror import Final, RunMirror
+from tunepod.tracking.mlflow_tracker import Point
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,8 @@ from tunepod.steps.context import StepContext
 from tunepod.steps.inputs import only_input, optional_input
 from tunepod.steps.jobs import StepJob, finish_mirror, job_key, prepared, run_job
 from tunepod.tracking import tags
-from tunepod.tracking.mirror import Final, ModelPlan, Point, RunMirror, RunPlan
+from tunepod.tracking.mirror import Final, ModelPlan, RunMirror, RunPlan
+from tunepod.tracking.mlflow_tracker import Point
 
 
 def run(ctx: StepContext, name: str, settings: TrainSettings, inputs: Mapping[str, StepOutput]) -> TrialSet:

@@ -65,7 +65,7 @@ from tunepod.runtime.progress import RankProgress, read_progress
 from tunepod.runtime.restores import Restore, read_restores
 from tunepod.runtime.worlds import read_worlds
 from tunepod.tracking import tags
-from tunepod.tracking.mlflow_tracker import RunStatus, RunTracker
+from tunepod.tracking.mlflow_tracker import Point, RunStatus, RunTracker
 from tunepod.tracking.reserve import RunReserve, adopt_reserved_run, forget_reserved_run
 
 logger = logging.getLogger(__name__)
@@ -125,18 +125,6 @@ class RunPlan:
     parent_run_id: str | None
     tags: Mapping[str, str]
     params: Mapping[str, object]
-
-
-@dataclass(frozen=True)
-class Point:
-    """One metric value at one step."""
-
-    key: str
-    value: float
-    step: int | None
-    timestamp_ms: int
-    """Fixed by the caller, so a retried write is the same point, not a second one."""
-    model_id: str | None = None
 
 
 @dataclass(frozen=True)

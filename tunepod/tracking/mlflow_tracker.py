@@ -29,6 +29,18 @@ _BATCH_PARAMS = 100
 _BATCH_METRICS = 1000 - _BATCH_TAGS - _BATCH_PARAMS
 
 
+@dataclass(frozen=True)
+class Point:
+    """One metric value at one step."""
+
+    key: str
+    value: float
+    step: int | None
+    timestamp_ms: int
+    """Fixed by the caller, so a retried write is the same point, not a second one."""
+    model_id: str | None = None
+
+
 class MetricPoint(Protocol):
     """One metric value at one step (``Point`` of the mirror is one)."""
 
@@ -187,7 +199,7 @@ class MlflowTracker:
         """Metrics of a run (each one point at step 0, now) and its tags, in one write (a stage step
         logging five figures and a tag used to cost six round trips to a tracking server)."""
         now = int(time.time() * 1000)
-        points = [_Point(key, float(value), now) for key, value in values.items()]
+        points = [Point(key, float(value), None, now) for key, value in values.items()]
         self.log_batch(run_id, points, tags or {})
 
     def log_batch(
@@ -331,15 +343,6 @@ class MlflowTracker:
 
     def set_alias(self, name: str, alias: str, version: str) -> None:
         self.client.set_registered_model_alias(name, alias, version)
-
-
-@dataclass(frozen=True)
-class _Point:
-    key: str
-    value: float
-    timestamp_ms: int
-    step: int | None = None
-    model_id: str | None = None
 
 
 def _quoted(value: str) -> str:
