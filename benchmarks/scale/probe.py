@@ -9,10 +9,12 @@ trial's end to the flow seeing its result); and every MLflow call of the tracker
 tracking outbox's threads make beside the trials (the run's creation included). At
 exit it writes, as JSON: per piece the number of calls, the summed wall seconds and the summed CPU
 seconds of the calling thread (``time.thread_time``: what the call itself computed, without the time
-it waited for a core, a lock or a disk; not known for the Prefect task run, which spans threads),
-this process's own CPU seconds (its threads, not the jobs nor Prefect's server), its peak resident
-memory, and its tail: the seconds from the last trial's task run settling to the process's exit (the
-end of the study: summary, plots, MLflow's last writes, Prefect's artifacts and shutdown).
+it waited for a core, a lock or a disk; not known for the Prefect task run, which spans threads)
+and, of it, the seconds in user space (``RUSAGE_THREAD``: the rest is the kernel's, mostly fsync,
+whose cost follows the filesystem's load more than the call's own work), this process's own CPU
+seconds (its threads, not the jobs nor Prefect's server), its peak resident memory, and its tail:
+the seconds from the last trial's task run settling to the process's exit (the end of the study:
+summary, plots, MLflow's last writes, Prefect's artifacts and shutdown).
 """
 
 from __future__ import annotations
@@ -29,19 +31,24 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-_totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+_totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0])
 _lock = threading.Lock()
 _submitted: dict[int, float] = {}
 _ended: dict[int, float] = {}
 _last_trial_settled: list[float] = []
 
 
-def _add(piece: str, seconds: float, cpu_s: float = 0.0) -> None:
+def _add(piece: str, seconds: float, cpu_s: float = 0.0, user_s: float = 0.0) -> None:
     with _lock:
         total = _totals[piece]
         total[0] += 1
         total[1] += seconds
         total[2] += cpu_s
+        total[3] += user_s
+
+
+def _user_s() -> float:
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_utime
 
 
 _inside = threading.local()
@@ -55,15 +62,16 @@ def _timed(piece: str, function: Callable[..., Any]) -> Callable[..., Any]:
             # find_runs): the outer call counts it already.
             return function(*args, **kwargs)
         _inside.piece = piece
-        start, start_cpu = time.perf_counter(), time.thread_time()
+        start, start_cpu, start_user = time.perf_counter(), time.thread_time(), _user_s()
         try:
             return function(*args, **kwargs)
         finally:
             _inside.piece = None
             seconds, cpu_s = time.perf_counter() - start, time.thread_time() - start_cpu
-            _add(piece, seconds, cpu_s)
+            user_s = _user_s() - start_user
+            _add(piece, seconds, cpu_s, user_s)
             if piece == "MLflow writes":  # each call apart too: which ones a trial's record costs
-                _add(f"MLflow writes: {function.__name__}", seconds, cpu_s)
+                _add(f"MLflow writes: {function.__name__}", seconds, cpu_s, user_s)
 
     return timed
 
@@ -132,10 +140,14 @@ def _after_trial(number: int) -> None:
 
 def _write(path: Path) -> None:
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    pieces = {name: {"calls": int(c), "seconds": s, "cpu_s": cpu} for name, (c, s, cpu) in _totals.items()}
+    pieces = {
+        name: {"calls": int(c), "seconds": s, "cpu_s": cpu, "user_s": user}
+        for name, (c, s, cpu, user) in _totals.items()
+    }
     tail_s = time.perf_counter() - _last_trial_settled[0] if _last_trial_settled else None
     cpu_s = usage.ru_utime + usage.ru_stime
-    figures = {"cpu_s": cpu_s, "tail_s": tail_s, "max_rss_mb": usage.ru_maxrss / 1024}
+    figures = {"cpu_s": cpu_s, "user_s": usage.ru_utime, "tail_s": tail_s}
+    figures["max_rss_mb"] = usage.ru_maxrss / 1024
     path.write_text(json.dumps({"pieces": pieces, **figures}))
 
 
