@@ -150,3 +150,25 @@ def test_the_pruner_is_asked_only_when_optuna_was_told_something(
     assert feed([]) is None
     assert feed(reports(range(1006, 1011))) == "pruned"
     assert sorted(told(tuner, number)) == [0, 1000, 1010]
+
+
+def test_a_driver_that_takes_over_judges_the_value_optuna_holds_at_its_first_reports(
+    tmp_path: Path, outbox: TrackingOutbox
+) -> None:
+    """The driver before it told step 1000's value and died before the pruner was asked: nothing is
+    new to tell the next driver, which still asks once, at its first reports, and then only when
+    told something again."""
+    tuner = make_tuner(tmp_path, outbox, kind="median")
+    completed = optuna.trial.create_trial(
+        params={"x": 0.5},
+        distributions={"x": optuna.distributions.FloatDistribution(0.0, 1.0)},
+        value=1.0,
+        intermediate_values=dict.fromkeys(range(1200), 1.0),
+    )
+    tuner.study.add_trial(completed)
+    number = tuner.study.ask().number
+    tuner.trials.live(number).report(0.0, 1000)  # told, never judged
+    taking_over = feed_of(tuner, number)
+    assert taking_over([]) is None  # no reports read yet: no look at the trial
+    assert taking_over(reports([0, 1000])) == "pruned"
+    assert taking_over(reports([0, 1000])) is None  # judged once: the same value is not judged again

@@ -797,6 +797,9 @@ class ReportFeed:
         self._number = frozen.number
         self._study = tuner.settings.study
         self._told = max(frozen.intermediate_values, default=-1)
+        # A driver that takes over a trial judges the value Optuna holds at its first look: the one
+        # before it may have told that value and died before judging it.
+        self._first_look = bool(frozen.intermediate_values)
         self._untold: Report | None = None
         self._live: optuna.trial.Trial | None = None
         self.judge: JobJudge | None = tuner.policy.judge(frozen)
@@ -824,7 +827,10 @@ class ReportFeed:
                 told = True
             elif self._untold is None or report.step >= self._untold.step:
                 self._untold = report
-        if not told or self.judge is None:
+        first_look = self._first_look and bool(reports)
+        if reports:
+            self._first_look = False
+        if not (told or first_look) or self.judge is None:
             return None
         # On the newest step Optuna holds, not the newest reported: past step 1,000 Optuna is told
         # only some steps, and a decision must read what every orchestrator on the study can read.

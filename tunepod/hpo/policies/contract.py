@@ -73,7 +73,9 @@ class Told:
 
 
 class JobJudge(Protocol):
-    """Judges one running job of a trial, each time Optuna is told a new value of it."""
+    """Judges one running job of a trial, each time Optuna is told a new value of it, and once at the
+    first reports of a driver that took over a trial Optuna holds values of (the driver before it may
+    have died between telling a value and judging it), so a judge must take a value judged before."""
 
     def judge(self, told: Told) -> str | None:
         """None: go on; else the reason to stop the job (a word: its cancel marker records it)."""
