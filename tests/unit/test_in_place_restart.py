@@ -3,7 +3,11 @@ job) starts a new run whose ranks begin afresh: until the new run's first heartb
 left in the job dir is the dead run's, and the new run is judged by its start-up time, not by how long
 ago the dead run last advanced. The backend's run mark says the run changed, even where no look saw
 the job between runs (the stand-in here never shows it Restarting). The mark's reading from the
-operator's conditions is tested in tests/unit/test_hyperpod_eks_render.py."""
+operator's conditions is tested in tests/unit/test_hyperpod_eks_render.py.
+
+A job requeued while no driver watched it (Slurm requeues it while its orchestrator is down; Slurm
+gives no run mark) is the same case for the driver that takes it over: queued at that driver's first
+look, its next run is a new run, not the dead run's beat going on."""
 
 from __future__ import annotations
 
@@ -68,27 +72,47 @@ class RestartedInPlace:
         return world.monotonic() - self.submitted_at
 
     def _beat(self, *, pid: int, idle_s: float) -> None:
-        now = world.time()
-        beat = RankProgress(
-            rank=0,
-            host="pod-0",
-            pid=pid,
-            started_at=now if pid == 101 else self._new_run_started_at(),
-            beat_at=now,
-            advanced_at=now - idle_s,
-            step=None,
-            interval_s=LIMIT_S,
-            idle_s=idle_s,
-            ran_s=idle_s,
-        )
-        record = asdict(beat)
-        del record["telemetry"]
-        folder = progress_dir(self.job_dir / "metrics.jsonl")
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "rank-0.json").write_text(json.dumps(record))
+        write_beat(self.job_dir, pid, idle_s, world.time() if pid == 101 else self._new_run_started_at())
 
     def _new_run_started_at(self) -> float:
         return world.time() - (self._age() - CRASH_AT_S)
+
+
+class RequeuedBeforeTakeOver(RestartedInPlace):
+    """Submitted by a driver that died: its first run beat once (the beat is still in the job dir),
+    then the job was requeued. PENDING until ``CRASH_AT_S`` after the new driver took it over, then a
+    second run whose rank beats from ``START_UP_S`` after it started; no run mark."""
+
+    def state(self, *, fresh: bool = False) -> JobState:
+        age = self._age()
+        if age < CRASH_AT_S:
+            return JobState.PENDING
+        return super().state(fresh=fresh)
+
+    def run_mark(self) -> str | None:
+        return None
+
+
+def write_beat(job_dir: Path, pid: int, idle_s: float, started_at: float) -> None:
+    """Rank 0's heartbeat, as a rank ``idle_s`` past its last advance writes it."""
+    now = world.time()
+    beat = RankProgress(
+        rank=0,
+        host="pod-0",
+        pid=pid,
+        started_at=started_at,
+        beat_at=now,
+        advanced_at=now - idle_s,
+        step=None,
+        interval_s=LIMIT_S,
+        idle_s=idle_s,
+        ran_s=idle_s,
+    )
+    record = asdict(beat)
+    del record["telemetry"]
+    folder = progress_dir(job_dir / "metrics.jsonl")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "rank-0.json").write_text(json.dumps(record))
 
 
 class SteppedClocks(world.RealWorld):
@@ -126,3 +150,19 @@ def test_a_run_restarted_in_place_is_given_its_start_up_time_not_judged_by_the_d
     assert restarted.cancelled == [], driven.message
     assert driven.outcome is Outcome.COMPLETED, driven.message
     assert "restarted in place" in caplog.text
+
+
+def test_a_job_requeued_before_a_driver_took_it_over_is_given_its_start_up_time(tmp_path: Path) -> None:
+    limits = Limits(hang_timeout_s=LIMIT_S, startup_timeout_s=LIMIT_S)
+    job = JobSpec(
+        name="trial-0", entrypoint=tmp_path / "train.py", job_dir=tmp_path / "trial-0", limits=limits
+    )
+    with world.installed(SteppedClocks()):
+        backend = OneJobBackend("slurm", RequeuedBeforeTakeOver)
+        backend.jobs.append(RequeuedBeforeTakeOver(job.job_dir))  # the dead driver's submission
+        driver = JobDriver(backend, job, DriveSettings(poll_s=0.02), what="Trial 0")  # type: ignore[arg-type]
+        driven = driver.run()
+
+    (requeued,) = backend.jobs  # re-attached to, never submitted again
+    assert requeued.cancelled == [], driven.message
+    assert driven.outcome is Outcome.COMPLETED, driven.message

@@ -160,6 +160,10 @@ class JobDriver:
     def _drive(self, lease: Lease) -> DriveResult:
         self._lease = lease
         handle = self._waiting(lambda: self._fenced(self._current_job))
+        # A job this driver re-attached to may have run under an earlier driver: queued at the first
+        # look, it was requeued (or never ran), and its next run is a new run, whatever heartbeats
+        # the earlier run left.
+        reattached = handle is not None
         if handle is None:
             result = read_result(self.paths.result)
             if result is not None:  # finished, and its record is gone: never run it again
@@ -179,16 +183,12 @@ class JobDriver:
                 # should one beat on (on a node its scheduler gave up on), are not the new attempt's.
                 self._fenced(partial(self._watchdog.new_run, handle.job_id))
                 handle = self._submit()
-                stopping, seen_running, run_mark = None, False, None
+                stopping, seen_running, run_mark, reattached = None, False, None, False
                 continue
-            if state is JobState.PENDING and seen_running:
-                logger.warning(
-                    "%s: job %s was requeued or is restarting; it resumes from its checkpoints",
-                    self.what,
-                    handle.job_id,
-                )
-                self._fenced(partial(self._watchdog.new_run, handle.job_id))
+            if state is JobState.PENDING and (seen_running or reattached):
+                self._queued_again(handle, seen_running=seen_running)
                 run_mark = None  # the next run's mark is its own, not a restart that no look saw
+            reattached = reattached and state is None
             if state is JobState.RUNNING:
                 run_mark = self._run_restarted(handle, run_mark)
             seen_running = state is JobState.RUNNING or (seen_running and state is None)
@@ -200,6 +200,18 @@ class JobDriver:
                 self._stop(handle, stopping)
                 continue
             handle.idle(self.settings.poll_s)
+
+    def _queued_again(self, handle: JobHandle, *, seen_running: bool) -> None:
+        """The job is queued after a run: one this driver saw (a requeue, a restart), or one before a
+        re-attaching driver's first look. Its next run is a new run: the heartbeats left by the run
+        before, which no longer advance, never make the next one look hung."""
+        if seen_running:
+            logger.warning(
+                "%s: job %s was requeued or is restarting; it resumes from its checkpoints",
+                self.what,
+                handle.job_id,
+            )
+        self._fenced(partial(self._watchdog.new_run, handle.job_id))
 
     def _run_restarted(self, handle: JobHandle, seen: str | None) -> str | None:
         """The running job's run mark; a mark other than the one seen last means the backend restarted
