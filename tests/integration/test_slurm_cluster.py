@@ -29,11 +29,22 @@ from slurm_cluster import (
     wait_for_node,
 )
 
+from tunepod.launch.base import JobState
+from tunepod.launch.slurm import SlurmStatus, parse_squeue
+from tunepod.launch.slurm.states import SQUEUE_FIELDS
+
 TESTS_DIR = Path(__file__).resolve().parents[1]
 SCRIPTS = TESTS_DIR.parent / "scripts"
 # Small explicit requests: the node's default memory per CPU is half the host, and the tests must
 # not depend on it.
 ONE_CORE = ("--ntasks=1", "--cpus-per-task=1", "--mem=64M")
+
+
+def queued_status(job_id: str) -> SlurmStatus:
+    """What the launcher's squeue poll reads of ``job_id``."""
+    argv = ["squeue", "-h", "-o", SQUEUE_FIELDS, "-j", job_id]
+    listed = subprocess.run(argv, check=True, capture_output=True, text=True, timeout=30).stdout
+    return parse_squeue(listed)[job_id]
 
 
 def wait_for_lines(path: Path, count: int, job_id: str, timeout_s: float = 60) -> list[str]:
@@ -76,6 +87,7 @@ class TestLocalSlurmCluster:
         job_id = sbatch(*ONE_CORE, "--requeue", f"--chdir={tmp_path}", "--output=job.log", str(script))
         try:
             wait_for_lines(starts, 1, job_id)
+            first_run = queued_status(job_id)
             subprocess.run(["scontrol", "requeue", job_id], check=True, capture_output=True, timeout=30)
 
             # A requeued job waits for its revoked credential to expire: AuthInfo=cred_expire=10.
@@ -83,6 +95,11 @@ class TestLocalSlurmCluster:
 
             assert lines == ["start 0", "start 1"]
             assert show_job(job_id)["Restarts"] == "1"
+            # The launcher's run mark (squeue's start time) tells the two runs apart, as a driver that
+            # saw neither the requeue nor the job queued needs it to.
+            second_run = queued_status(job_id)
+            assert first_run.job_state is second_run.job_state is JobState.RUNNING
+            assert first_run.start_time and second_run.start_time > first_run.start_time
         finally:
             scancel(job_id)
 

@@ -74,6 +74,8 @@ EXPECTED = {
     "CANCELLED": JobState.CANCELLED,
 }
 
+#: squeue's start time (``%S``) of a running job.
+STARTED = "2026-12-07T12:00:00"
 SCONTROL_FAILED = (
     "JobId=28 JobName=t.sh UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=4294901732 Nice=0 "
     "Account=(null) QOS=(null) JobState=FAILED Reason=NonZeroExitCode Dependency=(null) Requeue=1 "
@@ -113,14 +115,28 @@ def test_unknown_state_is_running_with_one_warning(caplog: pytest.LogCaptureFixt
 
 def test_parse_squeue_keeps_reasons_with_spaces_and_bars() -> None:
     out = (
-        "28|PENDING|2|n/a||Priority\n29|PENDING|1|n/a||ReqNodeNotAvail, UnavailableNodes:vm|x\n"
-        "30|RUNNING|2|n1|n[1-2]|None\n\n"
+        "28|PENDING|2|n/a||N/A|Priority\n29|PENDING|1|n/a||N/A|ReqNodeNotAvail, UnavailableNodes:vm|x\n"
+        f"30|RUNNING|2|n1|n[1-2]|{STARTED}|None\n\n"
     )
     assert parse_squeue(out) == {
         "28": SlurmStatus("PENDING", "Priority", node_count=2),
         "29": SlurmStatus("PENDING", "ReqNodeNotAvail, UnavailableNodes:vm|x", node_count=1),
-        "30": SlurmStatus("RUNNING", "None", node_count=2, batch_host="n1", nodelist="n[1-2]"),
+        "30": SlurmStatus(
+            "RUNNING", "None", node_count=2, batch_host="n1", nodelist="n[1-2]", start_time=STARTED
+        ),
     }
+
+
+def test_a_running_jobs_run_mark_is_its_start_time(tmp_path: Path) -> None:
+    """A requeue that no look saw (queued and run again between two polls, or while squeue failed)
+    shows as another start time; a queued job has no run mark."""
+    statuses = parse_squeue(
+        f"7|RUNNING|1|n1|n1|{STARTED}|None\n8|PENDING|1|n/a||N/A|BeginTime\n"
+        "9|RUNNING|1|n1|n1|2026-12-07T12:05:00|None\n10|RUNNING|1|n1|n1|N/A|None\n"
+    )
+    launcher = SlurmLauncher(launcher_spec(tmp_path), ScriptedRunner({}))
+    marks = {job_id: launcher.run_mark(status) for job_id, status in statuses.items()}
+    assert marks == {"7": STARTED, "8": None, "9": "2026-12-07T12:05:00", "10": None}
 
 
 def test_parse_scontrol_reads_state_reason_and_exit_code() -> None:
@@ -330,7 +346,7 @@ def test_find_raises_when_slurm_cannot_answer(tmp_path: Path) -> None:
 def test_poll_answers_for_every_job_from_one_squeue_then_scontrol_for_the_gone(tmp_path: Path) -> None:
     runner = ScriptedRunner(
         {
-            "squeue": "7|RUNNING|1|vm|vm|None\n",
+            "squeue": f"7|RUNNING|1|vm|vm|{STARTED}|None\n",
             "scontrol": SCONTROL_FAILED,
         }
     )
@@ -339,9 +355,12 @@ def test_poll_answers_for_every_job_from_one_squeue_then_scontrol_for_the_gone(t
     assert running.state() is JobState.RUNNING
     assert ended.status() == SlurmStatus("FAILED", "NonZeroExitCode", 3, 0)
     assert runner.calls[:2] == [
-        ["squeue", "-h", "-o", "%i|%T|%D|%B|%N|%r", "-j", "7,28"],
+        ["squeue", "-h", "-o", "%i|%T|%D|%B|%N|%S|%r", "-j", "7,28"],
         ["scontrol", "show", "job", "-o", "28"],
     ]
+
+
+NOT_ELASTIC = TrackedJob(Path("/jobs/trial-7"), intent().accepted("7", {}))
 
 
 def elastic_record(asked: int) -> TrackedJob:
@@ -356,7 +375,7 @@ def test_an_elastic_job_that_lost_its_batch_host_is_requeued_on_the_nodes_it_ask
     """Slurm keeps a --no-kill job RUNNING on the survivors when the node it took out was the batch
     script's (squeue: 1 node, n2, batch host n1): no survivor can go on, so the launcher requeues it
     and asks for its 2 nodes again."""
-    runner = ScriptedRunner({"squeue": "7|RUNNING|1|n1|n2|None\n"})
+    runner = ScriptedRunner({"squeue": f"7|RUNNING|1|n1|n2|{STARTED}|None\n"})
     statuses = SlurmLauncher(launcher_spec(tmp_path), runner).poll({"7": elastic_record(2)})
     assert statuses["7"].job_state is JobState.PENDING
     assert runner.calls[1:] == [
@@ -369,11 +388,11 @@ def test_an_elastic_job_that_lost_its_batch_host_is_requeued_on_the_nodes_it_ask
 @pytest.mark.parametrize(
     ("line", "record"),
     [
-        ("7|RUNNING|1|n1|n1|None\n", elastic_record(2)),  # the batch host survived: it goes on
-        ("7|RUNNING|2|n1|n[1,3]|None\n", elastic_record(3)),  # in a hostlist's range
-        ("7|RUNNING|2|n1|n[1-2]|None\n", elastic_record(2)),  # every node it asked for
-        ("7|RUNNING|1|n1|n2|None\n", TrackedJob(Path("/jobs/trial-7"), intent().accepted("7", {}))),
-        ("7|PENDING|2|n/a||Resources\n", elastic_record(2)),
+        (f"7|RUNNING|1|n1|n1|{STARTED}|None\n", elastic_record(2)),  # the batch host survived: it goes on
+        (f"7|RUNNING|2|n1|n[1,3]|{STARTED}|None\n", elastic_record(3)),  # in a hostlist's range
+        (f"7|RUNNING|2|n1|n[1-2]|{STARTED}|None\n", elastic_record(2)),  # every node it asked for
+        (f"7|RUNNING|1|n1|n2|{STARTED}|None\n", NOT_ELASTIC),
+        ("7|PENDING|2|n/a||N/A|Resources\n", elastic_record(2)),
     ],
     ids=["survived-batch-host", "in-a-range", "whole", "not-elastic", "pending"],
 )

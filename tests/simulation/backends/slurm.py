@@ -734,6 +734,7 @@ def _field(job: SlurmJob, code: str) -> str:
         "%D": str(len(job.nodes) or job.num_nodes),
         "%B": job.nodes[0].name if job.nodes else "n/a",
         "%N": ",".join(node.name for node in job.nodes),
+        "%S": _iso(job.started_at) if job.state == "RUNNING" and job.started_at is not None else "N/A",
         "%k": job.comment or "(null)",
         "%j": job.name,
     }[code]

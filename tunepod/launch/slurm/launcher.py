@@ -163,6 +163,11 @@ class SlurmLauncher(LauncherBase[SlurmStatus]):
     def read_logs(self, job: Job[SlurmStatus], tail: int) -> str:
         return file_logs(job.paths, tail)
 
+    def run_mark(self, status: SlurmStatus) -> str | None:
+        """The running job's start time: a requeue that no look saw (the job queued and ran again
+        between two looks, or while squeue failed) shows as a new start."""
+        return (status.start_time or None) if status.job_state is JobState.RUNNING else None
+
     def describe_status(self, job: Job[SlurmStatus], status: SlurmStatus) -> str:
         # Slurm's state, reason and exit code explain a TIMEOUT or OUT_OF_MEMORY that the log cannot.
         return status.describe(job.job_id)

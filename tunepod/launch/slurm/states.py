@@ -94,6 +94,10 @@ class SlurmStatus:
     """The node its batch script runs on (squeue's), "" where not told."""
     nodelist: str = ""
     """Its nodes as a Slurm hostlist (``n[1-2]``), "" where not told."""
+    start_time: str = ""
+    """When its current run started (squeue's, for a running job), "" where not told: a job Slurm
+    requeued starts anew when it runs again, so this tells its runs apart where no look saw it
+    queued between them."""
 
     @property
     def job_state(self) -> JobState:
@@ -143,15 +147,16 @@ def _fields(line: str, count: int) -> list[str]:
     return parts + [""] * (count - len(parts))
 
 
-SQUEUE_FIELDS = "%i|%T|%D|%B|%N|%r"
-"""squeue's job id, state, node count, batch host, node list and reason (last: it may hold spaces)."""
+SQUEUE_FIELDS = "%i|%T|%D|%B|%N|%S|%r"
+"""squeue's job id, state, node count, batch host, node list, start time and reason (last: it may
+hold spaces)."""
 
 
 def parse_squeue(stdout: str) -> dict[str, SlurmStatus]:
     """Lines of ``squeue -h -o SQUEUE_FIELDS`` -> status per job id."""
     statuses: dict[str, SlurmStatus] = {}
     for line in stdout.splitlines():
-        job_id, state, node_count, batch_host, nodelist, reason = _fields(line, 6)
+        job_id, state, node_count, batch_host, nodelist, start_time, reason = _fields(line, 7)
         if job_id.strip() and state.strip():
             statuses[job_id.strip()] = SlurmStatus(
                 state.strip(),
@@ -159,6 +164,7 @@ def parse_squeue(stdout: str) -> dict[str, SlurmStatus]:
                 node_count=int(node_count) if node_count.strip().isdigit() else None,
                 batch_host=batch_host.strip() if batch_host.strip() != "n/a" else "",
                 nodelist=nodelist.strip(),
+                start_time=start_time.strip() if start_time.strip() not in ("N/A", "Unknown") else "",
             )
     return statuses
 
