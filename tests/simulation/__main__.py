@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from simulation.backends import KINDS
-from simulation.mutants import MUTANTS, mutant
+from simulation.mutants import MUTANTS, Mutant, mutant
 from simulation.run import Outcome, describe, run_seed
 from simulation.scenario import scenario_of
 from simulation.shrink import shrink
@@ -139,15 +139,15 @@ def _many(seeds: range, jobs: int, kinds: tuple[str, ...], *, stop_at_first: boo
 
 def _hunt(first_seed: int, max_seeds: int, jobs: int) -> int:
     """For each mutant, the first seed (of ``max_seeds``, on the backends it can break) that breaks an
-    invariant."""
+    invariant with the mutant in and holds without it: a seed that breaks one either way shows
+    another defect, not the mutant's."""
     survivors = []
     for candidate in MUTANTS:
         started = time.monotonic()
         seeds = list(range(first_seed, first_seed + max_seeds))
         if candidate.found_by is not None:
             seeds.insert(0, candidate.found_by)
-        with candidate.apply():
-            found = next((s for s in _summaries(seeds, jobs, candidate.kinds) if s.violations), None)
+        found = _first_finding(candidate, seeds, jobs)
         took = time.monotonic() - started
         if found is None:
             survivors.append(candidate.name)
@@ -158,6 +158,29 @@ def _hunt(first_seed: int, max_seeds: int, jobs: int) -> int:
             print(f"    {found.violations[0][:300]}", flush=True)
     print(f"mutants: {len(MUTANTS)}, found: {len(MUTANTS) - len(survivors)}")
     return 1 if survivors else 0
+
+
+def _first_finding(candidate: Mutant, seeds: Sequence[int], jobs: int) -> Summary | None:
+    """The first seed, in the order the seeds end, that breaks an invariant with ``candidate`` in
+    and none without it (checked in this process, the mutant out)."""
+    for mutated in _mutated_summaries(candidate, seeds, jobs):
+        if mutated.violations and not _summarize(mutated.seed, candidate.kinds).violations:
+            return mutated
+    return None
+
+
+def _mutated_summaries(candidate: Mutant, seeds: Sequence[int], jobs: int) -> Iterator[Summary]:
+    if jobs <= 1:
+        for seed in seeds:
+            with candidate.apply():
+                yield _summarize(seed, candidate.kinds)
+        return
+    # The workers are forked with the mutant in and keep it; this process puts it back out at once.
+    with candidate.apply():
+        pool = multiprocessing.get_context("fork").Pool(jobs)
+    with pool:
+        summarize = functools.partial(_summarize, kinds=candidate.kinds)
+        yield from pool.imap_unordered(summarize, seeds, chunksize=4)
 
 
 def _summaries(seeds: Sequence[int], jobs: int, kinds: tuple[str, ...]) -> Iterator[Summary]:

@@ -602,6 +602,28 @@ def _stopped_on_a_stale_state() -> contextlib.AbstractContextManager[None]:
     return _patched(drive.JobDriver, "_still_running", always)
 
 
+def _takeover_judges_nothing() -> contextlib.AbstractContextManager[None]:
+    def first_look_skipped(self: tuner.ReportFeed, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self._first_look = False
+
+    init = tuner.ReportFeed.__init__
+    return _patched(tuner.ReportFeed, "__init__", first_look_skipped)
+
+
+def _requeue_before_takeover_unseen() -> contextlib.AbstractContextManager[None]:
+    def only_when_seen(self: drive.JobDriver, handle: Any, *, seen_running: bool) -> None:
+        if seen_running:
+            queued_again(self, handle, seen_running=seen_running)
+
+    queued_again = drive.JobDriver._queued_again
+    return _patched(drive.JobDriver, "_queued_again", only_when_seen)
+
+
+def _slurm_runs_unmarked() -> contextlib.AbstractContextManager[None]:
+    return _patched(slurm_launcher.SlurmLauncher, "run_mark", lambda self, status: None)
+
+
 MUTANTS = [
     Mutant("leases-leak", "issue 28, 2: leases of trials a failed ask never started stay held", _leases_leak),
     Mutant(
@@ -819,7 +841,7 @@ MUTANTS = [
         # trial completed), none of 0-820 does; since the tuner tallies the study instead of reading
         # every trial and the tracking record is created under its lock and EKS restarts in place
         # start a new run's clocks (other draws), by seed 994, found hunting from 755 on.
-        found_by=994,
+        found_by=81,
     ),
     Mutant(
         "asha-judges-untold-rung",
@@ -853,7 +875,7 @@ MUTANTS = [
         # tracking record is created under its lock and EKS restarts in place start a new run's
         # clocks (other draws again), by seed 2555, hunted from 1808 on (1807 finds it, but breaks
         # another invariant without it).
-        found_by=2555,
+        found_by=88,
     ),
     Mutant(
         "copies-at-once",
@@ -892,7 +914,7 @@ MUTANTS = [
         "passed over, and the steps since the shared one are trained again",
         _restore_ignores_peers,
         # Seed 1708: a job resumed after a node failure restores from a peer's replica.
-        found_by=1708,
+        found_by=2354,
     ),
     Mutant(
         "restore-prefers-shared",
@@ -907,14 +929,36 @@ MUTANTS = [
         "a job's last reports, fed as it ended, decide no stop: a job that failed just after reaching a "
         "rung ASHA pauses it at is restarted and trains past it",
         _last_reports_decide_nothing,
-        found_by=51,
+        found_by=408,
     ),
     Mutant(
         "stopped-on-a-stale-state",
         "a job's time limit or hang is judged on the state read before the orchestrator was paused: a "
         "job that failed by itself meanwhile ends as timed out, its restarts unspent",
         _stopped_on_a_stale_state,
-        found_by=851,
+        found_by=1389,
+    ),
+    Mutant(
+        "takeover-judges-nothing",
+        "a driver that takes a trial over judges only values it tells: a rung value told by an "
+        "orchestrator that died before judging it is never judged, and the job trains past the rung",
+        _takeover_judges_nothing,
+        found_by=628,
+    ),
+    Mutant(
+        "requeue-before-takeover-unseen",
+        "a job requeued before a driver took it over, queued at that driver's first look, is judged by "
+        "the heartbeats of its run before: its next run is stopped as hung in its start-up",
+        _requeue_before_takeover_unseen,
+        found_by=2400,
+    ),
+    Mutant(
+        "slurm-runs-unmarked",
+        "a Slurm job's runs are not told apart by their start time: a requeue that no look saw leaves "
+        "the next run judged by the clocks of the run before, and stopped as hung in its start-up",
+        _slurm_runs_unmarked,
+        kinds=("slurm",),
+        found_by=2065,
     ),
 ]
 

@@ -29,25 +29,14 @@ def test_a_seed_replays_its_run_event_for_event() -> None:
 
 # Defects put back, each with a seed that finds it (one run each): the tuner, the watchdog, three
 # launchers (Slurm's under node failures), ASHA, PBT, a train step's lease, and every kind of defect that
-# escaped before calls took time and decisions were judged. When the simulation's draws change, a
-# seed may no longer find its mutant: make simulate SIMULATE_ARGS=--mutants prints a seed for each.
-# The seeds of half-asked, train-step-leaks-lease, fence-check-before-lock, outbox-drops-readded,
-# promotions-eat-restarts, copy-fails-on-a-pruned-step, torn-metrics-line and parked-counted-in-flight
-# were hunted again when the draws changed with the tuner's tally, the tracking record created under
-# its lock and HyperPod EKS restarts in place (Restarting is PENDING, a new run's clocks start afresh).
-# fence-check-before-lock's seed was hunted again when Slurm's seeds drew elastic trials and the
-# memory tier. The defects of those (lost-ranks-beat-on, restore-ignores-peers, restore-prefers-shared)
-# were found by seed 120: elastic, with the memory tier, a node lost under a running job and a requeue
-# after its first node was lost (restore-prefers-shared still is). The seeds of gone-intent,
-# train-step-leaks-lease, fence-check-before-lock, outbox-drops-readded, promotions-eat-restarts,
-# parked-counted-in-flight, copy-fails-on-a-pruned-step, lost-ranks-beat-on and restore-ignores-peers
-# were hunted again when a run mirror's sync became one MLflow write (fewer calls: other draws) and
-# the driver took its last reports' stop and judged time limits on a fresh state.
+# escaped before calls took time and decisions were judged. Any change in how many calls a component
+# makes moves the simulation's later draws, so a seed may stop finding its mutant:
+# make simulate SIMULATE_ARGS=--mutants hunts a seed for each (one that holds without the mutant).
 FOUND_BY = {
     "half-asked": 4,
     "host-clock": 14,
     "leftovers-ignored": 33,
-    "gone-intent": 19,
+    "gone-intent": 46,
     "early-pause": 10,
     "node-fail-cancelled": 21,
     "train-step-leaks-lease": 21,
@@ -59,9 +48,9 @@ FOUND_BY = {
     "asha-keeps-one-too-many": 10,
     "torn-metrics-line": 2,
     "asha-judges-untold-rung": 605,
-    "parked-counted-in-flight": 41,
+    "parked-counted-in-flight": 81,
     "lost-ranks-beat-on": 2537,
-    "restore-ignores-peers": 1708,
+    "restore-ignores-peers": 2354,
     "restore-prefers-shared": 120,
 }
 
@@ -90,12 +79,21 @@ def test_the_simulation_finds_a_fixed_defect_put_back(name: str) -> None:
         (283, "copies-at-once"),
         (88, "parked-ended-beside-abandoned"),
         (754, "tracking-record-unlocked"),  # a mirror's write stalled 239 s, then put over the run's record
-        # A job that failed on a silent node just as it reported its rung-1 value, outside ASHA's top:
-        # restarted to train past the rung instead of paused there.
-        (51, "last-reports-decide-nothing"),
-        # An orchestrator paused for minutes inside a status call: the job's time limit passed meanwhile,
-        # and the job, which had failed by itself long before, ended timed out with a restart unspent.
-        (851, "stopped-on-a-stale-state"),
+        # A job that ended just as it reported its rung-1 value, outside ASHA's top: restarted to train
+        # past the rung instead of paused there (first found by 51).
+        (408, "last-reports-decide-nothing"),
+        # A time limit judged on a job state read before the orchestrator was paused: the job, which had
+        # failed by itself meanwhile, ended timed out with a restart unspent (first found by 851).
+        (1389, "stopped-on-a-stale-state"),
+        # An orchestrator killed between telling a trial's rung-0 value and judging it: the driver that
+        # took the trial over had nothing new to tell, so nobody judged the rung.
+        (628, "takeover-judges-nothing"),
+        # A Slurm job requeued as its trial changed hands: the new driver's first look saw it queued,
+        # and it judged the next run by the heartbeats of the run before: stopped as hung in start-up.
+        (2400, "requeue-before-takeover-unseen"),
+        # A Slurm job requeued while squeue failed (a controller outage): no look saw it queued, and
+        # its next run was judged by the start-up clock of the run before.
+        (2065, "slurm-runs-unmarked"),
     ],
 )
 def test_a_seed_that_found_a_defect_holds_and_finds_it_put_back(seed: int, name: str) -> None:
