@@ -39,6 +39,7 @@ BACKGROUND = "MLflow writes"
 wall time, summed over threads that wait on the server at once, is not time any trial waited)."""
 GOAL_BOOKKEEPING_MS = 50.0
 GOAL_GROWTH = 1.2
+GOAL_TAIL_S = 5.0
 
 # Wide enough for the tables when the output is a file or a pipe (rich's default there is 80).
 console = Console(highlight=False, soft_wrap=True, width=150)
@@ -56,6 +57,8 @@ class SideResult:
     tail_s: float | None = None
     max_rss_mb: float | None = None
     pieces: dict[str, dict[str, float]] = field(default_factory=dict)
+    refused: int | None = None
+    """Events and artifacts Prefect refused, as its client logged them (tunepod's side only)."""
 
     @property
     def overhead_s(self) -> float:
@@ -122,11 +125,18 @@ def run_tunepod(folder: Path, args: argparse.Namespace, trials: int) -> SideResu
         probe = json.loads(stats.read_text())
         result.cpu_s, result.user_s, result.pieces = probe["cpu_s"], probe.get("user_s"), probe["pieces"]
         result.tail_s, result.max_rss_mb = probe.get("tail_s"), probe.get("max_rss_mb")
+    result.refused = _refusals(folder / "tunepod.log")
     study = f"scale-{folder.name}" if args.optuna_storage else "scale"
     ended = len(list((folder / "shared" / "jobs" / study).glob("trial-*/result.json")))
     if failed is None and ended != trials:
         result.failed = f"{ended} of {trials} trials wrote a result; see {folder / 'tunepod.log'}"
     return result
+
+
+def _refusals(log: Path) -> int:
+    """How many events or artifacts Prefect's client refused to publish (too large, say)."""
+    with log.open(errors="replace") as lines:
+        return sum(1 for line in lines if "Refusing to publish" in line)
 
 
 def run_ray(folder: Path, args: argparse.Namespace, trials: int) -> SideResult:
@@ -225,6 +235,17 @@ def print_goals(results: list[SideResult]) -> None:
             f"goal: tunepod's overhead at {largest.trials} trials <= Ray Tune's: "
             f"{largest.overhead_s:.1f} s vs {ray.overhead_s:.1f} s "
             f"(ratio {largest.overhead_s / max(ray.overhead_s, 1e-9):.2f}) -> {'met' if met else 'MISSED'}"
+        )
+    refused = {r.trials: r.refused for r in ours if r.refused is not None}
+    if refused:
+        listed = ", ".join(f"{count} at {trials} trials" for trials, count in refused.items())
+        verdict = "met" if not any(refused.values()) else "MISSED"
+        console.print(f"goal: no Prefect event or artifact refused: {listed} -> {verdict}")
+    if largest.tail_s is not None:
+        met = largest.tail_s < GOAL_TAIL_S
+        console.print(
+            f"goal: tail after the last trial < {GOAL_TAIL_S:.0f} s: {largest.tail_s:.1f} s at "
+            f"{largest.trials} trials -> {'met' if met else 'MISSED'}"
         )
     bookkeeping = largest.bookkeeping_ms() or 0.0
     met = bookkeeping <= GOAL_BOOKKEEPING_MS
