@@ -173,7 +173,8 @@ def _mutated_summaries(candidate: Mutant, seeds: Sequence[int], jobs: int) -> It
     if jobs <= 1:
         for seed in seeds:
             with candidate.apply():
-                yield _summarize(seed, candidate.kinds)
+                summary = _summarize(seed, candidate.kinds)
+            yield summary  # the mutant out again: the caller runs the seed without it
         return
     # The workers are forked with the mutant in and keep it; this process puts it back out at once.
     with candidate.apply():

@@ -6,8 +6,12 @@ put back, hunted) and ``make mutate`` (mutants written without reading the simul
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
-from simulation.mutants import mutant
+import simulation.__main__ as simulate
+from simulation.mutants import Mutant, mutant
 from simulation.run import describe, run_seed
 from simulation.scenario import scenario_of
 
@@ -102,3 +106,33 @@ def test_a_seed_that_found_a_defect_holds_and_finds_it_put_back(seed: int, name:
     with mutant(name).apply():
         put_back = run_seed(seed)
     assert not put_back.held, f"seed {seed} no longer notices the {name} defect: {mutant(name).defect}"
+
+
+# The hunter's stand-in seeds: module-level, as forked workers get the function by reference.
+_MUTATED: list[bool] = []
+
+
+@contextlib.contextmanager
+def _stand_in_mutant() -> Iterator[None]:
+    _MUTATED.append(True)
+    try:
+        yield
+    finally:
+        _MUTATED.pop()
+
+
+def _stand_in_seed(seed: int, kinds: tuple[str, ...]) -> simulate.Summary:
+    broken = seed == 1 or (seed == 2 and bool(_MUTATED))  # 1: either way; 2: with the mutant only
+    return simulate.Summary(seed, ("an invariant",) if broken else (), 0.0, 0.0)
+
+
+def test_the_hunter_takes_a_seed_that_holds_without_the_mutant(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A seed that breaks an invariant with the mutant in and without it shows another defect, not
+    the mutant's: the hunter passes it by. The seeds' runs are stand-ins here (what each seed does
+    with and without the mutant is set), in this process and in forked workers."""
+    monkeypatch.setattr(simulate, "_summarize", _stand_in_seed)
+    candidate = Mutant("stand-in", "breaks seed 2", _stand_in_mutant)
+    for jobs in (1, 2):
+        found = simulate._first_finding(candidate, [0, 1, 2, 3], jobs)
+        assert found is not None and found.seed == 2, jobs
+        assert not _MUTATED  # put back out again
