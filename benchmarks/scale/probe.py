@@ -146,8 +146,12 @@ def _write(path: Path) -> None:
     }
     tail_s = time.perf_counter() - _last_trial_settled[0] if _last_trial_settled else None
     cpu_s = usage.ru_utime + usage.ru_stime
-    figures = {"cpu_s": cpu_s, "user_s": usage.ru_utime, "tail_s": tail_s}
-    figures["max_rss_mb"] = usage.ru_maxrss / 1024
+    figures = {
+        "cpu_s": cpu_s,
+        "user_s": usage.ru_utime,
+        "tail_s": tail_s,
+        "max_rss_mb": usage.ru_maxrss / 1024,
+    }
     path.write_text(json.dumps({"pieces": pieces, **figures}))
 
 

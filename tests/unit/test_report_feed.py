@@ -132,9 +132,8 @@ def test_a_restarted_orchestrator_tells_the_same_steps(tmp_path: Path, outbox: T
     assert max(told(tuner, whole)) == steps[-1]
 
 
-def test_the_pruner_is_asked_only_when_optuna_was_told_something(
-    tmp_path: Path, outbox: TrackingOutbox
-) -> None:
+def tuner_under_the_median_pruner(tmp_path: Path, outbox: TrackingOutbox) -> Tuner:
+    """A tuner whose study holds one completed trial that reported 1.0 at every step below 1,200."""
     tuner = make_tuner(tmp_path, outbox, kind="median")
     completed = optuna.trial.create_trial(
         params={"x": 0.5},
@@ -143,6 +142,13 @@ def test_the_pruner_is_asked_only_when_optuna_was_told_something(
         intermediate_values=dict.fromkeys(range(1200), 1.0),
     )
     tuner.study.add_trial(completed)
+    return tuner
+
+
+def test_the_pruner_is_asked_only_when_optuna_was_told_something(
+    tmp_path: Path, outbox: TrackingOutbox
+) -> None:
+    tuner = tuner_under_the_median_pruner(tmp_path, outbox)
     number = tuner.study.ask().number
     feed = feed_of(tuner, number)
     assert feed(reports([0, 1000])) == "pruned"  # below the completed trial at step 1000: prune
@@ -158,14 +164,7 @@ def test_a_driver_that_takes_over_judges_the_value_optuna_holds_at_its_first_rep
     """The driver before it told step 1000's value and died before the pruner was asked: nothing is
     new to tell the next driver, which still asks once, at its first reports, and then only when
     told something again."""
-    tuner = make_tuner(tmp_path, outbox, kind="median")
-    completed = optuna.trial.create_trial(
-        params={"x": 0.5},
-        distributions={"x": optuna.distributions.FloatDistribution(0.0, 1.0)},
-        value=1.0,
-        intermediate_values=dict.fromkeys(range(1200), 1.0),
-    )
-    tuner.study.add_trial(completed)
+    tuner = tuner_under_the_median_pruner(tmp_path, outbox)
     number = tuner.study.ask().number
     tuner.trials.live(number).report(0.0, 1000)  # told, never judged
     taking_over = feed_of(tuner, number)
