@@ -184,6 +184,28 @@ def test_runs_all_trials_in_parallel_and_tracks_each(tmp_path: Path) -> None:
     assert best.value == max(t.value for t in trials.trials if t.value is not None)
 
 
+def test_the_trial_set_of_trials_it_ended_is_read_from_memory_and_agrees_with_the_job_dirs(
+    tmp_path: Path,
+) -> None:
+    """At the study's end the orchestrator that ended the trials takes their jobs, runs and models
+    from memory, not from two files per trial; a later orchestrator reads the same from the files."""
+    tune = settings(tmp_path)
+    tuner = make_tuner(tmp_path, tune)
+    ended_here = tuner.run()
+    assert all(t.run_id and t.model_id and t.job_id for t in ended_here.trials if t.outcome == "COMPLETE")
+    read_back = make_tuner(tmp_path, tune).trial_set()
+    assert read_back == ended_here
+
+    aside = tmp_path / "aside"
+    aside.mkdir()
+    for trial in ended_here.trials:
+        paths = JobPaths(Path(trial.job_dir))
+        for record in (paths.tracking, paths.submission):
+            record.rename(aside / f"{trial.number}-{record.name}")
+    assert tuner.trial_set() == ended_here
+    assert make_tuner(tmp_path, tune).trial_set() != ended_here  # the files are what a rerun reads
+
+
 def test_rerun_resumes_the_study_and_runs_nothing_twice(tmp_path: Path) -> None:
     first = make_tuner(tmp_path, settings(tmp_path, num_trials=2)).run()
     second = make_tuner(tmp_path, settings(tmp_path, num_trials=3)).run()

@@ -127,6 +127,48 @@ class TrialLinks:
     on_run: Callable[[str], None] | None = None
 
 
+@dataclass(frozen=True)
+class JobFacts:
+    """What a trial's record takes from its job dir."""
+
+    job_dir: Path
+    run_id: str | None
+    model_id: str | None
+    """The checkpoint model logged in the run, once its final record is written."""
+    job_id: str | None
+
+
+class EndedHere:
+    """The job facts of the trials this orchestrator ended, so that the study's end reads no file per
+    trial (at 10,000 trials, 20,000 small reads made up seconds of the step's tail). A finished
+    trial's job dir, job and run do not change; its logged model is known once its mirror has written
+    the final record. Until then the trial is kept with its mirror, and with the facts alone after:
+    only the trials whose final records wait in the outbox keep a mirror (and what it holds: its
+    run's plan, its unlogged reports). Thread safe."""
+
+    def __init__(self) -> None:
+        self._facts: dict[int, JobFacts] = {}
+        self._waiting: dict[int, tuple[Path, str | None, RunMirror]] = {}
+        self._lock = world.lock()
+
+    def ended(self, number: int, job_dir: Path, job_id: str | None, mirror: RunMirror) -> None:
+        with self._lock:
+            self._waiting[number] = (job_dir, job_id, mirror)
+            self._take_finalized()
+
+    def facts(self, number: int) -> JobFacts | None:
+        """Trial ``number``'s facts, if this orchestrator ended it and its final record is written."""
+        with self._lock:
+            if self._waiting:
+                self._take_finalized()
+            return self._facts.get(number)
+
+    def _take_finalized(self) -> None:
+        for number in [n for n, (_, _, mirror) in self._waiting.items() if mirror.is_done]:
+            job_dir, job_id, mirror = self._waiting.pop(number)
+            self._facts[number] = JobFacts(job_dir, mirror.run_id, mirror.model_id, job_id)
+
+
 class TrialDrivenElsewhere(JobError):
     """Another live orchestrator holds the trial's lease; this one follows it instead."""
 
@@ -162,6 +204,7 @@ class Tuner:
         self._following: frozenset[int] = frozenset()
         self._lock = world.lock()
         self._run_reserve: RunReserve | None = None
+        self._ended_here = EndedHere()
 
     @property
     def step(self) -> str:
@@ -432,7 +475,7 @@ class Tuner:
             except ValueError as exc:
                 with lease.fenced():
                     self._prune_unfit_layout(number, mirror, str(exc))
-                return self._ended(number)
+                return self._ended(number, mirror)
             feed = ReportFeed(self, frozen, mirror)
             job = self._job_spec(number, params, mirror, layout)
             _announce_run(number, mirror, links)
@@ -452,7 +495,7 @@ class Tuner:
             else:
                 with lease.fenced():
                     self._conclude(number, driven, mirror, feed)
-            return self._ended(number)
+            return self._ended(number, mirror)
         finally:
             lease.release()
 
@@ -471,9 +514,12 @@ class Tuner:
                 self.trials.tell(number, TrialState.PRUNED)
                 self._close(number, mirror)
 
-    def _ended(self, number: int) -> TrialRecord:
+    def _ended(self, number: int, mirror: RunMirror) -> TrialRecord:
         """The record of trial ``number``, which this orchestrator just ended (or paused)."""
-        record = self._record(self.trials.frozen(number))
+        frozen = self.trials.frozen(number)
+        record = self._record(frozen)
+        if frozen.state in FINISHED:
+            self._ended_here.ended(number, Path(record.job_dir), record.job_id, mirror)
         log.info("%s", ending_line(record, self.step))
         watch.trial_ended(self.step, record)
         return record
@@ -735,12 +781,18 @@ class Tuner:
     def _job_dir(self, frozen: FrozenTrial) -> Path:
         return Path(frozen.user_attrs.get(ATTR_JOB_DIR, self.ctx.jobs_dir / f"trial-{frozen.number}"))
 
-    def _record(self, frozen: FrozenTrial) -> TrialRecord:
+    def _job_facts(self, frozen: FrozenTrial) -> JobFacts:
+        if frozen.state in FINISHED and (known := self._ended_here.facts(frozen.number)) is not None:
+            return known
         job_dir = self._job_dir(frozen)
+        mirrored = read_mirror_state(job_dir)
+        submitted = read_submission(JobPaths(job_dir)) if job_dir.exists() else None
+        return JobFacts(job_dir, mirrored.run_id, mirrored.model_id, submitted.job_id if submitted else None)
+
+    def _record(self, frozen: FrozenTrial) -> TrialRecord:
+        facts = self._job_facts(frozen)
         completed = frozen.state is TrialState.COMPLETE and frozen.values is not None
         metrics = [goal.metric for goal in self.settings.study.goals]
-        mirrored = read_mirror_state(job_dir)
-        submission = read_submission(JobPaths(job_dir)) if job_dir.exists() else None
         outcome: TrialOutcome = (
             "PAUSED" if self.policy.is_parked(frozen) else OUTCOME.get(frozen.state, "FAIL")
         )
@@ -752,11 +804,11 @@ class Tuner:
             value=frozen.values[0] if completed else None,
             values=dict(zip(metrics, frozen.values, strict=True)) if completed else {},
             last_step=self._last_step(frozen),
-            run_id=mirrored.run_id or frozen.user_attrs.get(ATTR_RUN_ID),
-            job_id=(submission.job_id if submission else None) or frozen.user_attrs.get(ATTR_JOB_ID),
-            job_dir=str(job_dir),
-            checkpoint_dir=str(JobPaths(job_dir).checkpoints),
-            model_id=mirrored.model_id,
+            run_id=facts.run_id or frozen.user_attrs.get(ATTR_RUN_ID),
+            job_id=facts.job_id or frozen.user_attrs.get(ATTR_JOB_ID),
+            job_dir=str(facts.job_dir),
+            checkpoint_dir=str(JobPaths(facts.job_dir).checkpoints),
+            model_id=facts.model_id,
             error=error,
             feasible=is_feasible(frozen) if completed else None,
             ending=ending_of(frozen, outcome),
